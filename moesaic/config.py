@@ -1,0 +1,78 @@
+"""The family registry (model_type -> family module) and helpers for reading config fields.
+
+A family module provides:
+  MODEL_TYPES                     model_type strings it serves
+  parse_config(raw, layout)       -> frozen config dataclass (raises ConfigError naming the field)
+  tensor_specs(cfg)               -> list[TensorSpec]
+  namings(cfg)                    -> list[Naming], the checkpoint naming schemes it reads
+  Model(cfg, tensors, dtype, device)
+  layer_schedule(cfg)             -> one "mixer+mlp" string per decoder layer
+  state_bytes(cfg, dtype_bytes)   -> (bytes per token, fixed bytes per sequence)
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from .errors import ConfigError
+
+FAMILIES = {
+    "mistral4": "moesaic.models.mistral4",
+}
+
+
+def family_for(raw: dict, layout: str) -> tuple[ModuleType, dict]:
+    """The family module and the (text) config dict of a checkpoint's config."""
+    if layout == "mistral":
+        # Mistral's native params.json has no model_type; MLA fields mark the Mistral-4 layout.
+        if "kv_lora_rank" in raw or "q_lora_rank" in raw:
+            return importlib.import_module(FAMILIES["mistral4"]), raw
+        raise ConfigError("params.json: only the MLA (Mistral Small 4) native layout is supported; no kv_lora_rank found")
+    mt = raw.get("model_type")
+    if mt is None:
+        raise ConfigError("config.json: field 'model_type' is missing")
+    if mt in FAMILIES:
+        return importlib.import_module(FAMILIES[mt]), raw
+    text = raw.get("text_config")
+    if isinstance(text, dict) and text.get("model_type") in FAMILIES:
+        return importlib.import_module(FAMILIES[text["model_type"]]), text
+    known = ", ".join(sorted(FAMILIES))
+    raise ConfigError(f"config.json: model_type {mt!r} is not supported (supported: {known})")
+
+
+_MISSING = object()
+
+
+def field(raw: dict, key: str, kind: type, default=_MISSING, *, where: str = "config", check=None, why: str = ""):
+    """Reads raw[key] as `kind` (int/float/bool/str). Missing without default, wrong type or a
+    failed `check(value)` raise ConfigError naming the field and the value."""
+    if key not in raw or raw[key] is None:
+        if default is _MISSING:
+            raise ConfigError(f"{where}: required field {key!r} is missing")
+        return default
+    v = raw[key]
+    try:
+        if kind is bool:
+            if not isinstance(v, bool):
+                raise TypeError
+        elif kind is int:
+            if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+                raise TypeError
+            v = int(v)
+        elif kind is float:
+            if isinstance(v, bool):
+                raise TypeError
+            v = float(v)
+        elif kind is str:
+            if not isinstance(v, str):
+                raise TypeError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: field {key!r} must be {kind.__name__}, got {raw[key]!r}") from None
+    if check is not None and not check(v):
+        raise ConfigError(f"{where}: field {key!r} has invalid value {v!r}" + (f" ({why})" if why else ""))
+    return v
+
+
+def positive(v) -> bool:
+    return v > 0

@@ -1,0 +1,51 @@
+"""ForwardBatch: the tokens of several sequences packed along one axis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.state import SequenceState
+
+
+@dataclass
+class SeqChunk:
+    state: SequenceState
+    start: int  # first row of this sequence's new tokens in the packed batch
+    n: int  # how many new tokens
+    past: int  # tokens the state held before this forward
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64, absolute positions
+    seqs: list[SeqChunk]
+    logit_rows: torch.Tensor  # rows of the packed batch whose logits are returned
+
+    @staticmethod
+    def build(items: list[tuple[SequenceState, list[int]]], logits: str = "last", device="cpu") -> "ForwardBatch":
+        """items: (state, new token ids) per sequence. logits: "last" (one row per sequence) or "all"."""
+        ids, pos, seqs, rows = [], [], [], []
+        start = 0
+        for state, toks in items:
+            n = len(toks)
+            if n == 0:
+                raise ValueError("a sequence in a forward needs at least one new token")
+            ids.extend(toks)
+            pos.extend(range(state.num_tokens, state.num_tokens + n))
+            seqs.append(SeqChunk(state, start, n, state.num_tokens))
+            rows.extend(range(start, start + n) if logits == "all" else [start + n - 1])
+            start += n
+        return ForwardBatch(
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(pos, dtype=torch.long, device=device),
+            seqs,
+            torch.tensor(rows, dtype=torch.long, device=device),
+        )
+
+    def finish(self) -> None:
+        """Advances every sequence's token count once all layers have appended their state."""
+        for s in self.seqs:
+            s.state.num_tokens = s.past + s.n

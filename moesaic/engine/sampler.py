@@ -1,0 +1,62 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise RequestError(f"seed must be an integer, got {self.seed!r}")
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    if params.temperature == 0:
+        return None
+    g = torch.Generator()
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of fp32 logits."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = x.sort(descending=True)
+        probs = sorted_x.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop = probs.cumsum(-1) - probs >= params.top_p
+        drop[0] = False
+        x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = x.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,290 @@
+"""Mamba-2 mixer of Nemotron-H, for one sequence at a time, in plain torch.
+
+    [z | xBC | dt] = x W_in^T                         widths H*P, H*P + 2*G*N, H
+    xBC  = SiLU(causal depthwise conv_K(xBC) + conv_bias)
+    x, B, C = split(xBC)      x [H, P], B and C [G, N]; head h reads group h // (H/G)
+    dt   = clamp(softplus(dt + dt_bias), dt_min, dt_max)          [H]
+    A    = -exp(A_log)                                            [H]
+    h_t  = exp(dt*A) * h_{t-1} + dt * (x_t outer B_t)             [H, P, N] fp32
+    y_t  = h_t . C_t + D * x_t                                    [H, P]
+    y    = grouped RMSNorm(y * SiLU(z)) * norm_weight             gate first, groups of H*P/G
+    out  = y W_out^T
+
+A prefill of n > 1 tokens runs the chunked SSD scan (segment sums inside each chunk of
+`chunk_size` tokens, the state carried from chunk to chunk, starting from the state passed in,
+so a prompt fed in pieces continues exactly). One token, and every token that must leave a
+snapshot, runs the recurrent step. Both agree to about 1e-6 in fp32.
+
+dt clamp convention. moesaic clamps softplus(dt + dt_bias) to [dt_min, dt_max] in BOTH the
+chunked scan and the recurrent step; `Mamba2Dims.from_config` sets the bounds to
+(time_step_min, inf), the bounds transformers' mixer hard-codes (it ignores
+`config.time_step_limit`). transformers clamps only in its chunked (prefill) path; its decode
+step (and mamba_ssm's `selective_state_update` as it calls it) uses the unclamped softplus. So
+moesaic prefill equals transformers prefill, and moesaic decode equals transformers decode
+except at heads/tokens where softplus(dt + dt_bias) < time_step_min, where moesaic decode
+instead equals its own (and transformers') prefill. Real checkpoints do reach that region.
+
+Numerics. Projections run in the weights' dtype (bf16 or fp32). The depthwise conv and SiLU run
+in fp32 and are rounded to the projection dtype, as the causal_conv1d kernel and transformers
+do. dt, softplus, the scan, the state and the D skip are fp32. The gated norm multiplies the gate
+and normalises in fp32, casts to the norm weight's dtype, then multiplies by the weight.
+
+State. `Mamba2State.conv` [conv_dim, K-1] fp32 holds the last K-1 conv inputs (pre-conv xBC,
+oldest first); `ssm` [H, P, N] fp32. transformers keeps K inputs (one more than needed) in the
+model dtype. `mamba2_mixer` never mutates the state passed in; it returns a new one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moesaic.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    hidden_size: int  # d
+    num_heads: int  # H
+    head_dim: int  # P
+    n_groups: int  # G
+    state_size: int  # N
+    conv_kernel: int = 4  # K
+    chunk_size: int = 128
+    eps: float = 1e-5
+    dt_min: float = 1e-3  # lower clamp of softplus(dt + dt_bias), in prefill and decode
+    dt_max: float = math.inf
+
+    def __post_init__(self):
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba heads {self.num_heads} not divisible by n_groups {self.n_groups}")
+        if self.conv_kernel < 1 or self.chunk_size < 1:
+            raise ValueError(f"conv_kernel {self.conv_kernel} and chunk_size {self.chunk_size} must be >= 1")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Mamba2Dims:
+        """From an object with transformers' NemotronHConfig attribute names."""
+        return cls(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.mamba_num_heads,
+            head_dim=cfg.mamba_head_dim,
+            n_groups=cfg.n_groups,
+            state_size=cfg.ssm_state_size,
+            conv_kernel=cfg.conv_kernel,
+            chunk_size=cfg.chunk_size,
+            eps=cfg.layer_norm_epsilon,
+            dt_min=cfg.time_step_min,
+            dt_max=math.inf,
+        )
+
+    @property
+    def inner(self) -> int:  # H*P
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:  # H*P + 2*G*N
+        return self.inner + 2 * self.n_groups * self.state_size
+
+    @property
+    def in_proj_dim(self) -> int:  # 2*H*P + 2*G*N + H
+        return self.inner + self.conv_dim + self.num_heads
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of one sequence's Mamba2State (fp32 conv tail + fp32 SSM state)."""
+        return 4 * (self.conv_dim * (self.conv_kernel - 1) + self.num_heads * self.head_dim * self.state_size)
+
+
+@dataclass
+class Mamba2Weights:
+    """One layer's tensors; names follow the checkpoint's `mixer.*` suffixes."""
+
+    in_proj: Tensor  # [2HP + 2GN + H, d]
+    conv_weight: Tensor  # [conv_dim, 1, K] (or [conv_dim, K])
+    conv_bias: Tensor | None  # [conv_dim]
+    dt_bias: Tensor  # [H]
+    A_log: Tensor  # [H]
+    D: Tensor  # [H]
+    norm_weight: Tensor  # [HP]
+    out_proj: Tensor  # [d, HP]
+    in_proj_bias: Tensor | None = None
+    out_proj_bias: Tensor | None = None
+
+    NAMES = {
+        "in_proj": "in_proj.weight",
+        "conv_weight": "conv1d.weight",
+        "conv_bias": "conv1d.bias",
+        "dt_bias": "dt_bias",
+        "A_log": "A_log",
+        "D": "D",
+        "norm_weight": "norm.weight",
+        "out_proj": "out_proj.weight",
+        "in_proj_bias": "in_proj.bias",
+        "out_proj_bias": "out_proj.bias",
+    }
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, Tensor], prefix: str = "") -> Mamba2Weights:
+        """From checkpoint names (`in_proj.weight`, `conv1d.weight`, ...) under `prefix`, or from
+        a dict already keyed by this class's field names."""
+        kw = {}
+        for f in fields(cls):
+            name = cls.NAMES[f.name]
+            kw[f.name] = sd.get(prefix + name, sd.get(f.name))
+        missing = [cls.NAMES[k] for k in ("in_proj", "conv_weight", "dt_bias", "A_log", "D", "norm_weight", "out_proj")
+                   if kw[k] is None]
+        if missing:
+            raise CheckpointError(f"Mamba-2 layer is missing tensors {[prefix + m for m in missing]}")
+        return cls(**kw)
+
+
+@dataclass
+class Mamba2State:
+    conv: Tensor  # [conv_dim, K-1] fp32, last K-1 conv inputs, oldest first
+    ssm: Tensor  # [H, P, N] fp32
+
+    @classmethod
+    def zeros(cls, dims: Mamba2Dims, device: torch.device | str | None = None) -> Mamba2State:
+        return cls(
+            conv=torch.zeros(dims.conv_dim, dims.conv_kernel - 1, dtype=torch.float32, device=device),
+            ssm=torch.zeros(dims.num_heads, dims.head_dim, dims.state_size, dtype=torch.float32, device=device),
+        )
+
+    def clone(self) -> Mamba2State:
+        return Mamba2State(self.conv.clone(), self.ssm.clone())
+
+    def copy_(self, other: Mamba2State) -> Mamba2State:
+        self.conv.copy_(other.conv)
+        self.ssm.copy_(other.ssm)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+
+
+def _linear(x: Tensor, w: Any, b: Tensor | None) -> Tensor:
+    """x @ w^T in w's dtype. A packed quantized weight (anything with `dequantize()`) is expanded here."""
+    if not isinstance(w, Tensor):
+        w = w.dequantize()
+    return F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype))
+
+
+def causal_conv(xbc: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Depthwise causal conv + SiLU over n new inputs `xbc` [n, C], continuing from `tail`
+    [C, K-1]. Returns (SiLU(conv) [n, C] fp32, all inputs [K-1+n, C] fp32 oldest first)."""
+    n, c = xbc.shape
+    w = weight.reshape(c, -1).float()  # [C, K]
+    seq = torch.cat([tail.float().t(), xbc.float()], dim=0)  # [K-1+n, C]
+    out = F.conv1d(seq.t().unsqueeze(0), w.unsqueeze(1), None if bias is None else bias.float(), groups=c)
+    return F.silu(out[0].t()), seq
+
+
+def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """Chunked SSD scan in fp32. x [T, H, P], dt [T, H] (already softplus'ed and clamped), A [H],
+    B and C [T, H, N] (groups already expanded to heads), h0 [H, P, N].
+    Returns y [T, H, P] without the D skip, and the state after the last token."""
+    T = x.shape[0]
+    y = torch.empty_like(x)
+    h = h0
+    tri = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device)
+    below = torch.tril(tri, diagonal=-1)  # k > j
+    lower = torch.tril(tri)  # i >= j
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        L = e - s
+        xdt = x[s:e] * dt[s:e, :, None]  # [L, H, P]
+        a = (A * dt[s:e]).t()  # [H, L], log decay per step
+        acum = torch.cumsum(a, dim=-1)  # [H, L]
+        # seg[h, i, j] = sum_{j < k <= i} a[h, k]: decay from after step j up to step i (stable form)
+        seg = torch.cumsum(a[:, :, None].expand(-1, L, L).masked_fill(~below[:L, :L], 0.0), dim=1)
+        decay = torch.exp(seg.masked_fill(~lower[:L, :L], -math.inf))  # [H, L(i), L(j)]
+        Bc, Cc = B[s:e], C[s:e]  # [L, H, N]
+        scores = torch.einsum("ihn,jhn->hij", Cc, Bc) * decay  # [H, L, L]
+        y_in = torch.einsum("hij,jhp->ihp", scores, xdt)  # contributions from inside the chunk
+        y_prev = torch.einsum("ihn,hpn->ihp", Cc, h) * torch.exp(acum).t()[:, :, None]  # from the carried state
+        y[s:e] = y_in + y_prev
+        to_end = decay[:, -1, :]  # [H, L] decay from after step j to the chunk end
+        h = torch.exp(acum[:, -1])[:, None, None] * h + torch.einsum("jhn,hj,jhp->hpn", Bc, to_end, xdt)
+    return y, h
+
+
+def ssd_step(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """One recurrent step in fp32. x [H, P], dt [H], A [H], B and C [H, N], h [H, P, N].
+    Returns y [H, P] without the D skip, and the new state."""
+    h = torch.exp(dt * A)[:, None, None] * h + (x * dt[:, None])[:, :, None] * B[:, None, :]
+    y = torch.einsum("hpn,hn->hp", h, C)
+    return y, h
+
+
+def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, groups: int, eps: float) -> Tensor:
+    """RMSNorm(y * SiLU(z)) over `groups` equal slices of the last dim; fp32 math, then cast to
+    the weight's dtype and scaled by it."""
+    g = y.float() * F.silu(z.float())
+    g = g.unflatten(-1, (groups, -1))
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.flatten(-2).to(weight.dtype)
+
+
+def mamba2_mixer(
+    x: Tensor,
+    w: Mamba2Weights | dict[str, Tensor],
+    dims: Mamba2Dims,
+    state: Mamba2State,
+    snapshot_last: int = 0,
+) -> tuple[Tensor, Mamba2State, list[Mamba2State]]:
+    """Run the mixer over the n new tokens `x` [n, d] of one sequence, continuing `state`.
+
+    Returns (y [n, d] in the out-projection's dtype, the state after the last token, snapshots).
+    `snapshots[i]` is the state after token n - snapshot_last + i, so `snapshots[-1]` equals the
+    new state and forgetting the last r < snapshot_last tokens restores `snapshots[-1 - r]`
+    (r == snapshot_last: the state passed in). Tokens that leave a snapshot, and a lone token,
+    run the recurrent step; the rest run the chunked scan."""
+    if isinstance(w, dict):
+        w = Mamba2Weights.from_state_dict(w)
+    n = x.shape[0]
+    if not 0 <= snapshot_last <= n:
+        raise ValueError(f"snapshot_last={snapshot_last} must be within [0, n={n}]")
+    H, P, G, N, K = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size, dims.conv_kernel
+    if n == 0:
+        return x.new_zeros(0, dims.hidden_size), state, []
+
+    zxbcdt = _linear(x, w.in_proj, w.in_proj_bias)
+    z, xbc, dt = zxbcdt.split([dims.inner, dims.conv_dim, H], dim=-1)
+
+    xbc, seq = causal_conv(xbc, state.conv, w.conv_weight, w.conv_bias)
+    xbc = xbc.to(zxbcdt.dtype).float()
+    xs, B, C = xbc.split([dims.inner, G * N, G * N], dim=-1)
+    xs = xs.reshape(n, H, P)
+    B = B.reshape(n, G, N).repeat_interleave(H // G, dim=1)  # [n, H, N]
+    C = C.reshape(n, G, N).repeat_interleave(H // G, dim=1)
+
+    dt = F.softplus(dt.float() + w.dt_bias.float()).clamp(dims.dt_min, dims.dt_max)  # [n, H]
+    A = -torch.exp(w.A_log.float())
+
+    n_scan = n - snapshot_last if n > 1 else 0
+    y = torch.empty(n, H, P, dtype=torch.float32, device=x.device)
+    h = state.ssm.float()
+    if n_scan:
+        y[:n_scan], h = ssd_chunked(xs[:n_scan], dt[:n_scan], A, B[:n_scan], C[:n_scan], h, dims.chunk_size)
+    snapshots = []
+    for t in range(n_scan, n):
+        y[t], h = ssd_step(xs[t], dt[t], A, B[t], C[t], h)
+        if t >= n - snapshot_last:
+            snapshots.append(Mamba2State(conv=_rows_to_tail(seq[t + 1 : t + K]), ssm=h))
+    y = y + w.D.float()[:, None] * xs
+
+    out = gated_rmsnorm(y.reshape(n, dims.inner), z, w.norm_weight, G, dims.eps)
+    out = _linear(out, w.out_proj, w.out_proj_bias)
+    new_state = Mamba2State(conv=_rows_to_tail(seq[n:]), ssm=h.clone() if snapshots else h)
+    return out, new_state, snapshots
+
+
+def _rows_to_tail(rows: Tensor) -> Tensor:
+    """[K-1, C] conv inputs -> an owned [C, K-1] tail."""
+    return rows.t().clone(memory_format=torch.contiguous_format)

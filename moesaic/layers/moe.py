@@ -1,0 +1,73 @@
+"""Routers and routed experts shared by the MoE families."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .linear import linear
+
+
+def limit_groups(scores: torch.Tensor, n_group: int, topk_group: int, fill: float) -> torch.Tensor:
+    """DeepSeek group limiting: keep the `topk_group` expert groups whose top-2 scores sum highest,
+    set the other groups' scores to `fill`. A no-op at one group."""
+    if n_group <= 1:
+        return scores
+    N, E = scores.shape
+    g = scores.view(N, n_group, E // n_group)
+    group_scores = g.topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+    return g.masked_fill(~keep[..., None], fill).view(N, E)
+
+
+def route_softmax(logits, top_k, n_group=1, topk_group=1, normalize=True, scale=1.0):
+    """Softmax router (Mistral/DeepSeek-V2 style), in the logits' dtype. Returns (weights, ids) [N, k]."""
+    scores = logits.softmax(-1)
+    choice = limit_groups(scores, n_group, topk_group, 0.0)
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, ids)
+    if normalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scale, ids
+
+
+def route_sigmoid(logits, top_k, bias=None, n_group=1, topk_group=1, normalize=True, scale=1.0):
+    """Sigmoid router with a selection-only correction bias (DeepSeek-V3 style), fp32."""
+    scores = logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    choice = limit_groups(choice, n_group, topk_group, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, ids)
+    if normalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scale, ids
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def run_experts(x, weights, ids, w_in, w_out, act=swiglu):
+    """Sum over each token's chosen experts of weight * w_out[e](act(w_in[e] x)).
+
+    x [N, d]; weights/ids [N, k]; w_in [E, *, d] and w_out [E, d, *] (dense stacks or stacked
+    quantized tensors indexable by expert). Experts are visited in ascending id, each on the
+    tokens routed to it."""
+    out = torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w_in.shape[0]).tolist()
+    token_of = order // ids.shape[1]
+    wflat = weights.reshape(-1)[order]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        rows = token_of[start : start + c]
+        h = act(linear(x[rows], w_in[e]))
+        y = linear(h, w_out[e]) * wflat[start : start + c, None].to(x.dtype)
+        out.index_add_(0, rows, y)
+        start += c
+    return out

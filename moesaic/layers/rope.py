@@ -1,0 +1,91 @@
+"""Rotary position embedding: inverse frequencies (plain and YaRN) and the interleaved rotation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """One rope set. `kind` is "default" or "yarn"; the YaRN fields are ignored for "default"."""
+
+    dim: int
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term `0.1 * mscale * ln(scale) + 1` (1 when not scaled)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inv_freq(rope: RopeConfig) -> torch.Tensor:
+    """Per-pair angular frequencies [dim/2] in fp32.
+
+    YaRN (arXiv 2309.00071): frequencies whose wavelength fits `beta_fast` or more rotations into the
+    original context keep their value (extrapolation), those with fewer than `beta_slow` are divided by
+    `factor` (interpolation), with a linear ramp between the two correction dimensions."""
+    d = rope.dim
+    base = rope.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    extra = 1.0 / base
+    if rope.kind == "default":
+        return extra
+    inter = 1.0 / (rope.factor * base)
+
+    def corr_dim(rotations: float) -> float:
+        return d * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 where the frequency is extrapolated
+    return inter * (1 - keep) + extra * keep
+
+
+def cos_sin_attention_factor(rope: RopeConfig) -> float:
+    """The factor YaRN applies to cos/sin (1 when mscale == mscale_all_dim)."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
+def cos_sin(freqs: torch.Tensor, positions: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, dim/2] in fp32 for integer positions [n]."""
+    ang = positions.to(torch.float32)[:, None] * freqs[None, :]
+    return ang.cos() * factor, ang.sin() * factor
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates pairs (x[2i], x[2i+1]) by the pair's angle and writes the result de-interleaved
+    as [rotated evens | rotated odds]. x: [n, ..., dim]; cos/sin: [n, dim/2]."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    c = cos.view(shape).to(x.dtype)
+    s = sin.view(shape).to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The GPT-NeoX layout: rotates (x[i], x[i + dim/2]) pairs."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    c = cos.view(shape).to(x.dtype)
+    s = sin.view(shape).to(x.dtype)
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

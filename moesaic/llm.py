@@ -1,0 +1,106 @@
+"""The public API: `LLM(model, dtype, device)` with `generate` and `score`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .demo import DEMO_NAME, ensure_demo
+from .engine.batch import ForwardBatch
+from .engine.engine import Engine, Sequence
+from .engine.sampler import SamplingParams
+from .errors import CheckpointError, RequestError
+from .tokenizer import load_tokenizer
+from .weights.load import Checkpoint
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop id) | "length"
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    if str(model) == DEMO_NAME:
+        return ensure_demo()
+    path = Path(model)
+    if not path.exists():
+        raise CheckpointError(f"{model}: no such checkpoint folder (moesaic reads local folders only; "
+                              f"use '{DEMO_NAME}' for the built-in demo model)")
+    return path
+
+
+class LLM:
+    def __init__(self, model: str | Path = DEMO_NAME, dtype="bfloat16", device="cpu", max_num_seqs: int = 32,
+                 max_batch_tokens: int = 1024, max_state_bytes: int | None = None):
+        self.path = resolve_model_path(model)
+        ckpt = Checkpoint.open(self.path)
+        self.family, self.cfg, self.raw_config = ckpt.family, ckpt.cfg, ckpt.raw
+        self.model = ckpt.build(dtype, device)
+        self.dtype, self.device = self.model.dtype, device
+        self.tokenizer = load_tokenizer(self.path, ckpt.store.config, self.cfg.eos_token_ids)
+        eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
+        self.engine = Engine(self.model, eos, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
+                             max_state_bytes=max_state_bytes, max_context=self.family.max_context(self.cfg),
+                             state_bytes=self.family.state_bytes(self.cfg, self.model.dtype.itemsize))
+
+    # ---- prompts
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.path} has no tokenizer; pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise RequestError("a prompt is a string or a list of token ids")
+
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    # ---- generation
+    def generate(self, prompts, params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Generates for every prompt together (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [Sequence(self.encode(p), sp) for p, sp in zip(prompts, plist)]
+        added = []
+        try:
+            for s in seqs:
+                self.engine.add(s)
+                added.append(s)
+            while any(not s.finished for s in seqs):
+                self.engine.step()
+        finally:  # an error must not leave this call's sequences in the engine
+            for s in added:
+                if not s.finished:
+                    self.engine.abort(s)
+        return [RequestOutput(s.prompt_ids, s.output_ids, self.decode(s.output_ids), s.finish_reason) for s in seqs]
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[int]:
+        """Yields the token ids of one prompt as they are sampled."""
+        seq = Sequence(self.encode(prompt), params or SamplingParams())
+        self.engine.add(seq)
+        try:
+            while not seq.finished:
+                for s, tok in self.engine.step():
+                    if s is seq:
+                        yield tok
+        finally:
+            if not seq.finished:
+                self.engine.abort(seq)
+        self.last_finish_reason = seq.finish_reason
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [T, vocab] of one full prefill of `token_ids`."""
+        ids = self.encode(list(token_ids))
+        if not ids:
+            raise RequestError("score needs at least one token")
+        state = self.model.new_state()
+        return self.model.forward(ForwardBatch.build([(state, ids)], logits="all", device=self.device))
