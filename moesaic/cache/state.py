@@ -90,3 +90,56 @@ class SequenceState:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.layers if s is not None)
+
+
+class RecurrentState:
+    """A fixed-size per-sequence state (e.g. a Mamba-2 or KDA recurrent matrix and conv tail) that
+    keeps the states after each of its last `window` tokens, so `rollback(n)` for n <= window is
+    exact (the speculative window). `value` is any object with `clone()` and `nbytes`.
+
+    A mixer updates it with `advance(new_value, snapshots, n)`, where snapshots are the states
+    after each of the last `min(n, window)` new tokens (oldest first) and new_value is the state
+    after all n."""
+
+    def __init__(self, initial, window: int = 0):
+        self.window = window
+        self.value = initial
+        self.history: list = [initial]  # history[-1 - i] = state i tokens ago; at most window + 1 kept
+        self.seen = 0
+
+    def snapshots_needed(self, n: int) -> int:
+        return min(n, self.window)
+
+    def advance(self, new_value, snapshots: list, n: int) -> None:
+        if self.window:
+            if len(snapshots) != min(n, self.window):
+                raise ValueError(f"expected {min(n, self.window)} snapshots, got {len(snapshots)}")
+            if n > self.window:  # older states are no longer reachable
+                self.history = []
+            self.history = (self.history + list(snapshots))[-(self.window + 1):]
+        else:
+            self.history = [new_value]
+        self.value = new_value
+        self.seen += n
+
+    def rollback(self, n: int) -> None:
+        if n == 0:
+            return
+        if n >= len(self.history):
+            raise ValueError(f"cannot roll back {n} tokens: this state keeps snapshots of the last "
+                             f"{len(self.history) - 1} (its speculative window is {self.window})")
+        self.history = self.history[: len(self.history) - n]
+        self.value = self.history[-1]
+        self.seen -= n
+
+    def snapshot(self):
+        return (self.value.clone(), self.seen)
+
+    def restore(self, snap) -> None:
+        value, self.seen = snap
+        self.value = value.clone()
+        self.history = [self.value]
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.nbytes * (1 + max(0, len(self.history) - 1))

@@ -1,0 +1,383 @@
+"""Kimi Delta Attention (KDA): the linear-attention mixer of Kimi Linear, GLM-5.3 and Kimi K3.
+
+Plain torch, one sequence at a time: the engine calls `kda_mixer` per sequence on that
+sequence's new tokens together with its `KdaState`.
+
+    qkv    = SiLU(causal depthwise conv_K([x Wq | x Wk | x Wv]))      # continues from the conv tail
+    g      = gate law(f_b(f_a(x)) + dt_bias, A_log)                   # [n, H, Dk] log-decay, < 0
+    beta   = sigmoid(x Wb)                                            # [n, H]
+    q, k   = l2norm(q) / sqrt(Dk), l2norm(k)                          # eps inside the sqrt
+    S_t    = diag(exp g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_tᵀ k_t))ᵀ;  o_t = S_tᵀ q_t
+    out    = (RMSNorm_head(o) * sigmoid(output gate(x))) Wo
+
+The three families differ in two places, both carried by `KdaDims`:
+  - the gate law: `lower_bound=None` is Kimi Linear's `-exp(A_log) * softplus(z + dt_bias)`;
+    a number (GLM-5.3 and K3: -5.0) is `lower_bound * sigmoid(exp(A_log) * (z + dt_bias))`,
+    a different function, not a clamp. GLM-5.3 with a null bound and K3's 0.40B twin use the
+    Kimi Linear law, so the law is a config value, not a family.
+  - the output gate: low rank `g_b_proj(g_a_proj(x))` (Kimi Linear, GLM-5.3) or full rank
+    `g_proj(x)` (K3).
+K3's reference kernel takes beta as a logit and applies the sigmoid inside the step; that is the
+same math as the sigmoid before the kernel, and here it is always taken in fp32.
+
+The recurrent state S is [H, Dk, Dv] fp32 (key axis first, as transformers/FLA store it) and
+is advanced in fp32. Prefill uses the chunked (WY) form, decode the token recurrence; they
+agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moesaic.errors import CheckpointError
+
+L2NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class KdaDims:
+    """The shapes and the per-family choices of one KDA layer."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int  # Dk = Dv
+    conv_kernel: int = 4
+    lower_bound: float | None = None  # None: Kimi Linear law; -5.0: GLM-5.3 / K3 law
+    full_rank_gate: bool = False  # K3's g_proj instead of g_a_proj -> g_b_proj
+    norm_eps: float = 1e-5  # o_norm, = rms_norm_eps
+    chunk_size: int = 64  # prefill chunk of the WY form
+
+    @classmethod
+    def for_variant(cls, variant: str, hidden_size: int, num_heads: int, head_dim: int, **overrides) -> KdaDims:
+        """Defaults of each family: "kimi_linear", "glm5_next" or "kimi_k3"; overrides win
+        (e.g. `lower_bound=None` for a GLM config with a null bound or K3's 0.40B twin)."""
+        defaults = {
+            "kimi_linear": dict(lower_bound=None, full_rank_gate=False),
+            "glm5_next": dict(lower_bound=-5.0, full_rank_gate=False),
+            "kimi_k3": dict(lower_bound=-5.0, full_rank_gate=True),
+        }
+        if variant not in defaults:
+            raise ValueError(f"unknown KDA variant {variant!r}; expected one of {sorted(defaults)}")
+        return cls(hidden_size, num_heads, head_dim, **{**defaults[variant], **overrides})
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass
+class KdaState:
+    """Per-sequence KDA state of one layer.
+
+    conv:      [K-1, 3 * H * Dk] fp32, the last K-1 inputs of the q|k|v short convolutions,
+               oldest first (channels in q, k, v order, as the fused conv weight).
+    recurrent: [H, Dk, Dv] fp32.
+    """
+
+    conv: Tensor
+    recurrent: Tensor
+
+    @classmethod
+    def zeros(cls, dims: KdaDims, device: torch.device | str | None = None) -> KdaState:
+        return cls(
+            conv=torch.zeros(dims.conv_kernel - 1, 3 * dims.qkv_dim, dtype=torch.float32, device=device),
+            recurrent=torch.zeros(dims.num_heads, dims.head_dim, dims.head_dim, dtype=torch.float32, device=device),
+        )
+
+    def clone(self) -> KdaState:
+        return KdaState(self.conv.clone(), self.recurrent.clone())
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    @staticmethod
+    def nbytes_for(dims: KdaDims) -> int:
+        """Bytes of one state, from the config alone (the state planner's number)."""
+        return 4 * ((dims.conv_kernel - 1) * 3 * dims.qkv_dim + dims.num_heads * dims.head_dim * dims.head_dim)
+
+
+@dataclass
+class KdaWeights:
+    """One KDA layer's tensors, named after the modules of the releases (under `self_attn.`)."""
+
+    q_proj: Tensor  # [H*Dk, d]
+    k_proj: Tensor
+    v_proj: Tensor
+    conv: Tensor  # [3*H*Dk, K] fp32: q_conv1d | k_conv1d | v_conv1d (transformers' fused conv1d)
+    f_a_proj: Tensor  # [Dk, d]
+    f_b_proj: Tensor  # [H*Dk, Dk]
+    dt_bias: Tensor  # [H*Dk]
+    A_log: Tensor  # [H] (stored wider in K3: the first H are used)
+    b_proj: Tensor  # [H, d]
+    o_norm: Tensor  # [Dv]
+    o_proj: Tensor  # [d, H*Dv]
+    g_a_proj: Tensor | None = None  # [Dv, d]        low-rank output gate
+    g_b_proj: Tensor | None = None  # [H*Dv, Dv]
+    g_proj: Tensor | None = None  # [H*Dv, d]       full-rank output gate (K3)
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Tensor], dims: KdaDims) -> KdaWeights:
+        """Build from a layer's tensors with the `self_attn.` prefix removed. Accepts the release
+        names (`q_conv1d.weight`, `f_a_proj.weight`, `A_log`, ...) and transformers' in-memory
+        names (`conv1d.weight` [3C,1,K], `forget_gate.f_a_proj.weight`, `forget_gate.A_log`, ...)."""
+        t = {name.removeprefix("forget_gate."): value for name, value in tensors.items()}
+        H, C, K, d = dims.num_heads, dims.qkv_dim, dims.conv_kernel, dims.hidden_size
+
+        def get(name: str) -> Tensor:
+            if name not in t:
+                raise CheckpointError(f"KDA tensor {name!r} is missing (have: {sorted(t)})")
+            return t[name]
+
+        if "conv1d.weight" in t:
+            conv = get("conv1d.weight").reshape(3 * C, -1)
+        else:
+            conv = torch.cat([get(f"{p}_conv1d.weight").reshape(C, -1) for p in "qkv"])
+        if conv.shape != (3 * C, K):
+            raise CheckpointError(f"KDA conv weight has {conv.shape[-1]} taps, config says {K}")
+
+        a_log = get("A_log").reshape(-1).float()
+        if a_log.numel() < H:
+            raise CheckpointError(f"KDA A_log has {a_log.numel()} entries for {H} heads")
+        if a_log.numel() > H and torch.any(a_log[H:] != 0):
+            raise CheckpointError(
+                f"KDA A_log is stored with {a_log.numel()} entries for {H} heads and its tail is not zero; "
+                "only a zero tail (Kimi K3's export) can be dropped"
+            )
+
+        w = cls(
+            q_proj=get("q_proj.weight"),
+            k_proj=get("k_proj.weight"),
+            v_proj=get("v_proj.weight"),
+            conv=conv.float(),
+            f_a_proj=get("f_a_proj.weight"),
+            f_b_proj=get("f_b_proj.weight"),
+            dt_bias=get("dt_bias").reshape(-1).float(),
+            A_log=a_log[:H].contiguous(),
+            b_proj=get("b_proj.weight"),
+            o_norm=get("o_norm.weight"),
+            o_proj=get("o_proj.weight"),
+        )
+        if dims.full_rank_gate:
+            w.g_proj = get("g_proj.weight")
+        else:
+            w.g_a_proj, w.g_b_proj = get("g_a_proj.weight"), get("g_b_proj.weight")
+
+        for name, shape in kda_tensor_shapes(dims).items():
+            if name == "A_log" or "conv1d" in name:
+                continue
+            got = getattr(w, name.removesuffix(".weight")).shape
+            if tuple(got) != shape:
+                raise CheckpointError(f"KDA tensor {name!r} has shape {tuple(got)}, expected {shape} (d={d})")
+        return w
+
+
+def kda_tensor_shapes(dims: KdaDims, a_log_shape: tuple[int, ...] | None = None) -> dict[str, tuple[int, ...]]:
+    """The release names (under `self_attn.`) and shapes of one KDA layer. `a_log_shape` is the
+    stored shape where a family differs: Kimi Linear [1, 1, H, 1], K3 [128] for 96 heads."""
+    d, H, D, C, K = dims.hidden_size, dims.num_heads, dims.head_dim, dims.qkv_dim, dims.conv_kernel
+    shapes = {
+        "q_proj.weight": (C, d),
+        "k_proj.weight": (C, d),
+        "v_proj.weight": (C, d),
+        "q_conv1d.weight": (C, 1, K),
+        "k_conv1d.weight": (C, 1, K),
+        "v_conv1d.weight": (C, 1, K),
+        "f_a_proj.weight": (D, d),
+        "f_b_proj.weight": (C, D),
+        "dt_bias": (C,),
+        "A_log": a_log_shape or (H,),
+        "b_proj.weight": (H, d),
+        "o_norm.weight": (D,),
+        "o_proj.weight": (d, C),
+    }
+    if dims.full_rank_gate:
+        shapes["g_proj.weight"] = (C, d)
+    else:
+        shapes["g_a_proj.weight"] = (D, d)
+        shapes["g_b_proj.weight"] = (C, D)
+    return shapes
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def l2norm(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last axis (FLA's form: eps inside the sqrt)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def short_conv(x: Tensor, tail: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal depthwise conv + SiLU over x [n, C] continuing from tail [K-1, C]; fp32.
+    weight [C, K] (last tap = current token). Returns (y [n, C] fp32, the padded input [K-1+n, C])."""
+    n, K = x.shape[0], weight.shape[-1]
+    full = torch.cat([tail.float(), x.float()])
+    w = weight.float()
+    y = full[0:n] * w[:, 0]
+    for j in range(1, K):
+        y = y + full[j : j + n] * w[:, j]
+    return F.silu(y), full
+
+
+def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, head_dim: int, lower_bound: float | None) -> Tensor:
+    """Per-channel log-decay g [n, H, Dk] fp32 from z = f_b(f_a(x)) [n, H*Dk].
+
+    lower_bound None: g = -exp(A_log[h]) * softplus(z + dt_bias)          (Kimi Linear)
+    lower_bound lb:   g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias))     (GLM-5.3, K3)"""
+    u = (z.float() + dt_bias.float()).view(z.shape[0], -1, head_dim)
+    rate = torch.exp(A_log.float()).view(1, -1, 1)
+    if lower_bound is None:
+        return -rate * F.softplus(u, beta=1.0, threshold=20.0)
+    return lower_bound * torch.sigmoid(rate * u)
+
+
+def gated_head_rmsnorm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over each head's Dv values, times the weight, times sigmoid(gate); all fp32."""
+    o = o.float()
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * o * torch.sigmoid(gate.float())
+
+
+# ----------------------------------------------------------------------------- the recurrence
+# Inner forms take prepared inputs in head-major layout: q (normalised, scaled) and k
+# (normalised) [H, n, Dk], v [H, n, Dv], g [H, n, Dk], beta [H, n], S [H, Dk, Dv]; all fp32.
+
+
+def delta_rule_recurrent(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, keep_states: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Token by token. Returns (o [H, n, Dv], final S, the state after every token [n, H, Dk, Dv]
+    when keep_states)."""
+    n = q.shape[1]
+    o = v.new_empty(v.shape)
+    states = [] if keep_states else None
+    for t in range(n):
+        S = S * torch.exp(g[:, t]).unsqueeze(-1)
+        k_t = k[:, t]
+        u = beta[:, t, None] * (v[:, t] - torch.einsum("hk,hkv->hv", k_t, S))
+        S = S + k_t.unsqueeze(-1) * u.unsqueeze(-2)
+        o[:, t] = torch.einsum("hk,hkv->hv", q[:, t], S)
+        if keep_states:
+            states.append(S)
+    return o, S, (torch.stack(states) if keep_states and n else None)
+
+
+def delta_rule_chunked(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, chunk_size: int = 64
+) -> tuple[Tensor, Tensor]:
+    """The chunked (WY) form. Inside a chunk with inclusive cumulative decay G_i = sum_{j<=i} g_j:
+
+        u_i = beta_i (v_i - (k_i * e^{G_i})ᵀ S0 - sum_{j<i} <k_i, k_j e^{G_i - G_j}> u_j)
+        o_i = (q_i * e^{G_i})ᵀ S0 + sum_{j<=i} <q_i, k_j e^{G_i - G_j}> u_j
+        S   = e^{G_last} S0 + sum_j (k_j e^{G_last - G_j}) u_jᵀ
+
+    The u's solve a unit lower-triangular system. Pairwise decays are taken as exp of
+    differences of the cumulative sums (never e^{G} / e^{G'}, which overflows)."""
+    H, n, _ = q.shape
+    o = v.new_empty(v.shape)
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        c = e - s
+        qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e, None]
+        G = torch.cumsum(g[:, s:e], dim=1)
+        lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        decay = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~lower[..., None], float("-inf")).exp()  # [H,c,c,Dk]
+        kk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay)
+        qk = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay)
+        system = (bc * kk).tril(-1) + torch.eye(c, dtype=q.dtype, device=q.device)
+        rhs = bc * (vc - (kc * G.exp()) @ S)
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        o[:, s:e] = (qc * G.exp()) @ S + qk @ u
+        G_last = G[:, -1]
+        S = G_last.exp().unsqueeze(-1) * S + (kc * (G_last.unsqueeze(1) - G).exp()).transpose(1, 2) @ u
+    return o, S
+
+
+def kda_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None,
+    chunk_size: int = 64,
+    snapshot_last: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The KDA core for one sequence.
+
+    q, k [n, H, Dk] (raw: l2-normalised here, q also scaled by Dk^-0.5), v [n, H, Dv],
+    g [n, H, Dk] log-decay, beta [n, H] in (0, 1), state [H, Dk, Dv] or None (zeros).
+    Returns o [n, H, Dv] fp32, the new state [H, Dk, Dv] fp32, and snapshots
+    [snapshot_last, H, Dk, Dv]: the state after each of the last `snapshot_last` tokens.
+
+    The first n - snapshot_last tokens use the chunked form when there are more than one; the
+    last `snapshot_last` tokens use the token recurrence. So a sequence restored from a
+    snapshot and re-fed the same tokens with the same `snapshot_last` repeats bit for bit."""
+    n, H, Dk = k.shape
+    if not 0 <= snapshot_last <= n:
+        raise ValueError(f"snapshot_last={snapshot_last} must be within [0, {n}]")
+    q = (l2norm(q.float()) * Dk**-0.5).transpose(0, 1)
+    k = l2norm(k.float()).transpose(0, 1)
+    v, g, beta = v.float().transpose(0, 1), g.float().transpose(0, 1), beta.float().transpose(0, 1)
+    S = torch.zeros(H, Dk, v.shape[-1], dtype=torch.float32, device=q.device) if state is None else state.float()
+
+    m = n - snapshot_last
+    parts = []
+    if m > 1:
+        o, S = delta_rule_chunked(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], S, chunk_size)
+        parts.append(o)
+    elif m == 1:
+        o, S, _ = delta_rule_recurrent(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], S)
+        parts.append(o)
+    snapshots = S.new_empty(0, *S.shape)
+    if snapshot_last:
+        o, S, snapshots = delta_rule_recurrent(q[:, m:], k[:, m:], v[:, m:], g[:, m:], beta[:, m:], S, True)
+        parts.append(o)
+    o = torch.cat(parts, dim=1) if parts else v.new_empty(v.shape)
+    return o.transpose(0, 1).contiguous(), S, snapshots
+
+
+# ----------------------------------------------------------------------------- the block
+
+
+def kda_mixer(
+    x: Tensor, w: KdaWeights, dims: KdaDims, state: KdaState | None = None, *, snapshot_last: int = 0
+) -> tuple[Tensor, KdaState, list[KdaState]]:
+    """The whole KDA block for one sequence's new tokens x [n, d] (the normed block input).
+
+    Returns (out [n, d] in x's dtype, the state after the last token, and the states after
+    each of the last `snapshot_last` tokens, oldest first, for exact speculative rollback).
+    `state` is not modified. Projections run in the weights' dtype; the conv, the gate, the
+    recurrence and the gated norm run in fp32, cast back where transformers casts back."""
+    n, H, D, K = x.shape[0], dims.num_heads, dims.head_dim, dims.conv_kernel
+    if state is None:
+        state = KdaState.zeros(dims, device=x.device)
+
+    qkv = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
+    y, full = short_conv(qkv, state.conv, w.conv)
+    q, k, v = y.to(x.dtype).view(n, 3, H, D).unbind(1)
+
+    g = kda_gate(F.linear(F.linear(x, w.f_a_proj), w.f_b_proj), w.A_log, w.dt_bias, D, dims.lower_bound)
+    beta = torch.sigmoid(F.linear(x, w.b_proj).float())
+
+    o, S, snaps = kda_attend(q, k, v, g, beta, state.recurrent, dims.chunk_size, snapshot_last)
+
+    if w.g_proj is not None:
+        gate = F.linear(x, w.g_proj)
+    else:
+        gate = F.linear(F.linear(x, w.g_a_proj), w.g_b_proj)
+    o = gated_head_rmsnorm(o, gate.view(n, H, D), w.o_norm, dims.norm_eps).to(x.dtype)
+    out = F.linear(o.reshape(n, H * D), w.o_proj)
+
+    new_state = KdaState(conv=full[full.shape[0] - (K - 1) :].clone(), recurrent=S)
+    # after new token t the conv tail is full[t+1 : t+K]
+    snapshots = [
+        KdaState(conv=full[t + 1 : t + K].clone(), recurrent=snaps[i])
+        for i, t in enumerate(range(n - snapshot_last, n))
+    ]
+    return out, new_state, snapshots
