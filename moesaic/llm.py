@@ -10,9 +10,9 @@ import torch
 
 from .demo import DEMO_NAME, ensure_demo
 from .engine.batch import ForwardBatch
-from .engine.engine import Engine, Sequence
+from .engine.engine import Engine, Sequence, check_prompt
 from .engine.sampler import SamplingParams
-from .errors import CheckpointError, RequestError
+from .errors import CapacityError, CheckpointError, RequestError
 from .tokenizer import load_tokenizer
 from .weights.load import Checkpoint
 
@@ -100,7 +100,8 @@ class LLM:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [T, vocab] of one full prefill of `token_ids`."""
         ids = self.encode(list(token_ids))
-        if not ids:
-            raise RequestError("score needs at least one token")
+        check_prompt(ids, self.cfg.vocab_size)
+        if len(ids) > self.engine.max_context:
+            raise CapacityError(f"{len(ids)} tokens exceed this model's context of {self.engine.max_context}")
         state = self.model.new_state()
         return self.model.forward(ForwardBatch.build([(state, ids)], logits="all", device=self.device))

@@ -160,3 +160,26 @@ def test_inspect_json_on_config_only_folder(tmp_path):
 def test_inspect_text_on_a_full_checkpoint(tmp_path):
     r = cli("inspect", str(write(tmp_path / "m")), env_cache=tmp_path / "cache")
     assert r.returncode == 0 and "contract: ok" in r.stdout and "1x mla+mlp, 1x mla+moe" in r.stdout
+
+
+def test_score_checks_its_input(tmp_path):
+    llm = moesaic.LLM(str(write(tmp_path)), dtype="float32")
+    logits = llm.score([1, 5, 6])
+    assert logits.shape == (3, SMALL["vocab_size"]) and logits.dtype == torch.float32
+    with pytest.raises(RequestError):
+        llm.score([])
+    with pytest.raises(RequestError):
+        llm.score([1, 99999])
+
+
+def test_checkpoint_tokenizer_and_chat_flag(tmp_path):
+    from test_sampler_tokenizer import write_hf_tokenizer
+
+    path = write(tmp_path / "m", dict(SMALL, moesaic_tokenizer=None))
+    write_hf_tokenizer(path)
+    llm = moesaic.LLM(str(path), dtype="float32")
+    out = llm.generate(["hello world"], moesaic.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == [0, 3, 4] and len(out.token_ids) == 4
+    r = cli("generate", "--model", str(path), "--prompt", "hello", "--chat", "--max-tokens", "3", env_cache=tmp_path / "c")
+    assert r.returncode == 0, r.stderr
+    assert "tokens/s" in r.stderr

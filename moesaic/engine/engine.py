@@ -45,6 +45,14 @@ class Sequence:
         return self.output_ids[-1:]
 
 
+def check_prompt(ids: list[int], vocab: int) -> None:
+    if not ids:
+        raise RequestError("the prompt is empty: give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+
+
 class Engine:
     def __init__(self, model, eos_ids=(), max_num_seqs: int = 32, max_batch_tokens: int = 1024,
                  max_state_bytes: int | None = None, max_context: int | None = None, state_bytes=None):
@@ -68,12 +76,7 @@ class Engine:
 
     def add(self, seq: Sequence) -> None:
         seq.params.validate()
-        if not seq.prompt_ids:
-            raise RequestError("the prompt is empty: give at least one token")
-        vocab = getattr(self.model, "vocab_size", None) or self.model.cfg.vocab_size
-        bad = [t for t in seq.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        check_prompt(seq.prompt_ids, self.model.cfg.vocab_size)
         if self.max_context is not None and len(seq.prompt_ids) >= self.max_context:
             raise CapacityError(f"the prompt has {len(seq.prompt_ids)} tokens; this model's context is {self.max_context}")
         seq.planned_bytes = self.plan_bytes(seq)

@@ -5,10 +5,11 @@ per-head keys and values are `c @ W_kv_b`. Two exact evaluations of the same att
 
 * expanded: materialise k_nope/v for every cached token, then ordinary attention — cheapest when
   many queries share the expansion (prefill);
-* absorbed: fold W_k into the query and W_v into the output so attention runs in the latent
-  space — cheapest when few queries meet a long cache (decode).
+* absorbed: fold W_uk into the query and W_uv into the output so attention runs in the latent
+  space — cheapest when few queries meet a long cache (decode). The two folds are token-wise, so
+  a caller can run them once over the packed tokens of every decoding sequence.
 
-`mla_attend` picks by the operation count of the two.
+`prefers_absorbed` picks by the operation count of the two.
 """
 
 from __future__ import annotations
@@ -25,49 +26,58 @@ def causal_mask(n_new: int, total: int, device) -> torch.Tensor | None:
     return torch.arange(total, device=device)[None, :] <= q
 
 
-def mla_attend(
-    q_nope: torch.Tensor,  # [n, H, dn]
-    q_rope: torch.Tensor,  # [n, H, dr]
-    latent: torch.Tensor,  # [T, kvr] all cached rows (the last n are this step's)
-    k_rope: torch.Tensor,  # [T, dr]
-    w_kv_b: torch.Tensor,  # [H * (dn + dv), kvr]
-    v_head_dim: int,
-    scale: float,
-) -> torch.Tensor:  # [n, H, dv]
-    n, H, dn = q_nope.shape
-    T, kvr = latent.shape
-    dv = v_head_dim
-    absorbed_cost = n * (2 * kvr + k_rope.shape[1])
-    expanded_cost = kvr * (dn + dv)
-    if absorbed_cost < expanded_cost:
-        return _attend_absorbed(q_nope, q_rope, latent, k_rope, w_kv_b, dv, scale)
-    return _attend_expanded(q_nope, q_rope, latent, k_rope, w_kv_b, dv, scale)
+def prefers_absorbed(n: int, kvr: int, dr: int, dn: int, dv: int) -> bool:
+    """Absorbed costs ~n·(2·kvr + dr) per cached token and head; expanded ~kvr·(dn + dv)."""
+    return n * (2 * kvr + dr) < kvr * (dn + dv)
 
 
-def _attend_expanded(q_nope, q_rope, latent, k_rope, w_kv_b, dv, scale):
+def split_kv_b(w_kv_b: torch.Tensor, heads: int, dn: int, dv: int):
+    """Views W_uk [H, dn, kvr] and W_uv [H, dv, kvr] of kv_b_proj's weight [H·(dn+dv), kvr]."""
+    w = w_kv_b.view(heads, dn + dv, -1)
+    return w[:, :dn], w[:, dn:]
+
+
+def absorb_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """[n, H, dn] -> [H, n, kvr]: the query in the latent space."""
+    return torch.bmm(q_nope.transpose(0, 1), w_uk)
+
+
+def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """[H, n, kvr] -> [n, H, dv]."""
+    return torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def latent_attention(q_lat, q_rope, latent, k_rope, scale) -> torch.Tensor:
+    """Attention in the latent space for one sequence. q_lat [H, n, kvr], q_rope [n, H, dr],
+    latent [T, kvr], k_rope [T, dr] -> o_lat [H, n, kvr]. Scores and softmax in fp32."""
+    n, T = q_lat.shape[1], latent.shape[0]
+    scores = torch.matmul(q_lat, latent.T)
+    if k_rope.shape[1]:
+        scores = scores + torch.matmul(q_rope.transpose(0, 1), k_rope.T)
+    scores = scores.float() * scale
+    mask = causal_mask(n, T, latent.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(latent.dtype), latent)
+
+
+def expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale) -> torch.Tensor:
+    """Ordinary attention after expanding the latent, for one sequence -> [n, H, dv]."""
     n, H, dn = q_nope.shape
     T = latent.shape[0]
-    kv = F.linear(latent, w_kv_b).view(T, H, dn + dv)
+    kv = F.linear(latent, w_kv_b).view(T, H, dn + v_head_dim)
     k = torch.cat([kv[..., :dn], k_rope[:, None, :].expand(T, H, k_rope.shape[1])], dim=-1)
-    v = kv[..., dn:]
     q = torch.cat([q_nope, q_rope], dim=-1)
-    mask = causal_mask(n, T, q.device)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), kv[..., dn:].transpose(0, 1),
+                                         attn_mask=causal_mask(n, T, q.device), scale=scale)
     return out.transpose(0, 1)
 
 
-def _attend_absorbed(q_nope, q_rope, latent, k_rope, w_kv_b, dv, scale):
+def mla_attend(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale) -> torch.Tensor:
+    """One sequence's MLA, by whichever evaluation is cheaper. -> [n, H, dv]."""
     n, H, dn = q_nope.shape
-    T, kvr = latent.shape
-    w = w_kv_b.view(H, dn + dv, kvr)
-    q_lat = torch.einsum("nhd,hdk->hnk", q_nope, w[:, :dn])  # [H, n, kvr]
-    scores = torch.matmul(q_lat, latent.T) + torch.matmul(q_rope.transpose(0, 1), k_rope.T)  # [H, n, T]
-    scores = scores.float() * scale
-    mask = causal_mask(n, T, q_nope.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(latent.dtype)
-    o_lat = torch.matmul(p, latent)  # [H, n, kvr]
-    return torch.einsum("hnk,hvk->nhv", o_lat, w[:, dn:])
+    if prefers_absorbed(n, latent.shape[1], k_rope.shape[1], dn, v_head_dim):
+        w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
+        o_lat = latent_attention(absorb_queries(q_nope, w_uk), q_rope, latent, k_rope, scale)
+        return absorb_output(o_lat, w_uv)
+    return expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale)

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..engine.batch import ForwardBatch
 from ..cache.state import SequenceState, TokenRows
 from ..layers.linear import linear
-from ..layers.mla import mla_attend
+from ..layers import mla
 from ..layers.moe import route_softmax, run_experts, swiglu
 from ..layers.norms import rms_norm
 from ..layers.rope import RopeConfig, cos_sin, cos_sin_attention_factor, inv_freq, rope_interleaved, rope_half, yarn_mscale
@@ -377,11 +377,29 @@ class Model:
         if qscale is not None:
             q_nope, q_rope = q_nope * qscale, q_rope * qscale
         out = x.new_empty(N, H, c.v_head_dim)
-        for s in batch.seqs:
-            rows = slice(s.start, s.start + s.n)
-            cache = s.state.layers[L].append(latent=latent[rows], k_rope=k_rope[rows])
-            out[rows] = mla_attend(q_nope[rows], q_rope[rows], cache["latent"], cache["k_rope"],
-                                   w["self_attn.kv_b_proj.weight"], c.v_head_dim, c.softmax_scale)
+        w_kv_b = w["self_attn.kv_b_proj.weight"]
+        dims = (c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim)
+        caches = [s.state.layers[L].append(latent=latent[s.start:s.start + s.n], k_rope=k_rope[s.start:s.start + s.n])
+                  for s in batch.seqs]
+        absorbed = [i for i, s in enumerate(batch.seqs) if mla.prefers_absorbed(s.n, *dims)]
+        for i, s in enumerate(batch.seqs):
+            if i not in absorbed:
+                rows = slice(s.start, s.start + s.n)
+                out[rows] = mla.expanded_attention(q_nope[rows], q_rope[rows], caches[i]["latent"],
+                                                   caches[i]["k_rope"], w_kv_b, c.v_head_dim, c.softmax_scale)
+        if absorbed:
+            # the two folds are token-wise: one batched product over every absorbed sequence's tokens
+            rows = torch.cat([torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n) for i in absorbed])
+            w_uk, w_uv = mla.split_kv_b(w_kv_b, H, c.qk_nope_head_dim, c.v_head_dim)
+            q_lat = mla.absorb_queries(q_nope[rows], w_uk)
+            o_lat = torch.empty_like(q_lat)
+            at = 0
+            for i in absorbed:
+                n = batch.seqs[i].n
+                o_lat[:, at:at + n] = mla.latent_attention(q_lat[:, at:at + n], q_rope[rows[at:at + n]],
+                                                           caches[i]["latent"], caches[i]["k_rope"], c.softmax_scale)
+                at += n
+            out[rows] = mla.absorb_output(o_lat, w_uv)
         return linear(out.reshape(N, H * c.v_head_dim), w["self_attn.o_proj.weight"])
 
     def mlp(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
