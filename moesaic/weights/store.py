@@ -9,6 +9,7 @@ one `model.safetensors`, a sharded `*.safetensors.index.json`, and Mistral's nat
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -197,7 +198,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, 
         t = t.detach().contiguous().cpu()
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}: dtype {t.dtype} cannot be written to safetensors")
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
         header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
         offset += len(data)
         blobs.append(data)
