@@ -45,8 +45,11 @@ class TokenRows:
         self.length = end
         return {k: b[:end] for k, b in self.bufs.items()}
 
+    def can_rollback(self, n: int) -> bool:
+        return 0 <= n <= self.length
+
     def rollback(self, n: int) -> None:
-        if not 0 <= n <= self.length:
+        if not self.can_rollback(n):
             raise ValueError(f"cannot roll back {n} of {self.length} tokens")
         self.length -= n
 
@@ -70,9 +73,13 @@ class SequenceState:
         self.num_tokens = 0
 
     def rollback(self, n: int) -> None:
-        """Forgets the last n tokens in every layer."""
+        """Forgets the last n tokens in every layer, or (when any layer cannot) in none."""
         if not 0 <= n <= self.num_tokens:
             raise ValueError(f"cannot roll back {n} of {self.num_tokens} tokens")
+        for i, layer in enumerate(self.layers):
+            check = getattr(layer, "can_rollback", None)  # kinds without it check in their own rollback
+            if check is not None and not check(n):
+                raise ValueError(f"cannot roll back {n} tokens: layer {i} keeps fewer (its speculative window is {getattr(layer, 'window', '?')})")
         for layer in self.layers:
             if layer is not None:
                 layer.rollback(n)
@@ -98,8 +105,8 @@ class RecurrentState:
     exact (the speculative window). `value` is any object with `clone()` and `nbytes`.
 
     A mixer updates it with `advance(new_value, snapshots, n)`, where snapshots are the states
-    after each of the last `min(n, window)` new tokens (oldest first) and new_value is the state
-    after all n."""
+    after each of the last `snapshots_needed(n)` new tokens (oldest first) and new_value is the
+    state after all n."""
 
     def __init__(self, initial, window: int = 0):
         self.window = window
@@ -108,12 +115,14 @@ class RecurrentState:
         self.seen = 0
 
     def snapshots_needed(self, n: int) -> int:
-        return min(n, self.window)
+        """One per new token while n <= window (the state before them is already kept); for a
+        longer forward the last window + 1, so that rollback(window) still reaches back."""
+        return 0 if not self.window else (n if n <= self.window else self.window + 1)
 
     def advance(self, new_value, snapshots: list, n: int) -> None:
         if self.window:
-            if len(snapshots) != min(n, self.window):
-                raise ValueError(f"expected {min(n, self.window)} snapshots, got {len(snapshots)}")
+            if len(snapshots) != self.snapshots_needed(n):
+                raise ValueError(f"expected {self.snapshots_needed(n)} snapshots, got {len(snapshots)}")
             if n > self.window:  # older states are no longer reachable
                 self.history = []
             self.history = (self.history + list(snapshots))[-(self.window + 1):]
@@ -121,6 +130,9 @@ class RecurrentState:
             self.history = [new_value]
         self.value = new_value
         self.seen += n
+
+    def can_rollback(self, n: int) -> bool:
+        return 0 <= n < len(self.history)
 
     def rollback(self, n: int) -> None:
         if n == 0:
@@ -143,3 +155,85 @@ class RecurrentState:
     @property
     def nbytes(self) -> int:
         return self.value.nbytes * (1 + max(0, len(self.history) - 1))
+
+
+class TailRows:
+    """The rows of a sequence's last tokens only (a sliding-window ring, an open compressor group):
+    per-token rows of the newest `keep` tokens, one buffer per field.
+
+    `need` is how many of the newest rows the consumer reads back; keep = need + the rollback window,
+    so `rollback(n)` is exact while n <= keep - need (and always when it forgets every token).
+    `append` returns the rows held before it plus the new ones: positions `length - len(rows)` on.
+    Storage is a buffer of 2·keep + 16 rows that is compacted when full (amortised O(1) a row)."""
+
+    def __init__(self, widths: dict[str, int], dtype: torch.dtype, device, keep: int, need: int):
+        if not 0 <= need <= keep:
+            raise ValueError(f"TailRows needs 0 <= need ({need}) <= keep ({keep})")
+        self.widths = widths
+        self.dtype = dtype
+        self.device = device
+        self.keep = keep
+        self.need = need
+        self.length = 0  # tokens seen
+        self.start = 0  # first held row in the buffers
+        self.held = 0
+        self.bufs = {k: torch.empty(2 * keep + 16, w, dtype=dtype, device=device) for k, w in widths.items()}
+
+    def append(self, **rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        n = next(iter(rows.values())).shape[0]
+        cap = next(iter(self.bufs.values())).shape[0]
+        if self.start + self.held + n <= cap:  # room: write in place, return views
+            end = self.start + self.held + n
+            for k, r in rows.items():
+                self.bufs[k][end - n : end] = r
+            out = {k: b[self.start : end] for k, b in self.bufs.items()}
+            self.held += n
+        else:
+            out = {k: torch.cat([self.bufs[k][self.start : self.start + self.held], rows[k].to(self.dtype)])
+                   for k in self.bufs}
+            self.held += n
+            self.start = 0
+            keep = min(self.held, self.keep)
+            for k, v in out.items():
+                self.bufs[k][:keep] = v[v.shape[0] - keep :]
+            self.held = keep
+        self.length += n
+        if self.held > self.keep:  # drop the oldest rows; they are overwritten by later appends
+            self.start += self.held - self.keep
+            self.held = self.keep
+        return out
+
+    def rows(self) -> dict[str, torch.Tensor]:
+        """The held rows (positions length - held .. length - 1)."""
+        return {k: b[self.start : self.start + self.held] for k, b in self.bufs.items()}
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll back {n} of {self.length} tokens")
+        if n == self.length:
+            self.length = self.start = self.held = 0
+            return
+        if max(self.held - n, 0) < min(self.length - n, self.need):
+            raise ValueError(f"cannot roll back {n} tokens: this state keeps {self.keep - self.need} rows "
+                             f"beyond what it reads (its speculative window)")
+        self.held = max(self.held - n, 0)
+        self.length -= n
+
+    def snapshot(self):
+        return (self.length, {k: v.clone() for k, v in self.rows().items()})
+
+    def restore(self, snap) -> None:
+        self.length, rows = snap
+        self.held = next(iter(rows.values())).shape[0]
+        self.start = 0
+        for k, v in rows.items():
+            self.bufs[k][: self.held] = v
+
+    @property
+    def nbytes(self) -> int:
+        return self.held * sum(self.widths.values()) * self.dtype.itemsize
+
+    @staticmethod
+    def nbytes_for(widths: dict[str, int], keep: int, dtype_bytes: int) -> int:
+        """The most it holds, for the state planner."""
+        return keep * sum(widths.values()) * dtype_bytes

@@ -54,8 +54,9 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu):
 
     x [N, d]; weights/ids [N, k]; w_in [E, *, d] and w_out [E, d, *] (dense stacks or stacked
     quantized tensors indexable by expert). Experts are visited in ascending id, each on the
-    tokens routed to it."""
-    out = torch.zeros_like(x)
+    tokens routed to it. Weighting and the sum run in the routing weights' dtype when it is wider
+    (an fp32 router over bf16 activations, as transformers does), cast to x's dtype at the end."""
+    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, weights.dtype))
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=w_in.shape[0]).tolist()
@@ -67,7 +68,29 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu):
             continue
         rows = token_of[start : start + c]
         h = act(linear(x[rows], w_in[e]))
-        y = linear(h, w_out[e]) * wflat[start : start + c, None].to(x.dtype)
-        out[rows] += y  # rows are distinct within one expert (index_add_ is slow in bf16 on CPU)
+        y = linear(h, w_out[e]) * wflat[start : start + c, None]
+        out[rows] += y.to(out.dtype)  # rows are distinct within one expert (index_add_ is slow in bf16 on CPU)
         start += c
-    return out
+    return out.to(x.dtype)
+
+
+def route_sqrtsoftplus(logits, top_k, bias=None, scale=1.0, ids=None):
+    """DeepSeek-V4's router, in the logits' dtype: scores s = sqrt(softplus(logits)); experts =
+    topk(s + bias) (the correction bias chooses, it never weighs), or the static `ids` [N, k] of a
+    hash layer (tid2eid[token]); weights = s[experts] / (sum + 1e-20) * scale. Returns (weights, ids)."""
+    scores = F.softplus(logits).sqrt()
+    if ids is None:
+        choice = scores if bias is None else scores + bias
+        ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, ids)
+    return w / (w.sum(-1, keepdim=True) + 1e-20) * scale, ids
+
+
+def clamped_swiglu(limit: float):
+    """SiLU(min(gate, L)) · clamp(up, −L, L) over a [.., 2I] gate|up row (the gate is clamped above only)."""
+
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+    return act

@@ -1,0 +1,32 @@
+"""Plain grouped-query attention of one sequence's new queries over its cached keys and values.
+
+    s   = (q k^T) * scale          per query head; head h reads KV head h // (Hq / Hkv)
+    p   = softmax(s) in fp32       causal: new query i sees keys 0 .. past + i
+    out = p v                      in the values' dtype
+
+No position encoding is applied here: a family ropes q and k (or not, e.g. Nemotron-H's NoPE
+attention) before it appends k to the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .mla import causal_mask
+
+
+def gqa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D] are the last n of the T cached positions; k [T, Hkv, D], v [T, Hkv, Dv].
+    Returns [n, Hq, Dv]."""
+    n, Hq, _ = q.shape
+    T, Hkv, _ = k.shape
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} key/value heads")
+    qg = q.reshape(n, Hkv, Hq // Hkv, -1).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
+    s = torch.matmul(qg, k.permute(1, 2, 0)[:, None]).float() * scale  # [Hkv, g, n, T]
+    mask = causal_mask(n, T, q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    out = torch.matmul(p, v.permute(1, 0, 2)[:, None])  # [Hkv, g, n, Dv]
+    return out.permute(2, 0, 1, 3).reshape(n, Hq, -1)
