@@ -19,6 +19,7 @@ from .errors import ConfigError
 
 FAMILIES = {
     "mistral4": "moesaic.models.mistral4",
+    "nemotron_h": "moesaic.models.nemotron_h",
 }
 
 
