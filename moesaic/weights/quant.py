@@ -1,0 +1,1018 @@
+"""Quantized weights as the releases ship them, kept packed.
+
+Four formats (byte layouts and names: `reference/quant_formats.md`):
+
+  "fp8_block"   E4M3 codes [.., N, K] + one scale per [bn, bk] block, scale tensor
+                [.., ceil(N/bn), ceil(K/bk)], either fp32 *inverse* scales (a multiplier:
+                HF `weight_scale_inv`, DeepSeek V4 `.scale`, compressed-tensors `weight_scale`)
+                or UE8M0 exponent bytes (DeepSeek V4.1 `.scale`, 32x32).  Per-channel FP8 is the
+                block [1, K].
+  "fp8_tensor"  E4M3 codes + one fp32 multiplier per tensor (ModelOpt FP8 `weight_scale`).
+  "mxfp4"       E2M1 codes packed two per byte (low nibble = even element) + one E8M0 exponent
+                byte per 32 consecutive input elements. compressed-tensors `mxfp4-pack-quantized`
+                (`weight_packed` U8 + `weight_scale` U8) and DeepSeek's fp4 experts (`weight` I8 +
+                `scale` F8_E8M0) are the same math.
+  "nvfp4"       E2M1 packed + one E4M3 scale per 16 input elements + one fp32 global scale.
+                compressed-tensors (`weight_packed`, `weight_scale`, `weight_global_scale`) stores
+                the global scale as a DIVISOR:  w = e2m1 * f32(weight_scale) / weight_global_scale
+                (its `_dequantize` computes `scale / global_scale` in fp32, then `codes * that`).
+                ModelOpt (`weight`, `weight_scale`, `weight_scale_2`) stores a MULTIPLIER:
+                w = e2m1 * f32(weight_scale) * weight_scale_2.
+                `QuantizedTensor.global_divides` records which; nothing is inverted at load, so
+                both dequantize bit for bit like their producers.
+
+Scale decoding conventions:
+  * E8M0 byte e -> 2^(e-127) for e in 0..254; e = 0 is 2^-127 (OCP; compressed-tensors'
+    `2 ** (e - 127)` gives the same); e = 0xFF is NaN (OCP; compressed-tensors would produce
+    2^128 = inf there, which no real scale uses).
+  * Every scale is applied in fp32 and the product rounded once to the requested dtype. For
+    MXFP4 the product (2-bit significand times a power of two) is exact in bf16 as well, so the
+    bf16 path multiplies in bf16 directly (same bits, less memory traffic).
+
+A `QuantizedTensor` may be stacked ([E, N, K] for the experts of a layer); `qt[e]` is one expert
+as views of the stacked storage. `matmul(x)` computes `x @ W.T` by dequantizing `tile_rows` rows
+of W at a time (bounded temporaries), never the whole matrix. Activation scales (`input_scale`,
+`input_global_scale`) are kept on the object but not applied: the matmul is weight-only
+(activations stay in the compute dtype), as engines without FP8/FP4 tensor cores run it.
+
+Format resolution (`resolve_format`) lets the tensors present decide the kind of a weight
+(quantized or not, which family) and uses `quantization_config` for its parameters (block size,
+group size) and to catch contradictions: a weight the config's ignore/exclude list keeps dense but
+that ships quantized companions, or a weight whose companions do not match the format the config
+assigns to it. A plain float weight without companions is dense even if the config's targets
+cover it (K3 targets "Linear" yet ships its whole trunk in bf16).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import CheckpointError
+
+__all__ = [
+    "FORMATS", "E2M1_VALUES", "e2m1_to_float", "unpack_fp4_codes", "pack_fp4_codes", "unpack_fp4",
+    "e8m0_to_float", "e4m3_to_float", "float_to_e2m1_codes", "float_to_e4m3", "pow2_ceil_e8m0",
+    "QuantizedTensor", "stack", "resolve_format", "load_quantized", "from_suffix_dict",
+    "quantize_fp8_block", "quantize_fp8_tensor", "quantize_mxfp4", "quantize_nvfp4",
+]
+
+FORMATS = ("fp8_block", "fp8_tensor", "mxfp4", "nvfp4")
+MXFP4_GROUP = 32
+NVFP4_GROUP = 16
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+# --------------------------------------------------------------------------------------------
+# Element and scale types
+# --------------------------------------------------------------------------------------------
+
+# index = 4-bit code: bit 3 is the sign, bits 0-2 the magnitude (code 8 is -0.0)
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+
+_PAIR_TABLES: dict = {}
+_E8M0_TABLES: dict = {}
+
+
+def _as_u8(t: torch.Tensor) -> torch.Tensor:
+    """Byte view (no copy) of a uint8 / int8 / 1-byte float tensor."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.element_size() != 1:
+        raise TypeError(f"expected a 1-byte dtype, got {t.dtype}")
+    return t.view(torch.uint8)
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (uint8, 0..15) -> float32 values."""
+    return E2M1_VALUES.to(codes.device)[codes.long()]
+
+
+def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """[..., C] bytes -> [..., 2C] uint8 codes; element 2j is the low nibble of byte j."""
+    p = _as_u8(packed)
+    return torch.stack((p & 0x0F, p >> 4), dim=-1).flatten(-2)
+
+
+def pack_fp4_codes(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 2C] uint8 codes (0..15) -> [..., C] uint8 bytes (low nibble = even element)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"fp4 packing needs an even last dimension, got {tuple(codes.shape)}")
+    c = codes.to(torch.uint8).unflatten(-1, (-1, 2))
+    return (c[..., 0] & 0x0F) | ((c[..., 1] & 0x0F) << 4)
+
+
+def _pair_table(dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.dtype]:
+    """A [256, 1] table whose entry b holds (value(b & 15), value(b >> 4)) of `dtype` packed into
+    one element twice as wide, so that one embedding gather decodes a byte into two values."""
+    key = (dtype, str(device))
+    if key not in _PAIR_TABLES:
+        b = torch.arange(256)
+        pair = torch.stack((E2M1_VALUES[b & 15], E2M1_VALUES[b >> 4]), dim=1).to(dtype)  # [256, 2]
+        wide = {1: torch.int16, 2: torch.int32, 4: torch.float64, 8: None}[dtype.itemsize]
+        table = pair.contiguous() if wide is None else pair.contiguous().view(wide)  # [256, 1] or [256, 2]
+        _PAIR_TABLES[key] = (table.to(device), wide)
+    return _PAIR_TABLES[key]
+
+
+def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., C] packed E2M1 bytes (uint8 or int8) -> [..., 2C] values of `dtype` (exact)."""
+    p = _as_u8(packed)
+    table, wide = _pair_table(dtype, p.device)
+    out = F.embedding(p.to(torch.int32), table)  # [..., C, 1] (wide) or [..., C, 2]
+    if wide is not None:
+        out = out.view(dtype)
+    return out.flatten(-2)
+
+
+def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes (uint8, int8 or float8_e8m0fnu) -> float32 2^(e-127).
+    e = 0 -> 2^-127 (a float32 subnormal), e = 255 -> NaN."""
+    key = str(e.device)
+    if key not in _E8M0_TABLES:
+        t = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256, dtype=torch.float64) - 127)
+        t = t.to(torch.float32)
+        t[255] = float("nan")
+        _E8M0_TABLES[key] = t.to(e.device)
+    return _E8M0_TABLES[key][_as_u8(e).long()]
+
+
+def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 ("fn": no inf, 0x7F/0xFF NaN), as float8_e4m3fn or raw bytes -> float32."""
+    if x.dtype != torch.float8_e4m3fn:
+        x = _as_u8(x).view(torch.float8_e4m3fn)
+    return x.to(torch.float32)
+
+
+# encoders (used by the checkpoint writers of the tests and by runtime quantisation)
+
+def float_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest E2M1 value, ties to the even code, saturating at +-6 -> uint8 codes.
+    The sign bit follows the input's sign (so -0.1 -> code 8, -0.0)."""
+    a = x.float().abs()
+    mag = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
+           + (a > 2.5) + (a >= 3.5) + (a > 5.0))
+    return mag.to(torch.uint8) | (torch.signbit(x.float()).to(torch.uint8) << 3)
+
+
+def float_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest even E4M3, saturating to +-448 (NaN stays NaN)."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def pow2_ceil_e8m0(x: torch.Tensor) -> torch.Tensor:
+    """The E8M0 byte of the smallest power of two >= x (x > 0), clamped to 2^-127..2^127."""
+    m, e = torch.frexp(x.float())  # x = m * 2^e, m in [0.5, 1)
+    exp = torch.where(m == 0.5, e - 1, e)
+    return (exp + 127).clamp(0, 254).to(torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# QuantizedTensor
+# --------------------------------------------------------------------------------------------
+
+_FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+_PACKED_DTYPES = (torch.uint8, torch.int8)
+TILE_ELEMS = 1 << 21  # dequantized elements per tile in matmul (8 MB of fp32)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _shape(t) -> list:
+    return list(t.shape)
+
+
+class QuantizedTensor:
+    """Packed codes + scales of one weight [N, K] (or a stack [..., N, K] of them).
+
+    format        one of FORMATS
+    codes         fp8_*: float8_e4m3fn [.., N, K];  mxfp4 / nvfp4: uint8 [.., N, K/2]
+    scale         fp8_block: fp32/bf16 multipliers or E8M0 bytes [.., ceil(N/bn), ceil(K/bk)]
+                  fp8_tensor: fp32 [..] (one per matrix);  mxfp4: E8M0 bytes [.., N, K/32]
+                  nvfp4: float8_e4m3fn [.., N, K/16]
+    global_scale  nvfp4 only: fp32 [..] (one per matrix); divides if `global_divides`
+    block         fp8_block only: (bn, bk)
+    input_scale   the activation scale as stored (ModelOpt `input_scale` multiplies, compressed-tensors
+                  `input_global_scale` divides, like the weight's global scale); not used by matmul
+    """
+
+    def __init__(self, format: str, codes: torch.Tensor, scale: torch.Tensor, *,
+                 shape: Sequence[int] | None = None, block: Sequence[int] | None = None,
+                 global_scale: torch.Tensor | None = None, global_divides: bool = False,
+                 input_scale: torch.Tensor | None = None, name: str = "<weight>",
+                 tensor_names: Mapping[str, str] | None = None):
+        self.name = name
+        names = {"codes": f"{name} (codes)", "scale": f"{name} (scale)",
+                 "global_scale": f"{name} (global scale)"}
+        names.update(tensor_names or {})
+        self.tensor_names = names
+        if format not in FORMATS:
+            raise CheckpointError(f"{name}: unknown quantized format {format!r} (one of {', '.join(FORMATS)})")
+        self.format = format
+        self.block = None
+        self.global_scale = None
+        self.global_divides = bool(global_divides)
+        self.input_scale = input_scale
+        if codes.ndim < 2:
+            raise CheckpointError(f"{names['codes']}: a quantized weight needs at least 2 dims, "
+                                  f"got shape {_shape(codes)}")
+        lead = tuple(codes.shape[:-2])
+        n = codes.shape[-2]
+
+        def bad_dtype(role, t, allowed):
+            raise CheckpointError(f"{names[role]}: dtype {t.dtype} is not valid for {format} "
+                                  f"(expected {' or '.join(str(a).replace('torch.', '') for a in allowed)})")
+
+        def check_scale_shape(expected, why):
+            if tuple(scale.shape) != tuple(expected):
+                raise CheckpointError(
+                    f"{names['scale']}: shape {_shape(scale)} does not match {names['codes']} "
+                    f"{_shape(codes)} ({why}; expected {list(expected)}). The checkpoint is corrupt or "
+                    f"its quantization_config names the wrong block/group size.")
+
+        def per_matrix(role, t):
+            if t.numel() != math.prod(lead):
+                raise CheckpointError(f"{names[role]}: expected one value per matrix ({math.prod(lead)} "
+                                      f"for {names['codes']} {_shape(codes)}), got shape {_shape(t)}")
+            if t.dtype not in _FLOAT_SCALE_DTYPES:
+                bad_dtype(role, t, _FLOAT_SCALE_DTYPES)
+            return t.reshape(lead).to(torch.float32)
+
+        if format in ("fp8_block", "fp8_tensor"):
+            if codes.dtype != torch.float8_e4m3fn:
+                bad_dtype("codes", codes, (torch.float8_e4m3fn,))
+            k = codes.shape[-1]
+            if format == "fp8_block":
+                if (block is None or len(block) != 2
+                        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+                    raise CheckpointError(f"{names['codes']}: unsupported fp8 block size {block!r} "
+                                          f"(need two positive integers [rows, cols], e.g. [128, 128])")
+                self.block = (int(block[0]), int(block[1]))
+                if scale.dtype not in _FLOAT_SCALE_DTYPES + _E8M0_DTYPES:
+                    bad_dtype("scale", scale, _FLOAT_SCALE_DTYPES + _E8M0_DTYPES)
+                if scale.dtype in _E8M0_DTYPES:
+                    scale = _as_u8(scale)
+                bn, bk = self.block
+                check_scale_shape(lead + (_ceil_div(n, bn), _ceil_div(k, bk)), f"block {list(self.block)}")
+            else:
+                scale = per_matrix("scale", scale)
+        else:  # fp4
+            if codes.dtype not in _PACKED_DTYPES:
+                bad_dtype("codes", codes, _PACKED_DTYPES)
+            codes = _as_u8(codes)
+            k = 2 * codes.shape[-1]
+            group = MXFP4_GROUP if format == "mxfp4" else NVFP4_GROUP
+            if k % group:
+                raise CheckpointError(f"{names['codes']}: {format} needs the input dim ({k}) to be a "
+                                      f"multiple of its group size {group}")
+            if format == "mxfp4":
+                if scale.dtype not in _E8M0_DTYPES + (torch.int8,):
+                    bad_dtype("scale", scale, _E8M0_DTYPES + (torch.int8,))
+                scale = _as_u8(scale)
+            else:
+                if scale.dtype != torch.float8_e4m3fn:
+                    bad_dtype("scale", scale, (torch.float8_e4m3fn,))
+                if global_scale is None:
+                    raise CheckpointError(f"{names['global_scale']}: nvfp4 needs a global scale "
+                                          f"(weight_global_scale or weight_scale_2) and none was given")
+                self.global_scale = per_matrix("global_scale", global_scale)
+            check_scale_shape(lead + (n, k // group), f"one scale per {group} inputs")
+        if format != "nvfp4" and global_scale is not None:
+            raise CheckpointError(f"{names['global_scale']}: a global scale is only valid for nvfp4, not {format}")
+        self.codes = codes
+        self.scale = scale
+        self.shape = torch.Size(lead + (n, k))
+        if shape is not None and tuple(shape) != tuple(self.shape):
+            raise CheckpointError(f"{names['codes']}: holds a {format} weight of shape {list(self.shape)}, "
+                                  f"expected {list(shape)}")
+
+    # --- introspection ---------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def scale_kind(self) -> str:
+        """'e8m0' or 'float' (the scale tensor's encoding)."""
+        if self.format == "mxfp4" or (self.format == "fp8_block" and self.scale.dtype == torch.uint8):
+            return "e8m0"
+        return "e4m3" if self.format == "nvfp4" else "float"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes + scales + global scale (+ input scale)."""
+        ts = [self.codes, self.scale, self.global_scale, self.input_scale]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def __len__(self) -> int:
+        if self.ndim < 3:
+            raise TypeError("len() of a single (unstacked) QuantizedTensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        extra = f", block={list(self.block)}" if self.block else ""
+        if self.format == "nvfp4":
+            extra += ", global=" + ("divisor" if self.global_divides else "multiplier")
+        return (f"QuantizedTensor({self.format}, shape={list(self.shape)}{extra}, scale={self.scale_kind}, "
+                f"nbytes={self.nbytes}, name={self.name!r})")
+
+    def _replace(self, **kw) -> "QuantizedTensor":
+        new = object.__new__(QuantizedTensor)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(kw)
+        return new
+
+    # --- stacking --------------------------------------------------------------------------
+    def __getitem__(self, i) -> "QuantizedTensor":
+        """Index the leading (expert) dim of a stacked tensor: views, no copy."""
+        if self.ndim < 3:
+            raise TypeError(f"{self.name}: indexing needs a stacked [E, N, K] QuantizedTensor, "
+                            f"this one is {list(self.shape)}")
+        if isinstance(i, int):
+            if not -self.shape[0] <= i < self.shape[0]:
+                raise IndexError(f"{self.name}: index {i} out of range for {self.shape[0]} experts")
+        elif not isinstance(i, slice):
+            raise TypeError(f"{self.name}: QuantizedTensor supports an int or a slice index, not {type(i).__name__}")
+        lead = self.shape[:-2]
+        ins = self.input_scale
+        if ins is not None and ins.numel() == math.prod(lead) and ins.numel() > 1:
+            ins = ins.reshape(lead)[i]
+        codes = self.codes[i]
+        return self._replace(
+            codes=codes, scale=self.scale[i],
+            global_scale=None if self.global_scale is None else self.global_scale[i],
+            input_scale=ins, shape=torch.Size(codes.shape[:-1] + (self.shape[-1],)),
+            name=f"{self.name}[{i if isinstance(i, int) else f'{i.start}:{i.stop}'}]")
+
+    @classmethod
+    def stack(cls, tensors: Sequence["QuantizedTensor"], name: str | None = None) -> "QuantizedTensor":
+        """One [E, ...] QuantizedTensor from E of the same format, shape and block."""
+        if not tensors:
+            raise ValueError("stack() of an empty list")
+        t0 = tensors[0]
+        name = name or f"stack({t0.name}, ...)"
+        for t in tensors[1:]:
+            if (t.format, t.shape, t.block, t.global_divides, t.scale.dtype) != \
+                    (t0.format, t0.shape, t0.block, t0.global_divides, t0.scale.dtype):
+                raise CheckpointError(f"{name}: cannot stack {t!r} with {t0!r} (format, shape, block, "
+                                      f"scale dtype and global-scale convention must agree)")
+        gs = torch.stack([t.global_scale for t in tensors]) if t0.global_scale is not None else None
+        ins = None
+        if all(t.input_scale is not None for t in tensors):
+            ins = torch.stack([t.input_scale.reshape(()) if t.input_scale.numel() == 1 else t.input_scale
+                               for t in tensors])
+        scale = torch.stack([t.scale for t in tensors])
+        return cls(t0.format, torch.stack([t.codes for t in tensors]), scale, block=t0.block,
+                   global_scale=gs, global_divides=t0.global_divides, input_scale=ins, name=name)
+
+    def to(self, device) -> "QuantizedTensor":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return self._replace(codes=self.codes.to(device), scale=self.scale.to(device),
+                             global_scale=mv(self.global_scale), input_scale=mv(self.input_scale))
+
+    # --- dequantization --------------------------------------------------------------------
+    def _matrix(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """codes, scale, global of matrix b of the flattened leading dims."""
+        lead = self.shape[:-2]
+        if not lead:
+            return self.codes, self.scale, self.global_scale
+        g = self.global_scale.reshape(-1)[b] if self.global_scale is not None else None
+        return (self.codes.reshape(-1, *self.codes.shape[-2:])[b],
+                self.scale.reshape(-1, *self.scale.shape[-2:])[b] if self.scale.ndim >= 2
+                else self.scale.reshape(-1)[b], g)
+
+    def dequantize_rows(self, r0: int, r1: int, dtype: torch.dtype = torch.float32,
+                        matrix: int = 0) -> torch.Tensor:
+        """Rows r0:r1 of one matrix (index `matrix` over the flattened leading dims), [r1-r0, K]."""
+        n, k = self.shape[-2:]
+        if not 0 <= r0 <= r1 <= n:
+            raise IndexError(f"{self.name}: rows {r0}:{r1} out of range for {n} rows")
+        codes, scale, g = self._matrix(matrix)
+        rows = r1 - r0
+        fmt = self.format
+        if fmt == "fp8_tensor":
+            return (codes[r0:r1].to(torch.float32) * scale.to(torch.float32)).to(dtype)
+        if fmt == "fp8_block":
+            bn, bk = self.block
+            q = codes[r0:r1].to(torch.float32)
+            rb0, rb1 = r0 // bn, _ceil_div(r1, bn)
+            s = scale[rb0:rb1]
+            s = e8m0_to_float(s) if s.dtype == torch.uint8 else s.to(torch.float32)
+            s = s.repeat_interleave(bn, dim=0)[r0 - rb0 * bn: r1 - rb0 * bn]  # [rows, kb]
+            kf = (k // bk) * bk
+            out = torch.empty(rows, k, dtype=torch.float32, device=q.device)
+            if kf:
+                torch.mul(q[:, :kf].unflatten(1, (k // bk, bk)), s[:, : k // bk, None],
+                          out=out[:, :kf].unflatten(1, (k // bk, bk)))
+            if kf < k:
+                out[:, kf:] = q[:, kf:] * s[:, -1:]
+            return out.to(dtype)
+        if fmt == "mxfp4":
+            direct = dtype in (torch.float32, torch.bfloat16, torch.float64)
+            work = dtype if direct else torch.float32
+            vals = unpack_fp4(codes[r0:r1], work).view(rows, k // MXFP4_GROUP, MXFP4_GROUP)
+            s = e8m0_to_float(scale[r0:r1]).to(work)
+            vals.mul_(s[..., None])
+            return vals.view(rows, k).to(dtype)
+        # nvfp4: effective group scale in fp32 first (like both producers), then one product
+        vals = unpack_fp4(codes[r0:r1], torch.float32).view(rows, k // NVFP4_GROUP, NVFP4_GROUP)
+        s = scale[r0:r1].to(torch.float32)
+        s = s / g if self.global_divides else s * g
+        vals.mul_(s[..., None])
+        return vals.view(rows, k).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight [..., N, K] in `dtype` (for tests, oracles and small tensors)."""
+        n, k = self.shape[-2:]
+        out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        flat = out.view(-1, n, k)
+        tr = self.tile_rows()
+        for b in range(flat.shape[0]):
+            for r0 in range(0, n, tr):
+                r1 = min(n, r0 + tr)
+                flat[b, r0:r1] = self.dequantize_rows(r0, r1, dtype, matrix=b)
+        return out
+
+    def tile_rows(self, budget: int = TILE_ELEMS) -> int:
+        """Rows per tile: about `budget` elements, 16..1024 rows, a multiple of the block rows."""
+        n, k = self.shape[-2:]
+        step = self.block[0] if self.format == "fp8_block" else 16
+        rows = max(16, min(1024, budget // max(k, 1)))
+        rows = max(step, rows // step * step)
+        return min(rows, n) if n else 1
+
+    def matmul(self, x: torch.Tensor, tile_rows: int | None = None) -> torch.Tensor:
+        """x @ W.T for W [N, K] with x [..., K] -> [..., N] in x's dtype (fp32 for non-float x).
+        For a stacked W [E, N, K], x is [E, ..., K] and the result [E, ..., N] (expert e on x[e])."""
+        n, k = self.shape[-2:]
+        if x.shape[-1] != k:
+            raise ValueError(f"{self.name}: matmul of x {list(x.shape)} with weight {list(self.shape)}: "
+                             f"last dims differ")
+        cd = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64) else torch.float32
+        tr = tile_rows or self.tile_rows()
+        lead = self.shape[:-2]
+        if lead:
+            if tuple(x.shape[: len(lead)]) != tuple(lead):
+                raise ValueError(f"{self.name}: stacked weight {list(self.shape)} needs x with leading dims "
+                                 f"{list(lead)}, got {list(x.shape)}")
+            xs = x.to(cd).reshape(math.prod(lead), -1, k)
+            out = torch.empty(xs.shape[:2] + (n,), dtype=cd, device=x.device)
+            for b in range(xs.shape[0]):
+                self._matmul_2d(xs[b], out[b], tr, b)
+            return out.view(*x.shape[:-1], n)
+        x2 = x.to(cd).reshape(-1, k)
+        out = torch.empty(x2.shape[0], n, dtype=cd, device=x.device)
+        self._matmul_2d(x2, out, tr, 0)
+        return out.view(*x.shape[:-1], n)
+
+    def _matmul_2d(self, x2: torch.Tensor, out: torch.Tensor, tr: int, b: int) -> None:
+        n = self.shape[-2]
+        for r0 in range(0, n, tr):
+            r1 = min(n, r0 + tr)
+            w = self.dequantize_rows(r0, r1, x2.dtype, matrix=b)
+            out[:, r0:r1] = x2 @ w.T
+
+
+def stack(tensors: Sequence[QuantizedTensor], name: str | None = None) -> QuantizedTensor:
+    """Stacks per-expert QuantizedTensors into one [E, N, K] (copies once)."""
+    return QuantizedTensor.stack(tensors, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Format resolution from quantization_config + the tensors present
+# --------------------------------------------------------------------------------------------
+
+_TORCH_TO_ST = {"float32": "F32", "float": "F32", "bfloat16": "BF16", "float16": "F16", "half": "F16",
+                "float64": "F64", "double": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+                "float8_e8m0fnu": "F8_E8M0", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32",
+                "int64": "I64", "bool": "BOOL"}
+_FLOAT_ST = ("F32", "BF16", "F16", "F64")
+_COMPANIONS = ("weight_packed", "weight_scale", "weight_scale_inv", "scale", "weight_global_scale",
+               "weight_scale_2", "input_scale", "input_global_scale")
+_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "scale", "weight_global_scale", "weight_scale_2")
+
+
+def _st_dtype(d) -> str:
+    """safetensors spelling of a dtype given as 'BF16', 'bfloat16', 'torch.bfloat16' or torch.dtype."""
+    if isinstance(d, (tuple, list)):
+        d = d[0]
+    if isinstance(d, torch.dtype):
+        d = str(d)
+    s = str(d).removeprefix("torch.")
+    return _TORCH_TO_ST.get(s, s.upper())
+
+
+def _entry_shape(v):
+    return tuple(v[1]) if isinstance(v, (tuple, list)) and len(v) > 1 else None
+
+
+def _strip_weight(base: str) -> str:
+    return base[: -len(".weight")] if base.endswith(".weight") else base
+
+
+def _qconfig(qc: Mapping | None) -> dict:
+    """Flatten the producer-specific spellings into one dict with a 'method' key."""
+    if not qc:
+        return {"method": None}
+    qc = dict(qc)
+    if "quantization" in qc and isinstance(qc["quantization"], Mapping):  # ModelOpt hf_quant_config.json
+        inner = dict(qc["quantization"])
+        inner.setdefault("quant_method", "modelopt")
+        inner.setdefault("producer", qc.get("producer"))
+        qc = inner
+    method = qc.get("quant_method")
+    if method is None and "quant_algo" in qc:
+        method = "modelopt"
+    qc["method"] = str(method).lower() if method is not None else None
+    return qc
+
+
+def _ct_match(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def _ct_scheme(qc: dict, base: str):
+    """(scheme dict or None, format str or None, ignored: bool) for a module under compressed-tensors."""
+    if any(_ct_match(base, ign) for ign in qc.get("ignore") or ()):
+        return None, None, True
+    groups = qc.get("config_groups") or {}
+    by_class = None
+    for gname, g in groups.items():
+        targets = g.get("targets") or []
+        if any(_ct_match(base, t) for t in targets):
+            return g, g.get("format") or qc.get("format"), False
+        if by_class is None and any(not t.startswith("re:") and "." not in t and t[:1].isupper() for t in targets):
+            by_class = g  # class-name target like "Linear": matches every linear module
+    if by_class is not None:
+        return by_class, by_class.get("format") or qc.get("format"), False
+    return None, None, False
+
+
+def _fp4_kind(weights: Mapping, base: str, fmt: str) -> str:
+    gs = weights.get("group_size")
+    if gs == MXFP4_GROUP:
+        return "mxfp4"
+    if gs == NVFP4_GROUP:
+        return "nvfp4"
+    raise CheckpointError(f"{base}: compressed-tensors {fmt} fp4 weights with group_size {gs} are not "
+                          f"supported (mxfp4 needs 32, nvfp4 16)")
+
+
+def _ct_expect(qc: dict, base: str) -> str | None:
+    scheme, fmt, ignored = _ct_scheme(qc, base)
+    if ignored:
+        return "dense"
+    if scheme is None:
+        return "dense" if qc.get("config_groups") else None
+    w = scheme.get("weights") or {}
+    if not w:
+        return "dense"
+    fmt = fmt or "dense"
+    if fmt == "dense":
+        return "dense"
+    if fmt == "mxfp4-pack-quantized":
+        if w.get("group_size") != MXFP4_GROUP:
+            raise CheckpointError(f"{base}: mxfp4-pack-quantized with group_size {w.get('group_size')} "
+                                  f"is not supported (MXFP4 groups are 32)")
+        return "mxfp4"
+    if fmt == "nvfp4-pack-quantized":
+        if w.get("group_size") != NVFP4_GROUP:
+            raise CheckpointError(f"{base}: nvfp4-pack-quantized with group_size {w.get('group_size')} "
+                                  f"is not supported (NVFP4 groups are 16)")
+        return "nvfp4"
+    is_float = w.get("type") == "float"
+    if fmt in ("float-quantized", "naive-quantized", "mixed-precision") and is_float and w.get("num_bits") == 8:
+        strategy = w.get("strategy")
+        if strategy == "tensor":
+            return "fp8_tensor"
+        if strategy in ("block", "channel"):
+            return "fp8_block"
+        raise CheckpointError(f"{base}: compressed-tensors fp8 strategy {strategy!r} is not supported "
+                              f"(tensor, channel or block)")
+    if fmt == "mixed-precision" and is_float and w.get("num_bits") == 4:
+        return _fp4_kind(w, base, fmt)
+    return "unsupported:compressed-tensors format " + repr(fmt)
+
+
+def _modelopt_algo(qc: dict, base: str) -> tuple[str | None, dict]:
+    layers = qc.get("quantized_layers")
+    if isinstance(layers, Mapping) and layers:
+        for key in (base, base.removeprefix("model."), "model." + base):
+            if key in layers:
+                return str(layers[key].get("quant_algo")).upper(), layers[key]
+        return None, {}
+    algo = qc.get("quant_algo")
+    return (str(algo).upper() if algo else None), qc
+
+
+def _modelopt_excluded(qc: dict, base: str) -> bool:
+    for pat in qc.get("exclude_modules") or qc.get("ignore") or ():
+        if pat.startswith("re:"):
+            if re.match(pat[3:], base):
+                return True
+        elif fnmatch.fnmatchcase(base, pat) or base == pat or base.startswith(pat + ".") \
+                or fnmatch.fnmatchcase(base, pat + ".*"):
+            return True
+    return False
+
+
+def _modelopt_expect(qc: dict, base: str) -> str | None:
+    if _modelopt_excluded(qc, base):
+        return "dense"
+    algo, params = _modelopt_algo(qc, base)
+    if algo is None or algo == "MIXED_PRECISION":
+        return "dense" if qc.get("quantized_layers") else None
+    if algo == "NVFP4":
+        gs = params.get("group_size", NVFP4_GROUP)
+        if gs != NVFP4_GROUP:
+            raise CheckpointError(f"{base}: ModelOpt NVFP4 with group_size {gs} is not supported (16)")
+        return "nvfp4"
+    if algo == "FP8":
+        return "fp8_tensor"
+    if algo in ("FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "FP8_BLOCK"):
+        return "fp8_block"
+    return "unsupported:ModelOpt quant_algo " + repr(algo)
+
+
+def _fp8_block_size(qc: dict, base: str):
+    bs = qc.get("weight_block_size")
+    if bs is None:
+        return None
+    if (not isinstance(bs, (list, tuple)) or len(bs) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bs)):
+        raise CheckpointError(f"{base}: unsupported fp8 weight_block_size {bs!r} in quantization_config "
+                              f"(need [rows, cols] of positive integers, e.g. [128, 128] or [32, 32])")
+    return tuple(bs)
+
+
+def _expect(qc: dict, base: str) -> str | None:
+    """What the config says about this module: None (no opinion), 'dense', a format, or
+    'unsupported:<why>'."""
+    m = qc["method"]
+    if m is None:
+        return None
+    if m == "fp8":
+        _fp8_block_size(qc, base)
+        skip = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
+        if any(base == s or base.startswith(s + ".") or s in base.split(".") or fnmatch.fnmatchcase(base, s)
+               for s in skip):
+            return "dense"
+        return None  # dense fp8 blocks, DeepSeek fp4 experts or bf16 projections: the tensors decide
+    if m == "compressed-tensors":
+        return _ct_expect(qc, base)
+    if m == "modelopt":
+        return _modelopt_expect(qc, base)
+    return f"unsupported:quant_method {m!r}"
+
+
+def _from_tensors(present: dict, shapes: dict, base: str, expect: str | None) -> str | None:
+    def need(suffix, why):
+        raise CheckpointError(f"{base}.{suffix} is missing: {why}. The checkpoint is incomplete "
+                              f"(re-download the shard that should hold it).")
+
+    def dtype_err(suffix, allowed):
+        raise CheckpointError(f"{base}.{suffix}: dtype {present[suffix]} is not valid here "
+                              f"(expected {' or '.join(allowed)})")
+
+    if "weight_packed" in present:
+        if present["weight_packed"] not in ("U8", "I8"):
+            dtype_err("weight_packed", ("U8", "I8"))
+        if "weight_scale" not in present:
+            need("weight_scale", f"{base}.weight_packed holds fp4 codes that need their group scales")
+        sd = present["weight_scale"]
+        if "weight_global_scale" in present:
+            if sd != "F8_E4M3":
+                dtype_err("weight_scale", ("F8_E4M3",))
+            return "nvfp4"
+        if sd in ("U8", "I8", "F8_E8M0"):
+            return "mxfp4"
+        if sd == "F8_E4M3":
+            need("weight_global_scale", "nvfp4 weights (E4M3 group scales) need their fp32 global scale")
+        dtype_err("weight_scale", ("U8", "F8_E8M0", "F8_E4M3"))
+    if "weight" not in present:
+        comp = [s for s in _COMPANIONS if s in present]
+        if comp:
+            need("weight", f"its companions {', '.join(base + '.' + c for c in comp)} are present")
+        raise CheckpointError(f"{base}.weight is not in the checkpoint")
+    wd = present["weight"]
+    scales = [s for s in _SCALE_SUFFIXES if s in present]
+    if wd in _FLOAT_ST:
+        if scales:
+            raise CheckpointError(f"{base}.weight is {wd} (not quantized) but has quantization scales "
+                                  f"{', '.join(base + '.' + s for s in scales)}: inconsistent checkpoint")
+        return None
+    if wd in ("U8", "I8"):
+        if "weight_scale_2" in present:
+            if present.get("weight_scale") != "F8_E4M3":
+                if "weight_scale" not in present:
+                    need("weight_scale", "ModelOpt nvfp4 weights need their E4M3 group scales")
+                dtype_err("weight_scale", ("F8_E4M3",))
+            return "nvfp4"
+        sname = "scale" if "scale" in present else ("weight_scale" if "weight_scale" in present else None)
+        if sname is None:
+            need("scale", f"{base}.weight is {wd} (packed fp4 or int8 codes) and has no scale "
+                          f"({base}.scale / {base}.weight_scale)")
+        sd = present[sname]
+        if sd in ("U8", "I8", "F8_E8M0"):
+            return "mxfp4"
+        if sd == "F8_E4M3":
+            need("weight_scale_2", "ModelOpt nvfp4 weights (E4M3 group scales) need their fp32 global scale")
+        raise CheckpointError(f"{base}.weight is {wd} with a {sd} scale ({base}.{sname}): integer-quantized "
+                              f"weights (GPTQ/AWQ/W8A8-int) are not supported; use an FP8, MXFP4 or "
+                              f"NVFP4 checkpoint or the bf16 release")
+    if wd == "F8_E4M3":
+        if "weight_scale_inv" in present or "scale" in present:
+            sname = "weight_scale_inv" if "weight_scale_inv" in present else "scale"
+            if present[sname] not in _FLOAT_ST + ("F8_E8M0", "U8"):
+                dtype_err(sname, _FLOAT_ST + ("F8_E8M0",))
+            return "fp8_block"
+        if "weight_scale" in present:
+            if present["weight_scale"] not in _FLOAT_ST + ("F8_E8M0", "U8"):
+                dtype_err("weight_scale", _FLOAT_ST + ("F8_E8M0",))
+            if expect in ("fp8_block", "fp8_tensor"):
+                return expect
+            shp = shapes.get("weight_scale")
+            if shp is not None and math.prod(shp) > 1:
+                return "fp8_block"
+            return "fp8_tensor"
+        need("weight_scale_inv", f"{base}.weight is F8_E4M3 and needs a scale "
+                                 f"({base}.weight_scale_inv, {base}.scale or {base}.weight_scale)")
+    raise CheckpointError(f"{base}.weight: dtype {wd} is not a supported weight encoding "
+                          f"(float, F8_E4M3 with scales, or packed fp4 in U8/I8)")
+
+
+def resolve_format(quantization_config: Mapping | None, tensor_names_and_dtypes: Mapping[str, object],
+                   base: str) -> str | None:
+    """The format of weight `base` (a module path; a trailing '.weight' is ignored): one of
+    FORMATS, or None for a plain dense weight.
+
+    `tensor_names_and_dtypes` maps checkpoint tensor names (at least base + '.weight' or
+    '.weight_packed' and its companions) to their dtype, in safetensors ('F8_E4M3') or torch
+    ('float8_e4m3fn') spelling, or to a (dtype, shape) pair. `quantization_config` is
+    config.json's (or hf_quant_config.json's) dict. Raises CheckpointError naming the tensor
+    when companions are missing, dtypes do not fit, or the config contradicts the tensors."""
+    base = _strip_weight(base)
+    qc = _qconfig(quantization_config)
+    present, shapes = {}, {}
+    for suffix in ("weight",) + _COMPANIONS:
+        key = f"{base}.{suffix}"
+        if key in tensor_names_and_dtypes:
+            v = tensor_names_and_dtypes[key]
+            present[suffix] = _st_dtype(v)
+            shapes[suffix] = _entry_shape(v)
+    expect = _expect(qc, base)
+    dense_here = (present.get("weight") in _FLOAT_ST and "weight_packed" not in present
+                  and not any(s in present for s in _SCALE_SUFFIXES))
+    if dense_here:
+        return None
+    if expect is not None and expect.startswith("unsupported:"):
+        raise CheckpointError(f"{base}: {expect.split(':', 1)[1]} is not supported (moesaic reads FP8 block/"
+                              f"tensor, MXFP4 and NVFP4 checkpoints); use another release of the model")
+    found = _from_tensors(present, shapes, base, expect)
+    if expect == "dense" and found is not None:
+        raise CheckpointError(f"{base}: quantization_config keeps this module unquantized (ignore/exclude "
+                              f"list) but the checkpoint holds it as {found}: inconsistent checkpoint")
+    if expect not in (None, "dense") and found is not None and found != expect:
+        raise CheckpointError(f"{base}: quantization_config assigns {expect} but the tensors present "
+                              f"({', '.join(f'{base}.{s}:{d}' for s, d in present.items())}) are {found}")
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+def _infer_block(n: int, ns: int) -> int | None:
+    """The power-of-two block b with ceil(n / b) == ns (the smallest), or None."""
+    if ns == n:
+        return 1
+    b = 1
+    while b <= max(n, 1) * 2:
+        if _ceil_div(n, b) == ns:
+            return b
+        b *= 2
+    return None
+
+
+def _block_from_config(qc: dict, base: str, wshape, sshape) -> tuple[int, int]:
+    n, k = wshape[-2:]
+    m = qc["method"]
+    if m == "fp8":
+        bs = _fp8_block_size(qc, base)
+        if bs is not None:
+            return bs
+    elif m == "compressed-tensors":
+        scheme, _, _ = _ct_scheme(qc, base)
+        w = (scheme or {}).get("weights") or {}
+        if w.get("strategy") == "channel":
+            return (1, k)
+        bs = w.get("block_structure")
+        if bs is not None:
+            if (not isinstance(bs, (list, tuple)) or len(bs) != 2
+                    or not all(isinstance(b, int) and b > 0 for b in bs)):
+                raise CheckpointError(f"{base}: unsupported compressed-tensors block_structure {bs!r}")
+            return tuple(bs)
+    elif m == "modelopt":
+        algo, params = _modelopt_algo(qc, base)
+        if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+            return (1, k)
+        if params.get("block_size") or params.get("weight_block_size"):
+            return tuple(params.get("block_size") or params.get("weight_block_size"))
+    if len(sshape) < 2:
+        raise CheckpointError(f"{base}: fp8 block scale of shape {list(sshape)} for weight {list(wshape)} "
+                              f"and no block size in quantization_config")
+    bn, bk = _infer_block(n, sshape[-2]), _infer_block(k, sshape[-1])
+    if bn is None or bk is None:
+        raise CheckpointError(f"{base}: cannot infer the fp8 block size from weight {list(wshape)} and scale "
+                              f"{list(sshape)}; set quantization_config.weight_block_size")
+    return (bn, bk)
+
+
+def load_quantized(base: str, fetch: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
+                   format: str, cfg: Mapping | None = None, *, names=None,
+                   shape: Sequence[int] | None = None) -> QuantizedTensor:
+    """Reads weight `base` of `format` (from resolve_format) into a QuantizedTensor.
+
+    fetch(name) -> Tensor reads one checkpoint tensor; a Mapping or a WeightStore works too. A
+    missing tensor is signalled by KeyError or None, or by its absence from `names` (anything
+    supporting `in`: a set of the names present; taken from `fetch` itself when it supports `in`).
+    cfg is the quantization_config (for the fp8 block size; inferred from the shapes when absent).
+    `shape` optionally checks the logical [.., N, K] shape."""
+    base = _strip_weight(base)
+    qc = _qconfig(cfg)
+    if names is None and hasattr(fetch, "__contains__") and hasattr(fetch, "get"):
+        names = fetch  # a Mapping, or a WeightStore (`in` + `get`)
+    getter = fetch.get if hasattr(fetch, "get") else fetch
+
+    def opt(suffix):
+        key = f"{base}.{suffix}"
+        if names is not None and key not in names:
+            return None
+        try:
+            return getter(key)
+        except KeyError:
+            return None
+
+    def req(*suffixes):
+        for s in suffixes:
+            t = opt(s)
+            if t is not None:
+                return t, f"{base}.{s}"
+        raise CheckpointError(f"{base}.{suffixes[0]} is missing (needed by the {format} weight {base}"
+                              + (f"; also looked for {', '.join(base + '.' + s for s in suffixes[1:])}"
+                                 if len(suffixes) > 1 else "") + ")")
+
+    if format == "fp8_block":
+        w, wn = req("weight")
+        s, sn = req("weight_scale_inv", "scale", "weight_scale")
+        block = _block_from_config(qc, base, w.shape, s.shape)
+        return QuantizedTensor("fp8_block", w, s, block=block, input_scale=opt("input_scale"), shape=shape,
+                               name=base, tensor_names={"codes": wn, "scale": sn})
+    if format == "fp8_tensor":
+        w, wn = req("weight")
+        s, sn = req("weight_scale", "weight_scale_inv", "scale")
+        return QuantizedTensor("fp8_tensor", w, s, input_scale=opt("input_scale"), shape=shape, name=base,
+                               tensor_names={"codes": wn, "scale": sn})
+    if format == "mxfp4":
+        w, wn = req("weight_packed", "weight")
+        s, sn = req("weight_scale") if wn.endswith("weight_packed") else req("scale", "weight_scale")
+        return QuantizedTensor("mxfp4", w, s, shape=shape, name=base, tensor_names={"codes": wn, "scale": sn})
+    if format == "nvfp4":
+        packed = opt("weight_packed")
+        if packed is not None:  # compressed-tensors: the global scale divides
+            s, sn = req("weight_scale")
+            g, gn = req("weight_global_scale")
+            return QuantizedTensor("nvfp4", packed, s, global_scale=g, global_divides=True,
+                                   input_scale=opt("input_global_scale"), shape=shape, name=base,
+                                   tensor_names={"codes": f"{base}.weight_packed", "scale": sn, "global_scale": gn})
+        w, wn = req("weight")  # ModelOpt: weight_scale_2 multiplies
+        s, sn = req("weight_scale")
+        g, gn = req("weight_scale_2")
+        return QuantizedTensor("nvfp4", w, s, global_scale=g, global_divides=False,
+                               input_scale=opt("input_scale"), shape=shape, name=base,
+                               tensor_names={"codes": wn, "scale": sn, "global_scale": gn})
+    raise CheckpointError(f"{base}: unknown quantized format {format!r} (one of {', '.join(FORMATS)})")
+
+
+def from_suffix_dict(tensors: Mapping[str, torch.Tensor], cfg: Mapping | None = None,
+                     name: str = "weight", format: str | None = None) -> QuantizedTensor:
+    """A QuantizedTensor from an encoder's output ({"weight_packed": .., "weight_scale": ..}, the
+    suffixes of one checkpoint weight); the format is resolved from the dtypes when not given."""
+    full = {f"{name}.{k}": v for k, v in tensors.items()}
+    if format is None:
+        format = resolve_format(cfg, {k: v.dtype for k, v in full.items()}, name)
+        if format is None:
+            raise CheckpointError(f"{name}: {sorted(tensors)} is a dense weight, not a quantized one")
+    return load_quantized(name, full, format, cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Encoders (checkpoint writers of the tests; runtime quantisation)
+# --------------------------------------------------------------------------------------------
+
+def _check_2d(w: torch.Tensor, what: str):
+    if w.ndim != 2:
+        raise ValueError(f"{what} quantizes one [N, K] matrix, got {list(w.shape)}; stack experts afterwards")
+
+
+def quantize_fp8_block(w: torch.Tensor, block: Sequence[int] = (128, 128), scale_fmt: str = "float",
+                       naming: str = "hf") -> dict[str, torch.Tensor]:
+    """E4M3 codes + one scale per block (scale = amax/448; 'ue8m0': the power of two >= that,
+    amax floored at 1e-4, stored as float8_e8m0fnu). naming: 'hf' -> weight + weight_scale_inv,
+    'deepseek' -> weight + scale, 'compressed-tensors' -> weight + weight_scale."""
+    _check_2d(w, "quantize_fp8_block")
+    bn, bk = block
+    n, k = w.shape
+    nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
+    wf = w.float()
+    pad = F.pad(wf.abs(), (0, kb * bk - k, 0, nb * bn - n))
+    amax = pad.view(nb, bn, kb, bk).amax(dim=(1, 3))
+    if scale_fmt == "ue8m0":
+        e = pow2_ceil_e8m0(amax.clamp_min(1e-4) / E4M3_MAX)
+        s_store = e.view(torch.float8_e8m0fnu)
+        s = e8m0_to_float(e)
+    elif scale_fmt == "float":
+        s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        s_store = s
+    else:
+        raise ValueError(f"scale_fmt must be 'float' or 'ue8m0', not {scale_fmt!r}")
+    full = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    q = float_to_e4m3(wf / full)
+    sname = {"hf": "weight_scale_inv", "deepseek": "scale", "compressed-tensors": "weight_scale"}.get(naming)
+    if sname is None:
+        raise ValueError(f"naming must be 'hf', 'deepseek' or 'compressed-tensors', not {naming!r}")
+    return {"weight": q, sname: s_store}
+
+
+def quantize_fp8_tensor(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """E4M3 codes + one fp32 multiplier (amax/448), ModelOpt naming: weight + weight_scale."""
+    _check_2d(w, "quantize_fp8_tensor")
+    amax = w.float().abs().amax()
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).reshape(())
+    return {"weight": float_to_e4m3(w.float() / s), "weight_scale": s}
+
+
+def quantize_mxfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[str, torch.Tensor]:
+    """E2M1 codes (round to nearest, ties to even) with one E8M0 scale per 32 inputs,
+    scale = pow2_ceil(amax / 6) (amax floored at 6*2^-126), so no value clips.
+    naming 'compressed-tensors' -> weight_packed U8 + weight_scale U8;
+    'deepseek' -> weight I8 + scale F8_E8M0."""
+    _check_2d(w, "quantize_mxfp4")
+    n, k = w.shape
+    if k % MXFP4_GROUP:
+        raise ValueError(f"mxfp4 needs K % 32 == 0, got {k}")
+    g = w.float().view(n, k // MXFP4_GROUP, MXFP4_GROUP)
+    amax = g.abs().amax(-1).clamp_min(E2M1_MAX * 2.0**-126)
+    e = pow2_ceil_e8m0(amax / E2M1_MAX)
+    codes = float_to_e2m1_codes(g / e8m0_to_float(e)[..., None]).view(n, k)
+    packed = pack_fp4_codes(codes)
+    if naming == "compressed-tensors":
+        return {"weight_packed": packed, "weight_scale": e}
+    if naming == "deepseek":
+        return {"weight": packed.view(torch.int8), "scale": e.view(torch.float8_e8m0fnu)}
+    raise ValueError(f"naming must be 'compressed-tensors' or 'deepseek', not {naming!r}")
+
+
+def quantize_nvfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[str, torch.Tensor]:
+    """E2M1 codes with one E4M3 scale per 16 inputs and an fp32 global scale chosen so the largest
+    group scale lands on 448: ModelOpt weight_scale_2 = amax/(448*6) (multiplier);
+    compressed-tensors weight_global_scale = 448*6/amax (divisor). Codes are rounded against the
+    effective scale exactly as the decoder applies it."""
+    _check_2d(w, "quantize_nvfp4")
+    n, k = w.shape
+    if k % NVFP4_GROUP:
+        raise ValueError(f"nvfp4 needs K % 16 == 0, got {k}")
+    g = w.float().view(n, k // NVFP4_GROUP, NVFP4_GROUP)
+    amax_t = g.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+    gmax = g.abs().amax(-1)
+    if naming == "compressed-tensors":
+        gs = (E4M3_MAX * E2M1_MAX / amax_t).reshape(1)
+        s = float_to_e4m3(gmax / E2M1_MAX * gs)
+        eff = s.float() / gs
+    elif naming == "modelopt":
+        gs = (amax_t / (E4M3_MAX * E2M1_MAX)).reshape(())
+        s = float_to_e4m3(gmax / E2M1_MAX / gs)
+        eff = s.float() * gs
+    else:
+        raise ValueError(f"naming must be 'compressed-tensors' or 'modelopt', not {naming!r}")
+    safe = torch.where(eff > 0, eff, torch.ones_like(eff))
+    x = torch.where(eff[..., None] > 0, g / safe[..., None], torch.zeros_like(g))
+    packed = pack_fp4_codes(float_to_e2m1_codes(x).view(n, k))
+    if naming == "compressed-tensors":
+        return {"weight_packed": packed, "weight_scale": s, "weight_global_scale": gs.float()}
+    return {"weight": packed, "weight_scale": s, "weight_scale_2": gs.float()}
