@@ -24,9 +24,11 @@ def main(argv=None) -> int:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--device", default="cpu")
+    g.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
     i = sub.add_parser("inspect", help="describe a checkpoint (config.json alone is enough)")
     i.add_argument("model")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--precision", default=None, help="show how this precision schedule resolves")
     args = ap.parse_args(argv)
     try:
         return {"generate": _generate, "inspect": _inspect}[args.cmd](args)
@@ -43,7 +45,7 @@ def _generate(args) -> int:
     from .demo import is_demo
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, precision=args.precision)
     if is_demo(llm.raw_config):
         print(f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
               "the text below is noise, not a language model's answer.", file=sys.stderr)
@@ -75,7 +77,7 @@ def _inspect(args) -> int:
     from .inspect import format_text, inspect_checkpoint
     from .llm import resolve_model_path
 
-    info = inspect_checkpoint(resolve_model_path(args.model))
+    info = inspect_checkpoint(resolve_model_path(args.model), precision=args.precision)
     print(json.dumps(info, indent=1) if args.json else format_text(info))
     return 0
 

@@ -9,10 +9,11 @@ from .config import family_for
 from .demo import is_demo
 from .errors import CheckpointError
 from .weights.contract import plan_load
+from .weights.precision import PrecisionSchedule
 from .weights.store import WeightStore
 
 
-def inspect_checkpoint(path: str | Path, kv_dtype_bytes: int = 2) -> dict:
+def inspect_checkpoint(path: str | Path, kv_dtype_bytes: int = 2, precision: str | None = None) -> dict:
     store = WeightStore(path, require_files=False)
     family, raw = family_for(store.config, store.layout)
     cfg = family.parse_config(raw, store.layout)
@@ -47,10 +48,12 @@ def inspect_checkpoint(path: str | Path, kv_dtype_bytes: int = 2) -> dict:
         "random_weights_demo": is_demo(store.config),
     }
     info.update(family.facts(cfg) if hasattr(family, "facts") else {})
+    info["precision"] = PrecisionSchedule.parse(precision).describe(specs)
     if store.infos and not store.unread:
         try:
-            plan_load(specs, store, family.namings(cfg, store.layout, store.names()))
+            plan = plan_load(specs, store, family.namings(cfg, store.layout, store.names()))
             info["contract"] = "ok"
+            info["quantized_formats"] = dict(Counter(plan.quantized.values()))
         except CheckpointError as e:
             info["contract"] = str(e)
     else:
@@ -81,7 +84,9 @@ def format_text(info: dict) -> str:
         if k not in {"path", "family", "model_type", "layout", "num_layers", "layer_schedule", "params_by_role",
                      "params_total", "tensor_count", "tensor_count_source", "weight_formats", "kv_dtype_bytes",
                      "max_context", "state_bytes_per_token", "state_bytes_per_sequence",
-                     "state_bytes_fixed_per_sequence", "random_weights_demo", "contract"}:
+                     "state_bytes_fixed_per_sequence", "random_weights_demo", "contract", "precision"}:
             lines.append(f"  {k}: {v}")
+    if any(v != "inherit" for v in info["precision"].values()):
+        lines.append(f"  precision: {info['precision']}")
     lines.append(f"  contract: {info['contract']}")
     return "\n".join(lines)

@@ -37,11 +37,12 @@ def resolve_model_path(model: str | Path) -> Path:
 
 class LLM:
     def __init__(self, model: str | Path = DEMO_NAME, dtype="bfloat16", device="cpu", max_num_seqs: int = 32,
-                 max_batch_tokens: int = 1024, max_state_bytes: int | None = None):
+                 max_batch_tokens: int = 1024, max_state_bytes: int | None = None, precision: str | None = None):
+        """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py)."""
         self.path = resolve_model_path(model)
         ckpt = Checkpoint.open(self.path)
         self.family, self.cfg, self.raw_config = ckpt.family, ckpt.cfg, ckpt.raw
-        self.model = ckpt.build(dtype, device)
+        self.model = ckpt.build(dtype, device, precision)
         self.dtype, self.device = self.model.dtype, device
         self.tokenizer = load_tokenizer(self.path, ckpt.store.config, self.cfg.eos_token_ids)
         eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointError
+from .precision import PrecisionSchedule
+from .quant import COMPANION_SUFFIXES, ConcatRows, QuantizedTensor, load_quantized, quantize_fp8_block, from_suffix_dict, resolve_format
 from .store import WeightStore
 
 
@@ -27,15 +29,27 @@ class TensorSpec:
     layer: int | None = None
     optional: bool = False
     keep_fp32: bool = False  # kept in fp32 whatever the model dtype (norm gains, routers where the reference does)
+    dense: bool = False  # used other than through `linear` (views, einsums): dequantized at load if stored packed
+
+
+def shape_matches(got, want) -> bool:
+    """`want` may hold -1 for a size the config does not fix (e.g. Kimi K3's A_log, stored wider
+    than its head count)."""
+    return len(got) == len(want) and all(w == -1 or g == w for g, w in zip(got, want))
 
 
 @dataclass
 class Source:
-    """Checkpoint tensors (name, expected shape) and how they combine into the model's tensor."""
+    """Checkpoint tensors (name, expected shape; -1 = any size) and how they combine into the model's tensor."""
 
     parts: list[tuple[str, tuple[int, ...]]]
     combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
     split: Callable[[torch.Tensor], list[torch.Tensor]] | None = None  # the inverse, for checkpoint writers
+
+
+# Roles whose weights may stay packed when the checkpoint stores them quantized (they are only
+# used through `linear`). Anything else, or a spec marked dense, is dequantized at load.
+PACKABLE_ROLES = {"expert", "shared_expert", "mlp", "attention", "lm_head", "mamba", "linear_attention"}
 
 
 def direct(name: str, shape) -> Source:
@@ -44,14 +58,26 @@ def direct(name: str, shape) -> Source:
 
 def stacked(names: list[str], shape) -> Source:
     """One checkpoint tensor per expert, stacked along a new leading dim."""
-    return Source([(n, tuple(shape)) for n in names], lambda ts: torch.stack(ts), lambda t: list(t.unbind(0)))
+    return Source([(n, tuple(shape)) for n in names], _stack_any, lambda t: list(t.unbind(0)))
 
 
 def stacked_pairs(first: list[str], second: list[str], shape) -> Source:
     """Per-expert (a, b) tensors concatenated along rows, then stacked: gate|up fusions."""
     parts = [p for a, b in zip(first, second) for p in ((a, tuple(shape)), (b, tuple(shape)))]
-    return Source(parts, lambda ts: torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)]),
-                  lambda t: [half for e in t.unbind(0) for half in e.chunk(2)])
+    return Source(parts, _stack_pairs, lambda t: [half for e in t.unbind(0) for half in e.chunk(2)])
+
+
+def _stack_any(ts: list):
+    if all(isinstance(t, torch.Tensor) for t in ts):
+        return torch.stack(ts)
+    return QuantizedTensor.stack(ts)
+
+
+def _stack_pairs(ts: list):
+    if all(isinstance(t, torch.Tensor) for t in ts):
+        return torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)])
+    # quantized parts keep their own scales: stack each half, read them as one fused weight
+    return ConcatRows([_stack_any(ts[0::2]), _stack_any(ts[1::2])])
 
 
 @dataclass
@@ -72,6 +98,29 @@ class LoadPlan:
     sources: dict[str, Source]  # model tensor name -> where it comes from
     specs: dict[str, TensorSpec]
     skipped_optional: list[str]
+    quantized: dict[str, str] = field(default_factory=dict)  # checkpoint part name -> quantized format
+    quant_config: dict | None = None
+
+
+def quantization_config(store: WeightStore) -> dict | None:
+    """config.json's `quantization_config` (also in a nested text_config), or Mistral's `quantization`."""
+    c = store.config
+    return c.get("quantization_config") or (c.get("text_config") or {}).get("quantization_config") \
+        or c.get("quantization")
+
+
+def _base(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _quant_format(store: WeightStore, name: str, qc, dtypes) -> str | None:
+    """The quantized format of checkpoint weight `name`, or None when it is stored dense."""
+    base = _base(name)
+    has_companion = any(f"{base}.{s}" in store for s in COMPANION_SUFFIXES)
+    packed_weight = name in store and store.info(name).dtype in ("U8", "I8", "F8_E4M3")
+    if not (has_companion or packed_weight):
+        return None
+    return resolve_format(qc, dtypes, base)
 
 
 def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> LoadPlan:
@@ -79,9 +128,21 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
     sources: dict[str, Source] = {}
     used: set[str] = set()
     skipped: list[str] = []
+    quantized: dict[str, str] = {}
+    qc = quantization_config(store)
+    dtypes = {n: (i.dtype, i.shape) for n, i in store.infos.items()}
     for spec in specs:
         src = naming.source(spec)
-        absent = [n for n, _ in src.parts if n not in store]
+        formats = {}
+        for n, shape in src.parts:
+            try:
+                fmt = _quant_format(store, n, qc, dtypes)
+            except CheckpointError as e:
+                problems.append(f"bad quantized weight: {e}")
+                fmt = "bad"
+            if fmt:
+                formats[n] = fmt
+        absent = [n for n, _ in src.parts if n not in store and n not in formats]
         if absent:
             if spec.optional and len(absent) == len(src.parts):
                 skipped.append(spec.name)
@@ -90,10 +151,20 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
             problems.append(f"missing: {shown} (for {spec.name}, shape {list(spec.shape)})")
             continue
         for n, shape in src.parts:
-            got = store.info(n).shape
-            if tuple(got) != tuple(shape):
-                problems.append(f"misshaped: {n} is {list(got)}, expected {list(shape)}")
-        used.update(n for n, _ in src.parts)
+            fmt = formats.get(n)
+            if fmt is None:
+                got = store.info(n).shape
+                if not shape_matches(got, shape):
+                    problems.append(f"misshaped: {n} is {list(got)}, expected {list(shape)}")
+                used.add(n)
+            elif fmt != "bad":
+                base = _base(n)
+                try:  # builds views only: checks companions, dtypes and the logical shape
+                    load_quantized(base, lambda k: store.get(k, count=False), fmt, qc, names=store, shape=shape)
+                except CheckpointError as e:
+                    problems.append(f"bad quantized weight: {e}")
+                used.update(f"{base}.{s}" for s in ("weight",) + COMPANION_SUFFIXES if f"{base}.{s}" in store)
+                quantized[n] = fmt
         sources[spec.name] = src
     unexpected = [n for n in store.names() if n not in used and not naming.ignores(n)]
     for n in unexpected[:20]:
@@ -105,22 +176,71 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
             f"checkpoint {store.folder} does not match the {naming.name} naming of this model "
             f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
         )
-    return LoadPlan(sources, {s.name: s for s in specs}, skipped)
+    return LoadPlan(sources, {s.name: s for s in specs}, skipped, quantized, qc)
 
 
-def load_tensors(plan: LoadPlan, store: WeightStore, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """Reads each planned checkpoint tensor once and converts it to the model's dtype/device."""
+def load_tensors(plan: LoadPlan, store: WeightStore, dtype: torch.dtype, device,
+                 schedule: PrecisionSchedule | None = None) -> dict:
+    """Reads each planned checkpoint tensor once and converts it as the spec and the precision
+    schedule say. Quantized weights of packable roles stay packed (codes and scales copied out of
+    the mmap, never dequantized as a whole); the rest become dense tensors."""
+    schedule = schedule or PrecisionSchedule()
     out = {}
     for name, src in plan.sources.items():
         spec = plan.specs[name]
-        target = torch.float32 if spec.keep_fp32 else dtype
-        parts = [store.get(n) for n, _ in src.parts]
-        if src.combine is None:
-            t = parts[0].to(device=device, dtype=target, copy=True)
+        want = schedule.dtype_for(spec.layer, spec.role)
+        packable = spec.role in PACKABLE_ROLES and not spec.dense and not spec.keep_fp32 and len(spec.shape) >= 2
+        if spec.keep_fp32:
+            target = torch.float32
+        elif isinstance(want, torch.dtype) or want in ("inherit", "fp8"):
+            target = dtype if want in ("inherit", "fp8") else want
         else:
-            t = src.combine([p.to(device=device, dtype=target) for p in parts])
+            target = _precision_dtype(want)
+        # Parts that are combined (stacked experts) stay views of the file mapping until the
+        # combine copies them once; a single part is copied here. Either way one copy per tensor.
+        combined = src.combine is not None
+        parts = []
+        for n, shape in src.parts:
+            fmt = plan.quantized.get(n)
+            if fmt is None:
+                t = store.get(n)
+                parts.append(t if combined else t.to(device=device, dtype=target, copy=True))
+                continue
+            q = load_quantized(_base(n), store.get, fmt, plan.quant_config, names=store, shape=shape)
+            if packable and want in ("inherit", "fp8"):
+                parts.append(q if combined else _own(q, device))
+            else:  # small tensor or an explicit float precision: dense at load
+                parts.append(q.dequantize(target).to(device))
+        t = parts[0] if not combined else src.combine(parts)
+        if combined:
+            t = t.to(device=device, dtype=target) if isinstance(t, torch.Tensor) else t.to(device)
+        if want == "fp8" and packable and isinstance(t, torch.Tensor):
+            t = _to_fp8(t, name)
         out[name] = t
     return out
+
+
+def _precision_dtype(want: str) -> torch.dtype:
+    from .precision import DTYPES
+
+    return DTYPES[want]
+
+
+def _own(q: QuantizedTensor, device) -> QuantizedTensor:
+    """The packed codes and scales copied out of the file mapping (the checkpoint may go away)."""
+    cp = lambda t: None if t is None else t.to(device=device, copy=True)  # noqa: E731
+    return q._replace(codes=cp(q.codes), scale=cp(q.scale), global_scale=cp(q.global_scale),
+                      input_scale=cp(q.input_scale))
+
+
+_FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def _to_fp8(t: torch.Tensor, name: str) -> QuantizedTensor:
+    """Runtime FP8 (E4M3, 128x128 block scales) of a dense weight; stacked experts one at a time."""
+    if t.dim() == 2:
+        return from_suffix_dict(quantize_fp8_block(t.float(), (128, 128)), _FP8_CONFIG, name=_base(name), format="fp8_block")
+    return QuantizedTensor.stack([_to_fp8(x, f"{name}[{i}]") for i, x in enumerate(t.unbind(0))], name=name)
 
 
 def to_checkpoint(specs: list[TensorSpec], naming: Naming, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ import torch
 from ..config import family_for
 from ..errors import ConfigError
 from .contract import LoadPlan, load_tensors, plan_load
+from .precision import PrecisionSchedule
 from .store import WeightStore
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -41,7 +42,9 @@ class Checkpoint:
         naming = self.family.namings(self.cfg, self.store.layout, self.store.names())
         return plan_load(self.family.tensor_specs(self.cfg), self.store, naming)
 
-    def build(self, dtype="float32", device="cpu"):
+    def build(self, dtype="float32", device="cpu", precision: PrecisionSchedule | str | None = None):
         dt = parse_dtype(dtype)
-        tensors = load_tensors(self.plan(), self.store, dt, device)
+        if not isinstance(precision, PrecisionSchedule):
+            precision = PrecisionSchedule.parse(precision)
+        tensors = load_tensors(self.plan(), self.store, dt, device, precision)
         return self.family.Model(self.cfg, tensors, dt, device)

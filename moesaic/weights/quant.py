@@ -502,6 +502,7 @@ _TORCH_TO_ST = {"float32": "F32", "float": "F32", "bfloat16": "BF16", "float16":
 _FLOAT_ST = ("F32", "BF16", "F16", "F64")
 _COMPANIONS = ("weight_packed", "weight_scale", "weight_scale_inv", "scale", "weight_global_scale",
                "weight_scale_2", "input_scale", "input_global_scale")
+COMPANION_SUFFIXES = _COMPANIONS  # tensors besides `.weight` that make a weight quantized
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "scale", "weight_global_scale", "weight_scale_2")
 
 
@@ -1016,3 +1017,39 @@ def quantize_nvfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[
     if naming == "compressed-tensors":
         return {"weight_packed": packed, "weight_scale": s, "weight_global_scale": gs.float()}
     return {"weight": packed, "weight_scale": s, "weight_scale_2": gs.float()}
+
+
+class ConcatRows:
+    """Several weights [.., N_i, K] used as one [.., ΣN_i, K]: the fused gate|up of experts whose
+    parts are quantized separately (each part keeps its own scales; nothing is re-packed)."""
+
+    def __init__(self, parts: Sequence):
+        self.parts = list(parts)
+        lead = tuple(self.parts[0].shape[:-1])
+        self.shape = torch.Size(lead[:-1] + (sum(p.shape[-2] for p in self.parts), self.parts[0].shape[-1]))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes if hasattr(p, "nbytes") and not isinstance(p, torch.Tensor)
+                   else p.numel() * p.element_size() for p in self.parts)
+
+    def __getitem__(self, i) -> "ConcatRows":
+        return ConcatRows([p[i] for p in self.parts])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x) if not isinstance(p, torch.Tensor) else x @ p.transpose(-1, -2)
+                          for p in self.parts], dim=-1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) if not isinstance(p, torch.Tensor) else p.to(dtype)
+                          for p in self.parts], dim=-2)
+
+    def to(self, device) -> "ConcatRows":
+        return ConcatRows([p.to(device) for p in self.parts])
+
+    def __repr__(self) -> str:
+        return f"ConcatRows({self.parts!r})"

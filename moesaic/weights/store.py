@@ -143,16 +143,18 @@ class WeightStore:
         except KeyError:
             raise CheckpointError(f"tensor {name!r} is not in the checkpoint {self.folder}") from None
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor, backed by the file's mmap (no copy). Callers copy/convert as they need."""
+    def get(self, name: str, count: bool = True) -> torch.Tensor:
+        """The tensor, backed by the file's mmap (no copy). Callers copy/convert as they need.
+        count=False is for validation that looks at shapes only (it is not a read)."""
         info = self.info(name)
         mm = self._maps.get(info.file)
         if mm is None:
             with open(info.file, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             self._maps[info.file] = mm
-        self.bytes_read += info.nbytes
-        self.reads[name] = self.reads.get(name, 0) + 1
+        if count:
+            self.bytes_read += info.nbytes
+            self.reads[name] = self.reads.get(name, 0) + 1
         dtype = DTYPES[info.dtype]
         numel = 1
         for s in info.shape:
