@@ -1,6 +1,8 @@
-"""The built-in demo model: a tiny Mistral-Small-4-shaped checkpoint with RANDOM weights from a
-fixed seed and a byte-level tokenizer, written on first use into a cache folder. It exercises the
-whole engine without downloading anything; its text is noise, and it says so."""
+"""The built-in demo models: tiny checkpoints of each family with RANDOM weights from a fixed seed
+and a byte-level tokenizer, written on first use into a cache folder in the family's release
+naming (and, for the `-nvfp4` ones, its quantized release format). They exercise the whole engine
+without downloading anything; their text is noise, and they say so. `demo` (the default model) is
+Mistral-Small-4-shaped."""
 
 from __future__ import annotations
 
@@ -50,7 +52,27 @@ DEMO_CONFIG = {
     "pad_token_id": 0,
     "torch_dtype": "float32",
     "moesaic_tokenizer": "bytes",
-    "moesaic_demo": {"random_weights": True, "seed": 0, "version": DEMO_VERSION},
+}
+
+
+NEMOTRON_DEMO_CONFIG = {
+    "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": 259, "hidden_size": 128,
+    "layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba", "moe"], "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "mamba_num_heads": 8, "mamba_head_dim": 32,
+    "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 32, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 128,
+    "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "moesaic_tokenizer": "bytes",
+}
+
+# name -> (config, quantization: (regex of release tensor names, writer format) or None)
+DEMOS: dict[str, tuple[dict, tuple[str, str] | None]] = {
+    "demo": (DEMO_CONFIG, None),
+    # Mistral's NVFP4 release is in its native layout (params.json + consolidated, per-expert tensors)
+    "demo-mistral4-nvfp4": (DEMO_CONFIG, (r"layers\.\d+\.(experts\.\d+|shared_experts)\.w[123]\.weight", "nvfp4")),
+    "demo-nemotron-h": (NEMOTRON_DEMO_CONFIG, None),
+    "demo-nemotron-h-nvfp4": (NEMOTRON_DEMO_CONFIG,
+                              (r"backbone\.layers\.\d+\.mixer\.(experts\.\d+|shared_experts)\.\w+\.weight", "nvfp4-modelopt")),
 }
 
 
@@ -58,8 +80,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOESAIC_CACHE", Path.home() / ".cache" / "moesaic"))
 
 
-def demo_path() -> Path:
-    return cache_dir() / f"demo-mistral4-v{DEMO_VERSION}"
+def demo_path(name: str = DEMO_NAME) -> Path:
+    return cache_dir() / f"{name}-v{DEMO_VERSION}"
+
+
+def is_demo_name(name: str) -> bool:
+    return str(name) in DEMOS
 
 
 def random_tensors(specs, seed: int) -> dict[str, torch.Tensor]:
@@ -74,20 +100,39 @@ def random_tensors(specs, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def ensure_demo() -> Path:
-    """The demo checkpoint folder, written (atomically) the first time."""
-    path = demo_path()
-    if (path / "model.safetensors").exists():
-        return path
-    from .models import mistral4
-    from .weights.store import save_safetensors
+def ensure_demo(name: str = DEMO_NAME) -> Path:
+    """The demo checkpoint folder `name` (one of DEMOS), written (atomically) the first time, in the
+    release naming of its family and, for the quantized ones, the release's quantized format."""
+    import importlib
 
-    cfg = mistral4.parse_config(DEMO_CONFIG)
-    tensors = random_tensors(mistral4.tensor_specs(cfg), seed=DEMO_CONFIG["moesaic_demo"]["seed"])
+    from .config import FAMILIES
+    from .weights.contract import to_checkpoint
+    from .weights.store import save_safetensors
+    from .weights.writers import quantize_checkpoint
+
+    path = demo_path(name)
+    if (path / "config.json").exists() or (path / "params.json").exists():
+        return path
+    config, quant = DEMOS[name]
+    config = dict(config, moesaic_demo={"random_weights": True, "seed": 0, "version": DEMO_VERSION, "name": name})
+    family = importlib.import_module(FAMILIES[config["model_type"]])
+    cfg = family.parse_config(config)
+    specs = family.tensor_specs(cfg)
+    native = quant is not None and config["model_type"] == "mistral4"
+    naming = family.native_naming(cfg) if native else family.namings(cfg, "hf", [])
+    tensors = to_checkpoint(specs, naming, random_tensors(specs, seed=0))
+    if quant:
+        tensors, config["quantization_config"] = quantize_checkpoint(tensors, *quant)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".demo-"))
-    save_safetensors(tensors, tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=1))
+    if native:  # params.json carries what the native layout cannot say (demo marker, byte tokenizer)
+        params = dict(family.params_json(config), quantization_config=config["quantization_config"],
+                      moesaic_tokenizer="bytes", moesaic_demo=config["moesaic_demo"])
+        save_safetensors(tensors, tmp / "consolidated.safetensors")
+        (tmp / "params.json").write_text(json.dumps(params, indent=1))
+    else:
+        save_safetensors(tensors, tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
     try:
         tmp.rename(path)
     except OSError:  # another process wrote it first

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .demo import DEMO_NAME, ensure_demo
+from .demo import DEMO_NAME, DEMOS, ensure_demo, is_demo_name
 from .engine.batch import ForwardBatch
 from .engine.engine import Engine, Sequence, check_prompt
 from .engine.sampler import SamplingParams
@@ -26,12 +26,12 @@ class RequestOutput:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    if str(model) == DEMO_NAME:
-        return ensure_demo()
+    if is_demo_name(str(model)):
+        return ensure_demo(str(model))
     path = Path(model)
     if not path.exists():
         raise CheckpointError(f"{model}: no such checkpoint folder (moesaic reads local folders only; "
-                              f"use '{DEMO_NAME}' for the built-in demo model)")
+                              f"built-in demo models: {', '.join(DEMOS)})")
     return path
 
 
