@@ -19,6 +19,8 @@ from .errors import ConfigError
 
 FAMILIES = {
     "mistral4": "moesaic.models.mistral4",
+    "glm5_next": "moesaic.models.glm5next",
+    "glm5_next_text": "moesaic.models.glm5next",
     "nemotron_h": "moesaic.models.nemotron_h",
 }
 

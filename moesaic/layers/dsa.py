@@ -1,0 +1,151 @@
+"""DeepSeek Sparse Attention with GLM-5.3's k-pool lightning indexer, over a NoPE MLA latent cache.
+
+reference/glm5next.md §5. Per sequence, with P = index_kpool and tokens at positions 0..T-1:
+
+Indexer (on "full" layers; "shared" layers reuse the previous full layer's selection):
+    k_j    = LayerNorm(x_j W_kᵀ; weight, bias, eps 1e-6)        cached per token (model dtype)
+    z_j    = x_j Gᵀ                                             cached per token: the pool gate scores
+    pool p = tokens [pP, (p+1)P); only complete pools exist
+    K_p    = Σ_{j∈p} softmax_j(z_j + ape_j) ⊙ k_j               per-channel softmax over the P slots, fp32
+    s(t,p) = Σ_h w_t[h] · ReLU(q_t[h]·K_p · c_I^-0.5)           w_t = (x_t W_wᵀ) · n_I^-0.5, q = qr W_q_bᵀ
+    pool p is a candidate for query t iff its last token (p+1)P − 1 <= t
+    the top min(topk // P, #candidates) candidates are selected, plus the tail: the (t+1) mod P
+    newest tokens, which no complete pool holds yet (when `always_select_tail`).
+
+Attention: NoPE MLA over the cached latent c (k_h | v_h = c W_kv_bᵀ), softmax in fp32 over the
+selected tokens only, scale = qk_nope_head_dim^-0.5. With the tail on (the release), every query
+has at least one key. Without it, a query before the first complete pool has none and gets 0
+here; transformers' finfo.min mask gives it a uniform average over the whole cache instead.
+
+A selection is a LongTensor [n, width] of token indices, -1 padded, width = topk + P − 1 with the
+tail (topk without): the selected pools' tokens first, then the tail. It is what shared layers
+receive, and what a GPU kernel gathers by.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
+
+
+def selection_width(index_topk: int, kpool: int, always_select_tail: bool) -> int:
+    return index_topk + (kpool - 1 if always_select_tail else 0)
+
+
+def indexer_keys(x: Tensor, wk: Tensor, k_norm_weight: Tensor, k_norm_bias: Tensor, gate: Tensor) -> tuple[Tensor, Tensor]:
+    """The per-token indexer cache rows of x [n, d]: (k [n, c_I], z [n, c_I]) in x's dtype."""
+    k = F.layer_norm(F.linear(x, wk), (wk.shape[0],), k_norm_weight, k_norm_bias, INDEXER_NORM_EPS)
+    return k, F.linear(x, gate)
+
+
+def pool_keys(k: Tensor, z: Tensor, ape: Tensor) -> Tensor:
+    """Pooled keys [T // P, c_I] of the complete pools of k, z [T, c_I] (P = ape.shape[0]): the
+    per-channel softmax of z + ape over each pool's P slots in fp32, rounded to k's dtype, then
+    the weighted sum of the pool's keys."""
+    P, c = ape.shape
+    n_pools = k.shape[0] // P
+    kp = k[: n_pools * P].view(n_pools, P, c)
+    logits = z[: n_pools * P].view(n_pools, P, c).float() + ape.float()
+    return (torch.softmax(logits, dim=1).to(k.dtype) * kp).sum(dim=1)
+
+
+def index_scores(q: Tensor, weights: Tensor, pooled: Tensor) -> Tensor:
+    """s [n, n_pools] fp32 = Σ_h weights[:, h] · ReLU(q[:, h]·pooled_p · c_I^-0.5).
+    q [n, n_I, c_I], weights [n, n_I] (already scaled by n_I^-0.5), pooled [n_pools, c_I]."""
+    s = torch.relu(torch.matmul(q.float(), pooled.float().T) * q.shape[-1] ** -0.5)  # [n, n_I, n_pools]
+    return torch.matmul(weights.float().unsqueeze(1), s).squeeze(1)
+
+
+def select(scores: Tensor, positions: Tensor, kpool: int, index_topk: int, always_select_tail: bool) -> Tensor:
+    """The selection [n, width] (token indices, -1 padded) of queries at absolute `positions` [n]
+    from their pool scores [n, n_pools]."""
+    n, n_pools = scores.shape
+    dev = scores.device
+    width = selection_width(index_topk, kpool, always_select_tail)
+    out = torch.full((n, width), -1, dtype=torch.long, device=dev)
+    k = min(index_topk // kpool, n_pools)
+    if k:
+        pool_last = (torch.arange(n_pools, device=dev) + 1) * kpool - 1
+        candidate = pool_last[None, :] <= positions[:, None]
+        masked = scores.masked_fill(~candidate, torch.finfo(torch.float32).min)
+        pools = masked.topk(k, dim=-1).indices  # [n, k]
+        ok = candidate.gather(1, pools)
+        tokens = pools[..., None] * kpool + torch.arange(kpool, device=dev)
+        out[:, : k * kpool] = tokens.masked_fill(~ok[..., None], -1).flatten(1)
+    if always_select_tail and kpool > 1:
+        tail_count = (positions + 1) % kpool
+        offs = torch.arange(kpool - 1, device=dev)
+        tail = positions[:, None] + 1 - tail_count[:, None] + offs
+        out[:, index_topk:] = tail.masked_fill(offs[None, :] >= tail_count[:, None], -1)
+    return out
+
+
+def kpool_select(
+    q: Tensor, weights: Tensor, k: Tensor, z: Tensor, ape: Tensor, positions: Tensor, index_topk: int,
+    always_select_tail: bool = True,
+) -> Tensor:
+    """The whole indexer for one sequence: queries q [n, n_I, c_I] and weights [n, n_I] at
+    `positions`, against the cached k, z [T, c_I] of all its tokens (those of this step included)."""
+    pooled = pool_keys(k, z, ape)
+    return select(index_scores(q, weights, pooled), positions, ape.shape[0], index_topk, always_select_tail)
+
+
+def selection_mask(selection: Tensor, num_keys: int) -> Tensor:
+    """Bool [n, num_keys]: which cached tokens each query attends to."""
+    mask = torch.zeros(selection.shape[0], num_keys + 1, dtype=torch.bool, device=selection.device)
+    mask.scatter_(1, torch.where(selection >= 0, selection, num_keys), True)
+    return mask[:, :num_keys]
+
+
+def sparse_mla_attend(
+    q: Tensor,  # [n, H, dn] NoPE queries
+    latent: Tensor,  # [T, kvr] all cached latents of the sequence
+    w_kv_b: Tensor,  # [H * (dn + dv), kvr]
+    v_head_dim: int,
+    scale: float,
+    selection: Tensor,  # [n, width] token indices, -1 padded
+) -> Tensor:  # [n, H, dv]
+    """Attention of each query over its selected tokens only (a query with none selected gets 0).
+    Two exact evaluations, chosen by operation count: `expanded` turns every cached latent into
+    per-head keys and values once and masks (many queries over a short cache); `gathered` takes
+    each query's selected latents and attends in the latent space, W_k absorbed into the query
+    and W_v applied after (decode, and any cache much longer than the selection)."""
+    n, H, dn = q.shape
+    T, kvr = latent.shape
+    W, dv = selection.shape[1], v_head_dim
+    if n * kvr * (2 * W + dn + dv) < T * (dn + dv) * (kvr + n):
+        return attend_gathered(q, latent, w_kv_b, dv, scale, selection)
+    return attend_expanded(q, latent, w_kv_b, dv, scale, selection)
+
+
+def attend_expanded(q, latent, w_kv_b, dv, scale, selection):
+    n, H, dn = q.shape
+    T = latent.shape[0]
+    kv = F.linear(latent, w_kv_b).view(T, H, dn + dv).transpose(0, 1)  # [H, T, dn+dv]
+    k, v = kv[..., :dn], kv[..., dn:]
+    mask = selection_mask(selection, T)
+    s = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [H, n, T]
+    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) * mask.any(-1, keepdim=True)
+    return torch.matmul(p, v).transpose(0, 1)
+
+
+def attend_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems: int = 1 << 25):
+    n, H, dn = q.shape
+    kvr = latent.shape[1]
+    w = w_kv_b.view(H, dn + dv, kvr)
+    q_lat = torch.einsum("nhd,hdk->nhk", q, w[:, :dn])
+    o_lat = q_lat.new_empty(n, H, kvr)
+    step = max(1, block_elems // max(1, selection.shape[1] * kvr))  # queries per block: bounds the gather
+    for a in range(0, n, step):
+        sel = selection[a : a + step]
+        valid = sel >= 0
+        lat = latent[sel.clamp(min=0)]  # [b, W, kvr]
+        s = torch.einsum("nhk,nwk->nhw", q_lat[a : a + step], lat).float() * scale
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(latent.dtype)
+        o_lat[a : a + step] = torch.einsum("nhw,nwk->nhk", p, lat)
+    return torch.einsum("nhk,hvk->nhv", o_lat, w[:, dn:])

@@ -1,0 +1,126 @@
+"""Manifold-constrained hyper-connections (mHC): the residual as n parallel streams.
+
+Used by GLM-5.3-Flash and DeepSeek-V4 (reference/glm5next.md §3, reference/deepseek_v4.md §2.1,
+§3.1). The embedding is copied into n = hc_mult streams h [N, n, d]. Each sub-block (attention,
+FFN) is one "site" with weights fn [(2+n)·n, n·d], base [(2+n)·n], scale [3]:
+
+    m     = (flat(h) · rsqrt(mean(flat(h)²) + norm_eps)) @ fnᵀ      # fp32; one projection, 1/RMS scaled
+    pre   = sigmoid(m[:n]   · scale[0] + base[:n]) + hc_eps          # [n]   collapse weights
+    post  = 2 · sigmoid(m[n:2n] · scale[1] + base[n:2n])             # [n]   expand weights
+    comb  = sinkhorn(m[2n:] · scale[2] + base[2n:])                  # [n, n] doubly stochastic
+    x     = Σ_j pre[j] h[j]                                          # the block's input (then its norm)
+    h'[k] = post[k] · block(x) + Σ_j comb[j, k] h[j]                 # contraction over the FIRST index
+
+sinkhorn: row softmax + hc_eps, one column normalisation, then iters − 1 rounds of (row, column),
+each dividing by (sum + hc_eps). comb is not symmetric: contracting over the wrong index is a
+silent bug.
+
+Final collapse: GLM takes the unweighted mean of the streams (`head_mean`); DeepSeek-V4 a weighted
+hyper head (`head_weighted`: hc_fn [n, n·d], hc_base [n], hc_scale [1]); V4.1's delayed pre
+collapses with the previous site's `pre`, which `site_maps` + `collapse` express directly.
+
+Coefficients are computed in fp32 from the streams whatever their dtype; the streams stay in the
+model dtype (as transformers keeps them) and `post`/`comb` are cast to it for the update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MhcDims:
+    hc_mult: int  # n, the number of streams
+    sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6  # floor added to pre, to comb after the softmax and to every Sinkhorn divisor
+    norm_eps: float = 1e-6  # eps of the unweighted RMS of the flattened streams (= rms_norm_eps: GLM 1e-5)
+
+    @property
+    def site_width(self) -> int:
+        """Rows of a site's `fn` (and length of its `base`): pre n + post n + comb n·n."""
+        return (2 + self.hc_mult) * self.hc_mult
+
+
+@dataclass(frozen=True)
+class MhcSite:
+    """One site's weights: fn [(2+n)·n, n·d], base [(2+n)·n], scale [3] (pre, post, comb)."""
+
+    fn: Tensor
+    base: Tensor
+    scale: Tensor
+
+
+def site_shapes(dims: MhcDims, hidden_size: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of one site's tensors (for tensor contracts)."""
+    return {"fn": (dims.site_width, dims.hc_mult * hidden_size), "base": (dims.site_width,), "scale": (3,)}
+
+
+def expand(x: Tensor, hc_mult: int) -> Tensor:
+    """[N, d] -> [N, n, d]: the embedding copied into every stream."""
+    return x.unsqueeze(-2).expand(*x.shape[:-1], hc_mult, x.shape[-1]).contiguous()
+
+
+def project(streams: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
+    """[N, n, d] -> [N, rows] fp32: one projection of the flattened n·d stream, scaled by its
+    reciprocal (unweighted) RMS. The scaling is applied before the product, as transformers does
+    (the same math as scaling the product; this order matches its rounding)."""
+    flat = streams.reshape(*streams.shape[:-2], -1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return F.linear(flat, fn.float())
+
+
+def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """[..., n, n] -> doubly stochastic (to `eps`): row softmax + eps, one column normalisation,
+    then iters − 1 rounds of row then column normalisation."""
+    c = torch.softmax(logits.float(), dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def site_maps(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Tensor, Tensor]:
+    """(pre [N, n], post [N, n], comb [N, n, n]) in fp32 for streams [N, n, d]."""
+    n = dims.hc_mult
+    m = project(streams, site.fn, dims.norm_eps)
+    base, scale = site.base.float(), site.scale.float()
+    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + dims.hc_eps
+    post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).view(*m.shape[:-1], n, n)
+    return pre, post, sinkhorn(comb_logits, dims.sinkhorn_iters, dims.hc_eps)
+
+
+def collapse(streams: Tensor, pre: Tensor) -> Tensor:
+    """Σ_j pre[j] h[j]: [N, n, d] -> [N, d], computed in fp32, returned in the streams' dtype."""
+    return (pre.float().unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
+
+
+def update(streams: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """h'[k] = post[k] · y + Σ_j comb[j, k] h[j], in the streams' dtype. streams [N, n, d],
+    y [N, d] (the block output), post [N, n], comb [N, n, n]."""
+    dt = streams.dtype
+    return post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+
+
+def site_input(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Tensor, Tensor]:
+    """The usual (non-delayed) site: (block input [N, d], post, comb); finish with `update`."""
+    pre, post, comb = site_maps(streams, site, dims)
+    return collapse(streams, pre), post, comb
+
+
+def head_mean(streams: Tensor) -> Tensor:
+    """GLM-5.3's final collapse: the unweighted mean of the streams."""
+    return streams.mean(dim=-2)
+
+
+def head_weighted(streams: Tensor, hc_fn: Tensor, hc_base: Tensor, hc_scale: Tensor, dims: MhcDims) -> Tensor:
+    """DeepSeek-V4's final hyper head: pre = sigmoid(m · hc_scale + hc_base) + hc_eps with
+    m = the site projection through hc_fn [n, n·d]; returns Σ_j pre[j] h[j]."""
+    m = project(streams, hc_fn, dims.norm_eps)
+    pre = torch.sigmoid(m * hc_scale.float().reshape(-1)[0] + hc_base.float()) + dims.hc_eps
+    return collapse(streams, pre)
