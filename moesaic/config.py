@@ -22,6 +22,9 @@ FAMILIES = {
     "glm5_next": "moesaic.models.glm5next",
     "glm5_next_text": "moesaic.models.glm5next",
     "nemotron_h": "moesaic.models.nemotron_h",
+    "kimi_linear": "moesaic.models.kimi_linear",
+    "kimi_k3": "moesaic.models.kimi_k3",
+    "deepseek_v4": "moesaic.models.deepseek_v4",
 }
 
 
@@ -36,12 +39,21 @@ def family_for(raw: dict, layout: str) -> tuple[ModuleType, dict]:
     if mt is None:
         raise ConfigError("config.json: field 'model_type' is missing")
     if mt in FAMILIES:
-        return importlib.import_module(FAMILIES[mt]), raw
+        return _module(mt, raw), raw
     text = raw.get("text_config")
     if isinstance(text, dict) and text.get("model_type") in FAMILIES:
-        return importlib.import_module(FAMILIES[text["model_type"]]), text
+        return _module(text["model_type"], text), text
     known = ", ".join(sorted(FAMILIES))
     raise ConfigError(f"config.json: model_type {mt!r} is not supported (supported: {known})")
+
+
+def _module(model_type: str, raw: dict) -> ModuleType:
+    """The family module of a model_type. A family may pass a config it recognises as a relative's
+    to that family: `handoff(raw)` returns the other model_type or None (a bare Kimi K3 text
+    config says model_type "kimi_linear")."""
+    module = importlib.import_module(FAMILIES[model_type])
+    other = module.handoff(raw) if hasattr(module, "handoff") else None
+    return importlib.import_module(FAMILIES[other]) if other else module
 
 
 _MISSING = object()

@@ -162,7 +162,8 @@ class TailRows:
     per-token rows of the newest `keep` tokens, one buffer per field.
 
     `need` is how many of the newest rows the consumer reads back; keep = need + the rollback window,
-    so `rollback(n)` is exact while n <= keep - need (and always when it forgets every token).
+    so `rollback(n)` is exact for n <= keep - need; it refuses larger n (unless it forgets every
+    token) whatever it holds, so that every TailRows of one rollback window accepts the same n.
     `append` returns the rows held before it plus the new ones: positions `length - len(rows)` on.
     Storage is a buffer of 2·keep + 16 rows that is compacted when full (amortised O(1) a row)."""
 
@@ -213,7 +214,7 @@ class TailRows:
         if n == self.length:
             self.length = self.start = self.held = 0
             return
-        if max(self.held - n, 0) < min(self.length - n, self.need):
+        if n > self.keep - self.need:  # the same bound for every TailRows of one rollback window
             raise ValueError(f"cannot roll back {n} tokens: this state keeps {self.keep - self.need} rows "
                              f"beyond what it reads (its speculative window)")
         self.held = max(self.held - n, 0)

@@ -19,3 +19,11 @@ def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     xf = x.to(dtype).float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(dtype)
+
+
+def rms_norm_cast_once(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V4's order: normalise in fp32, multiply by the (fp32) weight in fp32, cast to the
+    input dtype once."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)

@@ -89,3 +89,16 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates pairs (x[2i], x[2i+1]) by the pair's angle and keeps them in place (DeepSeek-V4's
+    layout; `rope_interleaved` writes [evens | odds] instead). Computed in fp32 with cos/sin rounded
+    to x's dtype first (as transformers does), returned in x's dtype. x: [n, ..., dim]; cos/sin:
+    [n, dim/2]. Pass -sin for the inverse rotation."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1] * 2,)
+    c = cos.to(x.dtype).float().repeat_interleave(2, dim=-1).view(shape)
+    s = sin.to(x.dtype).float().repeat_interleave(2, dim=-1).view(shape)
+    xf = x.float()
+    turned = torch.stack((-xf[..., 1::2], xf[..., 0::2]), dim=-1).flatten(-2)
+    return (xf * c + turned * s).to(x.dtype)

@@ -1,0 +1,322 @@
+"""DeepSeek-V4 compressed attention: the sliding window with a per-head sink, the HCA and CSA
+compressors, the lightning indexer, the grouped output projection, and the state one such
+attention layer keeps per sequence (reference/deepseek_v4.md §2.2-2.6, §6; oracle: transformers
+5.23 `models/deepseek_v4`).
+
+Every layer attends with one shared 512-wide key (= value) per token, roped on its trailing
+`rope_dim` channels, over the last `window` tokens (itself included) plus, on compressed layers,
+pooled entries:
+
+    s_i = q·k_i / sqrt(D) ;  p_i = exp(s_i) / (Σ_j exp(s_j) + exp(sink_h))     # the sink only divides
+    o   = rope⁻¹(Σ_i p_i k_i)                                                  # V = K carries rope
+
+HCA (ratio m', no overlap): entry w = RMSNorm(Σ_j softmax_j(gate_j + ape_j) ⊙ kv_j) over the tokens
+w·m' … w·m'+m'−1, roped at w·m'. CSA (ratio m, overlap): each token projects two series; entry w
+pools 2m slots, window w−1's first series and window w's second (window 0: the first half has
+weight 0). An entry exists once its window is complete; query t sees entry w iff w < (t+1) // m.
+HCA layers attend to every visible entry; CSA layers to the ≤ index_topk entries the lightning
+indexer picks: score(t, w) = Σ_h wt_h · ReLU(q_h·K_w) / sqrt(c_I), over its own (overlapped,
+width c_I) compressor's entries.
+
+State per sequence and layer (`AttentionState`): the window's key rows (`TailRows`, the last
+window − 1 tokens), and per compressor the raw (kv, gate) rows of its open window — plus, with
+overlap, of the window before it, from which the carried first series is re-derived — (`TailRows`)
+and the closed entries (`TokenRows`). Each TailRows keeps `rollback_window` rows more than it reads,
+so rollback(n ≤ rollback_window) is exact: entries are truncated to (T − n) // m and reopened
+windows are pooled again from the kept raw rows. transformers keeps the carried first series
+(m rows) instead of the whole previous window (2m − 1 rows with the open one): m·(2c) more
+elements per CSA compressor, for one code path that re-derives it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..cache.state import TailRows, TokenRows
+from .norms import rms_norm_cast_once
+from .rope import cos_sin, rope_pairs
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+# query blocks are sized so that one block's scores stay under this many elements
+_SCORE_BUDGET = 1 << 22
+
+
+# ---------------------------------------------------------------- rope on the trailing channels
+
+@dataclass(frozen=True)
+class RopeTail:
+    """One rope set applied to the trailing 2·len(freqs) channels, pairs kept in place (V4's
+    [nope | rope] layout). `factor` multiplies cos/sin (YaRN's attention factor; 1 for V4)."""
+
+    freqs: Tensor  # [rope_dim / 2] fp32
+    factor: float = 1.0
+
+    @property
+    def dim(self) -> int:
+        return 2 * self.freqs.shape[0]
+
+    def __call__(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
+        """x [n, ..., D] at positions [n]; `inverse` rotates by −angle."""
+        cos, sin = cos_sin(self.freqs, positions, self.factor)
+        d = self.dim
+        return torch.cat([x[..., :-d], rope_pairs(x[..., -d:], cos, -sin if inverse else sin)], dim=-1)
+
+
+def head_rms(x: Tensor, eps: float) -> Tensor:
+    """The unweighted RMS over the last dim (V4's second query norm, per head)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def grouped_out(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:
+    """The grouped low-rank output projection: o [N, H·D] split into `groups` contiguous blocks of
+    whole heads, block g through wo_a rows [g·r, (g+1)·r), then the concatenation through wo_b."""
+    N = o.shape[0]
+    x = o.reshape(N, groups, -1).transpose(0, 1)  # [G, N, H·D/G]
+    w = wo_a.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, H·D/G, r]
+    z = torch.bmm(x, w).transpose(0, 1).reshape(N, -1)
+    return torch.nn.functional.linear(z, wo_b)
+
+
+# ---------------------------------------------------------------- compressors
+
+@dataclass(frozen=True)
+class CompressorDims:
+    ratio: int  # m: tokens per entry
+    width: int  # entry width (head_dim; index_head_dim for the indexer's compressor)
+    overlap: bool  # CSA: two series per token, an entry pools 2m slots
+
+    @property
+    def proj_width(self) -> int:
+        """Rows of wkv / wgate, columns of ape."""
+        return self.width * (2 if self.overlap else 1)
+
+    @property
+    def rows_read(self) -> int:
+        """Raw rows a forward reads back: the open window (≤ m − 1), and with overlap the one before."""
+        return (2 if self.overlap else 1) * self.ratio - 1
+
+
+@dataclass(frozen=True)
+class CompressorWeights:
+    wkv: Tensor  # [proj_width, d]
+    wgate: Tensor  # [proj_width, d]
+    ape: Tensor  # [ratio, proj_width] position bias on the gate (fp32)
+    norm: Tensor  # [width] RMSNorm gain of the pooled entry
+
+
+class CompressorState:
+    """One compressor's per-sequence state: raw rows of its open window(s) and its closed entries."""
+
+    def __init__(self, dims: CompressorDims, dtype, device, max_tokens: int, rollback_window: int):
+        self.dims = dims
+        pw = dims.proj_width
+        self.raw = TailRows({"kv": pw, "gate": pw}, dtype, device, dims.rows_read + rollback_window, dims.rows_read)
+        self.entries = TokenRows({"entry": dims.width}, dtype, device, max_tokens // dims.ratio + 1)
+
+    def rollback(self, n: int) -> None:
+        self.raw.rollback(n)
+        self.entries.rollback(self.entries.length - self.raw.length // self.dims.ratio)
+
+    def snapshot(self):
+        return self.raw.snapshot(), self.entries.snapshot()
+
+    def restore(self, snap) -> None:
+        self.raw.restore(snap[0])
+        self.entries.restore(snap[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes + self.entries.nbytes
+
+    @staticmethod
+    def nbytes_for(dims: CompressorDims, rollback_window: int, dtype_bytes: int) -> tuple[int, int]:
+        """(bytes per token — an upper bound, exact when the ratio divides width·bytes —, fixed bytes)."""
+        per_token = math.ceil(dims.width * dtype_bytes / dims.ratio)
+        pw = dims.proj_width
+        return per_token, TailRows.nbytes_for({"kv": pw, "gate": pw}, dims.rows_read + rollback_window, dtype_bytes)
+
+
+def pool_windows(kv: Tensor, gate: Tensor, ape: Tensor, dims: CompressorDims, has_prev: bool) -> Tensor:
+    """Softmax-gated pooling of complete windows (before the entry norm). kv/gate [rows, proj_width]
+    hold whole windows; with overlap and `has_prev` the first window is only the predecessor of the
+    second (its first series feeds entry 0 of this call). Returns [entries, width]."""
+    m, C = dims.ratio, dims.width
+    W = kv.shape[0] // m
+    k = kv.view(W, m, -1)
+    g = gate.view(W, m, -1) + ape  # fp32 once ape is (the gate as transformers adds it)
+    if not dims.overlap:
+        return (k * g.softmax(dim=1, dtype=torch.float32).to(k.dtype)).sum(dim=1)
+    G = W - 1 if has_prev else W
+    slots_k = k.new_zeros(G, 2 * m, C)
+    slots_g = g.new_full((G, 2 * m, C), float("-inf"))  # no predecessor: weight 0
+    slots_k[:, m:] = k[W - G :, :, C:]
+    slots_g[:, m:] = g[W - G :, :, C:]
+    if has_prev:
+        slots_k[:, :m] = k[:G, :, :C]
+        slots_g[:, :m] = g[:G, :, :C]
+    elif G > 1:
+        slots_k[1:, :m] = k[: G - 1, :, :C]
+        slots_g[1:, :m] = g[: G - 1, :, :C]
+    return (slots_k * slots_g.softmax(dim=1, dtype=torch.float32).to(slots_k.dtype)).sum(dim=1)
+
+
+def compressor_update(state: CompressorState, kv: Tensor, gate: Tensor, w: CompressorWeights, eps: float,
+                      rope: RopeTail) -> Tensor:
+    """Appends n new tokens' raw projections (kv/gate [n, proj_width], the compressor's wkv / wgate
+    of the layer input), closes every window they complete into an entry (pooled, RMSNorm-ed,
+    roped at its first token's position) and returns all entries so far [E, width]."""
+    d, m = state.dims, state.dims.ratio
+    T0, n = state.raw.length, kv.shape[0]
+    held = state.raw.held
+    raw = state.raw.append(kv=kv, gate=gate)
+    E0, E1 = T0 // m, (T0 + n) // m
+    if E1 == E0:
+        return state.entries.bufs["entry"][: state.entries.length]
+    has_prev = d.overlap and E0 > 0
+    first = (E0 - 1 if has_prev else E0) * m
+    a, b = first - (T0 - held), E1 * m - (T0 - held)
+    pooled = pool_windows(raw["kv"][a:b], raw["gate"][a:b], w.ape, d, has_prev)
+    new = rms_norm_cast_once(pooled.to(kv.dtype), w.norm, eps)
+    new = rope(new, torch.arange(E0, E1, device=kv.device) * m)
+    return state.entries.append(entry=new)["entry"]
+
+
+# ---------------------------------------------------------------- the lightning indexer
+
+def indexer_select(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ratio: int, topk: int) -> Tensor:
+    """Top-k visible entries per query. q [n, H, c] (roped), weights [n, H] fp32 (already scaled by
+    H^-0.5), keys [E, c] (the indexer compressor's entries), positions [n]. Returns [n, min(topk, E)]
+    entry indices, -1 where fewer entries are visible."""
+    n, H, c = q.shape
+    E = keys.shape[0]
+    k = min(topk, E)
+    if k == 0:
+        return torch.empty(n, 0, dtype=torch.long, device=q.device)
+    visible = (positions + 1) // ratio
+    kf = keys.float().t()
+    entry = torch.arange(E, device=q.device)
+    out = torch.empty(n, k, dtype=torch.long, device=q.device)
+    step = max(1, _SCORE_BUDGET // (H * E))
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        s = torch.relu(torch.matmul(q[i:j].float(), kf)) * c**-0.5  # [b, H, E]
+        s = (s * weights[i:j, :, None]).sum(dim=1)
+        vis = visible[i:j, None]
+        s = s.masked_fill(entry[None] >= vis, float("-inf"))
+        idx = s.topk(k, dim=-1).indices
+        out[i:j] = torch.where(idx >= vis, -1, idx)
+    return out
+
+
+# ---------------------------------------------------------------- attention with a sink
+
+def sink_attention(q: Tensor, positions: Tensor, win: Tensor, win_start: int, window: int, sink: Tensor,
+                   scale: float, comp: Tensor | None = None, comp_sel: Tensor | None = None,
+                   comp_ratio: int = 0) -> Tensor:
+    """One sequence's queries q [n, H, D] at consecutive positions over
+    * the window keys win [L, D] (positions win_start …; a query sees the last `window` including itself),
+    * compressed entries comp [E, D]: with comp_sel [n, k] (-1 = none) the selected ones (CSA), else
+      every entry w < (t+1) // comp_ratio (HCA),
+    with one extra logit per head, sink [H], in the softmax denominator. K = V. Returns [n, H, D]."""
+    n, H, D = q.shape
+    dt = q.dtype
+    p0 = int(positions[0])
+    E = 0 if comp is None else (comp_sel.shape[1] if comp_sel is not None else comp.shape[0])
+    # a block of b queries scores b·H·(window + b + E) logits and gathers b·E·D entry values (CSA)
+    step = max(1, min(128, _SCORE_BUDGET // (H * (window + 128 + E)), _SCORE_BUDGET // max(1, E * D)))
+    sinks = sink.float().view(1, H, 1)
+    out = q.new_empty(n, H, D)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        lo = max(win_start, p0 + i - window + 1)
+        keys = win[lo - win_start : p0 + j - win_start]  # positions lo .. p0 + j - 1
+        kpos = torch.arange(lo, p0 + j, device=q.device)
+        t = positions[i:j, None]
+        s = torch.matmul(q[i:j], keys.t()) * scale  # [b, H, L]
+        s = s.float().masked_fill(((kpos > t) | (kpos <= t - window))[:, None], float("-inf"))
+        vals = keys
+        if comp is not None and comp_sel is None:
+            sc = (torch.matmul(q[i:j], comp.t()) * scale).float()
+            hidden = torch.arange(comp.shape[0], device=q.device)[None] >= (t + 1) // comp_ratio
+            s = torch.cat([s, sc.masked_fill(hidden[:, None], float("-inf"))], dim=-1)
+            vals = torch.cat([keys, comp])
+        elif comp is not None:
+            sel = comp_sel[i:j]
+            picked = comp[sel.clamp(min=0)]  # [b, k, D]
+            sc = (torch.matmul(q[i:j], picked.transpose(1, 2)) * scale).float()
+            s = torch.cat([s, sc.masked_fill((sel < 0)[:, None], float("-inf"))], dim=-1)
+        logits = torch.cat([s, sinks.expand(j - i, H, 1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        p = torch.softmax(logits, dim=-1)[..., :-1].to(dt)
+        if comp is not None and comp_sel is not None:
+            L = keys.shape[0]
+            out[i:j] = torch.matmul(p[..., :L], keys) + torch.matmul(p[..., L:], picked)
+        else:
+            out[i:j] = torch.matmul(p, vals)
+    return out
+
+
+# ---------------------------------------------------------------- one layer's state
+
+class AttentionState:
+    """One attention layer's state for one sequence: the window's key rows, and on CSA/HCA layers the
+    compressor (and on CSA the indexer's compressor)."""
+
+    def __init__(self, window: TailRows, compressor: CompressorState | None = None,
+                 indexer: CompressorState | None = None):
+        self.window = window
+        self.compressor = compressor
+        self.indexer = indexer
+
+    def _parts(self):
+        return [p for p in (self.window, self.compressor, self.indexer) if p is not None]
+
+    def rollback(self, n: int) -> None:
+        for p in self._parts():
+            p.rollback(n)
+
+    def snapshot(self):
+        return [p.snapshot() for p in self._parts()]
+
+    def restore(self, snap) -> None:
+        for p, s in zip(self._parts(), snap, strict=True):
+            p.restore(s)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._parts())
+
+
+def layer_compressors(kind: str, head_dim: int, index_head_dim: int, csa_ratio: int, hca_ratio: int):
+    """(compressor dims, indexer compressor dims) of a layer kind; None where it has none."""
+    if kind == CSA:
+        return CompressorDims(csa_ratio, head_dim, True), CompressorDims(csa_ratio, index_head_dim, True)
+    if kind == HCA:
+        return CompressorDims(hca_ratio, head_dim, False), None
+    return None, None
+
+
+def new_attention_state(kind: str, head_dim: int, index_head_dim: int, csa_ratio: int, hca_ratio: int,
+                        window: int, dtype, device, max_tokens: int, rollback_window: int = 0) -> AttentionState:
+    comp, idx = layer_compressors(kind, head_dim, index_head_dim, csa_ratio, hca_ratio)
+    return AttentionState(
+        TailRows({"kv": head_dim}, dtype, device, window - 1 + rollback_window, window - 1),
+        None if comp is None else CompressorState(comp, dtype, device, max_tokens, rollback_window),
+        None if idx is None else CompressorState(idx, dtype, device, max_tokens, rollback_window),
+    )
+
+
+def attention_state_bytes(kind: str, head_dim: int, index_head_dim: int, csa_ratio: int, hca_ratio: int,
+                          window: int, dtype_bytes: int, rollback_window: int = 0) -> tuple[int, int]:
+    """(bytes per token, fixed bytes) of one layer's `AttentionState`, from the config alone."""
+    per_token, fixed = 0, TailRows.nbytes_for({"kv": head_dim}, window - 1 + rollback_window, dtype_bytes)
+    for dims in layer_compressors(kind, head_dim, index_head_dim, csa_ratio, hca_ratio):
+        if dims is not None:
+            pt, fx = CompressorState.nbytes_for(dims, rollback_window, dtype_bytes)
+            per_token, fixed = per_token + pt, fixed + fx
+    return per_token, fixed
