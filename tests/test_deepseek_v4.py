@@ -263,7 +263,7 @@ def test_upstream_names_load_to_the_same_logits(hf_ckpt, ours, tmp_path):
     assert torch.equal(run(ours, [ids])[0], run(model, [ids])[0])
 
 
-def test_module_names_and_quantized_refusal(hf_ckpt, ours, tmp_path):
+def test_module_names_and_a_malformed_scale(hf_ckpt, ours, tmp_path):
     hf, path = hf_ckpt
     dump = tmp_path / "dump"
     dump.mkdir()
@@ -271,8 +271,9 @@ def test_module_names_and_quantized_refusal(hf_ckpt, ours, tmp_path):
     (dump / "config.json").write_text((path / "config.json").read_text())
     ids = prompt(30, seed=12)
     assert torch.equal(run(ours, [ids])[0], run(Checkpoint.open(dump).build("float32"), [ids])[0])
+    # a `.scale` beside a weight that is not fp8: a broken quantized checkpoint, named in the error
     write_upstream(path, tmp_path / "fp8", extra={"layers.0.attn.wq_a.scale": torch.ones(1, 1)})
-    with pytest.raises(CheckpointError, match="quantized"):
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wq_a"):
         Checkpoint.open(tmp_path / "fp8").build("float32")
 
 

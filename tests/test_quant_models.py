@@ -37,7 +37,21 @@ ATTN_HF = r"model\.layers\.\d+\.self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa
 NEMO_EXPERTS = r"backbone\.layers\.\d+\.mixer\.(experts\.\d+|shared_experts)\.(up|down)_proj\.weight"
 NEMO_LINEAR = r"backbone\.layers\.\d+\.mixer\.(in_proj|out_proj|q_proj|k_proj|v_proj|o_proj)\.weight"
 
+def _tiny(test_module: str, config_class: str) -> dict:
+    """The tiny config a family's oracle test uses, as the config.json transformers writes."""
+    import importlib
+
+    transformers = pytest.importorskip("transformers")
+    tiny = importlib.import_module(test_module).TINY
+    return getattr(transformers, config_class)(**tiny).to_dict()
+
+
+GLM_EXPERTS = r"model\.layers\.\d+\.mlp\.(experts\.\d+|shared_experts)\.\w+_proj\.weight"
+DSV4_DENSE = r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.shared_experts\.w[123])\.weight"
+DSV4_EXPERTS = r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight"
+
 # name, family, config, layout ("native" = Mistral params.json + consolidated), what to quantize, format
+# (several (regex, format) pairs where a release mixes formats)
 CASES = [
     ("mistral4-native-nvfp4", mistral4, MISTRAL, "native", EXPERTS_NATIVE, "nvfp4"),
     ("mistral4-native-mxfp4", mistral4, MISTRAL, "native", EXPERTS_NATIVE, "mxfp4"),
@@ -45,6 +59,10 @@ CASES = [
     ("mistral4-hf-fp8-ue8m0", mistral4, MISTRAL, "hf", ATTN_HF, "fp8-ue8m0"),
     ("nemotron-nvfp4-modelopt", nemotron_h, NEMOTRON, "hf", NEMO_EXPERTS, "nvfp4-modelopt"),
     ("nemotron-fp8-deepseek", nemotron_h, NEMOTRON, "hf", NEMO_LINEAR, "fp8-deepseek"),
+    ("glm5next-nvfp4", "glm5next", ("test_glm5next", "Glm5NextTextConfig"), "hf", GLM_EXPERTS, "nvfp4"),
+    ("deepseek_v4-fp8+fp4", "deepseek_v4", ("test_deepseek_v4", "DeepseekV4Config"), "upstream",
+     [(DSV4_DENSE, "fp8-deepseek"), (DSV4_EXPERTS, "fp4-deepseek")], None),
+    ("deepseek_v4-fp8-ue8m0", "deepseek_v4", ("test_deepseek_v4", "DeepseekV4Config"), "upstream", DSV4_DENSE, "fp8-ue8m0"),
 ]
 
 
@@ -53,7 +71,16 @@ def release_tensors(family, raw, layout):
     cfg = family.parse_config(raw)
     specs = family.tensor_specs(cfg)
     tensors = random_tensors(specs, seed=3)
-    naming = mistral4.native_naming(cfg) if layout == "native" else family.namings(cfg, "hf", [])
+    for s in specs:  # integer tables: a valid hash routing (token -> distinct experts)
+        if s.name.endswith("tid2eid"):
+            vocab, k = s.shape
+            tensors[s.name] = ((torch.arange(vocab)[:, None] * 3 + torch.arange(k)[None, :]) % cfg.n_routed_experts).float()
+    if layout == "native":
+        naming = mistral4.native_naming(cfg)
+    elif layout == "upstream":
+        naming = family.checkpoint_naming(upstream=True)
+    else:
+        naming = family.namings(cfg, "hf", [])
     return to_checkpoint(specs, naming, tensors)
 
 
@@ -99,13 +126,22 @@ def logits(model, ids):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_packed_equals_dequantized_dense(case, tmp_path):
+    import importlib
+
     name, family, raw, layout, select, fmt = case
+    if isinstance(family, str):
+        family = importlib.import_module(f"moesaic.models.{family}")
+    if isinstance(raw, tuple):
+        raw = _tiny(*raw)
     dense = release_tensors(family, raw, layout)
-    quant, qc = quantize_checkpoint(dense, select, fmt)
+    quant, qc = dense, {}
+    for sel, f in (select if isinstance(select, list) else [(select, fmt)]):
+        quant, q = quantize_checkpoint(quant, sel, f)
+        qc = {**q, **qc}
     assert len(quant) > len(dense), "the selection quantized nothing"
     packed_model = Checkpoint.open(write(tmp_path / "q", raw, layout, quant, qc)).build("float32")
     ref_model = Checkpoint.open(write(tmp_path / "d", raw, layout, dequantized(quant, qc))).build("float32")
-    ids = torch.randint(3, 100, (19,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(3, 100, (19,), generator=torch.Generator().manual_seed(0)).tolist()  # every tiny vocab > 100
     a, b = logits(packed_model, ids), logits(ref_model, ids)
     err = max_err(a, b)
     print(f"{name}: packed vs dequantized-dense max abs err {err:.2e}")

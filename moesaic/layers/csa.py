@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..cache.state import TailRows, TokenRows
+from .linear import linear
 from .norms import rms_norm_cast_once
 from .rope import cos_sin, rope_pairs
 
@@ -79,7 +80,7 @@ def grouped_out(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:
     x = o.reshape(N, groups, -1).transpose(0, 1)  # [G, N, H·D/G]
     w = wo_a.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, H·D/G, r]
     z = torch.bmm(x, w).transpose(0, 1).reshape(N, -1)
-    return torch.nn.functional.linear(z, wo_b)
+    return linear(z, wo_b)
 
 
 # ---------------------------------------------------------------- compressors

@@ -313,7 +313,8 @@ def _layer_specs(cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, opt
         TensorSpec(a + "q_b_proj.weight", (H * D, cfg.q_lora_rank), "attention", **opt),
         TensorSpec(a + "kv_proj.weight", (D, d), "attention", **opt),
         TensorSpec(a + "kv_norm.weight", (D,), "norm", **f32),
-        TensorSpec(a + "o_a_proj.weight", (cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups), "attention", **opt),
+        TensorSpec(a + "o_a_proj.weight", (cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups), "attention",
+                   dense=True, **opt),  # read per group through views
         TensorSpec(a + "o_b_proj.weight", (d, cfg.o_groups * cfg.o_lora_rank), "attention", **opt),
         TensorSpec(a + "sinks", (H,), "attention", **f32),
     ]
@@ -445,10 +446,6 @@ def module_naming() -> Naming:
 
 def namings(cfg: DeepseekV4Config, layout: str, store_names) -> Naming:
     names = set(store_names)
-    scaled = sorted(n for n in names if n.endswith(".scale") and n[: -len("scale")] + "weight" in names)
-    if scaled:
-        raise CheckpointError(f"this DeepSeek-V4 checkpoint holds quantized weights ({len(scaled)} '.scale' companions, "
-                              f"e.g. {scaled[0]}); moesaic reads bf16/fp32 DeepSeek-V4 weights only for now")
     if "embed.weight" in names or any(n.startswith("layers.") for n in names):
         return checkpoint_naming(upstream=True)
     if any(n.endswith(".attn_hc.fn") for n in names):
