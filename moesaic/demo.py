@@ -65,6 +65,8 @@ NEMOTRON_DEMO_CONFIG = {
     "moesaic_tokenizer": "bytes",
 }
 
+from .models import kimi_k3 as _k3  # noqa: E402  (its release-shaped demo config)
+
 # name -> (config, quantization: (regex of release tensor names, writer format) or None)
 DEMOS: dict[str, tuple[dict, tuple[str, str] | None]] = {
     "demo": (DEMO_CONFIG, None),
@@ -73,6 +75,8 @@ DEMOS: dict[str, tuple[dict, tuple[str, str] | None]] = {
     "demo-nemotron-h": (NEMOTRON_DEMO_CONFIG, None),
     "demo-nemotron-h-nvfp4": (NEMOTRON_DEMO_CONFIG,
                               (r"backbone\.layers\.\d+\.mixer\.(experts\.\d+|shared_experts)\.\w+\.weight", "nvfp4-modelopt")),
+    "demo-kimi-k3": (_k3.DEMO_CONFIG, None),
+    "demo-kimi-k3-mxfp4": (_k3.DEMO_CONFIG, _k3.MXFP4_EXPERTS),  # the release's compressed-tensors MXFP4 experts
 }
 
 
