@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,8 +150,7 @@ class WeightStore:
         info = self.info(name)
         mm = self._maps.get(info.file)
         if mm is None:
-            with open(info.file, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            mm = _map(info.file)
             self._maps[info.file] = mm
         if count:
             self.bytes_read += info.nbytes
@@ -168,7 +168,9 @@ class WeightStore:
         if info.start % dtype.itemsize:  # unaligned: frombuffer needs aligned data, so copy
             raw = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.start).clone()
             return raw.view(dtype).reshape(info.shape)
-        return torch.frombuffer(mm, dtype=dtype, count=numel, offset=info.start).reshape(info.shape)
+        with warnings.catch_warnings():  # a read-only map (see _map) is fine: nothing writes to these
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(mm, dtype=dtype, count=numel, offset=info.start).reshape(info.shape)
 
     def close(self) -> None:
         self._maps.clear()  # the tensors handed out keep their buffers alive
@@ -176,6 +178,17 @@ class WeightStore:
     @property
     def total_bytes(self) -> int:
         return sum(i.nbytes for i in self.infos.values())
+
+
+def _map(path: Path) -> mmap.mmap:
+    """A private copy-on-write map (torch wants writable buffers); a file larger than memory plus
+    swap cannot be mapped writable under the kernel's default overcommit rule, so such a file
+    (e.g. a 94 GiB Engram table) is mapped read-only: its tensors must then never be written to."""
+    with open(path, "rb") as f:
+        try:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 def _read_json(path: Path) -> dict:
