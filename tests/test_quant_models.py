@@ -18,7 +18,7 @@ from moesaic.weights.contract import to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.precision import PrecisionSchedule
 from moesaic.weights.quant import COMPANION_SUFFIXES, ConcatRows, QuantizedTensor, load_quantized, resolve_format
-from moesaic.weights.store import save_safetensors
+from moesaic.weights.store import _native_scale_name as native_scale_name, save_safetensors
 from moesaic.weights.writers import quantize_checkpoint
 
 from helpers import max_err
@@ -55,6 +55,8 @@ DSV4_EXPERTS = r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight"
 CASES = [
     ("mistral4-native-nvfp4", mistral4, MISTRAL, "native", EXPERTS_NATIVE, "nvfp4"),
     ("mistral4-native-mxfp4", mistral4, MISTRAL, "native", EXPERTS_NATIVE, "mxfp4"),
+    ("mistral4-native-fp8", mistral4, MISTRAL, "native", r"layers\.\d+\.(attention\.w\w+|experts\.\d+\.w[123])\.weight",
+     "fp8-mistral"),
     ("mistral4-hf-fp8", mistral4, MISTRAL, "hf", ATTN_HF, "fp8"),
     ("mistral4-hf-fp8-ue8m0", mistral4, MISTRAL, "hf", ATTN_HF, "fp8-ue8m0"),
     ("nemotron-nvfp4-modelopt", nemotron_h, NEMOTRON, "hf", NEMO_EXPERTS, "nvfp4-modelopt"),
@@ -88,8 +90,8 @@ def write(folder, raw, layout, tensors, qc=None):
     folder.mkdir(parents=True, exist_ok=True)
     if layout == "native":
         params = mistral4.params_json(raw)
-        if qc:
-            params["quantization_config"] = qc
+        if qc:  # Mistral's own FP8 files say "quantization"; its NVFP4 release a quantization_config
+            params["quantization" if "qformat_weight" in qc else "quantization_config"] = qc
         (folder / "params.json").write_text(json.dumps(params))
         save_safetensors(tensors, folder / "consolidated.safetensors")
     else:
@@ -100,6 +102,7 @@ def write(folder, raw, layout, tensors, qc=None):
 
 def dequantized(tensors, qc):
     """Every quantized weight of a checkpoint dict dequantized to fp32 (an independent dense copy)."""
+    tensors = {native_scale_name(n): t for n, t in tensors.items()}  # Mistral's .qscale_weight
     dtypes = {n: t.dtype for n, t in tensors.items()}
     suffixes = ("weight",) + COMPANION_SUFFIXES
     out, done = {}, set()

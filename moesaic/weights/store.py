@@ -110,6 +110,8 @@ class WeightStore:
                     raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
                 if info.dtype not in DTYPES:
                     raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.dtype}")
+                if self.layout == "mistral":
+                    name = _native_scale_name(name)
                 self.infos[name] = info
 
     def _files(self) -> list[Path]:
@@ -178,6 +180,19 @@ class WeightStore:
     @property
     def total_bytes(self) -> int:
         return sum(i.nbytes for i in self.infos.values())
+
+
+# Mistral's native FP8 files name the per-tensor scales `.qscale_weight` / `.qscale_act`; they are the
+# usual weight multiplier and activation scale (transformers' convert_mistral4_weight_to_hf.py
+# dequantizes fp8 * qscale_weight; vLLM's mistral_large_3.py remaps them to weight_scale / input_scale).
+_NATIVE_SCALES = {".qscale_weight": ".weight_scale", ".qscale_act": ".input_scale"}
+
+
+def _native_scale_name(name: str) -> str:
+    for native, usual in _NATIVE_SCALES.items():
+        if name.endswith(native):
+            return name[: -len(native)] + usual
+    return name
 
 
 def _map(path: Path) -> mmap.mmap:

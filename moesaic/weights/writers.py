@@ -12,6 +12,7 @@ Formats (the names below are the keys of FORMATS):
   fp8-deepseek   DeepSeek-V4 upstream: `.weight` F8_E4M3 + `.scale` fp32, 128x128
   fp8-ue8m0      DeepSeek-V4.1 upstream: `.weight` F8_E4M3 + `.scale` F8_E8M0, 32x32
   fp4-deepseek   DeepSeek fp4 experts: `.weight` I8 (packed E2M1) + `.scale` F8_E8M0, group 32
+  fp8-mistral    Mistral native FP8 (Mistral Small 4): `.weight` F8_E4M3 + `.qscale_weight` fp32 per tensor
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from .quant import quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
+from .quant import quantize_fp8_block, quantize_fp8_tensor, quantize_mxfp4, quantize_nvfp4
 
 
 def _ct_config(fmt: str, group: int, strategy: str, scale_dtype: str) -> dict:
@@ -46,6 +47,8 @@ FORMATS: dict[str, tuple[Callable[[torch.Tensor], dict], dict]] = {
     "fp8-ue8m0": (lambda w: quantize_fp8_block(w, (32, 32), "ue8m0", naming="deepseek"),
                   {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
                    "activation_scheme": "dynamic"}),
+    "fp8-mistral": (lambda w: {("qscale_weight" if k == "weight_scale" else k): v for k, v in quantize_fp8_tensor(w).items()},
+                    {"qformat_weight": "fp8_e4m3", "qscheme_act": "TENSOR"}),
     "fp4-deepseek": (lambda w: quantize_mxfp4(w, naming="deepseek"),
                      {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}),
 }
