@@ -8,7 +8,7 @@ from pathlib import Path
 from .config import family_for
 from .demo import is_demo
 from .errors import CheckpointError
-from .weights.contract import plan_load
+from .weights.contract import plan_load, quantization_config
 from .weights.precision import PrecisionSchedule
 from .weights.store import WeightStore
 
@@ -27,7 +27,7 @@ def inspect_checkpoint(path: str | Path, kv_dtype_bytes: int = 2, precision: str
     per_token, fixed = family.state_bytes(cfg, kv_dtype_bytes)
     ctx = family.max_context(cfg)
     formats = Counter(i.dtype for i in store.infos.values())
-    qc = store.config.get("quantization_config") or store.config.get("quantization")
+    qc = quantization_config(store)
     info = {
         "path": str(path),
         "family": family.__name__.rsplit(".", 1)[-1],

@@ -70,6 +70,8 @@ class LLM:
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one, or one per prompt")
         seqs = [Sequence(self.encode(p), sp) for p, sp in zip(prompts, plist)]
         added = []
         try:
@@ -85,14 +87,21 @@ class LLM:
         return [RequestOutput(s.prompt_ids, s.output_ids, self.decode(s.output_ids), s.finish_reason) for s in seqs]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[int]:
-        """Yields the token ids of one prompt as they are sampled."""
+        """Yields the token ids of one prompt as they are sampled. `stream.finish_reason` of the
+        returned generator's sequence is in `last_finish_reason` once it is exhausted."""
         seq = Sequence(self.encode(prompt), params or SamplingParams())
         self.engine.add(seq)
+        sent = 0
         try:
-            while not seq.finished:
-                for s, tok in self.engine.step():
-                    if s is seq:
-                        yield tok
+            while True:
+                # other calls (a generate() while this stream is open) may have stepped this sequence
+                # too: yield everything it holds that was not yet yielded
+                while sent < len(seq.output_ids):
+                    sent += 1
+                    yield seq.output_ids[sent - 1]
+                if seq.finished:
+                    break
+                self.engine.step()
         finally:
             if not seq.finished:
                 self.engine.abort(seq)

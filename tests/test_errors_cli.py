@@ -111,7 +111,12 @@ def test_state_budget_refuses_or_queues(tmp_path):
     with pytest.raises(CapacityError, match="bytes of state"):
         llm.generate([[5] * 15], sp)
     # two requests of 16 tokens each cannot be held at once: the second waits, both finish
+    seen = []
+    step = llm.engine.step
+    llm.engine.step = lambda: (seen.append((len(llm.engine.running), llm.engine.used_bytes)), step())[1]
     outs = llm.generate([[5] * 8, [6] * 8], sp)
+    llm.engine.step = step
+    assert max(n for n, _ in seen) == 1 and max(b for _, b in seen) <= per_token * 20
     assert [len(o.token_ids) for o in outs] == [8, 8]
     alone = llm.generate([[6] * 8], sp)[0]
     assert outs[1].token_ids == alone.token_ids
@@ -166,6 +171,8 @@ def test_score_checks_its_input(tmp_path):
     llm = moesaic.LLM(str(write(tmp_path)), dtype="float32")
     logits = llm.score([1, 5, 6])
     assert logits.shape == (3, SMALL["vocab_size"]) and logits.dtype == torch.float32
+    first = llm.generate([[1, 5, 6]], moesaic.SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    assert int(logits[-1].argmax()) == first
     with pytest.raises(RequestError):
         llm.score([])
     with pytest.raises(RequestError):
@@ -183,3 +190,113 @@ def test_checkpoint_tokenizer_and_chat_flag(tmp_path):
     r = cli("generate", "--model", str(path), "--prompt", "hello", "--chat", "--max-tokens", "3", env_cache=tmp_path / "c")
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stderr
+
+
+def test_stream_yields_every_token_even_when_generate_runs_meanwhile(tmp_path):
+    llm = moesaic.LLM(str(write(tmp_path)), dtype="float32")
+    sp = moesaic.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = llm.generate(["abc"], sp)[0].token_ids
+    it = llm.stream("abc", sp)
+    got = [next(it)]
+    llm.generate(["xyz"], moesaic.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))  # steps "abc" too
+    got += list(it)
+    assert got == want and llm.last_finish_reason == "length"
+
+
+def test_request_values_are_checked_before_any_work(tmp_path):
+    llm = moesaic.LLM(str(write(tmp_path)), dtype="float32")
+    for bad in (dict(temperature="0.5"), dict(stop_token_ids=None), dict(top_k=1.5), dict(max_tokens=True),
+                dict(top_p=float("nan")), dict(seed="7"), dict(stop_token_ids=[1, "2"])):
+        with pytest.raises(RequestError):
+            llm.generate(["abc"], moesaic.SamplingParams(**bad))
+    with pytest.raises(RequestError, match="SamplingParams"):
+        llm.generate(["a", "b", "c"], [moesaic.SamplingParams()])
+    assert not llm.engine.has_work()
+    # a temperature too small to sample from is greedy
+    tiny = llm.generate(["abc"], moesaic.SamplingParams(max_tokens=4, temperature=1e-45, ignore_eos=True))[0]
+    greedy = llm.generate(["abc"], moesaic.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert tiny.token_ids == greedy.token_ids
+
+
+def test_planner_counts_at_most_the_context(tmp_path):
+    path = write(tmp_path)
+    per_token, _ = mistral4.state_bytes(mistral4.parse_config(SMALL), 4)
+    llm = moesaic.LLM(str(path), dtype="float32", max_state_bytes=per_token * SMALL["max_position_embeddings"])
+    out = llm.generate([[5, 6]], moesaic.SamplingParams(max_tokens=10**9, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == SMALL["max_position_embeddings"] - 2
+
+
+def test_rollback_is_all_or_nothing():
+    from moesaic.cache.state import RecurrentState, SequenceState, TokenRows
+
+    class Value:
+        def __init__(self, v):
+            self.v = v
+            self.nbytes = 8
+
+        def clone(self):
+            return Value(self.v)
+
+    rows = TokenRows({"k": 2}, torch.float32, "cpu", 100)
+    rec = RecurrentState(Value(0), window=1)
+    st = SequenceState([rows, rec])
+    for t in range(1, 6):
+        rows.append(k=torch.full((1, 2), float(t)))
+        rec.advance(Value(t), [Value(t)], 1)
+        st.num_tokens += 1
+    with pytest.raises(ValueError, match="speculative window"):
+        st.rollback(2)
+    assert rows.length == 5 and rec.value.v == 5 and st.num_tokens == 5
+    st.rollback(1)
+    assert rows.length == 4 and rec.value.v == 4 and st.num_tokens == 4
+
+
+def test_broken_safetensors_files(tmp_path):
+    import struct
+
+    good = write(tmp_path / "g")
+    raw = (good / "model.safetensors").read_bytes()
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text((good / "config.json").read_text())
+    (tmp_path / "t" / "model.safetensors").write_bytes(raw[: len(raw) - 100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        Checkpoint.open(tmp_path / "t")
+    # the same tensor in two shards
+    (tmp_path / "t" / "model.safetensors").write_bytes(raw)
+    (tmp_path / "t" / "extra.safetensors").write_bytes(raw)
+    with pytest.raises(CheckpointError, match="in both"):
+        Checkpoint.open(tmp_path / "t")
+    (tmp_path / "t" / "extra.safetensors").unlink()
+    # a header that is JSON but not an object
+    header = b"[1, 2]   "
+    (tmp_path / "t" / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match="not a JSON object"):
+        Checkpoint.open(tmp_path / "t")
+    # a config.json that is not text
+    (tmp_path / "t" / "config.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Checkpoint.open(tmp_path / "t")
+
+
+def test_wrong_dtype_of_a_dense_tensor(tmp_path):
+    def edit(t):
+        t["model.norm.weight"] = t["model.norm.weight"].to(torch.int64)
+        t["model.layers.0.self_attn.o_proj.weight"] = t["model.layers.0.self_attn.o_proj.weight"].to(torch.float8_e5m2)
+
+    msg = open_err(write(tmp_path, edit=edit), CheckpointError)
+    assert "wrong dtype: model.norm.weight is I64" in msg
+    assert "model.layers.0.self_attn.o_proj" in msg
+
+
+def test_chat_flag_needs_a_template(tmp_path):
+    from test_sampler_tokenizer import write_hf_tokenizer
+
+    path = write(tmp_path / "m", dict(SMALL, moesaic_tokenizer=None))
+    write_hf_tokenizer(path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r = cli("generate", "--model", str(path), "--prompt", "hello", "--chat", "--max-tokens", "2", env_cache=tmp_path / "c")
+    assert r.returncode != 0 and "chat template" in r.stderr and "Traceback" not in r.stderr
+    r = cli("generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "2", env_cache=tmp_path / "c")
+    assert r.returncode == 0, r.stderr

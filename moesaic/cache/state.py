@@ -65,6 +65,13 @@ class TokenRows:
         return self.length * sum(self.widths.values()) * self.dtype.itemsize
 
 
+def can_rollback(state, n: int) -> bool:
+    """Whether a state kind can forget its last n tokens. A kind without `can_rollback` (whose
+    rollback is always exact, e.g. rows derived from another kind's) says yes."""
+    check = getattr(state, "can_rollback", None)
+    return True if check is None else check(n)
+
+
 class SequenceState:
     """One sequence's state for every layer plus the count of tokens it has seen."""
 
@@ -77,8 +84,7 @@ class SequenceState:
         if not 0 <= n <= self.num_tokens:
             raise ValueError(f"cannot roll back {n} of {self.num_tokens} tokens")
         for i, layer in enumerate(self.layers):
-            check = getattr(layer, "can_rollback", None)  # kinds without it check in their own rollback
-            if check is not None and not check(n):
+            if layer is not None and not can_rollback(layer, n):
                 raise ValueError(f"cannot roll back {n} tokens: layer {i} keeps fewer (its speculative window is {getattr(layer, 'window', '?')})")
         for layer in self.layers:
             if layer is not None:
@@ -112,7 +118,6 @@ class RecurrentState:
         self.window = window
         self.value = initial
         self.history: list = [initial]  # history[-1 - i] = state i tokens ago; at most window + 1 kept
-        self.seen = 0
 
     def snapshots_needed(self, n: int) -> int:
         """One per new token while n <= window (the state before them is already kept); for a
@@ -129,7 +134,6 @@ class RecurrentState:
         else:
             self.history = [new_value]
         self.value = new_value
-        self.seen += n
 
     def can_rollback(self, n: int) -> bool:
         return 0 <= n < len(self.history)
@@ -142,14 +146,12 @@ class RecurrentState:
                              f"{len(self.history) - 1} (its speculative window is {self.window})")
         self.history = self.history[: len(self.history) - n]
         self.value = self.history[-1]
-        self.seen -= n
 
     def snapshot(self):
-        return (self.value.clone(), self.seen)
+        return self.value.clone()
 
     def restore(self, snap) -> None:
-        value, self.seen = snap
-        self.value = value.clone()
+        self.value = snap.clone()
         self.history = [self.value]
 
     @property
@@ -207,6 +209,9 @@ class TailRows:
     def rows(self) -> dict[str, torch.Tensor]:
         """The held rows (positions length - held .. length - 1)."""
         return {k: b[self.start : self.start + self.held] for k, b in self.bufs.items()}
+
+    def can_rollback(self, n: int) -> bool:
+        return 0 <= n <= self.length and (n == self.length or n <= self.keep - self.need)
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.length:

@@ -72,7 +72,10 @@ class Engine:
         if self.state_bytes is None:
             return 0
         per_token, fixed = self.state_bytes
-        return per_token * (len(seq.prompt_ids) + seq.params.max_tokens) + fixed
+        longest = len(seq.prompt_ids) + seq.params.max_tokens
+        if self.max_context is not None:  # generation stops at the context anyway
+            longest = min(longest, self.max_context)
+        return per_token * longest + fixed
 
     def add(self, seq: Sequence) -> None:
         seq.params.validate()
@@ -83,7 +86,7 @@ class Engine:
         if self.max_state_bytes is not None and seq.planned_bytes > self.max_state_bytes:
             raise CapacityError(f"this request needs {seq.planned_bytes} bytes of state; the engine allows "
                                 f"{self.max_state_bytes} (lower max_tokens or shorten the prompt)")
-        seq.generator = make_generator(seq.params)
+        seq.generator = make_generator(seq.params, self.model.device)
         self.waiting.append(seq)
 
     def _admit(self) -> None:

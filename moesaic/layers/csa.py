@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..cache.state import TailRows, TokenRows
+from ..cache.state import TailRows, TokenRows, can_rollback
 from .linear import linear
 from .norms import rms_norm_cast_once
 from .rope import cos_sin, rope_pairs
@@ -118,6 +118,9 @@ class CompressorState:
         pw = dims.proj_width
         self.raw = TailRows({"kv": pw, "gate": pw}, dtype, device, dims.rows_read + rollback_window, dims.rows_read)
         self.entries = TokenRows({"entry": dims.width}, dtype, device, max_tokens // dims.ratio + 1)
+
+    def can_rollback(self, n: int) -> bool:
+        return self.raw.can_rollback(n)
 
     def rollback(self, n: int) -> None:
         self.raw.rollback(n)
@@ -276,6 +279,9 @@ class AttentionState:
 
     def _parts(self):
         return [p for p in (self.window, self.compressor, self.indexer) if p is not None]
+
+    def can_rollback(self, n: int) -> bool:
+        return all(can_rollback(p, n) for p in self._parts())
 
     def rollback(self, n: int) -> None:
         for p in self._parts():

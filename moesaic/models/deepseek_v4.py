@@ -336,7 +336,7 @@ def _layer_specs(cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, opt
     m, E, I = p + "mlp.", cfg.n_routed_experts, cfg.moe_intermediate_size
     specs.append(TensorSpec(m + "gate.weight", (E, d), "router", **opt))
     if mlp == HASH_MOE:  # int64 in checkpoints; fp32 holds expert ids exactly
-        specs.append(TensorSpec(m + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "router", **f32))
+        specs.append(TensorSpec(m + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "router", integer=True, **f32))
     else:
         specs.append(TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", **f32))
     specs += [

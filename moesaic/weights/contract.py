@@ -30,6 +30,9 @@ class TensorSpec:
     optional: bool = False
     keep_fp32: bool = False  # kept in fp32 whatever the model dtype (norm gains, routers where the reference does)
     dense: bool = False  # used other than through `linear` (views, einsums): dequantized at load if stored packed
+    integer: bool = False  # an integer table (e.g. hash routing), not a float weight
+    mapped: bool = False  # left in the file: handed over as stored (dtype included), a view of the file's map,
+    #                       never copied or converted (tables read a few rows at a time: V4.1's Engram)
 
 
 def shape_matches(got, want) -> bool:
@@ -49,7 +52,7 @@ class Source:
 
 # Roles whose weights may stay packed when the checkpoint stores them quantized (they are only
 # used through `linear`). Anything else, or a spec marked dense, is dequantized at load.
-PACKABLE_ROLES = {"expert", "shared_expert", "mlp", "attention", "lm_head", "mamba", "linear_attention"}
+PACKABLE_ROLES = {"expert", "shared_expert", "mlp", "attention", "lm_head", "mamba", "linear_attention", "engram"}
 
 
 def direct(name: str, shape) -> Source:
@@ -109,6 +112,10 @@ def quantization_config(store: WeightStore) -> dict | None:
         or c.get("quantization")
 
 
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64") + _FLOAT_DTYPES  # tables saved as floats too
+
+
 def _base(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
@@ -134,7 +141,10 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
     for spec in specs:
         src = naming.source(spec)
         formats = {}
-        for n, shape in src.parts:
+        if spec.mapped and len(src.parts) != 1:
+            problems.append(f"{spec.name}: a mapped tensor must come from one checkpoint tensor, not {len(src.parts)}")
+            continue
+        for n, shape in [] if spec.mapped else src.parts:  # a mapped tensor is taken as stored
             try:
                 fmt = _quant_format(store, n, qc, dtypes)
             except CheckpointError as e:
@@ -153,9 +163,12 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
         for n, shape in src.parts:
             fmt = formats.get(n)
             if fmt is None:
-                got = store.info(n).shape
-                if not shape_matches(got, shape):
-                    problems.append(f"misshaped: {n} is {list(got)}, expected {list(shape)}")
+                info = store.info(n)
+                if not shape_matches(info.shape, shape):
+                    problems.append(f"misshaped: {n} is {list(info.shape)}, expected {list(shape)}")
+                kinds = _INTEGER_DTYPES if spec.integer else _FLOAT_DTYPES
+                if info.dtype not in kinds and not spec.mapped:  # a mapped tensor is taken as stored
+                    problems.append(f"wrong dtype: {n} is {info.dtype}, expected one of {', '.join(kinds)}")
                 used.add(n)
             elif fmt != "bad":
                 base = _base(n)
@@ -188,6 +201,9 @@ def load_tensors(plan: LoadPlan, store: WeightStore, dtype: torch.dtype, device,
     out = {}
     for name, src in plan.sources.items():
         spec = plan.specs[name]
+        if spec.mapped:
+            out[name] = store.get(src.parts[0][0], count=False)  # a view of the file map: not read here
+            continue
         want = schedule.dtype_for(spec.layer, spec.role)
         packable = spec.role in PACKABLE_ROLES and not spec.dense and not spec.keep_fp32 and len(spec.shape) >= 2
         if spec.keep_fp32:

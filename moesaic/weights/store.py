@@ -69,8 +69,10 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise CheckpointError(f"{path}: safetensors header of {n} bytes is not plausible")
         try:
             header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     return header, 8 + n
 
 
@@ -101,6 +103,7 @@ class WeightStore:
         self.reads: dict[str, int] = {}
         for path in self._files():
             header, data_start = read_header(path)
+            size = path.stat().st_size
             self.metadata.update(header.pop("__metadata__", None) or {})
             for name, h in header.items():
                 try:
@@ -110,8 +113,13 @@ class WeightStore:
                     raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
                 if info.dtype not in DTYPES:
                     raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.dtype}")
+                if not data_start <= info.start <= info.end <= size:
+                    raise CheckpointError(f"{path}: tensor {name!r} lies beyond the end of the file "
+                                          f"({info.end} > {size} bytes): the file is truncated, download it again")
                 if self.layout == "mistral":
                     name = _native_scale_name(name)
+                if name in self.infos:
+                    raise CheckpointError(f"tensor {name!r} is in both {self.infos[name].file.name} and {path.name}")
                 self.infos[name] = info
 
     def _files(self) -> list[Path]:
@@ -208,9 +216,9 @@ def _map(path: Path) -> mmap.mmap:
 
 def _read_json(path: Path) -> dict:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object")
