@@ -25,6 +25,7 @@ FAMILIES = {
     "kimi_linear": "moesaic.models.kimi_linear",
     "kimi_k3": "moesaic.models.kimi_k3",
     "deepseek_v4": "moesaic.models.deepseek_v4",
+    "deepseek_v41": "moesaic.models.deepseek_v41",
 }
 
 

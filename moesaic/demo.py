@@ -65,6 +65,7 @@ NEMOTRON_DEMO_CONFIG = {
     "moesaic_tokenizer": "bytes",
 }
 
+from .models import deepseek_v41 as _v41  # noqa: E402  (its release-shaped demo config)
 from .models import kimi_k3 as _k3  # noqa: E402  (its release-shaped demo config)
 
 # name -> (config, quantization: (regex of release tensor names, writer format) or None)
@@ -77,6 +78,9 @@ DEMOS: dict[str, tuple[dict, tuple[str, str] | None]] = {
                               (r"backbone\.layers\.\d+\.mixer\.(experts\.\d+|shared_experts)\.\w+\.weight", "nvfp4-modelopt")),
     "demo-kimi-k3": (_k3.DEMO_CONFIG, None),
     "demo-kimi-k3-mxfp4": (_k3.DEMO_CONFIG, _k3.MXFP4_EXPERTS),  # the release's compressed-tensors MXFP4 experts
+    # DeepSeek-V4.1 (Engram, shared KV/index sources, candidate blocks) with its dense weights in the release's
+    # fp8 E4M3 + UE8M0 32x32 blocks; deepseek_v41.write_checkpoint also writes the fp4 experts and fp8 table rows
+    "demo-deepseek-v41": (_v41.DEMO_CONFIG, (_v41.DENSE_FP8, "fp8-ue8m0")),
 }
 
 

@@ -47,4 +47,8 @@ class Checkpoint:
         if not isinstance(precision, PrecisionSchedule):
             precision = PrecisionSchedule.parse(precision)
         tensors = load_tensors(self.plan(), self.store, dt, device, precision)
-        return self.family.Model(self.cfg, tensors, dt, device)
+        model = self.family.Model(self.cfg, tensors, dt, device)
+        bind = getattr(model, "bind_checkpoint", None)
+        if bind is not None:  # a model that reads more than tensors from the folder (V4.1 Engram: the tokenizer)
+            bind(self.store)
+        return model
