@@ -92,3 +92,10 @@ def field(raw: dict, key: str, kind: type, default=_MISSING, *, where: str = "co
 
 def positive(v) -> bool:
     return v > 0
+
+
+def eos_ids(value) -> tuple[int, ...]:
+    """config.json's `eos_token_id` (one id, a list of ids, or null) as a tuple of ints."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)

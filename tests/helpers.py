@@ -1,8 +1,11 @@
-"""Tiny checkpoints for the tests, written by transformers itself (the oracle) or by moesaic's writers."""
+"""Tiny checkpoints for the tests, written by transformers itself (the oracle) or by moesaic's writers,
+and the few steps every family test takes with them."""
 
 from __future__ import annotations
 
 import torch
+
+from moesaic.engine.batch import ForwardBatch
 
 
 def randomize_(model, seed: int = 0, std: float = 0.2) -> None:
@@ -16,6 +19,40 @@ def randomize_(model, seed: int = 0, std: float = 0.2) -> None:
             else:
                 fan_in = p.shape[-1] if p.dim() > 1 else 1
                 p.copy_(torch.randn(p.shape, generator=g) * (std if p.dim() == 1 else fan_in**-0.5))
+
+
+def calm_kda_(model, seed: int) -> None:
+    """After `randomize_`: a Kimi-style model (or one KDA module) that is not chaotic. KDA decays
+    mild (A_log ~ log U(0.5, 1.5), dt_bias ~ -4: a memory of ~10 tokens, so head outputs are rarely
+    near zero before their RMSNorm), block outputs x0.25, embeddings of std 5, and a random router
+    selection bias (a buffer, which `randomize_` skips)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(-4 + 0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+                p.mul_(0.25)
+            elif name.endswith("embed_tokens.weight"):
+                p.mul_(5.0 / p.std())
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def random_ids(n: int, vocab: int, seed: int = 0, low: int = 3) -> list[int]:
+    """n token ids drawn from [low, vocab) with a fixed seed (ids below 3 are pad/bos/eos)."""
+    return torch.randint(low, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(model, chunks, logits="all", state=None, **state_kw):
+    """Feeds `chunks` (lists of ids) to one sequence, one forward each, continuing `state` or a
+    fresh `model.new_state(**state_kw)`. Returns (the logits of every forward concatenated, the state)."""
+    st = state if state is not None else model.new_state(**state_kw)
+    outs = [model.forward(ForwardBatch.build([(st, c)], logits=logits)) for c in chunks]
+    return torch.cat(outs), st
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 
 import pytest
 import torch
+import transformers
+from transformers import DynamicCache
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
 import moesaic
 from moesaic.engine.batch import ForwardBatch
@@ -19,11 +23,7 @@ from moesaic.weights.contract import load_tensors, to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
 
-from helpers import max_err, randomize_
-
-transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache  # noqa: E402
-from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig  # noqa: E402
+from helpers import max_err, random_ids, randomize_, run
 
 TOL = 3e-5  # logits are O(5): ~6e-6 relative. Each KDA layer adds ~1e-6 relative (its per-head RMSNorm
 # amplifies fp32 rounding of small head outputs); transformers disagrees with itself by ~3e-5 between a
@@ -35,6 +35,7 @@ def within_oracle(err: float, oracle_self_err: float) -> bool:
     own run with the same cuts does (the KDA head RMSNorm amplifies fp32 rounding)."""
     return err < max(TOL, 1.5 * oracle_self_err)
 VOCAB = 256
+prompt = partial(random_ids, vocab=VOCAB)
 KPOOL, TOPK = 4, 8  # selection: 2 pools + a tail of up to 3 tokens, out of prompts of up to 150
 
 # every path: KDA, full and shared DSA (16 indexer heads), dense and MoE with group limiting
@@ -84,16 +85,6 @@ def hf_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(hf_ckpt):
     return Checkpoint.open(hf_ckpt[1]).build("float32")
-
-
-def prompt(n, seed=0):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def run(model, chunks, logits="all", state=None):
-    st = state if state is not None else model.new_state()
-    outs = [model.forward(ForwardBatch.build([(st, c)], logits=logits)) for c in chunks]
-    return torch.cat(outs), st
 
 
 def hf_logits(hf, ids):

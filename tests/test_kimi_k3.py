@@ -17,11 +17,16 @@ vision tensors present). Max abs errors are printed (-s)."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from transformers.models.glm5_next import modeling_glm5_next as hf_glm
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
 import moesaic
 from moesaic.cli import main as cli_main
@@ -34,13 +39,7 @@ from moesaic.layers.norms import rms_norm
 from moesaic.models import kimi_k3
 from moesaic.weights.load import Checkpoint
 
-from helpers import max_err
-
-transformers = pytest.importorskip("transformers")
-from transformers.models.glm5_next import modeling_glm5_next as hf_glm  # noqa: E402
-from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig  # noqa: E402
-from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig  # noqa: E402
-from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention  # noqa: E402
+from helpers import calm_kda_, max_err, random_ids, randomize_, run
 
 TOL = 1e-5
 # The independent reference evaluates every op in another order (per-token loops, transformers'
@@ -69,19 +68,8 @@ def glm_kda():
                              rms_norm_eps=EPS)
     module = hf_glm.Glm5NextTextLinearAttention(cfg, 0).eval()
     assert cfg.linear_lower_bound == -5.0
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.3, 3.0, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(-3 + 0.5 * torch.randn(p.shape, generator=g))
-            elif name == "o_norm.weight":
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name == "conv1d.weight":
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5 * (0.25 if name == "o_proj.weight" else 1))
+    randomize_(module, seed=1)
+    calm_kda_(module, seed=2)
     return module
 
 
@@ -123,17 +111,8 @@ def model(ckpt):
     return Checkpoint.open(ckpt).build("float32")
 
 
-def prompt(n, seed=0):
-    return torch.randint(0, TC["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
+prompt = partial(random_ids, vocab=TC["vocab_size"], low=0)
 IDS = prompt(37)
-
-
-def run(m, chunks, logits="all", **state_kw):
-    st = m.new_state(**state_kw)
-    outs = [m.forward(ForwardBatch.build([(st, c)], logits=logits)) for c in chunks]
-    return torch.cat(outs), st
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,11 @@ to 8e-5), which would make a 1e-5 comparison meaningless. Every parameter stays 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
+import transformers
 
 import moesaic
 from moesaic.config import family_for
@@ -22,12 +24,11 @@ from moesaic.inspect import inspect_checkpoint
 from moesaic.models import kimi_linear
 from moesaic.weights.load import Checkpoint
 
-from helpers import max_err, randomize_
-
-transformers = pytest.importorskip("transformers")
+from helpers import calm_kda_, max_err, random_ids, randomize_, run
 
 TOL = 1e-5
 VOCAB = 101
+prompt = partial(random_ids, vocab=VOCAB)
 LINEAR_ATTN = {"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 4], "full_attn_layers": [3]}
 
 
@@ -42,29 +43,12 @@ def tiny_config(**over):
     return transformers.KimiLinearConfig(**kw)
 
 
-def calm_(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(-4 + 0.5 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
-                p.mul_(0.25)
-            elif name.endswith("embed_tokens.weight"):
-                p.mul_(5.0 / p.std())
-        for name, b in model.named_buffers():  # the router's selection bias is a buffer: randomize_ skips it
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-
-
 @pytest.fixture(scope="module")
 def hf_ckpt(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.KimiLinearForCausalLM(tiny_config()).eval()
     randomize_(model, seed=1)
-    calm_(model, seed=2)
+    calm_kda_(model, seed=2)
     path = tmp_path_factory.mktemp("kimi_linear_hf")
     model.save_pretrained(path)
     return model, path
@@ -73,16 +57,6 @@ def hf_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(hf_ckpt):
     return Checkpoint.open(hf_ckpt[1]).build("float32")
-
-
-def prompt(n, seed=0):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def run(model, chunks, logits="all", **state_kw):
-    st = model.new_state(**state_kw)
-    outs = [model.forward(ForwardBatch.build([(st, c)], logits=logits)) for c in chunks]
-    return torch.cat(outs), st
 
 
 def hf_decode(hf, ids, prefix):

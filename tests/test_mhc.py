@@ -2,15 +2,15 @@
 
 import pytest
 import torch
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+from transformers.models.glm5_next import modeling_glm5_next as hf_glm
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
 from moesaic.layers import mhc
 from moesaic.layers.mhc import MhcDims, MhcSite
 
 from helpers import max_err
-
-transformers = pytest.importorskip("transformers")
-from transformers.models.glm5_next import modeling_glm5_next as hf_glm  # noqa: E402
-from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig  # noqa: E402
 
 N_HC, D, T = 4, 24, 7
 TOL = 1e-5  # fp32 (measured: bit-equal to transformers on these inputs)
@@ -105,9 +105,6 @@ def test_glm_final_collapse_is_the_unweighted_mean():
 
 
 def test_site_and_weighted_head_match_deepseek_v4():
-    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
-
     cfg = DeepseekV4Config(hidden_size=D, hc_mult=N_HC, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6)
     m = hf_site(v4.DeepseekV4HyperConnection, cfg, seed=9)
     site, dims = ours_from(m, cfg)

@@ -4,9 +4,11 @@ transformers itself saves. Logits are compared in fp32; the max abs error is pri
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
+import transformers
 
 import moesaic
 from moesaic.engine.batch import ForwardBatch
@@ -15,12 +17,11 @@ from moesaic.weights.contract import to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors, save_sharded
 
-from helpers import max_err, randomize_
-
-transformers = pytest.importorskip("transformers")
+from helpers import max_err, random_ids, randomize_, run
 
 TOL = 2e-5
 VOCAB = 101
+prompt = partial(random_ids, vocab=VOCAB)
 
 
 def tiny_config(**over):
@@ -51,16 +52,6 @@ def hf_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(hf_ckpt):
     return Checkpoint.open(hf_ckpt[1]).build("float32")
-
-
-def prompt(n, seed=0):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def run(model, chunks, logits="all"):
-    st = model.new_state()
-    outs = [model.forward(ForwardBatch.build([(st, c)], logits=logits)) for c in chunks]
-    return torch.cat(outs), st
 
 
 def test_prefill_logits_match_transformers(hf_ckpt, ours):

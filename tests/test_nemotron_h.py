@@ -8,9 +8,11 @@ import copy
 import importlib.util
 import json
 import math
+from functools import partial
 
 import pytest
 import torch
+import transformers
 
 import moesaic
 from moesaic.cli import main as cli_main
@@ -20,12 +22,11 @@ from moesaic.models import nemotron_h
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
 
-from helpers import max_err, randomize_
-
-transformers = pytest.importorskip("transformers")
+from helpers import max_err, random_ids, randomize_, run
 
 TOL = 1e-5
 VOCAB = 101
+prompt = partial(random_ids, vocab=VOCAB)
 # every layer kind, the MoE twice, Mamba-2 twice
 LAYERS = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"]
 
@@ -88,16 +89,6 @@ def hf_ckpt(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(hf_ckpt):
     return Checkpoint.open(hf_ckpt[1]).build("float32")
-
-
-def prompt(n, seed=0):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def run(model, chunks, logits="all", state=None):
-    st = state or model.new_state()
-    outs = [model.forward(ForwardBatch.build([(st, c)], logits=logits)) for c in chunks]
-    return torch.cat(outs), st
 
 
 def hf_cached(hf, ids, first):

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from torch.profiler import ProfilerActivity, profile
 
 from moesaic.demo import DEMO_CONFIG, random_tensors
@@ -41,7 +42,6 @@ def _tiny(test_module: str, config_class: str) -> dict:
     """The tiny config a family's oracle test uses, as the config.json transformers writes."""
     import importlib
 
-    transformers = pytest.importorskip("transformers")
     tiny = importlib.import_module(test_module).TINY
     return getattr(transformers, config_class)(**tiny).to_dict()
 

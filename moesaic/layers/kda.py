@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moesaic.errors import CheckpointError
+from moesaic.layers.linear import linear
 
 L2NORM_EPS = 1e-6
 
@@ -358,21 +359,21 @@ def kda_mixer(
     if state is None:
         state = KdaState.zeros(dims, device=x.device)
 
-    qkv = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
+    qkv = torch.cat([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], dim=-1)
     y, full = short_conv(qkv, state.conv, w.conv)
     q, k, v = y.to(x.dtype).view(n, 3, H, D).unbind(1)
 
-    g = kda_gate(F.linear(F.linear(x, w.f_a_proj), w.f_b_proj), w.A_log, w.dt_bias, D, dims.lower_bound)
-    beta = torch.sigmoid(F.linear(x, w.b_proj).float())
+    g = kda_gate(linear(linear(x, w.f_a_proj), w.f_b_proj), w.A_log, w.dt_bias, D, dims.lower_bound)
+    beta = torch.sigmoid(linear(x, w.b_proj).float())
 
     o, S, snaps = kda_attend(q, k, v, g, beta, state.recurrent, dims.chunk_size, snapshot_last)
 
     if w.g_proj is not None:
-        gate = F.linear(x, w.g_proj)
+        gate = linear(x, w.g_proj)
     else:
-        gate = F.linear(F.linear(x, w.g_a_proj), w.g_b_proj)
+        gate = linear(linear(x, w.g_a_proj), w.g_b_proj)
     o = gated_head_rmsnorm(o, gate.view(n, H, D), w.o_norm, dims.norm_eps).to(x.dtype)
-    out = F.linear(o.reshape(n, H * D), w.o_proj)
+    out = linear(o.reshape(n, H * D), w.o_proj)
 
     new_state = KdaState(conv=full[full.shape[0] - (K - 1) :].clone(), recurrent=S)
     # after new token t the conv tail is full[t+1 : t+K]

@@ -4,12 +4,14 @@ import torch
 import torch.nn.functional as F
 
 
-def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """`x @ w.T` for a dense [out, in] tensor, or through a quantized tensor's own matmul.
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T (+ bias)` for a dense [out, in] tensor, or through a quantized tensor's own matmul.
     A weight kept in another dtype by the precision schedule computes in its own dtype and
     returns the activation's."""
     if isinstance(w, torch.Tensor):
+        b = None if bias is None else bias.to(w.dtype)
         if w.dtype != x.dtype:
-            return F.linear(x.to(w.dtype), w).to(x.dtype)
-        return F.linear(x, w)
-    return w.matmul(x)
+            return F.linear(x.to(w.dtype), w, b).to(x.dtype)
+        return F.linear(x, w, b)
+    y = w.matmul(x)
+    return y if bias is None else y + bias.to(y.dtype)

@@ -24,10 +24,11 @@ moesaic prefill equals transformers prefill, and moesaic decode equals transform
 except at heads/tokens where softplus(dt + dt_bias) < time_step_min, where moesaic decode
 instead equals its own (and transformers') prefill. Real checkpoints do reach that region.
 
-Numerics. Projections run in the weights' dtype (bf16 or fp32). The depthwise conv and SiLU run
-in fp32 and are rounded to the projection dtype, as the causal_conv1d kernel and transformers
-do. dt, softplus, the scan, the state and the D skip are fp32. The gated norm multiplies the gate
-and normalises in fp32, casts to the norm weight's dtype, then multiplies by the weight.
+Numerics. Projections go through `layers.linear` (dense or packed quantized weights) in the model
+dtype (bf16 or fp32). The depthwise conv and SiLU run in fp32 and are rounded to the projection
+dtype, as the causal_conv1d kernel and transformers do. dt, softplus, the scan, the state and the
+D skip are fp32. The gated norm multiplies the gate and normalises in fp32, casts to the norm
+weight's dtype, then multiplies by the weight.
 
 State. `Mamba2State.conv` [conv_dim, K-1] fp32 holds the last K-1 conv inputs (pre-conv xBC,
 oldest first); `ssm` [H, P, N] fp32. transformers keeps K inputs (one more than needed) in the
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moesaic.errors import CheckpointError
+from moesaic.layers.linear import linear
 
 
 @dataclass(frozen=True)
@@ -168,13 +170,6 @@ class Mamba2State:
         return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
 
 
-def _linear(x: Tensor, w: Any, b: Tensor | None) -> Tensor:
-    """x @ w^T in w's dtype. A packed quantized weight (anything with `dequantize()`) is expanded here."""
-    if not isinstance(w, Tensor):
-        w = w.dequantize()
-    return F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype))
-
-
 def causal_conv(xbc: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """Depthwise causal conv + SiLU over n new inputs `xbc` [n, C], continuing from `tail`
     [C, K-1]. Returns (SiLU(conv) [n, C] fp32, all inputs [K-1+n, C] fp32 oldest first)."""
@@ -254,7 +249,7 @@ def mamba2_mixer(
     if n == 0:
         return x.new_zeros(0, dims.hidden_size), state, []
 
-    zxbcdt = _linear(x, w.in_proj, w.in_proj_bias)
+    zxbcdt = linear(x, w.in_proj, w.in_proj_bias)
     z, xbc, dt = zxbcdt.split([dims.inner, dims.conv_dim, H], dim=-1)
 
     xbc, seq = causal_conv(xbc, state.conv, w.conv_weight, w.conv_bias)
@@ -280,7 +275,7 @@ def mamba2_mixer(
     y = y + w.D.float()[:, None] * xs
 
     out = gated_rmsnorm(y.reshape(n, dims.inner), z, w.norm_weight, G, dims.eps)
-    out = _linear(out, w.out_proj, w.out_proj_bias)
+    out = linear(out, w.out_proj, w.out_proj_bias)
     new_state = Mamba2State(conv=_rows_to_tail(seq[n:]), ssm=h.clone() if snapshots else h)
     return out, new_state, snapshots
 

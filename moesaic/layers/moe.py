@@ -1,4 +1,10 @@
-"""Routers and routed experts shared by the MoE families."""
+"""Routers, routed experts, gated MLPs and their activations, shared by the MoE families.
+
+Activations come in two shapes. A gated one is written over its two halves, `glu(gate, up)`
+(silu_glu, clamped_silu_glu, situ_glu): that is what `glu_mlp` takes, its halves coming from two
+projections. The routed experts keep gate and up fused in one weight, so `run_experts` takes
+`act(gate_up)` over a [.., 2I] row (swiglu, clamped_swiglu), or over the up row of an ungated
+expert (relu2)."""
 
 from __future__ import annotations
 
@@ -44,9 +50,42 @@ def route_sigmoid(logits, top_k, bias=None, n_group=1, topk_group=1, normalize=T
     return w * scale, ids
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: SiLU(gate) · up."""
     return F.silu(gate) * up
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over a [.., 2I] gate|up row."""
+    return silu_glu(*gate_up.chunk(2, dim=-1))
+
+
+def clamped_silu_glu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, L)) · clamp(up, −L, L) (the gate is clamped above only)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def clamped_swiglu(limit: float):
+    """`clamped_silu_glu` over a [.., 2I] gate|up row."""
+    return lambda gate_up: clamped_silu_glu(*gate_up.chunk(2, dim=-1), limit)
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """Kimi K3's SiTU-GLU in fp32: a SiLU whose linear factor is soft-capped at +-beta, times the up
+    branch soft-capped at +-linear_beta. Returns gate's dtype."""
+    g, u = gate.float(), up.float()
+    out = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    return out.to(gate.dtype)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Nemotron-H's squared ReLU (an ungated MLP)."""
+    return F.relu(x).square()
+
+
+def glu_mlp(x: torch.Tensor, w_gate, w_up, w_down, glu=silu_glu) -> torch.Tensor:
+    """A gated MLP (a dense MLP or the shared experts): w_down(glu(w_gate x, w_up x))."""
+    return linear(glu(linear(x, w_gate), linear(x, w_up)), w_down)
 
 
 def run_experts(x, weights, ids, w_in, w_out, act=swiglu):
@@ -84,13 +123,3 @@ def route_sqrtsoftplus(logits, top_k, bias=None, scale=1.0, ids=None):
         ids = choice.topk(top_k, dim=-1, sorted=False).indices
     w = scores.gather(1, ids)
     return w / (w.sum(-1, keepdim=True) + 1e-20) * scale, ids
-
-
-def clamped_swiglu(limit: float):
-    """SiLU(min(gate, L)) · clamp(up, −L, L) over a [.., 2I] gate|up row (the gate is clamped above only)."""
-
-    def act(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-
-    return act

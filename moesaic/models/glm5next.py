@@ -40,19 +40,21 @@ TokenRows of the latent (kv_lora_rank) and, on full layers, the indexer's k and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from ..cache.state import RecurrentState, SequenceState, TokenRows
-from ..config import field, positive
+from ..config import eos_ids, field, positive
 from ..engine.batch import ForwardBatch
 from ..errors import CheckpointError, ConfigError
 from ..layers import dsa, mhc
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
 from ..layers.linear import linear
-from ..layers.moe import clamped_swiglu, route_sigmoid, run_experts
+from ..layers.moe import clamped_silu_glu, clamped_swiglu, glu_mlp, route_sigmoid, run_experts
 from ..layers.norms import rms_norm
+from ..layers.recurrent import run_recurrent
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
 
 MODEL_TYPES = ("glm5_next", "glm5_next_text")
@@ -119,12 +121,6 @@ class Glm5NextConfig:
 
 
 # ---------------------------------------------------------------- config
-
-def _eos(v) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    return tuple(int(x) for x in v) if isinstance(v, list) else (int(v),)
-
 
 def _str_list(raw: dict, key: str, allowed, n: int, w: str) -> list[str]:
     v = raw[key]
@@ -258,7 +254,7 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
         num_nextn_predict_layers=field(t, "num_nextn_predict_layers", int, 1, where=w, check=lambda v: v >= 0),
         tie_word_embeddings=field(t, "tie_word_embeddings", bool, outer.get("tie_word_embeddings") or False, where=w),
         bos_token_id=t.get("bos_token_id", outer.get("bos_token_id")),
-        eos_token_ids=_eos(eos),
+        eos_token_ids=eos_ids(eos),
         model_type=str(outer.get("model_type") or "glm5_next"),
     )
 
@@ -443,7 +439,8 @@ class Model:
         self.device = device
         self.kda_dims = cfg.kda_dims
         self.hc = cfg.mhc_dims
-        self.act = clamped_swiglu(cfg.swiglu_limit)
+        self.act = clamped_swiglu(cfg.swiglu_limit)  # the routed experts' fused gate|up rows
+        self.glu = partial(clamped_silu_glu, limit=cfg.swiglu_limit)  # the dense MLP and shared experts
         t = tensors
         self.embed = t["model.embed_tokens.weight"]
         self.norm = t["model.norm.weight"]
@@ -487,18 +484,6 @@ class Model:
         return SequenceState(layers)
 
     # -- mixers
-    def kda_block(self, L: int, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        out = torch.empty_like(x)
-        for s in batch.seqs:
-            rows = slice(s.start, s.start + s.n)
-            rs = s.state.layers[L]
-            y, new, snaps = kda_mixer(x[rows], self.kda[L], self.kda_dims, rs.value, snapshot_last=rs.snapshots_needed(s.n))
-            if snaps:  # the last snapshot is the new state: keep one copy
-                snaps[-1] = new
-            rs.advance(new, snaps, s.n)
-            out[rows] = y
-        return out
-
     def dsa_block(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch, shared: list | None):
         """DSA over every sequence; returns (output, the selections it used, one per sequence)."""
         c = self.cfg
@@ -533,16 +518,15 @@ class Model:
     def mlp(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         if c.mlp_layer_types[L] == "dense":
-            gate_up = torch.cat([linear(x, w["mlp.gate_proj.weight"]), linear(x, w["mlp.up_proj.weight"])], dim=-1)
-            return linear(self.act(gate_up), w["mlp.down_proj.weight"])
+            return glu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"], self.glu)
         logits = F.linear(x.float(), w["mlp.gate.weight"].float())
         weights, ids = route_sigmoid(logits, c.num_experts_per_tok, w["mlp.gate.e_score_correction_bias"], c.n_group,
                                      c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
         out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act)
         if c.n_shared_experts:
-            sh = torch.cat([linear(x, w["mlp.shared_experts.gate_proj.weight"]),
-                            linear(x, w["mlp.shared_experts.up_proj.weight"])], dim=-1)
-            out = out + linear(self.act(sh), w["mlp.shared_experts.down_proj.weight"])
+            s = "mlp.shared_experts."
+            out = out + glu_mlp(x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"],
+                                self.glu)
         return out
 
     @torch.inference_mode()
@@ -556,7 +540,7 @@ class Model:
             x, post, comb = mhc.site_input(h, attn_site, self.hc)
             x = rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps)
             if c.layer_types[L] == KDA:
-                y = self.kda_block(L, x, batch)
+                y = run_recurrent(kda_mixer, self.kda[L], self.kda_dims, L, x, batch)
             else:
                 y, sel = self.dsa_block(L, w, x, batch, selections)
                 if c.is_full_indexer(L):

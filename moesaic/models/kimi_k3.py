@@ -45,12 +45,13 @@ import torch.nn.functional as F
 
 from ..config import field, positive
 from ..engine.batch import ForwardBatch
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..layers.attnres import attnres_mix, bank_size, is_block_start
-from ..layers.kda import KdaDims, KdaState
+from ..layers.kda import KdaDims, KdaState, kda_mixer
 from ..layers.linear import linear
-from ..layers.moe import run_experts
+from ..layers.moe import glu_mlp, run_experts, silu_glu, situ_glu
 from ..layers.norms import rms_norm
+from ..layers.recurrent import run_recurrent
 from ..weights.contract import Naming, Source, TensorSpec, to_checkpoint
 from . import kimi_linear as kl
 
@@ -69,37 +70,10 @@ VISION = [r"(language_model\.)?(model\.)?vision_tower\..*", r"(language_model\.)
           r"(language_model\.)?(model\.)?multi_modal_projector\..*"]
 
 
-@dataclass(frozen=True)
-class K3Config:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    layer_kinds: tuple[str, ...]  # per layer: "kda" | "mla"
-    mlp_kinds: tuple[str, ...]  # per layer: "dense" | "moe"
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    kda_num_heads: int
-    kda_head_dim: int
-    conv_kernel: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_experts: int
-    num_experts_per_token: int
-    num_shared_experts: int
-    n_group: int
-    topk_group: int
-    moe_renormalize: bool
-    routed_scaling_factor: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    # what K3 adds
+@dataclass(frozen=True, kw_only=True)
+class K3Config(kl.KimiLinearConfig):
+    """Kimi Linear's fields and what K3 adds."""
+
     attn_res_block_size: int
     routed_expert_hidden_size: int
     latent_moe_use_norm: bool
@@ -112,14 +86,6 @@ class K3Config:
     expert_format: str  # "bf16" | "mxfp4" (as the config declares the routed experts)
     expert_group_size: int  # MXFP4 scale group
     model_type: str = "kimi_k3"
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        return self.qk_head_dim**-0.5
 
     @property
     def kda_dims(self) -> KdaDims:
@@ -233,22 +199,12 @@ def tensor_specs(cfg: K3Config) -> list[TensorSpec]:
     return specs
 
 
-def first_heads(a_log: torch.Tensor, heads: int) -> torch.Tensor:
-    """K3 stores A_log wider than its head count (an export quirk: [128] for 96 heads, tail zero).
-    The first `heads` entries are the heads'; a non-zero tail is refused."""
-    flat = a_log.reshape(-1)
-    if flat.numel() < heads:
-        raise CheckpointError(f"A_log has {flat.numel()} entries for {heads} KDA heads")
-    if torch.any(flat[heads:] != 0):
-        raise CheckpointError(f"A_log is stored with {flat.numel()} entries for {heads} KDA heads and its tail "
-                              "is not zero; only a zero tail (Kimi K3's export) can be dropped")
-    return flat[:heads].clone()
-
-
 def release_naming(cfg: K3Config, store_names, prefix: str = "language_model.") -> Naming:
     def override(spec: TensorSpec, where):
+        # A_log is stored wider than the heads ([128] for 96): read as stored; KdaWeights keeps the
+        # first H and refuses a non-zero tail
         if spec.name.endswith("self_attn.A_log"):
-            return Source([(where(spec.name), (-1,))], lambda ts: first_heads(ts[0], spec.shape[0]))
+            return Source([(where(spec.name), (-1,))])
         return None
 
     return kl.release_naming(f"Kimi K3 release ({prefix or 'no prefix'})", store_names, prefix, VISION, override)
@@ -263,14 +219,6 @@ def namings(cfg: K3Config, layout: str, store_names) -> Naming:
 
 
 # ---------------------------------------------------------------- blocks
-
-
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU in fp32: a SiLU whose linear factor is soft-capped at +-beta, times the up branch
-    soft-capped at +-linear_beta. Returns gate's dtype."""
-    g, u = gate.float(), up.float()
-    out = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
-    return out.to(gate.dtype)
 
 
 class Model:
@@ -297,16 +245,15 @@ class Model:
         c = self.cfg
         if c.hidden_act == "situ":
             return situ_glu(gate, up, c.situ_beta, c.situ_linear_beta)
-        return F.silu(gate) * up
+        return silu_glu(gate, up)
 
-    def glu_mlp(self, w: dict, m: str, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.glu(linear(x, w[m + "gate_proj.weight"]), linear(x, w[m + "up_proj.weight"])),
-                      w[m + "down_proj.weight"])
+    def mlp(self, w: dict, m: str, x: torch.Tensor) -> torch.Tensor:
+        return glu_mlp(x, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"], self.glu)
 
     def mixer(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         c = self.cfg
         if c.layer_kinds[L] == "kda":
-            return kl.kda_block(L, self.kda[L], c.kda_dims, x, batch)
+            return run_recurrent(kda_mixer, self.kda[L], c.kda_dims, L, x, batch)
         o = kl.mla_heads(L, c, w, x, batch)
         if c.mla_use_output_gate:
             o = (o.float() * torch.sigmoid(linear(x, w["self_attn.g_proj.weight"]).float())).to(o.dtype)
@@ -322,11 +269,11 @@ class Model:
             y = rms_norm(y, w["mlp.routed_expert_norm.weight"], c.rms_norm_eps)
         y = linear(y, w["mlp.routed_expert_up_proj.weight"])
         if c.num_shared_experts:
-            y = y + self.glu_mlp(w, "mlp.shared_experts.", x)
+            y = y + self.mlp(w, "mlp.shared_experts.", x)
         return y
 
     def ffn(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
-        return self.glu_mlp(w, "mlp.", x) if self.cfg.mlp_kinds[L] == "dense" else self.latent_moe(w, x)
+        return self.mlp(w, "mlp.", x) if self.cfg.mlp_kinds[L] == "dense" else self.latent_moe(w, x)
 
     def output_mix(self, partial: torch.Tensor, bank: list[torch.Tensor]) -> torch.Tensor:
         return attnres_mix(partial, bank, self.out_res_proj, self.out_res_norm, self.cfg.rms_norm_eps)

@@ -27,8 +27,8 @@ Checkpoint names are the release names, which transformers also writes on `save_
 `mlp.` for every FFN and the experts fused (`mlp.experts.gate_up_proj [E, 2I, d]`,
 `mlp.experts.down_proj [E, d, I]`).
 
-The pieces Kimi K3 shares with this family (config fields, layer kinds, KDA and MLA blocks,
-router, states, names) are module-level functions here and are used by `kimi_k3`.
+K3's config class extends `KimiLinearConfig`; the other pieces K3 shares with this family (config
+fields, layer kinds, MLA block, router, states, names) are module-level functions here.
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.state import RecurrentState, SequenceState, TokenRows
-from ..config import field, positive
+from ..config import eos_ids, field, positive
 from ..engine.batch import ForwardBatch
 from ..errors import ConfigError
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer, kda_tensor_shapes
 from ..layers.linear import linear
 from ..layers.mla import mla_attend
-from ..layers.moe import route_sigmoid, run_experts, swiglu
+from ..layers.moe import glu_mlp, route_sigmoid, run_experts, swiglu
 from ..layers.norms import rms_norm
+from ..layers.recurrent import run_recurrent
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
 
 MODEL_TYPES = ("kimi_linear",)
@@ -135,12 +136,6 @@ def _get(raw: dict, key: str, kind, default, w: str, **kw):
     names = ALIASES.get(key, (key,))
     present = [n for n in names if raw.get(n) is not None]
     return field(raw, present[0] if present else names[0], kind, default, where=w, **kw)
-
-
-def _eos(v) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    return tuple(int(t) for t in v) if isinstance(v, list) else (int(v),)
 
 
 def layer_kinds(raw: dict, n: int, w: str, default_schedule: bool) -> tuple[str, ...]:
@@ -252,7 +247,7 @@ def parse_common(raw: dict, w: str, defaults: dict, default_schedule: bool) -> d
         max_position_embeddings=_get(raw, "max_position_embeddings", int, d["max_position_embeddings"], w, check=positive),
         tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, d["tie_word_embeddings"], w),
         bos_token_id=raw.get("bos_token_id", d["bos_token_id"]),
-        eos_token_ids=_eos(raw.get("eos_token_id", d["eos_token_id"])),
+        eos_token_ids=eos_ids(raw.get("eos_token_id", d["eos_token_id"])),
     )
     return out
 
@@ -273,7 +268,7 @@ def parse_config(raw: dict, layout: str = "hf") -> KimiLinearConfig:
 def kda_specs(p: str, dims: KdaDims, L: int, a_log_shape) -> list[TensorSpec]:
     """One KDA layer under `p + "self_attn."`: the release names of `kda_tensor_shapes`."""
     return [TensorSpec(p + "self_attn." + name, shape, "norm" if name == "o_norm.weight" else "attention", L,
-                       keep_fp32=name in ("A_log", "dt_bias"))
+                       keep_fp32=name in ("A_log", "dt_bias"), dense="conv1d" in name)  # conv taps, never a matmul
             for name, shape in kda_tensor_shapes(dims, a_log_shape).items()]
 
 
@@ -282,7 +277,8 @@ def mla_specs(p: str, c, L: int) -> list[TensorSpec]:
     specs = [
         TensorSpec(a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + c.qk_rope_head_dim, d), "attention", L),
         TensorSpec(a + "kv_a_layernorm.weight", (c.kv_lora_rank,), "norm", L),
-        TensorSpec(a + "kv_b_proj.weight", (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), "attention", L),
+        TensorSpec(a + "kv_b_proj.weight", (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), "attention", L,
+                   dense=True),  # split into W_uk / W_uv views for absorbed attention
         TensorSpec(a + "o_proj.weight", (d, H * c.v_head_dim), "attention", L),
     ]
     if c.q_lora_rank is None:
@@ -385,18 +381,6 @@ def new_state(cfg, dtype: torch.dtype, device, rollback_window: int = 0) -> Sequ
     return SequenceState(layers)
 
 
-def kda_block(L: int, w: KdaWeights, dims: KdaDims, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """KDA on each sequence's rows, advancing its state (and its rollback snapshots)."""
-    out = torch.empty_like(x)
-    for s in batch.seqs:
-        rows = slice(s.start, s.start + s.n)
-        st = s.state.layers[L]
-        o, new, snaps = kda_mixer(x[rows], w, dims, st.value, snapshot_last=st.snapshots_needed(s.n))
-        st.advance(snaps[-1] if snaps else new, snaps, s.n)
-        out[rows] = o
-    return out
-
-
 def mla_heads(L: int, c, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """MLA without rotation up to (not including) o_proj: [N, H * v_head_dim]. Appends each
     sequence's latent and shared key slice to its cache."""
@@ -455,19 +439,18 @@ class Model:
 
     def mixer(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.cfg.layer_kinds[L] == "kda":
-            return kda_block(L, self.kda[L], self.cfg.kda_dims, x, batch)
+            return run_recurrent(kda_mixer, self.kda[L], self.cfg.kda_dims, L, x, batch)
         return linear(mla_heads(L, self.cfg, w, x, batch), w["self_attn.o_proj.weight"])
 
     def ffn(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         if c.mlp_kinds[L] == "dense":
-            return linear(F.silu(linear(x, w["mlp.gate_proj.weight"])) * linear(x, w["mlp.up_proj.weight"]),
-                          w["mlp.down_proj.weight"])
+            return glu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         weights, ids = route(c, w, x)
         out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], swiglu)
         if c.num_shared_experts:
-            sh = F.silu(linear(x, w["mlp.shared_experts.gate_proj.weight"])) * linear(x, w["mlp.shared_experts.up_proj.weight"])
-            out = out + linear(sh, w["mlp.shared_experts.down_proj.weight"])
+            s = "mlp.shared_experts."
+            out = out + glu_mlp(x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
         return out
 
     @torch.inference_mode()

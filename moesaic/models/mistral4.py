@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import field, positive
+from ..config import eos_ids, field, positive
 from ..errors import ConfigError
 from ..engine.batch import ForwardBatch
 from ..cache.state import SequenceState, TokenRows
 from ..layers.linear import linear
 from ..layers import mla
-from ..layers.moe import route_softmax, run_experts, swiglu
+from ..layers.moe import glu_mlp, route_softmax, run_experts, swiglu
 from ..layers.norms import rms_norm
 from ..layers.rope import RopeConfig, cos_sin, cos_sin_attention_factor, inv_freq, rope_interleaved, rope_half, yarn_mscale
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
@@ -82,12 +82,6 @@ class Mistral4Config:
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
-
-
-def _eos(v) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    return tuple(v) if isinstance(v, list) else (int(v),)
 
 
 def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
@@ -162,7 +156,7 @@ def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
         llama4_original_max=rope.original_max_position_embeddings,
         tie_word_embeddings=field(raw, "tie_word_embeddings", bool, False, where=w),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos(raw.get("eos_token_id", 2)),
+        eos_token_ids=eos_ids(raw.get("eos_token_id", 2)),
     )
     if cfg.first_k_dense_replace > 0 and cfg.intermediate_size <= 0:
         raise ConfigError(f"{w}: field 'intermediate_size' must be positive when first_k_dense_replace > 0")
@@ -406,15 +400,14 @@ class Model:
     def mlp(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         if not c.is_moe(L):
-            return linear(F.silu(linear(x, w["mlp.gate_proj.weight"])) * linear(x, w["mlp.up_proj.weight"]),
-                          w["mlp.down_proj.weight"])
+            return glu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         logits = linear(x, w["mlp.gate.weight"])
         weights, ids = route_softmax(logits, c.num_experts_per_tok, c.n_group, c.topk_group,
                                      c.norm_topk_prob, c.routed_scaling_factor)
         out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], swiglu)
         if c.n_shared_experts:
-            sh = F.silu(linear(x, w["mlp.shared_experts.gate_proj.weight"])) * linear(x, w["mlp.shared_experts.up_proj.weight"])
-            out = out + linear(sh, w["mlp.shared_experts.down_proj.weight"])
+            s = "mlp.shared_experts."
+            out = out + glu_mlp(x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
         return out
 
     @torch.inference_mode()

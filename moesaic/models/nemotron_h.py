@@ -42,14 +42,15 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.state import RecurrentState, SequenceState, TokenRows
-from ..config import field, positive
+from ..config import eos_ids, field, positive
 from ..engine.batch import ForwardBatch
 from ..errors import ConfigError
 from ..layers.attention import gqa_attend
 from ..layers.linear import linear
 from ..layers.mamba2 import Mamba2Dims, Mamba2State, Mamba2Weights, mamba2_mixer
-from ..layers.moe import route_sigmoid, run_experts
+from ..layers.moe import relu2, route_sigmoid, run_experts
 from ..layers.norms import rms_norm_fp32_weight
+from ..layers.recurrent import run_recurrent
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked
 
 MODEL_TYPES = ("nemotron_h",)
@@ -167,12 +168,6 @@ def _key(raw: dict, plain: str, legacy: str) -> str:
     return legacy if raw.get(legacy) is not None else plain
 
 
-def _eos(v) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    return tuple(int(x) for x in v) if isinstance(v, list) else (int(v),)
-
-
 def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
     """Absent fields take transformers' `NemotronHConfig` defaults."""
     w = "config.json"
@@ -266,7 +261,7 @@ def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
         num_nextn_predict_layers=field(raw, "num_nextn_predict_layers", int, 0, where=w, check=lambda v: v >= 0),
         mtp_layer_types=mtp,
         bos_token_id=raw.get("bos_token_id", 1),
-        eos_token_ids=_eos(raw.get("eos_token_id", 2)),
+        eos_token_ids=eos_ids(raw.get("eos_token_id", 2)),
     )
 
 
@@ -284,7 +279,7 @@ def tensor_specs(cfg: NemotronHConfig) -> list[TensorSpec]:
             H, HP = cfg.mamba_num_heads, dims.inner
             specs += [
                 TensorSpec(m + "in_proj.weight", (dims.in_proj_dim, d), "mamba", L),
-                TensorSpec(m + "conv1d.weight", (dims.conv_dim, 1, cfg.conv_kernel), "mamba", L),
+                TensorSpec(m + "conv1d.weight", (dims.conv_dim, 1, cfg.conv_kernel), "mamba", L, dense=True),
                 TensorSpec(m + "dt_bias", (H,), "mamba", L),
                 TensorSpec(m + "A_log", (H,), "mamba", L),
                 TensorSpec(m + "D", (H,), "mamba", L),
@@ -348,10 +343,6 @@ def namings(cfg: NemotronHConfig, layout: str, store_names) -> Naming:
 
 # ---------------------------------------------------------------- model
 
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
-
-
 class Model:
     """The Nemotron-H decoder over a ForwardBatch."""
 
@@ -389,18 +380,6 @@ class Model:
         return SequenceState(layers)
 
     # -- mixers
-    def mamba(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        out = torch.empty_like(x)
-        for s in batch.seqs:
-            rows = slice(s.start, s.start + s.n)
-            rs = s.state.layers[L]
-            y, new, snaps = mamba2_mixer(x[rows], w["mamba"], self.dims, rs.value, rs.snapshots_needed(s.n))
-            if snaps:  # the last snapshot is the new state: keep one copy
-                snaps[-1] = new
-            rs.advance(new, snaps, s.n)
-            out[rows] = y
-        return out
-
     def attention(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         c = self.cfg
         N, D = x.shape[0], c.head_dim
@@ -437,7 +416,7 @@ class Model:
         for L, (kind, w) in enumerate(zip(c.layer_types, self.layers)):
             x = rms_norm_fp32_weight(h, w["norm.weight"], c.layer_norm_epsilon)
             if kind == MAMBA:
-                y = self.mamba(L, w, x, batch)
+                y = run_recurrent(mamba2_mixer, w["mamba"], self.dims, L, x, batch)
             elif kind == ATTENTION:
                 y = self.attention(L, w, x, batch)
             elif kind == MLP:
