@@ -92,25 +92,45 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu):
     """Sum over each token's chosen experts of weight * w_out[e](act(w_in[e] x)).
 
     x [N, d]; weights/ids [N, k]; w_in [E, *, d] and w_out [E, d, *] (dense stacks or stacked
-    quantized tensors indexable by expert). Experts are visited in ascending id, each on the
-    tokens routed to it. Weighting and the sum run in the routing weights' dtype when it is wider
-    (an fp32 router over bf16 activations, as transformers does), cast to x's dtype at the end."""
-    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, weights.dtype))
+    quantized tensors indexable by expert). Each token's terms are added in ascending expert id.
+    Weighting and the sum run in the routing weights' dtype when it is wider (an fp32 router over
+    bf16 activations, as transformers does), cast to x's dtype at the end."""
+    ids, perm = ids.sort(dim=1)  # a token's experts in ascending id: the order its terms are summed in
+    weights = weights.gather(1, perm)
+    N, k = ids.shape
     flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=w_in.shape[0]).tolist()
-    token_of = order // ids.shape[1]
-    wflat = weights.reshape(-1)[order]
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        rows = token_of[start : start + c]
-        h = act(linear(x[rows], w_in[e]))
-        y = linear(h, w_out[e]) * wflat[start : start + c, None]
-        out[rows] += y.to(out.dtype)  # rows are distinct within one expert (index_add_ is slow in bf16 on CPU)
-        start += c
+    order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=w_in.shape[0])
+    xs = x[order // k]
+    if _grouped(x, w_in, w_out):
+        # one grouped GEMM per projection over every expert's rows: no per-expert Python loop
+        offs = counts.cumsum(0).to(torch.int32)
+        ys = F.grouped_mm(act(F.grouped_mm(xs, w_in.transpose(-2, -1), offs=offs)), w_out.transpose(-2, -1), offs=offs)
+    else:
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c:
+                ys[start : start + c] = linear(act(linear(xs[start : start + c], w_in[e])), w_out[e])
+                start += c
+    y = torch.empty_like(ys)
+    y[order] = ys
+    y = y.view(N, k, -1)
+    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, weights.dtype))
+    for j in range(k):
+        out += y[:, j] * weights[:, j, None]
     return out.to(x.dtype)
+
+
+def _grouped(x, w_in, w_out) -> bool:
+    """Whether torch's grouped GEMM can run these experts: dense stacks of a dtype it supports, with
+    every row stride and base address a multiple of 16 bytes (its requirement)."""
+    if not (hasattr(F, "grouped_mm") and isinstance(w_in, torch.Tensor) and isinstance(w_out, torch.Tensor)
+            and x.dtype == w_in.dtype == w_out.dtype and x.dtype in (torch.float32, torch.bfloat16)):
+        return False
+    widths = (x.shape[-1], w_in.shape[-2], w_out.shape[-2], w_out.shape[-1])
+    return all(w * x.element_size() % 16 == 0 for w in widths) and \
+        all(t.data_ptr() % 16 == 0 for t in (w_in, w_out))
 
 
 def route_sqrtsoftplus(logits, top_k, bias=None, scale=1.0, ids=None):
