@@ -1,13 +1,16 @@
 """The family registry (model_type -> family module) and helpers for reading config fields.
 
 A family module provides:
-  MODEL_TYPES                     model_type strings it serves
-  parse_config(raw, layout)       -> frozen config dataclass (raises ConfigError naming the field)
-  tensor_specs(cfg)               -> list[TensorSpec]
-  namings(cfg)                    -> list[Naming], the checkpoint naming schemes it reads
-  Model(cfg, tensors, dtype, device)
-  layer_schedule(cfg)             -> one "mixer+mlp" string per decoder layer
-  state_bytes(cfg, dtype_bytes)   -> (bytes per token, fixed bytes per sequence)
+  parse_config(raw, layout)        -> frozen config dataclass (raises ConfigError naming the field)
+  tensor_specs(cfg)                -> list[TensorSpec], the tensor contract
+  namings(cfg, layout, store_names) -> the Naming that maps the contract onto this checkpoint's names
+  Model(cfg, tensors, dtype, device) with new_state(rollback_window=0) -> SequenceState and
+                                   forward(ForwardBatch) -> fp32 logits of batch.logit_rows
+  layer_schedule(cfg)              -> one "mixer+mlp" string per decoder layer
+  state_bytes(cfg, dtype_bytes)    -> (bytes per token, fixed bytes per sequence), for the planner
+  max_context(cfg)                 -> the longest sequence the model takes
+  facts(cfg)                       -> (optional) family facts `inspect` reports (expert bytes, ...)
+  handoff(raw)                     -> (optional) another model_type that should read this config
 """
 
 from __future__ import annotations
