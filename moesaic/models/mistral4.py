@@ -348,7 +348,8 @@ class Model:
         self.rope_fn = rope_interleaved if cfg.rope_interleave else rope_half
 
     # -- state
-    def new_state(self) -> SequenceState:
+    def new_state(self, rollback_window: int = 0) -> SequenceState:
+        """Latent rows per layer; rows roll back exactly at any depth, so the window needs nothing."""
         c = self.cfg
         widths = {"latent": c.kv_lora_rank, "k_rope": c.qk_rope_head_dim}
         return SequenceState([TokenRows(widths, self.dtype, self.device, c.max_position_embeddings)
