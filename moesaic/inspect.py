@@ -48,7 +48,9 @@ def inspect_checkpoint(path: str | Path, kv_dtype_bytes: int = 2, precision: str
         "random_weights_demo": is_demo(store.config),
     }
     info.update(family.facts(cfg) if hasattr(family, "facts") else {})
-    info["precision"] = PrecisionSchedule.parse(precision).describe(specs)
+    schedule = PrecisionSchedule.parse(precision)
+    schedule.check_roles(specs)
+    info["precision"] = schedule.describe(specs)
     if store.infos and not store.unread:
         try:
             plan = plan_load(specs, store, family.namings(cfg, store.layout, store.names()))

@@ -12,7 +12,7 @@ from .demo import DEMO_NAME, DEMOS, ensure_demo, is_demo_name
 from .engine.batch import ForwardBatch
 from .engine.engine import Engine, Sequence, check_prompt
 from .engine.sampler import SamplingParams
-from .errors import CapacityError, CheckpointError, RequestError
+from .errors import CapacityError, CheckpointError, ConfigError, RequestError
 from .tokenizer import load_tokenizer
 from .weights.load import Checkpoint
 
@@ -35,10 +35,24 @@ def resolve_model_path(model: str | Path) -> Path:
     return path
 
 
+def check_device(device) -> str:
+    """The device name if this torch can run on it, else a ConfigError saying why."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {device!r} is not a device name (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: this torch build sees no CUDA device (use --device cpu)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported (cpu or cuda)")
+    return str(dev)
+
+
 class LLM:
     def __init__(self, model: str | Path = DEMO_NAME, dtype="bfloat16", device="cpu", max_num_seqs: int = 32,
                  max_batch_tokens: int = 1024, max_state_bytes: int | None = None, precision: str | None = None):
         """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py)."""
+        device = check_device(device)
         self.path = resolve_model_path(model)
         ckpt = Checkpoint.open(self.path)
         self.family, self.cfg, self.raw_config = ckpt.family, ckpt.cfg, ckpt.raw

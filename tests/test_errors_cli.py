@@ -300,3 +300,19 @@ def test_chat_flag_needs_a_template(tmp_path):
     assert r.returncode != 0 and "chat template" in r.stderr and "Traceback" not in r.stderr
     r = cli("generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "2", env_cache=tmp_path / "c")
     assert r.returncode == 0, r.stderr
+
+
+def test_bad_device_and_precision_roles_are_config_errors(tmp_path):
+    path = str(write(tmp_path / "m"))
+    with pytest.raises(ConfigError, match="not a device name"):
+        moesaic.LLM(path, dtype="float32", device="nonsense")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            moesaic.LLM(path, dtype="float32", device="cuda")
+        r = cli("generate", "--model", path, "--device", "cuda", env_cache=tmp_path / "c")
+        assert r.returncode == 2 and "no CUDA device" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(ConfigError, match="experts, rooter"):
+        moesaic.LLM(path, dtype="float32", precision="experts=fp8,rooter=bf16")
+    r = cli("inspect", path, "--precision", "rooter=bf16", env_cache=tmp_path / "c")
+    assert r.returncode == 2 and "rooter" in r.stderr
+    assert moesaic.LLM(path, dtype="float32", precision="router=bf16,*=inherit").model is not None

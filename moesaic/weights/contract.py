@@ -198,6 +198,7 @@ def load_tensors(plan: LoadPlan, store: WeightStore, dtype: torch.dtype, device,
     schedule say. Quantized weights of packable roles stay packed (codes and scales copied out of
     the mmap, never dequantized as a whole); the rest become dense tensors."""
     schedule = schedule or PrecisionSchedule()
+    schedule.check_roles(plan.specs.values())
     out = {}
     for name, src in plan.sources.items():
         spec = plan.specs[name]

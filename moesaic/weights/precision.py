@@ -75,8 +75,13 @@ class PrecisionSchedule:
                 best, rank = r.dtype, k
         return best
 
-    def __bool__(self) -> bool:
-        return bool(self.rules)
+    def check_roles(self, specs) -> None:
+        """A rule naming a role this model has no tensor of is a typo: refuse it."""
+        roles = {s.role for s in specs}
+        unknown = sorted({r.role for r in self.rules if r.role != "*" and r.role not in roles})
+        if unknown:
+            raise ConfigError(f"precision rule role(s) {', '.join(unknown)} match no tensor of this model "
+                              f"(its roles: {', '.join(sorted(roles))})")
 
     def describe(self, specs) -> dict[str, str]:
         """role -> resolved dtype (or per-layer detail when layers differ), for `inspect`."""
