@@ -542,7 +542,7 @@ def test_checkpoint_variants(tmp_path, ckpt, real_logits):
         Checkpoint.open(tmp_path / "bad").build("float32")
 
 
-def test_mxfp4_experts_stay_packed_and_match_their_dequantized_model(tmp_path):
+def test_mxfp4_experts_stay_packed_and_match_their_dequantized_model(tmp_path, monkeypatch):
     """The release format of the routed experts (compressed-tensors mxfp4-pack-quantized): loaded
     packed, run through the packed matmul, equal to the same model with the experts dequantized;
     the bytes one expert occupies in the file are the bytes `inspect` derives from the config."""
@@ -566,7 +566,9 @@ def test_mxfp4_experts_stay_packed_and_match_their_dequantized_model(tmp_path):
     ids = prompt(21, seed=30)
     err = max_err(run(packed, [ids])[0], run(dense, [ids])[0])
     print(f"kimi_k3 MXFP4 experts packed vs dequantized: {err:.2e}")
-    assert err < 1e-6
+    assert err < 1e-5  # the fused CPU kernel sums its dot products in another fp32 order
+    monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")  # the plain path dequantizes tiles: the very same numbers
+    assert max_err(run(packed, [ids])[0], run(dense, [ids])[0]) == 0
     info = inspect_checkpoint(tmp_path)
     assert info["contract"] == "ok" and info["expert_format"] == "mxfp4"
 

@@ -246,8 +246,10 @@ def test_matmul_equals_dequantize_then_matmul(fmt):
         xb = x.bfloat16()
         yb = qt.matmul(xb)
         assert yb.dtype == torch.bfloat16
-        torch.testing.assert_close(yb.float(), (xb.float() @ qt.dequantize(torch.bfloat16).float().T),
-                                   rtol=2e-2, atol=2e-2)
+        # against the exact weights: within bf16 rounding of the output (the plain path also rounds
+        # the weights to bf16, the fused CPU kernel keeps them exact; both are inside this bound)
+        ref = xb.float() @ dq.T
+        torch.testing.assert_close(yb.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
     x3 = torch.randn(2, 3, 256)
     assert qt.matmul(x3).shape == (2, 3, 300)
     torch.testing.assert_close(qt.matmul(x3), x3 @ dq.T, rtol=1e-5, atol=1e-4)

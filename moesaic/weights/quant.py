@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CheckpointError
+from ..kernels.cpu_fp4 import try_matmul_2d
 
 __all__ = [
     "FORMATS", "E2M1_VALUES", "e2m1_to_float", "unpack_fp4_codes", "pack_fp4_codes", "unpack_fp4",
@@ -479,6 +480,8 @@ class QuantizedTensor:
         return out.view(*x.shape[:-1], n)
 
     def _matmul_2d(self, x2: torch.Tensor, out: torch.Tensor, tr: int, b: int) -> None:
+        if try_matmul_2d(self, x2, out, b):  # the fused CPU kernel (fp4, small M) when it is built
+            return
         n = self.shape[-2]
         for r0 in range(0, n, tr):
             r1 = min(n, r0 + tr)

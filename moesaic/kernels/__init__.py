@@ -1,0 +1,1 @@
+"""Optional compiled kernels (built lazily on first use; the plain-torch paths stay the reference)."""
