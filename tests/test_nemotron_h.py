@@ -18,7 +18,9 @@ import moesaic
 from moesaic.cli import main as cli_main
 from moesaic.engine.batch import ForwardBatch
 from moesaic.errors import CheckpointError, ConfigError
+from moesaic.inspect import inspect_checkpoint
 from moesaic.models import nemotron_h
+from moesaic.weights.contract import to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
 
@@ -270,7 +272,7 @@ def test_state_bytes_match_the_planner(ours):
 
 # ---------------------------------------------------------------- names, config
 
-def test_both_namings_and_mtp_tensors(hf_ckpt, ours, tmp_path):
+def test_both_namings(hf_ckpt, ours, tmp_path):
     hf, path, _ = hf_ckpt
     saved = Checkpoint.open(path)
     names = set(saved.store.names())
@@ -280,11 +282,9 @@ def test_both_namings_and_mtp_tensors(hf_ckpt, ours, tmp_path):
     ids = prompt(20, seed=11)
     ref, _ = run(ours, [ids])
 
-    # transformers' in-memory names (model.*, fused experts), with an MTP block riding along
+    # transformers' in-memory names (model.*, fused experts)
     sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
     assert "model.layers.1.mixer.experts.up_proj" in sd
-    sd["mtp.layers.0.eh_proj.weight"] = torch.zeros(64, 128)
-    sd["mtp.layers.1.mixer.experts.0.up_proj.weight"] = torch.zeros(32, 64)
     save_safetensors(sd, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     other = Checkpoint.open(tmp_path)
@@ -293,10 +293,91 @@ def test_both_namings_and_mtp_tensors(hf_ckpt, ours, tmp_path):
     got, _ = run(other.build("float32"), [ids])
     assert torch.equal(got, ref)
 
-    # an unexpected tensor outside mtp.* is still an error
-    sd["model.layers.0.mixer.surprise"] = torch.zeros(3)
-    save_safetensors(sd, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match="unexpected: model.layers.0.mixer.surprise"):
+    # an unexpected tensor is an error; so are MTP tensors when the config declares no MTP block
+    for extra in ("model.layers.0.mixer.surprise", "mtp.layers.0.eh_proj.weight"):
+        save_safetensors(dict(sd, **{extra: torch.zeros(3)}), tmp_path / "model.safetensors")
+        with pytest.raises(CheckpointError, match=f"unexpected: {extra}"):
+            Checkpoint.open(tmp_path).build("float32")
+
+
+def mtp_checkpoint(hf_ckpt, folder, naming: str, drop=(), replace=None, mtp=True):
+    """The saved checkpoint (`backbone.*`, per-expert) or transformers' state_dict (`model.*`, fused)
+    with config num_nextn_predict_layers=1 and, if `mtp`, a random MTP block in the release names
+    (`mtp.layers.{0,1}.*`, per-expert), less the tensors in `drop`, with `replace` swapped in."""
+    hf, path, _ = hf_ckpt
+    raw = dict(json.loads((path / "config.json").read_text()), num_nextn_predict_layers=1)
+    cfg = nemotron_h.parse_config(raw)
+    if naming == "backbone":
+        ck = Checkpoint.open(path)
+        tensors = {n: ck.store.get(n) for n in ck.store.names()}
+    else:
+        tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    specs = nemotron_h.mtp_specs(cfg)
+    g = torch.Generator().manual_seed(23)
+    release = nemotron_h.namings(cfg, "hf", [])  # mtp.* is named alike in both namings
+    extra = to_checkpoint(specs, release, {s.name: torch.randn(s.shape, generator=g) for s in specs}) if mtp else {}
+    extra = {n: t for n, t in extra.items() if n not in drop}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors({**tensors, **extra, **(replace or {})}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(raw))
+    return extra
+
+
+@pytest.mark.parametrize("naming", ["backbone", "model"])
+def test_mtp_block_loads_when_present(hf_ckpt, ours, tmp_path, naming):
+    """num_nextn_predict_layers=1 with the default `*E` block: an attention layer (with enorm, hnorm,
+    eh_proj) and a MoE layer (with final_layernorm), per-expert names; loaded into Model.mtp with the
+    declared shapes, the text model unchanged."""
+    extra = mtp_checkpoint(hf_ckpt, tmp_path, naming)
+    x = 32 if hf_ckpt[2] == "latent" else 64
+    for name, shape in [("mtp.layers.0.enorm.weight", [64]), ("mtp.layers.0.hnorm.weight", [64]),
+                        ("mtp.layers.0.eh_proj.weight", [64, 128]), ("mtp.layers.0.norm.weight", [64]),
+                        ("mtp.layers.0.mixer.q_proj.weight", [64, 64]), ("mtp.layers.0.mixer.k_proj.weight", [32, 64]),
+                        ("mtp.layers.1.mixer.gate.e_score_correction_bias", [8]),
+                        ("mtp.layers.1.mixer.experts.7.up_proj.weight", [32, x]),
+                        ("mtp.layers.1.mixer.experts.7.down_proj.weight", [x, 32]),
+                        ("mtp.layers.1.mixer.shared_experts.up_proj.weight", [48, 64]),
+                        ("mtp.layers.1.final_layernorm.weight", [64])]:
+        assert list(extra[name].shape) == shape, name
+    assert ("mtp.layers.1.mixer.fc1_latent_proj.weight" in extra) == (x == 32)
+    assert not any(n.startswith("mtp.layers.2.") for n in extra)
+    model = Checkpoint.open(tmp_path).build("float32")
+    assert len(model.mtp) == 2
+    assert model.mtp[0]["eh_proj.weight"].shape == (64, 128) and "final_layernorm.weight" not in model.mtp[0]
+    assert model.mtp[1]["mixer.experts.up_proj"].shape == (8, 32, x) and "eh_proj.weight" not in model.mtp[1]
+    assert torch.equal(model.mtp[1]["mixer.experts.down_proj"][7],
+                       extra["mtp.layers.1.mixer.experts.7.down_proj.weight"])
+    assert torch.equal(model.mtp[1]["final_layernorm.weight"], extra["mtp.layers.1.final_layernorm.weight"])
+    ids = prompt(12, seed=24)
+    assert torch.equal(run(model, [ids])[0], run(ours, [ids])[0])
+    # inspect counts the block apart (role "mtp"), every tensor of it
+    info = inspect_checkpoint(tmp_path)
+    assert info["contract"] == "ok" and info["params_by_role"]["mtp"] == sum(t.numel() for t in extra.values())
+
+
+def test_mtp_block_absent_loads(hf_ckpt, ours, tmp_path):
+    mtp_checkpoint(hf_ckpt, tmp_path, "backbone", mtp=False)
+    model = Checkpoint.open(tmp_path).build("float32")
+    assert model.cfg.num_nextn_predict_layers == 1 and model.mtp == []
+    ids = prompt(12, seed=25)
+    assert torch.equal(run(model, [ids])[0], run(ours, [ids])[0])
+
+
+@pytest.mark.parametrize("drop,expect", [
+    (["mtp.layers.0.enorm.weight"], "MTP block is incomplete.*mtp.layers.0.enorm.weight"),
+    (["mtp.layers.1.final_layernorm.weight"], "MTP block is incomplete.*mtp.layers.1.final_layernorm.weight"),
+    (["mtp.layers.1.mixer.experts.3.up_proj.weight"], "missing: mtp.layers.1.mixer.experts.3.up_proj.weight"),
+])
+def test_partial_mtp_block_is_refused(hf_ckpt, tmp_path, drop, expect):
+    mtp_checkpoint(hf_ckpt, tmp_path, "backbone", drop=drop)
+    with pytest.raises(CheckpointError, match=expect):
+        Checkpoint.open(tmp_path).build("float32")
+
+
+def test_misshaped_mtp_tensor_is_refused(hf_ckpt, tmp_path):
+    mtp_checkpoint(hf_ckpt, tmp_path, "backbone", replace={"mtp.layers.0.eh_proj.weight": torch.zeros(64, 64)})
+    with pytest.raises(CheckpointError,
+                       match=r"misshaped: mtp.layers.0.eh_proj.weight is \[64, 64\], expected \[64, 128\]"):
         Checkpoint.open(tmp_path).build("float32")
 
 
@@ -390,17 +471,26 @@ def test_inspect_released_configs(tmp_path, capsys, name, config, layers, counts
     assert info["expert_bytes_bf16"] == 2 * x * I * 2 and info["moe_latent_size"] == latent
     assert info["mtp_layers"] == config.get("num_nextn_predict_layers", 0)
     roles = info["params_by_role"]
-    active = info["params_total"] - roles["expert"] * (1 - config["num_experts_per_tok"] / config["n_routed_experts"])
-    assert abs(info["params_total"] / 1e9 - total_b) < 0.01 * total_b
+    # the published totals leave the MTP block out (as DeepSeek's do); inspect counts it under role "mtp"
+    backbone = info["params_total"] - roles.get("mtp", 0)
+    active = backbone - roles["expert"] * (1 - config["num_experts_per_tok"] / config["n_routed_experts"])
+    assert abs(backbone / 1e9 - total_b) < 0.01 * total_b
     assert abs(active / 1e9 - active_b) < 0.02 * active_b
     if name == "super":
         assert info["mtp_layer_schedule"] == ["attention", "moe"] and per_token == 8192  # "8 KiB/token" published
+        d, E, S = 4096, 512, 5376  # the `*E` block: attention + latent MoE layer, 2 layer norms, enorm, hnorm,
+        # final_layernorm, eh_proj
+        attention = d * 32 * 128 * 2 + 2 * d * 2 * 128
+        moe = E * d + E + 2 * E * 1024 * I + 2 * d * S + 2 * d * 1024
+        assert roles["mtp"] == attention + moe + 2 * d + 3 * d + 2 * d * d
         # the same model written with layers_block_type in the release names
         rel = dict(config, layers_block_type=[{"M": "mamba", "E": "moe", "*": "attention"}[ch]
                                               for ch in config["hybrid_override_pattern"]])
         del rel["hybrid_override_pattern"]
         assert inspect_json(tmp_path, "super_list", rel, capsys)["layer_schedule"] == sched
-    print(f"{name}: {info['params_total'] / 1e9:.2f}B total, {active / 1e9:.2f}B active, "
+    else:
+        assert "mtp" not in roles
+    print(f"{name}: {backbone / 1e9:.2f}B total without MTP, {active / 1e9:.2f}B active, "
           f"{per_token} B/token, {fixed} B/sequence fixed")
 
 

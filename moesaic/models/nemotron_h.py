@@ -12,9 +12,20 @@ Config. The layer list is `layers_block_type` (alias `layer_types`; the release 
 `attention` are read as `linear_attention` and `full_attention`, as transformers' remap does) or the
 legacy `hybrid_override_pattern` string (`M` Mamba-2, `E` MoE, `*` attention, `-` MLP). The layer
 count is its length; `num_hidden_layers` is ignored. The legacy `mamba_*` aliases override the
-plain names, as in transformers. MTP fields (`num_nextn_predict_layers`, `mtp_layers_block_type` /
-`mtp_hybrid_override_pattern`) are parsed and reported; the `mtp.*` tensors are accepted and not
-read (transformers builds no MTP module either; a drafter will declare its own contract).
+plain names, as in transformers. MTP fields: `num_nextn_predict_layers` (N blocks) and the block's
+layer list `mtp_layers_block_type` / legacy `mtp_hybrid_override_pattern` (P layers, default `*E`).
+
+MTP. Declared optional (role "mtp", so `inspect` counts it apart from the published totals) and, when
+the checkpoint has it, shape-checked and loaded into `Model.mtp`; nothing runs it yet (transformers
+builds no MTP module, so there is no oracle). All of it or none: a partial block is a CheckpointError.
+The checkpoint flattens the N x P layers as `mtp.layers.{k}.` with k = block * P + position, each a
+Nemotron-H layer (`norm.weight`, `mixer.*` named as in the backbone, per-expert
+`mixer.experts.{e}.up_proj.weight`), plus `enorm.weight`, `hnorm.weight` and `eh_proj.weight`
+[d, 2d] on each block's first layer and `final_layernorm.weight` on its last. Sources for the names:
+vLLM `vllm/model_executor/models/nemotron_h_mtp.py` (`NemotronHMTP.load_weights`, which keeps only
+`mtp.*` after stripping a `language_model.` prefix), SGLang `python/sglang/srt/models/nemotron_h_mtp.py`,
+and Megatron-Bridge `src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py` (its flattened HF MTP
+mapping); no released safetensors index was read from here.
 
 dt convention. softplus(dt + dt_bias) is clamped below at `time_step_min` in prefill AND decode
 (see moesaic/layers/mamba2.py). transformers clamps in its chunked prefill only, so moesaic equals
@@ -35,6 +46,7 @@ window of per-token snapshots chosen at `new_state(rollback_window=...)`; MLP an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -44,7 +56,7 @@ import torch.nn.functional as F
 from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import eos_ids, field, positive
 from ..engine.batch import ForwardBatch
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..layers.attention import gqa_attend
 from ..layers.linear import linear
 from ..layers.mamba2 import Mamba2Dims, Mamba2State, Mamba2Weights, mamba2_mixer
@@ -267,78 +279,98 @@ def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
 
 # ---------------------------------------------------------------- tensor contract
 
-def tensor_specs(cfg: NemotronHConfig) -> list[TensorSpec]:
+def _layer_specs(cfg: NemotronHConfig, kind: str, p: str, L: int) -> list[TensorSpec]:
+    """One layer's tensors under prefix `p`: its norm and its mixer."""
     d = cfg.hidden_size
-    specs = [TensorSpec("model.embeddings.weight", (cfg.vocab_size, d), "embedding")]
-    dims = cfg.mamba_dims
-    for L, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{L}."
-        m = p + "mixer."
-        specs.append(TensorSpec(p + "norm.weight", (d,), "norm", L))
-        if kind == MAMBA:
-            H, HP = cfg.mamba_num_heads, dims.inner
-            specs += [
-                TensorSpec(m + "in_proj.weight", (dims.in_proj_dim, d), "mamba", L),
-                TensorSpec(m + "conv1d.weight", (dims.conv_dim, 1, cfg.conv_kernel), "mamba", L, dense=True),
-                TensorSpec(m + "dt_bias", (H,), "mamba", L),
-                TensorSpec(m + "A_log", (H,), "mamba", L),
-                TensorSpec(m + "D", (H,), "mamba", L),
-                TensorSpec(m + "norm.weight", (HP,), "norm", L),
-                TensorSpec(m + "out_proj.weight", (d, HP), "mamba", L),
-            ]
-            if cfg.use_conv_bias:
-                specs.append(TensorSpec(m + "conv1d.bias", (dims.conv_dim,), "mamba", L))
-            if cfg.use_bias:
-                specs += [TensorSpec(m + "in_proj.bias", (dims.in_proj_dim,), "mamba", L),
-                          TensorSpec(m + "out_proj.bias", (d,), "mamba", L)]
-        elif kind == ATTENTION:
-            q, k = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            specs += [
-                TensorSpec(m + "q_proj.weight", (q, d), "attention", L),
-                TensorSpec(m + "k_proj.weight", (k, d), "attention", L),
-                TensorSpec(m + "v_proj.weight", (k, d), "attention", L),
-                TensorSpec(m + "o_proj.weight", (d, q), "attention", L),
-            ]
-        elif kind == MLP:
-            I = cfg.intermediate_size
-            specs += [TensorSpec(m + "up_proj.weight", (I, d), "mlp", L),
-                      TensorSpec(m + "down_proj.weight", (d, I), "mlp", L)]
-        else:
-            E, I, S, x = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size, cfg.expert_in
-            specs += [
-                TensorSpec(m + "gate.weight", (E, d), "router", L),
-                TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", L, keep_fp32=True),
-                TensorSpec(m + "experts.up_proj", (E, I, x), "expert", L),
-                TensorSpec(m + "experts.down_proj", (E, x, I), "expert", L),
-                TensorSpec(m + "shared_experts.up_proj.weight", (S, d), "shared_expert", L),
-                TensorSpec(m + "shared_experts.down_proj.weight", (d, S), "shared_expert", L),
-            ]
-            if cfg.moe_latent_size:
-                specs += [TensorSpec(m + "fc1_latent_proj.weight", (x, d), "expert_latent_proj", L),
-                          TensorSpec(m + "fc2_latent_proj.weight", (d, x), "expert_latent_proj", L)]
-    specs.append(TensorSpec("model.norm_f.weight", (d,), "norm"))
-    specs.append(TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings))
+    m = p + "mixer."
+    specs = [TensorSpec(p + "norm.weight", (d,), "norm", L)]
+    if kind == MAMBA:
+        dims = cfg.mamba_dims
+        H, HP = cfg.mamba_num_heads, dims.inner
+        specs += [
+            TensorSpec(m + "in_proj.weight", (dims.in_proj_dim, d), "mamba", L),
+            TensorSpec(m + "conv1d.weight", (dims.conv_dim, 1, cfg.conv_kernel), "mamba", L, dense=True),
+            TensorSpec(m + "dt_bias", (H,), "mamba", L),
+            TensorSpec(m + "A_log", (H,), "mamba", L),
+            TensorSpec(m + "D", (H,), "mamba", L),
+            TensorSpec(m + "norm.weight", (HP,), "norm", L),
+            TensorSpec(m + "out_proj.weight", (d, HP), "mamba", L),
+        ]
+        if cfg.use_conv_bias:
+            specs.append(TensorSpec(m + "conv1d.bias", (dims.conv_dim,), "mamba", L))
+        if cfg.use_bias:
+            specs += [TensorSpec(m + "in_proj.bias", (dims.in_proj_dim,), "mamba", L),
+                      TensorSpec(m + "out_proj.bias", (d,), "mamba", L)]
+    elif kind == ATTENTION:
+        q, k = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        specs += [
+            TensorSpec(m + "q_proj.weight", (q, d), "attention", L),
+            TensorSpec(m + "k_proj.weight", (k, d), "attention", L),
+            TensorSpec(m + "v_proj.weight", (k, d), "attention", L),
+            TensorSpec(m + "o_proj.weight", (d, q), "attention", L),
+        ]
+    elif kind == MLP:
+        I = cfg.intermediate_size
+        specs += [TensorSpec(m + "up_proj.weight", (I, d), "mlp", L),
+                  TensorSpec(m + "down_proj.weight", (d, I), "mlp", L)]
+    else:
+        E, I, S, x = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size, cfg.expert_in
+        specs += [
+            TensorSpec(m + "gate.weight", (E, d), "router", L),
+            TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", L, keep_fp32=True),
+            TensorSpec(m + "experts.up_proj", (E, I, x), "expert", L),
+            TensorSpec(m + "experts.down_proj", (E, x, I), "expert", L),
+            TensorSpec(m + "shared_experts.up_proj.weight", (S, d), "shared_expert", L),
+            TensorSpec(m + "shared_experts.down_proj.weight", (d, S), "shared_expert", L),
+        ]
+        if cfg.moe_latent_size:
+            specs += [TensorSpec(m + "fc1_latent_proj.weight", (x, d), "expert_latent_proj", L),
+                      TensorSpec(m + "fc2_latent_proj.weight", (d, x), "expert_latent_proj", L)]
     return specs
 
 
-# The MTP block(s) ship in the same files; nothing here reads them (transformers ignores `mtp.*` too).
-_MTP = [r"(backbone\.|model\.)?mtp\..*"]
+def mtp_specs(cfg: NemotronHConfig) -> list[TensorSpec]:
+    """The MTP blocks' tensors (all optional, role "mtp"), in the checkpoint's flat `mtp.layers.{k}.` names."""
+    d, P, specs = cfg.hidden_size, len(cfg.mtp_layer_types), []
+    for j in range(cfg.num_nextn_predict_layers):
+        for i, kind in enumerate(cfg.mtp_layer_types):
+            k = j * P + i
+            p, L = f"mtp.layers.{k}.", cfg.num_hidden_layers + k
+            layer = _layer_specs(cfg, kind, p, L)
+            if i == 0:  # the block's input: RMSNorm'd embeddings and hidden states, concatenated and projected
+                layer += [TensorSpec(p + "enorm.weight", (d,), "norm", L),
+                          TensorSpec(p + "hnorm.weight", (d,), "norm", L),
+                          TensorSpec(p + "eh_proj.weight", (d, 2 * d), "mtp", L)]
+            if i == P - 1:
+                layer.append(TensorSpec(p + "final_layernorm.weight", (d,), "norm", L))
+            specs += [dataclasses.replace(s, role="mtp", optional=True) for s in layer]
+    return specs
+
+
+def tensor_specs(cfg: NemotronHConfig) -> list[TensorSpec]:
+    d = cfg.hidden_size
+    specs = [TensorSpec("model.embeddings.weight", (cfg.vocab_size, d), "embedding")]
+    for L, kind in enumerate(cfg.layer_types):
+        specs += _layer_specs(cfg, kind, f"model.layers.{L}.", L)
+    specs.append(TensorSpec("model.norm_f.weight", (d,), "norm"))
+    specs.append(TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings))
+    return specs + mtp_specs(cfg)
 
 
 def namings(cfg: NemotronHConfig, layout: str, store_names) -> Naming:
-    """`backbone.*` (releases, save_pretrained) or `model.*` (transformers' state_dict); per layer,
-    per-expert tensors when the fused one is absent."""
+    """`backbone.*` (releases, save_pretrained) or `model.*` (transformers' state_dict), `mtp.*` in
+    both; per layer, per-expert tensors when the fused one is absent."""
     names = set(store_names)
     prefix = "model." if "model.embeddings.weight" in names else "backbone."
 
     def source(spec: TensorSpec) -> Source:
         name = spec.name if not spec.name.startswith("model.") else prefix + spec.name[len("model."):]
-        if spec.role != "expert" or name in names:
+        if not name.endswith((".experts.up_proj", ".experts.down_proj")) or name in names:
             return direct(name, spec.shape)
         base, proj = name.rsplit(".", 1)  # <...>.mixer.experts, up_proj | down_proj
         return stacked([f"{base}.{e}.{proj}.weight" for e in range(spec.shape[0])], spec.shape[1:])
 
-    return Naming(f"Nemotron-H ({prefix}*)", source, _MTP)
+    return Naming(f"Nemotron-H ({prefix}*)", source)
 
 
 # ---------------------------------------------------------------- model
@@ -362,6 +394,16 @@ class Model:
             if kind == MAMBA:
                 w["mamba"] = Mamba2Weights.from_state_dict(w, "mixer.")
             self.layers.append(w)
+        # the MTP layers' tensors (flat, as the checkpoint numbers them), for a drafter; empty without MTP
+        mtp = mtp_specs(cfg)
+        missing = [s.name for s in mtp if s.name not in t]
+        if len(missing) not in (0, len(mtp)):
+            raise CheckpointError(f"the MTP block is incomplete: {len(missing)} of its {len(mtp)} tensor(s) missing, "
+                                  f"e.g. {missing[:3]} (ship all of it or none)")
+        self.mtp = []
+        for k in range(0 if missing else cfg.num_nextn_predict_layers * len(cfg.mtp_layer_types)):
+            p = f"mtp.layers.{k}."
+            self.mtp.append({n[len(p):]: v for n, v in t.items() if n.startswith(p)})
 
     # -- state
     def new_state(self, rollback_window: int = 0) -> SequenceState:

@@ -52,7 +52,7 @@ class Source:
 
 # Roles whose weights may stay packed when the checkpoint stores them quantized (they are only
 # used through `linear`). Anything else, or a spec marked dense, is dequantized at load.
-PACKABLE_ROLES = {"expert", "shared_expert", "mlp", "attention", "lm_head", "mamba", "linear_attention", "engram"}
+PACKABLE_ROLES = {"expert", "shared_expert", "mlp", "attention", "lm_head", "mamba", "kda", "engram"}
 
 
 def direct(name: str, shape) -> Source:
