@@ -192,26 +192,34 @@ def compressor_update(state: CompressorState, kv: Tensor, gate: Tensor, w: Compr
 
 # ---------------------------------------------------------------- the lightning indexer
 
-def indexer_select(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ratio: int, topk: int) -> Tensor:
-    """Top-k visible entries per query. q [n, H, c] (roped), weights [n, H] fp32 (already scaled by
-    H^-0.5), keys [E, c] (the indexer compressor's entries), positions [n]. Returns [n, min(topk, E)]
-    entry indices, -1 where fewer entries are visible."""
+def index_score_blocks(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ratio: int):
+    """The lightning indexer's scores, in blocks of queries that bound memory. q [n, H, c] (roped),
+    weights [n, H] fp32 (already scaled by H^-0.5), keys [E, c] (E > 0), positions [n]. Yields
+    (i, j, s, visible): s [j-i, E] fp32 scores of queries i..j-1, -inf on entries not yet closed
+    for them; visible [j-i, 1] how many entries each of them sees."""
     n, H, c = q.shape
     E = keys.shape[0]
-    k = min(topk, E)
-    if k == 0:
-        return torch.empty(n, 0, dtype=torch.long, device=q.device)
     visible = (positions + 1) // ratio
     kf = keys.float().t()
     entry = torch.arange(E, device=q.device)
-    out = torch.empty(n, k, dtype=torch.long, device=q.device)
     step = max(1, _SCORE_BUDGET // (H * E))
     for i in range(0, n, step):
         j = min(n, i + step)
         s = torch.relu(torch.matmul(q[i:j].float(), kf)) * c**-0.5  # [b, H, E]
         s = (s * weights[i:j, :, None]).sum(dim=1)
         vis = visible[i:j, None]
-        s = s.masked_fill(entry[None] >= vis, float("-inf"))
+        yield i, j, s.masked_fill(entry[None] >= vis, float("-inf")), vis
+
+
+def indexer_select(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ratio: int, topk: int) -> Tensor:
+    """Top-k visible entries per query (arguments as `index_score_blocks`). Returns
+    [n, min(topk, E)] entry indices, -1 where fewer entries are visible."""
+    n = q.shape[0]
+    k = min(topk, keys.shape[0])
+    out = torch.empty(n, k, dtype=torch.long, device=q.device)
+    if k == 0:
+        return out
+    for i, j, s, vis in index_score_blocks(q, weights, keys, positions, ratio):
         idx = s.topk(k, dim=-1).indices
         out[i:j] = torch.where(idx >= vis, -1, idx)
     return out

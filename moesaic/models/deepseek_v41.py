@@ -101,7 +101,7 @@ from ..config import field
 from ..engine.batch import ForwardBatch
 from ..errors import ConfigError
 from ..layers import mhc
-from ..layers.csa import (CSA, HCA, SLIDING, AttentionState, CompressorDims, CompressorState, CompressorWeights,
+from ..layers.csa import (CSA, HCA, SLIDING, AttentionState, index_score_blocks, CompressorDims, CompressorState, CompressorWeights,
                           RopeTail, compressor_update, grouped_out, head_rms, pool_windows, sink_attention)
 from ..layers.engram import (EngramConfig, EngramHash, EngramState, EngramTable, EngramWeights, build_token_map,
                              engram_bytes, engram_forward)
@@ -117,7 +117,6 @@ MODEL_TYPES = ("deepseek_v41",)
 
 CSA2 = "csa2_attention"  # a V4.1 compressed layer: ratio r, no overlap, no position bias, index keys from the latent
 _SHORT = {SLIDING: "swa", CSA: "csa", HCA: "hca", CSA2: "csa2"}
-_SCORE_BUDGET = 1 << 22  # as layers/csa.py: one block of index scores stays under this many elements
 
 # The release's text_config, from the values published in shared/reference/deepseek_v4.md §1.2 (the
 # release config.json itself is not in the reference; field spellings follow transformers' V4 config
@@ -458,7 +457,7 @@ def index_select(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ra
     with topk_blocks > 0, the candidate blocks [n, ceil(E / block)] bool: the topk_blocks blocks of
     `block` entries with the highest max score, the one holding the newest visible entry pinned).
     `allowed` [n, nb] (another layer's candidate blocks) sets the scores outside them to −inf."""
-    n, H, c = q.shape
+    n = q.shape[0]
     E = keys.shape[0]
     k = min(topk, E)
     nb = -(-E // block)
@@ -466,16 +465,8 @@ def index_select(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ra
     keep = torch.zeros(n, nb, dtype=torch.bool, device=q.device) if topk_blocks else None
     if E == 0:
         return sel, keep
-    visible = (positions + 1) // ratio
-    kf = keys.float().t()
     entry = torch.arange(E, device=q.device)
-    step = max(1, _SCORE_BUDGET // (H * E))
-    for i in range(0, n, step):
-        j = min(n, i + step)
-        s = torch.relu(torch.matmul(q[i:j].float(), kf)) * c**-0.5  # [b, H, E]
-        s = (s * weights[i:j, :, None]).sum(dim=1)
-        vis = visible[i:j, None]
-        s = s.masked_fill(entry[None] >= vis, float("-inf"))
+    for i, j, s, vis in index_score_blocks(q, weights, keys, positions, ratio):
         if topk_blocks:
             bs = F.pad(s, (0, nb * block - E), value=float("-inf")).view(j - i, nb, block).amax(-1)
             newest = vis[:, 0] - 1
