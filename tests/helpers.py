@@ -57,3 +57,41 @@ def run(model, chunks, logits="all", state=None, **state_kw):
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+def check_greedy_matches_transformers(hf, path, ids: list[int], n: int) -> None:
+    """moesaic's greedy tokens from the checkpoint at `path` equal transformers' `generate` on the
+    model it was saved from, for n new tokens."""
+    import moesaic
+
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    llm = moesaic.LLM(str(path), dtype="float32")
+    out = llm.generate([ids], moesaic.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == ref and out.finish_reason == "length"
+
+
+def check_batch_equals_singles(path, prompts: list[list[int]], max_tokens: int, max_batch_tokens: int):
+    """The prompts generated together (split across steps by a small token budget) give the same
+    greedy tokens as each generated alone. Returns the LLM for further checks."""
+    import moesaic
+
+    llm = moesaic.LLM(str(path), dtype="float32", max_batch_tokens=max_batch_tokens)
+    sp = moesaic.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    together = llm.generate(prompts, sp)
+    alone = [llm.generate([p], sp)[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert all(len(o.token_ids) == max_tokens for o in together)
+    return llm
+
+
+def mixed_batch_err(model, a: list[int], b: list[int]) -> float:
+    """One ForwardBatch holding the last token of `a` (decoding) and all of `b` (prefilling): the
+    max abs error of each sequence's logits against running it alone."""
+    ref_a, _ = run(model, [a], logits="last")
+    ref_b, _ = run(model, [b], logits="last")
+    sa, sb = model.new_state(), model.new_state()
+    model.forward(ForwardBatch.build([(sa, a[:-1])]))
+    got = model.forward(ForwardBatch.build([(sa, a[-1:]), (sb, b)]))
+    return max(max_err(got[0], ref_a[0]), max_err(got[1], ref_b[0]))

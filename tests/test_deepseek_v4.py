@@ -18,7 +18,8 @@ from moesaic.weights.contract import load_tensors, to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
 
-from helpers import max_err, randomize_
+from helpers import (check_batch_equals_singles, check_greedy_matches_transformers, max_err, mixed_batch_err,
+                     randomize_)
 
 transformers = pytest.importorskip("transformers")
 
@@ -138,32 +139,17 @@ def test_chunked_prefill_at_unaligned_cuts(hf_ckpt, ours):
 def test_greedy_tokens_match_transformers_generate(hf_ckpt):
     hf, path = hf_ckpt
     ids = prompt(9, seed=3)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(ids):].tolist()
-    llm = moesaic.LLM(str(path), dtype="float32")
-    out = llm.generate([ids], moesaic.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == ref and out.finish_reason == "length"
+    check_greedy_matches_transformers(hf, path, ids, 16)
 
 
 def test_batch_of_different_lengths_equals_singles(hf_ckpt):
-    llm = moesaic.LLM(str(hf_ckpt[1]), dtype="float32", max_batch_tokens=13)  # prompts split across steps
     prompts = [prompt(n, seed=10 + n) for n in (5, 19, 30, 2)]
-    sp = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    together = llm.generate(prompts, sp)
-    alone = [llm.generate([p], sp)[0] for p in prompts]
-    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
-    assert all(len(o.token_ids) == 8 for o in together)
+    check_batch_equals_singles(hf_ckpt[1], prompts, max_tokens=8, max_batch_tokens=13)
 
 
 def test_mixed_prefill_and_decode_in_one_forward(ours):
     a, b = prompt(22, seed=5), prompt(17, seed=6)
-    ref_a, _ = run(ours, [a], logits="last")
-    ref_b, _ = run(ours, [b], logits="last")
-    sa, sb = ours.new_state(), ours.new_state()
-    ours.forward(ForwardBatch.build([(sa, a[:21])]))
-    got = ours.forward(ForwardBatch.build([(sa, a[21:]), (sb, b)]))
-    err = max(max_err(got[0], ref_a[0]), max_err(got[1], ref_b[0]))
+    err = mixed_batch_err(ours, a, b)
     print(f"deepseek_v4 mixed batch max abs err {err:.2e}")
     assert err < TOL
 

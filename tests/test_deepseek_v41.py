@@ -37,7 +37,7 @@ from moesaic.weights.load import Checkpoint
 from moesaic.weights.quant import QuantizedTensor, e4m3_to_float, e8m0_to_float, load_quantized, resolve_format
 from moesaic.weights.store import save_safetensors
 
-from helpers import max_err
+from helpers import check_batch_equals_singles, max_err
 
 TOL = 2e-5
 GIB = 2**30
@@ -415,13 +415,8 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def test_batch_of_different_lengths_equals_singles(tiny_ckpt):
-    llm = moesaic.LLM(str(tiny_ckpt), dtype="float32", max_batch_tokens=13)  # prompts split across steps
     prompts = [prompt(n, seed=10 + n, vocab=259) for n in (5, 19, 30, 2)]
-    sp = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    together = llm.generate(prompts, sp)
-    alone = [llm.generate([p], sp)[0] for p in prompts]
-    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
-    assert all(len(o.token_ids) == 8 for o in together)
+    llm = check_batch_equals_singles(tiny_ckpt, prompts, max_tokens=8, max_batch_tokens=13)
     scored = llm.score(prompts[2])
     direct, _ = run(llm.model, [prompts[2]])
     assert torch.equal(scored, direct)

@@ -23,7 +23,8 @@ from moesaic.weights.contract import load_tensors, to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
 
-from helpers import max_err, random_ids, randomize_, run
+from helpers import (check_batch_equals_singles, check_greedy_matches_transformers,
+                     max_err, mixed_batch_err, random_ids, randomize_, run)
 
 TOL = 3e-5  # logits are O(5): ~6e-6 relative. Each KDA layer adds ~1e-6 relative (its per-head RMSNorm
 # amplifies fp32 rounding of small head outputs); transformers disagrees with itself by ~3e-5 between a
@@ -174,12 +175,7 @@ def test_chunked_prefill_at_pool_and_kda_chunk_borders(hf_ckpt, ours):
 def test_greedy_tokens_match_transformers_generate(hf_ckpt):
     hf, path = hf_ckpt
     ids = prompt(30, seed=4)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(ids):].tolist()
-    llm = moesaic.LLM(str(path), dtype="float32")
-    out = llm.generate([ids], moesaic.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == ref and out.finish_reason == "length"
+    check_greedy_matches_transformers(hf, path, ids, 20)
 
 
 def test_release_like_schedule_from_defaults_and_freq_form(tmp_path):
@@ -237,23 +233,13 @@ def test_broken_twins_fail_the_oracle(hf_ckpt, ours, change):
 
 
 def test_batch_of_different_lengths_equals_singles(hf_ckpt):
-    llm = moesaic.LLM(str(hf_ckpt[1]), dtype="float32", max_batch_tokens=24)  # prompts split across steps
     prompts = [prompt(n, seed=10 + n) for n in (5, 17, 31, 2)]
-    sp = moesaic.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    together = llm.generate(prompts, sp)
-    alone = [llm.generate([p], sp)[0] for p in prompts]
-    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
-    assert all(len(o.token_ids) == 10 for o in together)
+    check_batch_equals_singles(hf_ckpt[1], prompts, max_tokens=10, max_batch_tokens=24)
 
 
 def test_mixed_prefill_and_decode_in_one_forward(ours):
     a, b = prompt(22, seed=11), prompt(13, seed=12)
-    ref_a, _ = run(ours, [a], logits="last")
-    ref_b, _ = run(ours, [b], logits="last")
-    sa, sb = ours.new_state(), ours.new_state()
-    ours.forward(ForwardBatch.build([(sa, a[:21])]))
-    got = ours.forward(ForwardBatch.build([(sa, a[21:]), (sb, b)]))
-    assert max_err(got[0], ref_a[0]) < 1e-5 and max_err(got[1], ref_b[0]) < 1e-5
+    assert mixed_batch_err(ours, a, b) < 1e-5
 
 
 def test_rollback_then_refeed(ours):

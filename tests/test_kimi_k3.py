@@ -39,7 +39,7 @@ from moesaic.layers.norms import rms_norm
 from moesaic.models import kimi_k3
 from moesaic.weights.load import Checkpoint
 
-from helpers import calm_kda_, max_err, random_ids, randomize_, run
+from helpers import calm_kda_, check_batch_equals_singles, max_err, random_ids, randomize_, run
 
 TOL = 1e-5
 # The independent reference evaluates every op in another order (per-token loops, transformers'
@@ -485,11 +485,8 @@ def test_snapshot_restore_and_state_bytes(model):
 
 
 def test_llm_batch_equals_singles(ckpt):
-    llm = moesaic.LLM(str(ckpt), dtype="float32", max_batch_tokens=16)
     prompts = [prompt(n, seed=20 + n) for n in (3, 19, 8)]
-    sp = moesaic.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    together = llm.generate(prompts, sp)
-    assert [o.token_ids for o in together] == [llm.generate([p], sp)[0].token_ids for p in prompts]
+    check_batch_equals_singles(ckpt, prompts, max_tokens=6, max_batch_tokens=16)
 
 
 def test_bf16_checkpoint_runs_and_stays_close(tmp_path, ckpt, real_logits):

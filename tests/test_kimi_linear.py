@@ -24,7 +24,8 @@ from moesaic.inspect import inspect_checkpoint
 from moesaic.models import kimi_linear
 from moesaic.weights.load import Checkpoint
 
-from helpers import calm_kda_, max_err, random_ids, randomize_, run
+from helpers import (calm_kda_, check_batch_equals_singles, check_greedy_matches_transformers,
+                     max_err, random_ids, randomize_, run)
 
 TOL = 1e-5
 VOCAB = 101
@@ -122,22 +123,12 @@ def test_chunked_prefill_at_odd_offsets(hf_ckpt, ours):
 def test_greedy_tokens_match_transformers_generate(hf_ckpt):
     hf, path = hf_ckpt
     ids = prompt(9, seed=3)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(ids):].tolist()
-    llm = moesaic.LLM(str(path), dtype="float32")
-    out = llm.generate([ids], moesaic.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == ref and out.finish_reason == "length"
+    check_greedy_matches_transformers(hf, path, ids, 20)
 
 
 def test_batch_of_different_lengths_equals_singles(hf_ckpt):
-    llm = moesaic.LLM(str(hf_ckpt[1]), dtype="float32", max_batch_tokens=16)  # prompts split across steps
     prompts = [prompt(n, seed=10 + n) for n in (5, 17, 23, 2)]
-    sp = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    together = llm.generate(prompts, sp)
-    alone = [llm.generate([p], sp)[0] for p in prompts]
-    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
-    assert all(len(o.token_ids) == 8 for o in together)
+    check_batch_equals_singles(hf_ckpt[1], prompts, max_tokens=8, max_batch_tokens=16)
 
 
 def test_rollback_snapshot_and_state_bytes(ours):

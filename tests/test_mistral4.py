@@ -17,7 +17,8 @@ from moesaic.weights.contract import to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors, save_sharded
 
-from helpers import max_err, random_ids, randomize_, run
+from helpers import (check_batch_equals_singles, check_greedy_matches_transformers,
+                     max_err, mixed_batch_err, random_ids, randomize_, run)
 
 TOL = 2e-5
 VOCAB = 101
@@ -98,12 +99,7 @@ def test_chunked_prefill_at_odd_offsets(hf_ckpt, ours):
 def test_greedy_tokens_match_transformers_generate(hf_ckpt):
     hf, path = hf_ckpt
     ids = prompt(9, seed=3)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(ids):].tolist()
-    llm = moesaic.LLM(str(path), dtype="float32")
-    out = llm.generate([ids], moesaic.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == ref and out.finish_reason == "length"
+    check_greedy_matches_transformers(hf, path, ids, 24)
 
 
 def test_absorbed_and_expanded_attention_agree(ours):
@@ -115,24 +111,14 @@ def test_absorbed_and_expanded_attention_agree(ours):
 
 
 def test_batch_of_different_lengths_equals_singles(hf_ckpt):
-    llm = moesaic.LLM(str(hf_ckpt[1]), dtype="float32", max_batch_tokens=24)  # prompts split across steps
     prompts = [prompt(n, seed=10 + n) for n in (5, 17, 31, 2)]
-    sp = moesaic.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    together = llm.generate(prompts, sp)
-    alone = [llm.generate([p], sp)[0] for p in prompts]
-    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
-    assert all(len(o.token_ids) == 12 for o in together)
+    check_batch_equals_singles(hf_ckpt[1], prompts, max_tokens=12, max_batch_tokens=24)
 
 
 def test_mixed_prefill_and_decode_in_one_forward(ours):
     # One ForwardBatch with a sequence decoding and another prefilling gives each its own logits.
     a, b = prompt(12, seed=5), prompt(9, seed=6)
-    ref_a, _ = run(ours, [a], logits="last")
-    ref_b, _ = run(ours, [b], logits="last")
-    sa, sb = ours.new_state(), ours.new_state()
-    ours.forward(ForwardBatch.build([(sa, a[:11])]))
-    got = ours.forward(ForwardBatch.build([(sa, a[11:]), (sb, b)]))
-    assert max_err(got[0], ref_a[0]) < TOL and max_err(got[1], ref_b[0]) < TOL
+    assert mixed_batch_err(ours, a, b) < TOL
 
 
 def test_rollback_then_refeed_is_exact(ours):
