@@ -295,13 +295,12 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
 
 # ---------------------------------------------------------------- tensor contract
 
-def _layer_specs(cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, optional: bool) -> list[TensorSpec]:
-    """One decoder block's tensors; an MTP block (optional=True) reports every tensor under role "mtp"."""
+def attention_block_specs(cfg, p: str, L: int, optional: bool = False) -> list[TensorSpec]:
+    """A block's norms, mHC sites and attention core (no compressors): the same in V4 and V4.1."""
     d, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     opt = dict(layer=L, optional=optional)
     f32 = dict(keep_fp32=True, **opt)
     shapes = mhc.site_shapes(cfg.mhc_dims, d)
-
     specs = [TensorSpec(p + "input_layernorm.weight", (d,), "norm", **f32),
              TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", **f32)]
     for site in ("attn_hc", "ffn_hc"):
@@ -318,6 +317,16 @@ def _layer_specs(cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, opt
         TensorSpec(a + "o_b_proj.weight", (d, cfg.o_groups * cfg.o_lora_rank), "attention", **opt),
         TensorSpec(a + "sinks", (H,), "attention", **f32),
     ]
+    return specs
+
+
+def _layer_specs(cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, optional: bool) -> list[TensorSpec]:
+    """One decoder block's tensors; an MTP block (optional=True) reports every tensor under role "mtp"."""
+    d, D = cfg.hidden_size, cfg.head_dim
+    opt = dict(layer=L, optional=optional)
+    f32 = dict(keep_fp32=True, **opt)
+    specs = attention_block_specs(cfg, p, L, optional)
+    a = p + "self_attn."
     comp, idx = layer_compressors(kind, D, cfg.index_head_dim, cfg.csa_ratio, cfg.hca_ratio)
     for dims, c in ((comp, a + "compressor."), (idx, a + "compressor.indexer.")):
         if dims is None:

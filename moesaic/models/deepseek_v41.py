@@ -111,7 +111,7 @@ from ..layers.norms import rms_norm_cast_once
 from ..layers.rope import inv_freq
 from ..weights.contract import Naming, TensorSpec, direct
 from . import deepseek_v4
-from .deepseek_v4 import HASH_MOE, MOE, DeepseekV4Config
+from .deepseek_v4 import HASH_MOE, MOE, DeepseekV4Config, attention_block_specs
 
 MODEL_TYPES = ("deepseek_v41",)
 
@@ -300,27 +300,11 @@ def _compressor_specs(c: str, dims: CompressorDims, d: int, gate: bool, ape: boo
 
 
 def _layer_specs(cfg: DeepseekV41Config, L: int) -> list[TensorSpec]:
-    d, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    d, D = cfg.hidden_size, cfg.head_dim
     p, kind, r = f"model.layers.{L}.", cfg.layer_types[L], cfg.compress_ratios[L]
     f32 = dict(layer=L, keep_fp32=True)
-    shapes = mhc.site_shapes(cfg.mhc_dims, d)
-    specs = [TensorSpec(p + "input_layernorm.weight", (d,), "norm", **f32),
-             TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", **f32)]
-    for site in ("attn_hc", "ffn_hc"):
-        specs += [TensorSpec(f"{p}{site}.{k}", shapes[k], "mhc", **f32) for k in ("fn", "base", "scale")]
+    specs = attention_block_specs(cfg, p, L)
     a = p + "self_attn."
-    specs += [
-        TensorSpec(a + "q_a_proj.weight", (cfg.q_lora_rank, d), "attention", L),
-        TensorSpec(a + "q_a_norm.weight", (cfg.q_lora_rank,), "norm", **f32),
-        TensorSpec(a + "q_b_proj.weight", (H * D, cfg.q_lora_rank), "attention", L),
-        TensorSpec(a + "kv_proj.weight", (D, d), "attention", L),
-        TensorSpec(a + "kv_norm.weight", (D,), "norm", **f32),
-        # read as a grouped view (csa.grouped_out), so dequantized at load when stored fp8
-        TensorSpec(a + "o_a_proj.weight", (cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups), "attention", L,
-                   dense=True),
-        TensorSpec(a + "o_b_proj.weight", (d, cfg.o_groups * cfg.o_lora_rank), "attention", L),
-        TensorSpec(a + "sinks", (H,), "attention", **f32),
-    ]
     if L in cfg.kv_source_layer_ids:
         specs += _compressor_specs(a + "compressor.", cfg.compressor_dims(L), d, kind != CSA2 or r > 1, kind != CSA2,
                                    "compressor", L)
