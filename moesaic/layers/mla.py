@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..weights.contract import TensorSpec
+
 
 def causal_mask(n_new: int, total: int, device) -> torch.Tensor | None:
     """Bool mask [n_new, total] letting query i see keys 0..total-n_new+i (None when not needed)."""
@@ -81,3 +83,25 @@ def mla_attend(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale) -> tor
         o_lat = latent_attention(absorb_queries(q_nope, w_uk), q_rope, latent, k_rope, scale)
         return absorb_output(o_lat, w_uv)
     return expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale)
+
+
+def mla_specs(a: str, c, L: int) -> list[TensorSpec]:
+    """The tensor contract of one MLA module under prefix `a` (e.g. "model.layers.3.self_attn."), in
+    transformers' names, for a config with the DeepSeek-V2 MLA fields (q_lora_rank None: plain q_proj)."""
+    d, H = c.hidden_size, c.num_attention_heads
+    specs = [
+        TensorSpec(a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + c.qk_rope_head_dim, d), "attention", L),
+        TensorSpec(a + "kv_a_layernorm.weight", (c.kv_lora_rank,), "norm", L),
+        TensorSpec(a + "kv_b_proj.weight", (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), "attention", L,
+                   dense=True),  # split into W_uk / W_uv views for absorbed attention
+        TensorSpec(a + "o_proj.weight", (d, H * c.v_head_dim), "attention", L),
+    ]
+    if c.q_lora_rank is None:
+        specs.append(TensorSpec(a + "q_proj.weight", (H * c.qk_head_dim, d), "attention", L))
+    else:
+        specs += [
+            TensorSpec(a + "q_a_proj.weight", (c.q_lora_rank, d), "attention", L),
+            TensorSpec(a + "q_a_layernorm.weight", (c.q_lora_rank,), "norm", L),
+            TensorSpec(a + "q_b_proj.weight", (H * c.qk_head_dim, c.q_lora_rank), "attention", L),
+        ]
+    return specs

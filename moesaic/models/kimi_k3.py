@@ -49,6 +49,7 @@ from ..errors import ConfigError
 from ..layers.attnres import attnres_mix, bank_size, is_block_start
 from ..layers.kda import KdaDims, KdaState, kda_mixer
 from ..layers.linear import linear
+from ..layers.mla import mla_specs
 from ..layers.moe import glu_mlp, run_experts, silu_glu, situ_glu
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
@@ -176,7 +177,7 @@ def tensor_specs(cfg: K3Config) -> list[TensorSpec]:
         if c.layer_kinds[L] == "kda":
             specs += kl.kda_specs(p, c.kda_dims, L, (c.kda_num_heads,))
         else:
-            specs += kl.mla_specs(p, c, L)
+            specs += mla_specs(p + "self_attn.", c, L)
             if c.mla_use_output_gate:
                 specs.append(TensorSpec(p + "self_attn.g_proj.weight", (c.num_attention_heads * c.v_head_dim, d),
                                         "attention", L))

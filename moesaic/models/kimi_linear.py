@@ -44,7 +44,7 @@ from ..engine.batch import ForwardBatch
 from ..errors import ConfigError
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer, kda_tensor_shapes
 from ..layers.linear import linear
-from ..layers.mla import mla_attend
+from ..layers.mla import mla_attend, mla_specs
 from ..layers.moe import glu_mlp, route_sigmoid, run_experts, swiglu
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
@@ -272,26 +272,6 @@ def kda_specs(p: str, dims: KdaDims, L: int, a_log_shape) -> list[TensorSpec]:
             for name, shape in kda_tensor_shapes(dims, a_log_shape).items()]
 
 
-def mla_specs(p: str, c, L: int) -> list[TensorSpec]:
-    d, H, a = c.hidden_size, c.num_attention_heads, p + "self_attn."
-    specs = [
-        TensorSpec(a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + c.qk_rope_head_dim, d), "attention", L),
-        TensorSpec(a + "kv_a_layernorm.weight", (c.kv_lora_rank,), "norm", L),
-        TensorSpec(a + "kv_b_proj.weight", (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), "attention", L,
-                   dense=True),  # split into W_uk / W_uv views for absorbed attention
-        TensorSpec(a + "o_proj.weight", (d, H * c.v_head_dim), "attention", L),
-    ]
-    if c.q_lora_rank is None:
-        specs.append(TensorSpec(a + "q_proj.weight", (H * c.qk_head_dim, d), "attention", L))
-    else:
-        specs += [
-            TensorSpec(a + "q_a_proj.weight", (c.q_lora_rank, d), "attention", L),
-            TensorSpec(a + "q_a_layernorm.weight", (c.q_lora_rank,), "norm", L),
-            TensorSpec(a + "q_b_proj.weight", (H * c.qk_head_dim, c.q_lora_rank), "attention", L),
-        ]
-    return specs
-
-
 def glu_specs(m: str, inner: int, d: int, role: str, L: int) -> list[TensorSpec]:
     return [TensorSpec(m + "gate_proj.weight", (inner, d), role, L), TensorSpec(m + "up_proj.weight", (inner, d), role, L),
             TensorSpec(m + "down_proj.weight", (d, inner), role, L)]
@@ -313,7 +293,7 @@ def tensor_specs(cfg: KimiLinearConfig) -> list[TensorSpec]:
         if c.layer_kinds[L] == "kda":
             specs += kda_specs(p, c.kda_dims, L, (1, 1, c.kda_num_heads, 1))
         else:
-            specs += mla_specs(p, c, L)
+            specs += mla_specs(p + "self_attn.", c, L)
         m = p + "mlp."
         if c.mlp_kinds[L] == "dense":
             specs += glu_specs(m, c.intermediate_size, d, "mlp", L)

@@ -221,20 +221,8 @@ def tensor_specs(cfg: Mistral4Config) -> list[TensorSpec]:
         specs += [
             TensorSpec(p + "input_layernorm.weight", (d,), "norm", L),
             TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", L),
-            TensorSpec(a + "kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d), "attention", L),
-            TensorSpec(a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,), "norm", L),
-            TensorSpec(a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "attention", L,
-                       dense=True),  # split into W_uk / W_uv views for absorbed attention
-            TensorSpec(a + "o_proj.weight", (d, H * cfg.v_head_dim), "attention", L),
         ]
-        if cfg.q_lora_rank is None:
-            specs.append(TensorSpec(a + "q_proj.weight", (H * cfg.qk_head_dim, d), "attention", L))
-        else:
-            specs += [
-                TensorSpec(a + "q_a_proj.weight", (cfg.q_lora_rank, d), "attention", L),
-                TensorSpec(a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "norm", L),
-                TensorSpec(a + "q_b_proj.weight", (H * cfg.qk_head_dim, cfg.q_lora_rank), "attention", L),
-            ]
+        specs += mla.mla_specs(a, cfg, L)
         m = p + "mlp."
         if cfg.is_moe(L):
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
