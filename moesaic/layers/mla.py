@@ -9,7 +9,7 @@ per-head keys and values are `c @ W_kv_b`. Two exact evaluations of the same att
   space — cheapest when few queries meet a long cache (decode). The two folds are token-wise, so
   a caller can run them once over the packed tokens of every decoding sequence.
 
-`prefers_absorbed` picks by the operation count of the two.
+`prefers_absorbed` picks by the operation count of the two; `mla_batch` applies it per sequence.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..weights.contract import TensorSpec
+from .linear import linear
+from .norms import rms_norm
 
 
 def causal_mask(n_new: int, total: int, device) -> torch.Tensor | None:
@@ -75,14 +77,50 @@ def expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale
     return out.transpose(0, 1)
 
 
-def mla_attend(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale) -> torch.Tensor:
-    """One sequence's MLA, by whichever evaluation is cheaper. -> [n, H, dv]."""
-    n, H, dn = q_nope.shape
-    if prefers_absorbed(n, latent.shape[1], k_rope.shape[1], dn, v_head_dim):
+def mla_project(x: torch.Tensor, w: dict, c, eps: float = 1e-6):
+    """The token-wise half of an MLA module (weights under `self_attn.` in `w`): the per-head
+    query split [n, H, dn] / [n, H, dr], the normalised latent [n, kvr] and the shared key slice
+    [n, dr], both still unrotated. (The q/kv a-norms use their class default eps, not the config's.)"""
+    n, H = x.shape[0], c.num_attention_heads
+    if c.q_lora_rank is None:
+        q = linear(x, w["self_attn.q_proj.weight"])
+    else:
+        q = linear(rms_norm(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], eps),
+                   w["self_attn.q_b_proj.weight"])
+    q = q.view(n, H, c.qk_head_dim)
+    kv = linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])
+    latent = rms_norm(kv[:, : c.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], eps)
+    return q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :], latent, kv[:, c.kv_lora_rank :]
+
+
+def mla_batch(L: int, batch, q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim: int, scale: float) -> torch.Tensor:
+    """MLA for every sequence of a ForwardBatch: appends each one's new latent rows to its layer-L
+    cache, then attends. Sequences with few new tokens take the absorbed path, whose two folds run
+    once over all their packed tokens; the others expand their cache. -> [N, H, dv]."""
+    N, H, dn = q_nope.shape
+    kvr, dr = latent.shape[1], k_rope.shape[1]
+    out = q_nope.new_empty(N, H, v_head_dim)
+    caches = [s.state.layers[L].append(latent=latent[s.start:s.start + s.n], k_rope=k_rope[s.start:s.start + s.n])
+              for s in batch.seqs]
+    absorbed = [i for i, s in enumerate(batch.seqs) if prefers_absorbed(s.n, kvr, dr, dn, v_head_dim)]
+    for i, s in enumerate(batch.seqs):
+        if i not in absorbed:
+            rows = slice(s.start, s.start + s.n)
+            out[rows] = expanded_attention(q_nope[rows], q_rope[rows], caches[i]["latent"], caches[i]["k_rope"],
+                                           w_kv_b, v_head_dim, scale)
+    if absorbed:
+        rows = torch.cat([torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n) for i in absorbed])
         w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
-        o_lat = latent_attention(absorb_queries(q_nope, w_uk), q_rope, latent, k_rope, scale)
-        return absorb_output(o_lat, w_uv)
-    return expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale)
+        q_lat = absorb_queries(q_nope[rows], w_uk)
+        o_lat = torch.empty_like(q_lat)
+        at = 0
+        for i in absorbed:
+            n = batch.seqs[i].n
+            o_lat[:, at:at + n] = latent_attention(q_lat[:, at:at + n], q_rope[rows[at:at + n]], caches[i]["latent"],
+                                                   caches[i]["k_rope"], scale)
+            at += n
+        out[rows] = absorb_output(o_lat, w_uv)
+    return out
 
 
 def mla_specs(a: str, c, L: int) -> list[TensorSpec]:

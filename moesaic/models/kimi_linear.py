@@ -44,7 +44,7 @@ from ..engine.batch import ForwardBatch
 from ..errors import ConfigError
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer, kda_tensor_shapes
 from ..layers.linear import linear
-from ..layers.mla import mla_attend, mla_specs
+from ..layers.mla import mla_batch, mla_project, mla_specs
 from ..layers.moe import glu_mlp, route_sigmoid, run_experts, swiglu
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
@@ -364,24 +364,10 @@ def new_state(cfg, dtype: torch.dtype, device, rollback_window: int = 0) -> Sequ
 def mla_heads(L: int, c, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """MLA without rotation up to (not including) o_proj: [N, H * v_head_dim]. Appends each
     sequence's latent and shared key slice to its cache."""
-    N, H = x.shape[0], c.num_attention_heads
-    if c.q_lora_rank is None:
-        q = linear(x, w["self_attn.q_proj.weight"])
-    else:
-        qa = rms_norm(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], MLA_NORM_EPS)
-        q = linear(qa, w["self_attn.q_b_proj.weight"])
-    q = q.view(N, H, c.qk_head_dim)
-    q_nope, q_shared = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-    kv = linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])
-    latent = rms_norm(kv[:, : c.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], MLA_NORM_EPS)
-    k_shared = kv[:, c.kv_lora_rank :]
-    out = x.new_empty(N, H, c.v_head_dim)
-    for s in batch.seqs:
-        rows = slice(s.start, s.start + s.n)
-        cache = s.state.layers[L].append(latent=latent[rows], k_rope=k_shared[rows])
-        out[rows] = mla_attend(q_nope[rows], q_shared[rows], cache["latent"], cache["k_rope"],
-                               w["self_attn.kv_b_proj.weight"], c.v_head_dim, c.softmax_scale)
-    return out.reshape(N, H * c.v_head_dim)
+    q_nope, q_shared, latent, k_shared = mla_project(x, w, c, MLA_NORM_EPS)
+    out = mla_batch(L, batch, q_nope, q_shared, latent, k_shared, w["self_attn.kv_b_proj.weight"], c.v_head_dim,
+                    c.softmax_scale)
+    return out.flatten(1)
 
 
 def route(c, w: dict, x: torch.Tensor):

@@ -346,45 +346,14 @@ class Model:
     # -- blocks
     def attention(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch, cos, sin, qscale) -> torch.Tensor:
         c = self.cfg
-        N, H = x.shape[0], c.num_attention_heads
-        if c.q_lora_rank is None:
-            q = linear(x, w["self_attn.q_proj.weight"])
-        else:
-            qa = rms_norm(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], 1e-6)
-            q = linear(qa, w["self_attn.q_b_proj.weight"])
-        q = q.view(N, H, c.qk_head_dim)
-        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-        kv = linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])
-        latent = rms_norm(kv[:, : c.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], 1e-6)
-        k_rope = self.rope_fn(kv[:, None, c.kv_lora_rank :], cos, sin)[:, 0]
+        q_nope, q_rope, latent, k_rope = mla.mla_project(x, w, c)
+        k_rope = self.rope_fn(k_rope[:, None], cos, sin)[:, 0]
         q_rope = self.rope_fn(q_rope, cos, sin)
         if qscale is not None:
             q_nope, q_rope = q_nope * qscale, q_rope * qscale
-        out = x.new_empty(N, H, c.v_head_dim)
-        w_kv_b = w["self_attn.kv_b_proj.weight"]
-        dims = (c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim)
-        caches = [s.state.layers[L].append(latent=latent[s.start:s.start + s.n], k_rope=k_rope[s.start:s.start + s.n])
-                  for s in batch.seqs]
-        absorbed = [i for i, s in enumerate(batch.seqs) if mla.prefers_absorbed(s.n, *dims)]
-        for i, s in enumerate(batch.seqs):
-            if i not in absorbed:
-                rows = slice(s.start, s.start + s.n)
-                out[rows] = mla.expanded_attention(q_nope[rows], q_rope[rows], caches[i]["latent"],
-                                                   caches[i]["k_rope"], w_kv_b, c.v_head_dim, c.softmax_scale)
-        if absorbed:
-            # the two folds are token-wise: one batched product over every absorbed sequence's tokens
-            rows = torch.cat([torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n) for i in absorbed])
-            w_uk, w_uv = mla.split_kv_b(w_kv_b, H, c.qk_nope_head_dim, c.v_head_dim)
-            q_lat = mla.absorb_queries(q_nope[rows], w_uk)
-            o_lat = torch.empty_like(q_lat)
-            at = 0
-            for i in absorbed:
-                n = batch.seqs[i].n
-                o_lat[:, at:at + n] = mla.latent_attention(q_lat[:, at:at + n], q_rope[rows[at:at + n]],
-                                                           caches[i]["latent"], caches[i]["k_rope"], c.softmax_scale)
-                at += n
-            out[rows] = mla.absorb_output(o_lat, w_uv)
-        return linear(out.reshape(N, H * c.v_head_dim), w["self_attn.o_proj.weight"])
+        out = mla.mla_batch(L, batch, q_nope, q_rope, latent, k_rope, w["self_attn.kv_b_proj.weight"],
+                            c.v_head_dim, c.softmax_scale)
+        return linear(out.flatten(1), w["self_attn.o_proj.weight"])
 
     def mlp(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
