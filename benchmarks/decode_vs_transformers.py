@@ -23,13 +23,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import moesaic  # noqa: E402
 
 SHAPE = dict(
-    vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=6,
-    num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=64,
-    qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=4, n_shared_experts=1,
-    first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=32768, eos_token_id=2,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8192,
-                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "llama_4_scaling_beta": 0.1},
+    vocab_size=32768,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=384,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    max_position_embeddings=32768,
+    eos_token_id=2,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
 )
 
 
@@ -50,7 +74,13 @@ def active_bytes(cfg, dtype_bytes: int) -> int:
     d, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     H, q, kv = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"]
     dq = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-    attn = d * q + q * H * dq + d * (kv + cfg["qk_rope_head_dim"]) + kv * H * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]) + H * cfg["v_head_dim"] * d
+    attn = (
+        d * q
+        + q * H * dq
+        + d * (kv + cfg["qk_rope_head_dim"])
+        + kv * H * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
+        + H * cfg["v_head_dim"] * d
+    )
     I = cfg["moe_intermediate_size"]
     moe = cfg["n_routed_experts"] * d + (cfg["num_experts_per_tok"] + cfg["n_shared_experts"]) * 3 * d * I
     dense = 3 * d * cfg["intermediate_size"]
@@ -70,7 +100,7 @@ def time_hf(model, prompts, new):
         out = model.generate(ids, **kw)
         tn = time.perf_counter() - t
     assert out.shape[1] == ids.shape[1] + new
-    return (new - 1) * len(prompts) / (tn - t1), out[:, ids.shape[1]:].tolist()
+    return (new - 1) * len(prompts) / (tn - t1), out[:, ids.shape[1] :].tolist()
 
 
 def time_moesaic(llm, prompts, new):
@@ -108,10 +138,14 @@ def main():
     prompts8 = torch.randint(3, SHAPE["vocab_size"], (8, args.prompt_len), generator=g).tolist()
     bw = bandwidth_gbs()
     need = active_bytes(SHAPE, dtype.itemsize)
-    print(f"model: Mistral-Small-4 shape, {nparams / 1e6:.0f}M parameters, {args.dtype}, "
-          f"{torch.get_num_threads()} threads; prompt {args.prompt_len}, {args.new} new tokens")
-    print(f"memory bandwidth (copy): {bw:.1f} GB/s; one decode step reads >= {need / 1e6:.0f} MB of weights "
-          f"-> roofline {bw * 1e9 / need:.1f} steps/s")
+    print(
+        f"model: Mistral-Small-4 shape, {nparams / 1e6:.0f}M parameters, {args.dtype}, "
+        f"{torch.get_num_threads()} threads; prompt {args.prompt_len}, {args.new} new tokens"
+    )
+    print(
+        f"memory bandwidth (copy): {bw:.1f} GB/s; one decode step reads >= {need / 1e6:.0f} MB of weights "
+        f"-> roofline {bw * 1e9 / need:.1f} steps/s"
+    )
     print(f"{'batch':>5} {'moesaic tok/s':>14} {'transformers tok/s':>19} {'ratio':>6}  same tokens")
     for batch in (1, 8):
         prompts = prompts8[:batch]

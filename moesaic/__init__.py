@@ -4,6 +4,14 @@ from .engine.sampler import SamplingParams
 from .errors import CapacityError, CheckpointError, ConfigError, MoesaicError, RequestError
 from .llm import LLM, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "MoesaicError", "ConfigError", "CheckpointError",
-           "CapacityError", "RequestError"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "MoesaicError",
+    "ConfigError",
+    "CheckpointError",
+    "CapacityError",
+    "RequestError",
+]
 __version__ = "0.1.0"

@@ -40,22 +40,30 @@ def main(argv=None) -> int:
 
 
 def _generate(args) -> int:
+    from .demo import is_demo
     from .engine.sampler import SamplingParams
     from .llm import LLM
-    from .demo import is_demo
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, precision=args.precision)
     if is_demo(llm.raw_config):
-        print(f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
-              "the text below is noise, not a language model's answer.", file=sys.stderr)
+        print(
+            f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
+            "the text below is noise, not a language model's answer.",
+            file=sys.stderr,
+        )
     prompt = args.prompt
     if args.chat:
         if llm.tokenizer is None:
             raise MoesaicError("--chat needs a tokenizer; this checkpoint has none")
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     feed = llm.tokenizer.stream_decoder() if llm.tokenizer else (lambda t: f" {t}")
     t1 = time.perf_counter()
     first = None
@@ -68,8 +76,11 @@ def _generate(args) -> int:
     t2 = time.perf_counter()
     decode_s = t2 - (first or t2)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
-    print(f"\n[moesaic] {n} tokens ({llm.last_finish_reason}); load {t1 - t0:.2f}s, "
-          f"first token {((first or t2) - t1) * 1e3:.0f} ms, decode {rate:.1f} tokens/s", file=sys.stderr)
+    print(
+        f"\n[moesaic] {n} tokens ({llm.last_finish_reason}); load {t1 - t0:.2f}s, "
+        f"first token {((first or t2) - t1) * 1e3:.0f} ms, decode {rate:.1f} tokens/s",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -38,7 +38,9 @@ def family_for(raw: dict, layout: str) -> tuple[ModuleType, dict]:
         # Mistral's native params.json has no model_type; MLA fields mark the Mistral-4 layout.
         if "kv_lora_rank" in raw or "q_lora_rank" in raw:
             return importlib.import_module(FAMILIES["mistral4"]), raw
-        raise ConfigError("params.json: only the MLA (Mistral Small 4) native layout is supported; no kv_lora_rank found")
+        raise ConfigError(
+            "params.json: only the MLA (Mistral Small 4) native layout is supported; no kv_lora_rank found"
+        )
     mt = raw.get("model_type")
     if mt is None:
         raise ConfigError("config.json: field 'model_type' is missing")
@@ -63,7 +65,9 @@ def _module(model_type: str, raw: dict) -> ModuleType:
 _MISSING = object()
 
 
-def field(raw: dict, key: str, kind: type, default=_MISSING, *, where: str = "config", check=None, why: str = ""):
+def field(
+    raw: dict, key: str, kind: type, default=_MISSING, *, where: str = "config", check=None, why: str = ""
+):
     """Reads raw[key] as `kind` (int/float/bool/str). Missing without default, wrong type or a
     failed `check(value)` raise ConfigError naming the field and the value."""
     if key not in raw or raw[key] is None:

@@ -45,9 +45,17 @@ DEMO_CONFIG = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 4096,
     "rope_interleave": True,
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                        "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
-                        "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
     "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -58,12 +66,29 @@ DEMO_CONFIG = {
 
 
 NEMOTRON_DEMO_CONFIG = {
-    "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": 259, "hidden_size": 128,
-    "layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba", "moe"], "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "mamba_num_heads": 8, "mamba_head_dim": 32,
-    "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 32, "n_routed_experts": 8,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 128,
-    "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "model_type": "nemotron_h",
+    "architectures": ["NemotronHForCausalLM"],
+    "vocab_size": 259,
+    "hidden_size": 128,
+    "layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba", "moe"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 32,
+    "n_groups": 2,
+    "ssm_state_size": 16,
+    "conv_kernel": 4,
+    "chunk_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "moe_shared_expert_intermediate_size": 128,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
     "moesaic_tokenizer": "bytes",
 }
 
@@ -87,26 +112,41 @@ class Demo(NamedTuple):
 def demo_entry(entry) -> Demo:
     """A DEMOS entry as a Demo; a plain (config, quant) tuple may give quant as one pair or None."""
     d = Demo(*entry)
-    quant = () if not d.quant else (tuple(d.quant),) if isinstance(d.quant[0], str) else tuple(map(tuple, d.quant))
+    quant = (
+        ()
+        if not d.quant
+        else (tuple(d.quant),)
+        if isinstance(d.quant[0], str)
+        else tuple(map(tuple, d.quant))
+    )
     return d._replace(quant=quant)
 
 
-GLM_EXPERTS_NVFP4 = (r"model\.language_model\.layers\.\d+\.mlp\.(experts\.\d+|shared_experts)\.\w+_proj\.weight",
-                     "nvfp4")
-DSV4_DENSE_FP8 = (r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123])\.weight",
-                  "fp8-deepseek")
+GLM_EXPERTS_NVFP4 = (
+    r"model\.language_model\.layers\.\d+\.mlp\.(experts\.\d+|shared_experts)\.\w+_proj\.weight",
+    "nvfp4",
+)
+DSV4_DENSE_FP8 = (
+    r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123])\.weight",
+    "fp8-deepseek",
+)
 DSV4_EXPERTS_FP4 = (r"(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight", "fp4-deepseek")
 
 DEMOS: dict[str, Demo] = {
     "demo": Demo(DEMO_CONFIG),
     # Mistral's NVFP4 release is in its native layout (params.json + consolidated, per-expert tensors)
-    "demo-mistral4-nvfp4": Demo(DEMO_CONFIG, [
-        (r"layers\.\d+\.(experts\.\d+|shared_experts)\.w[123]\.weight", "nvfp4")]),
+    "demo-mistral4-nvfp4": Demo(
+        DEMO_CONFIG, [(r"layers\.\d+\.(experts\.\d+|shared_experts)\.w[123]\.weight", "nvfp4")]
+    ),
     "demo-nemotron-h": Demo(NEMOTRON_DEMO_CONFIG),
-    "demo-nemotron-h-nvfp4": Demo(NEMOTRON_DEMO_CONFIG, [
-        (r"backbone\.layers\.\d+\.mixer\.(experts\.\d+|shared_experts)\.\w+\.weight", "nvfp4-modelopt")]),
+    "demo-nemotron-h-nvfp4": Demo(
+        NEMOTRON_DEMO_CONFIG,
+        [(r"backbone\.layers\.\d+\.mixer\.(experts\.\d+|shared_experts)\.\w+\.weight", "nvfp4-modelopt")],
+    ),
     "demo-kimi-k3": Demo(_k3.DEMO_CONFIG),
-    "demo-kimi-k3-mxfp4": Demo(_k3.DEMO_CONFIG, [_k3.MXFP4_EXPERTS]),  # the release's compressed-tensors MXFP4 experts
+    "demo-kimi-k3-mxfp4": Demo(
+        _k3.DEMO_CONFIG, [_k3.MXFP4_EXPERTS]
+    ),  # the release's compressed-tensors MXFP4 experts
     # GLM-5.3-Flash as its NVFP4 release: compressed-tensors NVFP4 routed and shared experts, the rest bf16
     "demo-glm5-next-nvfp4": Demo(_glm.DEMO_CONFIG, [GLM_EXPERTS_NVFP4]),
     # DeepSeek-V4-Flash as released: dense attention and shared experts fp8 E4M3 with fp32 128x128 `.scale`
@@ -115,8 +155,11 @@ DEMOS: dict[str, Demo] = {
     "demo-kimi-linear": Demo(_kl.DEMO_CONFIG),
     # DeepSeek-V4.1 (Engram, shared KV/index sources, candidate blocks) as released: dense fp8 E4M3 + UE8M0
     # 32x32 `.scale` blocks, routed experts fp4, Engram tables fp8 rows (deepseek_v41.write_checkpoint)
-    "demo-deepseek-v41": Demo(_v41.DEMO_CONFIG, [(_v41.DENSE_FP8, "fp8-ue8m0"), (_v41.EXPERTS_FP4, "fp4-deepseek")],
-                              lambda folder, config: _v41.write_checkpoint(folder, config, quantized=True)),
+    "demo-deepseek-v41": Demo(
+        _v41.DEMO_CONFIG,
+        [(_v41.DENSE_FP8, "fp8-ue8m0"), (_v41.EXPERTS_FP4, "fp4-deepseek")],
+        lambda folder, config: _v41.write_checkpoint(folder, config, quantized=True),
+    ),
 }
 
 # The release naming where the one a family reads from a folder without tensors (`namings(cfg, "hf", [])`)
@@ -164,7 +207,9 @@ def ensure_demo(name: str = DEMO_NAME) -> Path:
     if (path / "config.json").exists() or (path / "params.json").exists():
         return path
     demo = demo_entry(DEMOS[name])
-    config = dict(demo.config, moesaic_demo={"random_weights": True, "seed": 0, "version": DEMO_VERSION, "name": name})
+    config = dict(
+        demo.config, moesaic_demo={"random_weights": True, "seed": 0, "version": DEMO_VERSION, "name": name}
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".demo-"))
     if demo.write is not None:
@@ -205,10 +250,16 @@ def _write(folder: Path, config: dict, quant) -> None:
     tensors = to_checkpoint(specs, naming, weights)
     for regex, fmt in quant:
         tensors, qc = quantize_checkpoint(tensors, regex, fmt)
-        config.setdefault("quantization_config", qc)  # the first pair's; the formats are read from the tensors
+        config.setdefault(
+            "quantization_config", qc
+        )  # the first pair's; the formats are read from the tensors
     if native:  # params.json carries what the native layout cannot say (demo marker, byte tokenizer)
-        params = dict(family.params_json(config), quantization_config=config["quantization_config"],
-                      moesaic_tokenizer="bytes", moesaic_demo=config["moesaic_demo"])
+        params = dict(
+            family.params_json(config),
+            quantization_config=config["quantization_config"],
+            moesaic_tokenizer="bytes",
+            moesaic_demo=config["moesaic_demo"],
+        )
         save_safetensors(tensors, folder / "consolidated.safetensors")
         (folder / "params.json").write_text(json.dumps(params, indent=1))
     else:

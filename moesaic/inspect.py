@@ -77,16 +77,39 @@ def format_text(info: dict) -> str:
             runs.append(f"{count}x {prev}")
         prev, count = k, 1
     lines.append(f"  layers: {info['num_layers']}  ({', '.join(runs)})")
-    lines.append(f"  parameters: {info['params_total']:,}  " +
-                 ", ".join(f"{r} {n:,}" for r, n in sorted(info["params_by_role"].items())))
-    lines.append(f"  tensors: {info['tensor_count']} ({info['tensor_count_source']})  formats: {info['weight_formats']}")
-    lines.append(f"  state: {info['state_bytes_per_token']:,} B/token + {info['state_bytes_fixed_per_sequence']:,} B/sequence; "
-                 f"{info['state_bytes_per_sequence']:,} B at the full context of {info['max_context']:,}")
+    lines.append(
+        f"  parameters: {info['params_total']:,}  "
+        + ", ".join(f"{r} {n:,}" for r, n in sorted(info["params_by_role"].items()))
+    )
+    lines.append(
+        f"  tensors: {info['tensor_count']} ({info['tensor_count_source']})  formats: {info['weight_formats']}"
+    )
+    lines.append(
+        f"  state: {info['state_bytes_per_token']:,} B/token + {info['state_bytes_fixed_per_sequence']:,} B/sequence; "
+        f"{info['state_bytes_per_sequence']:,} B at the full context of {info['max_context']:,}"
+    )
     for k, v in info.items():
-        if k not in {"path", "family", "model_type", "layout", "num_layers", "layer_schedule", "params_by_role",
-                     "params_total", "tensor_count", "tensor_count_source", "weight_formats", "kv_dtype_bytes",
-                     "max_context", "state_bytes_per_token", "state_bytes_per_sequence",
-                     "state_bytes_fixed_per_sequence", "random_weights_demo", "contract", "precision"}:
+        if k not in {
+            "path",
+            "family",
+            "model_type",
+            "layout",
+            "num_layers",
+            "layer_schedule",
+            "params_by_role",
+            "params_total",
+            "tensor_count",
+            "tensor_count_source",
+            "weight_formats",
+            "kv_dtype_bytes",
+            "max_context",
+            "state_bytes_per_token",
+            "state_bytes_per_sequence",
+            "state_bytes_fixed_per_sequence",
+            "random_weights_demo",
+            "contract",
+            "precision",
+        }:
             lines.append(f"  {k}: {v}")
     if any(v != "inherit" for v in info["precision"].values()):
         lines.append(f"  precision: {info['precision']}")

@@ -30,8 +30,10 @@ def resolve_model_path(model: str | Path) -> Path:
         return ensure_demo(str(model))
     path = Path(model)
     if not path.exists():
-        raise CheckpointError(f"{model}: no such checkpoint folder (moesaic reads local folders only; "
-                              f"built-in demo models: {', '.join(DEMOS)})")
+        raise CheckpointError(
+            f"{model}: no such checkpoint folder (moesaic reads local folders only; "
+            f"built-in demo models: {', '.join(DEMOS)})"
+        )
     return path
 
 
@@ -49,8 +51,16 @@ def check_device(device) -> str:
 
 
 class LLM:
-    def __init__(self, model: str | Path = DEMO_NAME, dtype="bfloat16", device="cpu", max_num_seqs: int = 32,
-                 max_batch_tokens: int = 1024, max_state_bytes: int | None = None, precision: str | None = None):
+    def __init__(
+        self,
+        model: str | Path = DEMO_NAME,
+        dtype="bfloat16",
+        device="cpu",
+        max_num_seqs: int = 32,
+        max_batch_tokens: int = 1024,
+        max_state_bytes: int | None = None,
+        precision: str | None = None,
+    ):
         """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py)."""
         device = check_device(device)
         self.path = resolve_model_path(model)
@@ -60,9 +70,15 @@ class LLM:
         self.dtype, self.device = self.model.dtype, device
         self.tokenizer = load_tokenizer(self.path, ckpt.store.config, self.cfg.eos_token_ids)
         eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
-        self.engine = Engine(self.model, eos, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
-                             max_state_bytes=max_state_bytes, max_context=self.family.max_context(self.cfg),
-                             state_bytes=self.family.state_bytes(self.cfg, self.model.dtype.itemsize))
+        self.engine = Engine(
+            self.model,
+            eos,
+            max_num_seqs=max_num_seqs,
+            max_batch_tokens=max_batch_tokens,
+            max_state_bytes=max_state_bytes,
+            max_context=self.family.max_context(self.cfg),
+            state_bytes=self.family.state_bytes(self.cfg, self.model.dtype.itemsize),
+        )
 
     # ---- prompts
     def encode(self, prompt) -> list[int]:
@@ -80,12 +96,16 @@ class LLM:
     # ---- generation
     def generate(self, prompts, params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generates for every prompt together (continuous batching); outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
-            raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one, or one per prompt")
+            raise RequestError(
+                f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one, or one per prompt"
+            )
         seqs = [Sequence(self.encode(p), sp) for p, sp in zip(prompts, plist)]
         added = []
         try:
@@ -98,7 +118,10 @@ class LLM:
             for s in added:
                 if not s.finished:
                     self.engine.abort(s)
-        return [RequestOutput(s.prompt_ids, s.output_ids, self.decode(s.output_ids), s.finish_reason) for s in seqs]
+        return [
+            RequestOutput(s.prompt_ids, s.output_ids, self.decode(s.output_ids), s.finish_reason)
+            for s in seqs
+        ]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[int]:
         """Yields the token ids of one prompt as they are sampled. `stream.finish_reason` of the

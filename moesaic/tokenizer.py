@@ -22,7 +22,9 @@ class ByteTokenizer:
         return ([self.bos_id] if add_bos else []) + [b + BYTE_OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < 256 + BYTE_OFFSET).decode("utf-8", "replace")
+        return bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < 256 + BYTE_OFFSET).decode(
+            "utf-8", "replace"
+        )
 
     def stream_decoder(self):
         dec = codecs.getincrementaldecoder("utf-8")("replace")
@@ -53,7 +55,9 @@ class HFTokenizer:
         self.chat_template = tc.get("chat_template")
         if self.chat_template is None and (folder / "chat_template.jinja").exists():
             self.chat_template = (folder / "chat_template.jinja").read_text()
-        self.special = {k: _token_str(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.special = {
+            k: _token_str(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
         self.bos_id = self._id(self.special["bos_token"])
         eos = self._id(self.special["eos_token"])
         self.eos_ids = tuple(eos_ids) or ((eos,) if eos is not None else ())
@@ -81,7 +85,7 @@ class HFTokenizer:
             text = self.decode(ids)
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
                 return ""
-            new = text[len(emitted[0]):] if text.startswith(emitted[0]) else text
+            new = text[len(emitted[0]) :] if text.startswith(emitted[0]) else text
             emitted[0] = text
             return new
 
@@ -99,7 +103,9 @@ class HFTokenizer:
 
         env.globals["raise_exception"] = raise_exception
         tmpl = env.from_string(self.chat_template)
-        return tmpl.render(messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special.items()})
+        return tmpl.render(
+            messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special.items()}
+        )
 
 
 def _token_str(v):
@@ -114,5 +120,7 @@ def load_tokenizer(folder: Path, raw_config: dict, eos_ids: tuple[int, ...]):
     if (folder / "tokenizer.json").exists():
         return HFTokenizer(folder, eos_ids)
     if (folder / "tekken.json").exists():
-        raise ConfigError(f"{folder}: Mistral's tekken.json tokenizer is not supported yet; pass token ids instead of text")
+        raise ConfigError(
+            f"{folder}: Mistral's tekken.json tokenizer is not supported yet; pass token ids instead of text"
+        )
     return None

@@ -65,8 +65,9 @@ def check_greedy_matches_transformers(hf, path, ids: list[int], n: int) -> None:
     import moesaic
 
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(ids):].tolist()
+        ref = hf.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(ids) :].tolist()
     llm = moesaic.LLM(str(path), dtype="float32")
     out = llm.generate([ids], moesaic.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == ref and out.finish_reason == "length"

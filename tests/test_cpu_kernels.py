@@ -23,7 +23,9 @@ def _random_fp4(fmt, n, k, gen, divides=True, lead=()):
     group = 32 if fmt == "mxfp4" else 16
     codes = torch.randint(0, 256, lead + (n, k // 2), generator=gen, dtype=torch.int64).to(torch.uint8)
     if fmt == "mxfp4":
-        scale = torch.randint(112, 140, lead + (n, k // group), generator=gen, dtype=torch.int64).to(torch.uint8)
+        scale = torch.randint(112, 140, lead + (n, k // group), generator=gen, dtype=torch.int64).to(
+            torch.uint8
+        )
         scale[..., 0, 0] = 0  # 2^-127: a subnormal multiplier
         return QuantizedTensor("mxfp4", codes, scale)
     sb = torch.randint(0, 0x7F, lead + (n, k // group), generator=gen, dtype=torch.int64)  # no NaN byte
@@ -60,8 +62,15 @@ def test_raw_kernel_matches_fp32_reference(kernel, fmt, divides, n, k, m, generi
     x = torch.randn(m, k, generator=gen)
     stab = cpu_fp4._scale_table(fmt, qt.global_scale, qt.global_divides)
     for threads in (1, 3):
-        y = cpu_fp4.fp4_matmul(x, qt.codes, qt.scale.view(torch.uint8), stab, 32 if fmt == "mxfp4" else 16,
-                               threads=threads, generic=generic)
+        y = cpu_fp4.fp4_matmul(
+            x,
+            qt.codes,
+            qt.scale.view(torch.uint8),
+            stab,
+            32 if fmt == "mxfp4" else 16,
+            threads=threads,
+            generic=generic,
+        )
         _assert_fp32_close(y, _reference(qt, x))
 
 
@@ -74,7 +83,9 @@ def test_nan_scale_propagates(kernel):
     ref = _reference(qt, x)
     assert torch.isnan(y[:, 5]).all() and torch.isnan(ref[:, 5]).all()
     assert not torch.isnan(y[:, [0, 4, 6, 69]]).any()
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.nan_to_num().abs().amax()), equal_nan=True)
+    torch.testing.assert_close(
+        y, ref, rtol=1e-5, atol=1e-5 * float(ref.nan_to_num().abs().amax()), equal_nan=True
+    )
 
 
 @pytest.mark.parametrize("naming", ["mxfp4", "nvfp4-compressed-tensors", "nvfp4-modelopt"])
@@ -98,12 +109,16 @@ def test_matmul_dispatches_to_kernel(kernel, naming, m, dtype):
     if dtype == torch.float32:
         _assert_fp32_close(y, ref)
     else:  # one rounding of the fp32 result to bf16
-        torch.testing.assert_close(y.float(), ref, rtol=2 ** -8, atol=float(ref.abs().amax()) * 1e-5)
+        torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=float(ref.abs().amax()) * 1e-5)
         # and exactly the rounding of the fp32 kernel result
         codes, scale, g = qt._matrix(0)
-        y32 = cpu_fp4.fp4_matmul(x.reshape(-1, k), codes, scale.view(torch.uint8),
-                                 cpu_fp4._scale_table(qt.format, g, qt.global_divides),
-                                 32 if qt.format == "mxfp4" else 16)
+        y32 = cpu_fp4.fp4_matmul(
+            x.reshape(-1, k),
+            codes,
+            scale.view(torch.uint8),
+            cpu_fp4._scale_table(qt.format, g, qt.global_divides),
+            32 if qt.format == "mxfp4" else 16,
+        )
         assert torch.equal(y.reshape(-1, n), y32.to(dtype))
 
 

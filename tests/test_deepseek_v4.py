@@ -8,8 +8,14 @@ import json
 
 import pytest
 import torch
+from helpers import (
+    check_batch_equals_singles,
+    check_greedy_matches_transformers,
+    max_err,
+    mixed_batch_err,
+    randomize_,
+)
 
-import moesaic
 from moesaic.engine.batch import ForwardBatch
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
@@ -17,9 +23,6 @@ from moesaic.models import deepseek_v4
 from moesaic.weights.contract import load_tensors, to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
-
-from helpers import (check_batch_equals_singles, check_greedy_matches_transformers, max_err, mixed_batch_err,
-                     randomize_)
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,14 +34,37 @@ SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_com
 # every path: sliding, CSA (16 indexer heads, overlapped pooling) and HCA layers; hash and routed MoE;
 # YaRN on the compress rope; a SwiGLU limit low enough to clamp
 TINY = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, layer_types=[SWA, CSA, HCA, CSA],
-    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], num_attention_heads=4, num_key_value_heads=1,
-    head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=E,
-    num_experts_per_tok=K, moe_intermediate_size=32, compress_rates={CSA: CSA_M, HCA: HCA_M}, sliding_window=SW,
-    index_n_heads=16, index_head_dim=16, index_topk=TOPK, swiglu_limit=1.0, max_position_embeddings=4096,
-    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,
-                     "beta_fast": 32.0, "beta_slow": 1.0},
-    eos_token_id=1, pad_token_id=0,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=[SWA, CSA, HCA, CSA],
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    qk_rope_head_dim=8,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    n_routed_experts=E,
+    num_experts_per_tok=K,
+    moe_intermediate_size=32,
+    compress_rates={CSA: CSA_M, HCA: HCA_M},
+    sliding_window=SW,
+    index_n_heads=16,
+    index_head_dim=16,
+    index_topk=TOPK,
+    swiglu_limit=1.0,
+    max_position_embeddings=4096,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+    eos_token_id=1,
+    pad_token_id=0,
 )
 
 
@@ -102,7 +128,9 @@ def test_indexer_selection_matters(hf_ckpt):
     hf, path = hf_ckpt
     ids = prompt(75)
     cfg = json.loads((path / "config.json").read_text())
-    wide = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**{**TINY, "index_topk": 64})).eval()
+    wide = transformers.DeepseekV4ForCausalLM(
+        transformers.DeepseekV4Config(**{**TINY, "index_topk": 64})
+    ).eval()
     wide.load_state_dict(hf.state_dict())
     assert cfg["index_topk"] == TOPK and max_err(hf_logits(wide, ids), hf_logits(hf, ids)) > 1e-2
 
@@ -128,7 +156,11 @@ def test_chunked_prefill_at_unaligned_cuts(hf_ckpt, ours):
     ids = prompt(61, seed=2)
     ref = hf_logits(hf, ids)
     worst = 0.0
-    for cuts in ([0, 7, 20, 21, 38, 61], [0, 1, 2, 3, 30, 61], [0, 13, 61]):  # none on a multiple of 4 or 8 after 0
+    for cuts in (
+        [0, 7, 20, 21, 38, 61],
+        [0, 1, 2, 3, 30, 61],
+        [0, 13, 61],
+    ):  # none on a multiple of 4 or 8 after 0
         got, st = run(ours, [ids[a:b] for a, b in zip(cuts, cuts[1:])])
         worst = max(worst, max_err(got, ref))
         assert st.num_tokens == 61
@@ -154,7 +186,9 @@ def test_mixed_prefill_and_decode_in_one_forward(ours):
     assert err < TOL
 
 
-@pytest.mark.parametrize("past, new", [(21, 6), (13, 5)])  # crosses 24 (CSA and HCA groups) / 16, and the window
+@pytest.mark.parametrize(
+    "past, new", [(21, 6), (13, 5)]
+)  # crosses 24 (CSA and HCA groups) / 16, and the window
 def test_rollback_then_refeed_is_exact(ours, past, new):
     R = 6
     ids, other = prompt(past + new, seed=7), prompt(new, seed=8)
@@ -234,12 +268,26 @@ def write_upstream(hf_path, out, extra=None):
 
 def test_upstream_names_load_to_the_same_logits(hf_ckpt, ours, tmp_path):
     native = write_upstream(hf_ckpt[1], tmp_path / "up")
-    for name in ("embed.weight", "head.weight", "norm.weight", "hc_head_fn", "layers.1.attn.wq_a.weight",
-                 "layers.1.attn.kv_norm.weight", "layers.0.attn.attn_sink", "layers.0.hc_attn_fn",
-                 "layers.2.ffn.experts.3.w1.weight", "layers.0.ffn.gate.tid2eid", "layers.2.ffn.gate.bias",
-                 "layers.1.attn.compressor.ape", "layers.1.attn.indexer.compressor.wkv.weight",
-                 "layers.3.attn.indexer.weights_proj.weight", "mtp.0.e_proj.weight", "mtp.0.hc_head_fn",
-                 "mtp.0.attn.wq_a.weight", "mtp.0.ffn.experts.0.w2.weight"):
+    for name in (
+        "embed.weight",
+        "head.weight",
+        "norm.weight",
+        "hc_head_fn",
+        "layers.1.attn.wq_a.weight",
+        "layers.1.attn.kv_norm.weight",
+        "layers.0.attn.attn_sink",
+        "layers.0.hc_attn_fn",
+        "layers.2.ffn.experts.3.w1.weight",
+        "layers.0.ffn.gate.tid2eid",
+        "layers.2.ffn.gate.bias",
+        "layers.1.attn.compressor.ape",
+        "layers.1.attn.indexer.compressor.wkv.weight",
+        "layers.3.attn.indexer.weights_proj.weight",
+        "mtp.0.e_proj.weight",
+        "mtp.0.hc_head_fn",
+        "mtp.0.attn.wq_a.weight",
+        "mtp.0.ffn.experts.0.w2.weight",
+    ):
         assert name in native, name
     theirs = Checkpoint.open(tmp_path / "up")
     assert theirs.cfg == ours.cfg
@@ -265,18 +313,52 @@ def test_module_names_and_a_malformed_scale(hf_ckpt, ours, tmp_path):
 
 # The published DeepSeek-V4-Flash config.json (as inlined in alibaba/rtp-llm's DeepSeek-V4 tests).
 FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"], "bos_token_id": 0, "eos_token_id": 1, "hc_eps": 1e-06,
-    "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512, "hidden_act": "silu", "hidden_size": 4096,
-    "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512, "max_position_embeddings": 1048576,
-    "model_type": "deepseek_v4", "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
-    "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 6, "num_hidden_layers": 43,
-    "num_hash_layers": 3, "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 8,
-    "o_lora_rank": 1024, "q_lora_rank": 1024, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
-                     "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128,
-    "swiglu_limit": 10.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 129280,
-    "compress_rope_theta": 160000, "topk_method": "noaux_tc",
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "hc_eps": 1e-06,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 512,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 512,
+    "max_position_embeddings": 1048576,
+    "model_type": "deepseek_v4",
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 43,
+    "num_hash_layers": 3,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 129280,
+    "compress_rope_theta": 160000,
+    "topk_method": "noaux_tc",
     "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],  # 43 layers + the MTP slot
 }
 
@@ -299,28 +381,50 @@ def test_inspect_reports_the_released_flash_config(tmp_path):
     hf = transformers.DeepseekV4Config(**FLASH)
     cfg = deepseek_v4.parse_config(FLASH)
     assert list(cfg.layer_types) == hf.layer_types and list(cfg.mlp_layer_types) == hf.mlp_layer_types
-    assert cfg.rope_compress.theta == 160000 and cfg.rope_compress.kind == "yarn" and cfg.rope_main.theta == 10000
+    assert (
+        cfg.rope_compress.theta == 160000
+        and cfg.rope_compress.kind == "yarn"
+        and cfg.rope_main.theta == 10000
+    )
     assert cfg.rope_compress.dim == cfg.rope_main.dim == 64 and cfg.rope_compress_factor == 1.0
 
 
 def test_saved_config_round_trips(hf_ckpt, ours):
     saved = json.loads((hf_ckpt[1] / "config.json").read_text())
     assert "rope_parameters" in saved and "main" in saved["rope_parameters"]  # the nested form
-    flat = {k: v for k, v in saved.items() if k not in ("rope_parameters", "layer_types", "mlp_layer_types",
-                                                        "compress_rates", "partial_rotary_factor")}
-    flat.update(rope_scaling=TINY["rope_parameters"], compress_ratios=[0, CSA_M, HCA_M, CSA_M, 0], num_hash_layers=2,
-                compress_rate_csa=CSA_M, compress_rate_hca=HCA_M)
+    flat = {
+        k: v
+        for k, v in saved.items()
+        if k
+        not in (
+            "rope_parameters",
+            "layer_types",
+            "mlp_layer_types",
+            "compress_rates",
+            "partial_rotary_factor",
+        )
+    }
+    flat.update(
+        rope_scaling=TINY["rope_parameters"],
+        compress_ratios=[0, CSA_M, HCA_M, CSA_M, 0],
+        num_hash_layers=2,
+        compress_rate_csa=CSA_M,
+        compress_rate_hca=HCA_M,
+    )
     assert deepseek_v4.parse_config(flat) == ours.cfg
 
 
-@pytest.mark.parametrize("over, field", [
-    ({"num_key_value_heads": 8}, "num_key_value_heads"),
-    ({"o_groups": 3}, "o_groups"),
-    ({"layer_types": [SWA, "full_attention", HCA, CSA]}, "layer_types"),
-    ({"layer_types": None, "compress_ratios": [0, 4, 7, 4]}, "compress_ratios"),
-    ({"scoring_func": "softmax"}, "scoring_func"),
-    ({"n_shared_experts": 2}, "n_shared_experts"),
-])
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"num_key_value_heads": 8}, "num_key_value_heads"),
+        ({"o_groups": 3}, "o_groups"),
+        ({"layer_types": [SWA, "full_attention", HCA, CSA]}, "layer_types"),
+        ({"layer_types": None, "compress_ratios": [0, 4, 7, 4]}, "compress_ratios"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"n_shared_experts": 2}, "n_shared_experts"),
+    ],
+)
 def test_config_errors_name_the_field(hf_ckpt, over, field):
     saved = json.loads((hf_ckpt[1] / "config.json").read_text())
     with pytest.raises(ConfigError, match=field):

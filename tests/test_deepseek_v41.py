@@ -21,8 +21,8 @@ import shutil
 
 import pytest
 import torch
+from helpers import check_batch_equals_singles, max_err
 
-import moesaic
 from moesaic.demo import random_tensors as demo_random_tensors
 from moesaic.engine.batch import ForwardBatch
 from moesaic.errors import ConfigError
@@ -34,31 +34,71 @@ from moesaic.models import deepseek_v4
 from moesaic.models import deepseek_v41 as v41
 from moesaic.tokenizer import ByteTokenizer
 from moesaic.weights.load import Checkpoint
-from moesaic.weights.quant import QuantizedTensor, e4m3_to_float, e8m0_to_float, load_quantized, resolve_format
+from moesaic.weights.quant import (
+    QuantizedTensor,
+    e4m3_to_float,
+    e8m0_to_float,
+    load_quantized,
+    resolve_format,
+)
 from moesaic.weights.store import save_safetensors
-
-from helpers import check_batch_equals_singles, max_err
 
 TOL = 2e-5
 GIB = 2**30
 
 # V4's kinds (sliding, overlapped CSA with its own index compressor, HCA) without hash layers
 V4_TINY = dict(
-    model_type="deepseek_v4", vocab_size=256, hidden_size=64, num_hidden_layers=4, layer_types=[SLIDING, CSA, HCA, CSA],
-    mlp_layer_types=["moe"] * 4, num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_rope_head_dim=8,
-    q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-    compress_rates={CSA: 4, HCA: 8}, sliding_window=8, index_n_heads=16, index_head_dim=16, index_topk=3,
-    swiglu_limit=1.0, max_position_embeddings=4096, rope_theta=10000.0, compress_rope_theta=160000.0,
-    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,
-                     "beta_fast": 32.0, "beta_slow": 1.0},
-    num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1,
+    model_type="deepseek_v4",
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=[SLIDING, CSA, HCA, CSA],
+    mlp_layer_types=["moe"] * 4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    qk_rope_head_dim=8,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    compress_rates={CSA: 4, HCA: 8},
+    sliding_window=8,
+    index_n_heads=16,
+    index_head_dim=16,
+    index_topk=3,
+    swiglu_limit=1.0,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+    num_nextn_predict_layers=0,
+    bos_token_id=0,
+    eos_token_id=1,
 )
 V41_AS_V4 = dict(V4_TINY, model_type="deepseek_v41", q_head_norm=True, mhc_delayed_pre=False)
-ENGRAM = dict(engram_layer_ids=[0, 2], engram_num_embeddings=list(table_rows([64] * 3, 2, 4, 2)),
-              engram_max_ngram_size=4, engram_n_heads=2, engram_head_dim=32, engram_vocab_size=64,
-              engram_compressed_vocab_size=256, engram_pad_id=0)
+ENGRAM = dict(
+    engram_layer_ids=[0, 2],
+    engram_num_embeddings=list(table_rows([64] * 3, 2, 4, 2)),
+    engram_max_ngram_size=4,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    engram_vocab_size=64,
+    engram_compressed_vocab_size=256,
+    engram_pad_id=0,
+)
 
-TEXT = v41.TINY_TEXT_CONFIG  # release-shaped: ratios (0, 0, 2, 2, 1, 1), sources, candidates, Engram at 1 and 4
+TEXT = (
+    v41.TINY_TEXT_CONFIG
+)  # release-shaped: ratios (0, 0, 2, 2, 1, 1), sources, candidates, Engram at 1 and 4
 
 
 def prompt(n, seed=0, vocab=256):
@@ -97,6 +137,7 @@ def v41_model(raw, tensors, token_map=None):
 
 # ---------------------------------------------------------------- V4.1 with its features off is V4
 
+
 def test_v41_with_its_features_off_equals_v4(v4_weights):
     cfg4, tensors = v4_weights
     ours4 = deepseek_v4.Model(cfg4, tensors, torch.float32, "cpu")
@@ -118,9 +159,19 @@ FEATURES = {
     "no per-head q norm": ({"q_head_norm": False}, {}),
     "delayed pre (no hc_head)": ({"mhc_delayed_pre": True}, {}),
     "shared KV source": ({"kv_source_layer_ids": [1, 2]}, {}),
-    "shared index source": ({"kv_source_layer_ids": [1, 2], "index_source_layer_ids": [1]}, {"kv_source_layer_ids": [1, 2]}),
-    "candidate blocks": ({"kv_source_layer_ids": [1, 2], "candidate_source_layer_id": 1, "candidate_topk_blocks": 1,
-                          "candidate_block_size": 2}, {"kv_source_layer_ids": [1, 2]}),
+    "shared index source": (
+        {"kv_source_layer_ids": [1, 2], "index_source_layer_ids": [1]},
+        {"kv_source_layer_ids": [1, 2]},
+    ),
+    "candidate blocks": (
+        {
+            "kv_source_layer_ids": [1, 2],
+            "candidate_source_layer_id": 1,
+            "candidate_topk_blocks": 1,
+            "candidate_block_size": 2,
+        },
+        {"kv_source_layer_ids": [1, 2]},
+    ),
     "Engram": (ENGRAM, {}),
 }
 
@@ -139,12 +190,17 @@ def test_each_v41_feature_switched_on_changes_the_logits(v4_weights, feature):
     print(f"deepseek_v41 feature {feature!r}: logits move by {diff:.2e}")
     assert diff > 1e-3
     if feature == "shared KV source":  # layer 3 holds no compressor of its own: it reads layer 1's entries
-        assert st.layers[3].compressor is None and st.layers[3].indexer is None and st.layers[1].indexer is not None
+        assert (
+            st.layers[3].compressor is None
+            and st.layers[3].indexer is None
+            and st.layers[1].indexer is not None
+        )
         saved = (32 + 16) // 4 * 4  # one CSA layer's entries + index entries per token, fp32
         assert v41.state_bytes(with_it.cfg, 4)[0] == v41.state_bytes(without.cfg, 4)[0] - saved
 
 
 # ---------------------------------------------------------------- the release-shaped tiny model
+
 
 def byte_map():
     return build_token_map(v41.tokenizer_vocab(ByteTokenizer()), TEXT["engram_compressed_vocab_size"])
@@ -164,15 +220,23 @@ def tiny(superset):
 
 def test_tiny_config_roles(tiny):
     c = tiny.cfg
-    assert v41.layer_schedule(c) == ["swa+moe", "engram+swa+moe", "csa2(r2,kv,idx)+moe", "csa2(r2)+moe",
-                                     "engram+csa2(r1,kv,idx,cand)+moe", "csa2(r1,idx)+moe"]
+    assert v41.layer_schedule(c) == [
+        "swa+moe",
+        "engram+swa+moe",
+        "csa2(r2,kv,idx)+moe",
+        "csa2(r2)+moe",
+        "engram+csa2(r1,kv,idx,cand)+moe",
+        "csa2(r1,idx)+moe",
+    ]
     assert c.kv_from == (None, None, 2, 2, 4, 4) and c.index_from == (None, None, 2, 2, 4, 5)
     assert c.uses_candidates == (False,) * 5 + (True,) and c.mtp_compress_ratios == (0,)
     assert c.mlp_layer_types == ("moe",) * 6 and not c.q_head_norm and c.delayed_pre
     names = {s.name for s in v41.tensor_specs(c)}
     assert "model.layers.3.self_attn.compressor.kv_proj.weight" not in names  # shares layer 2's
     assert "model.layers.4.self_attn.compressor.gate_proj.weight" not in names  # ratio 1: no gate
-    assert "model.layers.5.self_attn.indexer.wk.weight" not in names  # index source only: scores layer 4's keys
+    assert (
+        "model.layers.5.self_attn.indexer.wk.weight" not in names
+    )  # index source only: scores layer 4's keys
     assert "model.layers.5.self_attn.compressor.indexer.q_b_proj.weight" in names
     assert not any("tid2eid" in n or "position_bias" in n or "hc_head" in n for n in names)
 
@@ -227,7 +291,9 @@ def reference_logits(model, ids):
                 at = torch.tensor([g * r])
                 ent.append(rope(latent[None], at)[0])
                 if c.index_keys[L]:  # keys from the latent before its rope
-                    ik = rms(latent @ w["self_attn.indexer.wk.weight"].T, w["self_attn.indexer.k_norm.weight"])
+                    ik = rms(
+                        latent @ w["self_attn.indexer.wk.weight"].T, w["self_attn.indexer.k_norm.weight"]
+                    )
                     ks.append(rope(ik[None], at)[0])
             entries[L], keys[L] = torch.stack(ent), torch.stack(ks) if ks else None
         src = c.kv_from[L]
@@ -237,8 +303,10 @@ def reference_logits(model, ids):
             wts = (x @ w[i + "scorer.weights_proj.weight"].T) * nI**-0.5
             selected[L] = []
             for t in range(T):
-                score = {p: float((wts[t] * torch.relu(qi[t] @ keys[src][p])).sum() * cI**-0.5)
-                         for p in range((t + 1) // r)}
+                score = {
+                    p: float((wts[t] * torch.relu(qi[t] @ keys[src][p])).sum() * cI**-0.5)
+                    for p in range((t + 1) // r)
+                }
                 B = c.candidate_block_size
                 if L == c.candidate_source_layer_id:
                     best = {}
@@ -255,7 +323,9 @@ def reference_logits(model, ids):
             keys_t = kv[max(0, t - W + 1) : t + 1]
             if c.compress_ratios[L]:
                 isrc = c.index_from[L]
-                chosen = selected[isrc][t] if isrc is not None else list(range((t + 1) // c.compress_ratios[L]))
+                chosen = (
+                    selected[isrc][t] if isrc is not None else list(range((t + 1) // c.compress_ratios[L]))
+                )
                 keys_t = torch.cat([keys_t, entries[src][chosen]])
             logits = (keys_t @ q[t].T).T * D**-0.5  # [H, keys]
             m = torch.maximum(logits.max(-1).values, w["self_attn.sinks"])
@@ -271,7 +341,10 @@ def reference_logits(model, ids):
     for L, w in enumerate(model.layers):
         if L in c.engram_layers:
             h = engram_forward(h, rows[:, c.engram.layer_ids.index(L)], model.engram[L], c.engram)
-        for site, norm, block in ((0, "input_layernorm.weight", "attention"), (1, "post_attention_layernorm.weight", "moe")):
+        for site, norm, block in (
+            (0, "input_layernorm.weight", "attention"),
+            (1, "post_attention_layernorm.weight", "moe"),
+        ):
             next_pre, post, comb = mhc.site_maps(h, model.sites[L][site], model.hc)
             x = rms((pre[..., None] * h).sum(1), w[norm])  # the previous site's pre
             pre = next_pre
@@ -281,7 +354,9 @@ def reference_logits(model, ids):
 
 
 def test_model_matches_the_reference_written_from_the_text(tiny):
-    ids = prompt(30, seed=3, vocab=259)  # 15 ratio-2 entries, 30 ratio-1 entries: top-6 and 3 blocks of 2 bind
+    ids = prompt(
+        30, seed=3, vocab=259
+    )  # 15 ratio-2 entries, 30 ratio-1 entries: top-6 and 3 blocks of 2 bind
     got, _ = run(tiny, [ids])
     ref = reference_logits(tiny, ids)
     err = max_err(got, ref)
@@ -364,6 +439,7 @@ def test_state_bytes_match_the_planner_and_only_sources_hold_entries(tiny):
 
 # ---------------------------------------------------------------- checkpoints, engine, inspect
 
+
 def dequantized(ckpt: dict, qc: dict) -> dict:
     """Every quantized weight of a checkpoint as float32 (the Engram rows too)."""
     out = {k: v for k, v in ckpt.items() if not k.endswith(".scale")}
@@ -385,18 +461,29 @@ def test_quantized_release_layout_equals_its_dequantized_weights(tmp_path):
     qc = raw["quantization_config"]
     assert qc["weight_block_size"] == [32, 32] and qc["scale_fmt"] == "ue8m0"
     assert ckpt["layers.2.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
-    assert ckpt["layers.2.attn.wq_a.scale"].shape == (1, 2) and ckpt["layers.2.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    assert (
+        ckpt["layers.2.attn.wq_a.scale"].shape == (1, 2)
+        and ckpt["layers.2.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    )
     assert ckpt["layers.1.engram.wkv.scale"].shape == (10, 6)  # [(4 + 1)·64, 6·32] in 32x32 blocks
-    assert ckpt["layers.2.ffn.experts.0.w1.weight"].dtype == torch.int8 and ckpt["layers.2.ffn.experts.0.w2.scale"].shape == (64, 1)
-    assert ckpt["layers.1.engram.embed.weight"].shape == (462, 32) and ckpt["layers.1.engram.embed.scale"].shape == (462, 1)
+    assert ckpt["layers.2.ffn.experts.0.w1.weight"].dtype == torch.int8 and ckpt[
+        "layers.2.ffn.experts.0.w2.scale"
+    ].shape == (64, 1)
+    assert ckpt["layers.1.engram.embed.weight"].shape == (462, 32) and ckpt[
+        "layers.1.engram.embed.scale"
+    ].shape == (462, 1)
     (tmp_path / "d").mkdir()
     save_safetensors(dequantized(ckpt, qc), tmp_path / "d" / "model.safetensors")
-    (tmp_path / "d" / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "quantization_config"}))
+    (tmp_path / "d" / "config.json").write_text(
+        json.dumps({k: v for k, v in raw.items() if k != "quantization_config"})
+    )
 
     packed = Checkpoint.open(tmp_path / "q").build("float32")
     dense = Checkpoint.open(tmp_path / "d").build("float32")
     w = packed.layers[2]
-    assert isinstance(w["self_attn.q_a_proj.weight"], QuantizedTensor) and isinstance(packed.engram[1].wkv, QuantizedTensor)
+    assert isinstance(w["self_attn.q_a_proj.weight"], QuantizedTensor) and isinstance(
+        packed.engram[1].wkv, QuantizedTensor
+    )
     assert not isinstance(w["mlp.experts.gate_up_proj"], torch.Tensor)  # fp4 experts stay packed
     assert packed.engram[1].table.weight.dtype == torch.float8_e4m3fn  # rows read from the file, as fp8
     ids = prompt(30, seed=9, vocab=259)
@@ -426,8 +513,10 @@ def test_token_map_comes_from_the_checkpoints_tokenizer(tiny_ckpt, tmp_path):
     model = Checkpoint.open(tiny_ckpt).build("float32")
     assert torch.equal(model.hasher.token_map, byte_map())  # the byte tokenizer: 259 ids, 230 classes
     raw = json.loads((tiny_ckpt / "config.json").read_text())
-    for name, change, match in (("wrong-classes", {"engram_compressed_vocab_size": 231}, "230 classes"),
-                                ("no-tokenizer", None, "tokenizer")):
+    for name, change, match in (
+        ("wrong-classes", {"engram_compressed_vocab_size": 231}, "230 classes"),
+        ("no-tokenizer", None, "tokenizer"),
+    ):
         folder = tmp_path / name
         folder.mkdir()
         shutil.copy(tiny_ckpt / "model.safetensors", folder / "model.safetensors")
@@ -443,20 +532,41 @@ def test_inspect_reports_the_release_config(tmp_path):
     # the release config.json, built from the values the reference publishes (§1.2); the file alone
     (tmp_path / "config.json").write_text(json.dumps(v41.RELEASE_CONFIG))
     info = inspect_checkpoint(tmp_path)
-    assert info["family"] == "deepseek_v41" and info["num_layers"] == 40 and info["contract"].startswith("not checked")
+    assert (
+        info["family"] == "deepseek_v41"
+        and info["num_layers"] == 40
+        and info["contract"].startswith("not checked")
+    )
     tables = info["engram_tables"]
-    assert [(t["layer"], t["rows"], t["row_bytes"]) for t in tables] == [(1, 384006168, 264), (14, 384016682, 264)]
+    assert [(t["layer"], t["rows"], t["row_bytes"]) for t in tables] == [
+        (1, 384006168, 264),
+        (14, 384016682, 264),
+    ]
     assert [round(t["table_bytes"] / GIB, 1) for t in tables] == [94.4, 94.4]  # "94.4 GiB per table"
     assert round(info["engram_table_bytes"] / GIB, 1) == 188.8  # "Engram 188.8 GiB"
     assert info["params_by_role"]["engram_table"] == (384006168 + 384016682) * 256  # ≈196.6B
-    backbone = info["params_total"] - info["params_by_role"]["engram_table"] - info["params_by_role"]["engram_scale"]
+    backbone = (
+        info["params_total"] - info["params_by_role"]["engram_table"] - info["params_by_role"]["engram_scale"]
+    )
     assert 551e9 < backbone < 553e9  # "≈552B backbone"
     assert info["expert_bytes_fp4"] == 18_800_640  # reference §5
     assert round(info["routed_expert_code_bytes_fp4"] / GIB, 1) == 253.1  # "routed experts 253.1 GiB" (codes)
     sched = info["layer_schedule"]
-    assert sched[1] == "engram+swa+moe" and sched[2] == "csa2(r2,kv,idx)+moe" and sched[14] == "engram+csa2(r2,kv,idx)+moe"
-    assert sched[20] == "csa2(r1,kv,idx,cand)+moe" and sched[24] == "csa2(r1,idx)+moe" and sched[39] == "csa2(r1)+moe"
-    assert info["candidates"]["consumer_layers"] == [24, 28, 32, 36] and info["mtp_compress_ratios"] == [0, 0, 0]
+    assert (
+        sched[1] == "engram+swa+moe"
+        and sched[2] == "csa2(r2,kv,idx)+moe"
+        and sched[14] == "engram+csa2(r2,kv,idx)+moe"
+    )
+    assert (
+        sched[20] == "csa2(r1,kv,idx,cand)+moe"
+        and sched[24] == "csa2(r1,idx)+moe"
+        and sched[39] == "csa2(r1)+moe"
+    )
+    assert info["candidates"]["consumer_layers"] == [24, 28, 32, 36] and info["mtp_compress_ratios"] == [
+        0,
+        0,
+        0,
+    ]
     # bf16 state: layers 2, 8, 14 keep (512 + 128) / 2 elements a token, layer 20 512 + 128
     assert info["state_bytes_per_token"] == (3 * 320 + 640) * 2
     # 40 windows of 127 rows; one open ratio-2 group row (kv + gate) at each of 3 sources; 3 lookback ids
@@ -465,15 +575,18 @@ def test_inspect_reports_the_release_config(tmp_path):
     assert info["engram_rows_per_token"] == 48 and info["hash_moe_layers"] == 0
 
 
-@pytest.mark.parametrize("over, field", [
-    ({"num_hash_layers": 3}, "num_hash_layers"),
-    ({"compress_ratios": [0, 0, 2]}, "compress_ratios"),
-    ({"kv_source_layer_ids": [2]}, "kv_source_layer_ids"),  # layer 4 (ratio 1) would read ratio-2 entries
-    ({"kv_source_layer_ids": [4]}, "kv_source_layer_ids"),  # layer 2 has no source at or below it
-    ({"index_source_layer_ids": [0, 2, 4]}, "index_source_layer_ids"),  # a sliding layer
-    ({"candidate_source_layer_id": 3}, "candidate_source_layer_id"),  # not an index source
-    ({"engram_num_embeddings": [462, 631]}, "engram_num_embeddings"),  # not the primes' sum
-])
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"num_hash_layers": 3}, "num_hash_layers"),
+        ({"compress_ratios": [0, 0, 2]}, "compress_ratios"),
+        ({"kv_source_layer_ids": [2]}, "kv_source_layer_ids"),  # layer 4 (ratio 1) would read ratio-2 entries
+        ({"kv_source_layer_ids": [4]}, "kv_source_layer_ids"),  # layer 2 has no source at or below it
+        ({"index_source_layer_ids": [0, 2, 4]}, "index_source_layer_ids"),  # a sliding layer
+        ({"candidate_source_layer_id": 3}, "candidate_source_layer_id"),  # not an index source
+        ({"engram_num_embeddings": [462, 631]}, "engram_num_embeddings"),  # not the primes' sum
+    ],
+)
 def test_config_errors_name_the_field(over, field):
     with pytest.raises(ConfigError, match=field):
         v41.parse_config(v41.release_config(dict(TEXT, **over)))

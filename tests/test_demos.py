@@ -14,8 +14,16 @@ from moesaic.weights.store import WeightStore
 
 # writer format -> the format the loader reads it as (DeepSeek's fp4 experts are E2M1 codes with E8M0 group-32
 # scales, i.e. MXFP4; every block-scaled fp8 is fp8_block)
-READ_AS = {"mxfp4": "mxfp4", "nvfp4": "nvfp4", "nvfp4-modelopt": "nvfp4", "fp8": "fp8_block",
-           "fp8-deepseek": "fp8_block", "fp8-ue8m0": "fp8_block", "fp4-deepseek": "mxfp4", "fp8-mistral": "fp8_tensor"}
+READ_AS = {
+    "mxfp4": "mxfp4",
+    "nvfp4": "nvfp4",
+    "nvfp4-modelopt": "nvfp4",
+    "fp8": "fp8_block",
+    "fp8-deepseek": "fp8_block",
+    "fp8-ue8m0": "fp8_block",
+    "fp4-deepseek": "mxfp4",
+    "fp8-mistral": "fp8_tensor",
+}
 
 
 def expected_formats(name: str, path) -> dict[str, int]:

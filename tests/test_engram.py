@@ -15,23 +15,49 @@ import torch
 
 from moesaic.errors import ConfigError
 from moesaic.layers.engram import (
-    BLOCKED, FROZEN_MULTIPLIERS, RELEASE, EngramConfig, EngramHash, EngramState, EngramTable, EngramWeights,
-    build_token_map, derive_multipliers, engram_bytes, engram_forward, engram_layouts, engram_tensor_shapes,
-    layer_primes, ngram_rows, table_rows,
+    BLOCKED,
+    FROZEN_MULTIPLIERS,
+    RELEASE,
+    EngramConfig,
+    EngramHash,
+    EngramState,
+    EngramTable,
+    EngramWeights,
+    build_token_map,
+    derive_multipliers,
+    engram_bytes,
+    engram_forward,
+    engram_layouts,
+    engram_tensor_shapes,
+    layer_primes,
+    ngram_rows,
+    table_rows,
 )
 from moesaic.weights.quant import QuantizedTensor, quantize_fp8_block
 from moesaic.weights.store import WeightStore, save_safetensors
 
 # the tiny V4.1 golden fixture (seed_system.md §7): Engram layers (1, 4), 2 heads, 64-id identity map
-TINY = {"engram_layer_ids": [1, 4], "engram_num_embeddings": [462, 630], "engram_max_ngram_size": 4,
-        "engram_n_heads": 2, "engram_head_dim": 32, "engram_vocab_size": 64, "engram_compressed_vocab_size": 64,
-        "engram_pad_id": 2, "hidden_size": 64, "hc_mult": 4, "num_hidden_layers": 6, "vocab_size": 64,
-        "rms_norm_eps": 1e-6}
+TINY = {
+    "engram_layer_ids": [1, 4],
+    "engram_num_embeddings": [462, 630],
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 64,
+    "engram_compressed_vocab_size": 64,
+    "engram_pad_id": 2,
+    "hidden_size": 64,
+    "hc_mult": 4,
+    "num_hidden_layers": 6,
+    "vocab_size": 64,
+    "rms_norm_eps": 1e-6,
+}
 
 
 # ---------------------------------------------------------------------------------------------
 # primes and table sizes
 # ---------------------------------------------------------------------------------------------
+
 
 def _is_prime_trial(n: int) -> bool:
     return n > 1 and all(n % k for k in range(2, math.isqrt(n) + 1))
@@ -144,6 +170,7 @@ def test_multipliers_are_frozen_and_rederived():
 # compressed token map
 # ---------------------------------------------------------------------------------------------
 
+
 def _twin_key(text: str) -> str:
     """The release's key chain written with unicodedata + re (independent of `tokenizers`)."""
     t = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
@@ -163,8 +190,24 @@ def _twin_map(texts, raws):
 
 
 def test_token_map_on_a_vocab_list():
-    vocab = ["<s>", "Hello", " hello", "HELLO", "Café", "cafe", "  ", "\n", "é\ufffd", "É\ufffd",
-             ("\ufffd", "Ã"), ("\ufffd", "Ä"), ("\ufffd", "Ã"), "ﬁ", "fi", "´"]
+    vocab = [
+        "<s>",
+        "Hello",
+        " hello",
+        "HELLO",
+        "Café",
+        "cafe",
+        "  ",
+        "\n",
+        "é\ufffd",
+        "É\ufffd",
+        ("\ufffd", "Ã"),
+        ("\ufffd", "Ä"),
+        ("\ufffd", "Ã"),
+        "ﬁ",
+        "fi",
+        "´",
+    ]
     expected = [0, 1, 1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 6, 8, 8, 3]
     assert build_token_map(vocab, expected=9).tolist() == expected
     # broken twin: normalising U+FFFD decodes too would merge "é\ufffd" and "É\ufffd"
@@ -189,9 +232,25 @@ def test_token_map_on_a_byte_level_tokenizer():
 
     b2u = _bytes_to_unicode()
     piece = lambda bs: "".join(b2u[b] for b in bs)  # noqa: E731
-    words = [b" The", b"the", b"THE", b" the", "é".encode(), "É".encode(), "ﬁ".encode(), b"fi", b"  ", b"\n\n",
-             "è".encode() + b"\xc3", "È".encode() + b"\xc3", " Ａpple".encode(), b"apple", b"\t apple \n",
-             "\u0301".encode(), "´".encode()]
+    words = [
+        b" The",
+        b"the",
+        b"THE",
+        b" the",
+        "é".encode(),
+        "É".encode(),
+        "ﬁ".encode(),
+        b"fi",
+        b"  ",
+        b"\n\n",
+        "è".encode() + b"\xc3",
+        "È".encode() + b"\xc3",
+        " Ａpple".encode(),
+        b"apple",
+        b"\t apple \n",
+        "\u0301".encode(),
+        "´".encode(),
+    ]
     vocab = {piece([b]): b for b in range(256)}
     for w in words:
         vocab[piece(w)] = len(vocab)
@@ -230,6 +289,7 @@ def test_token_map_on_a_byte_level_tokenizer():
 # the rolling XOR hash
 # ---------------------------------------------------------------------------------------------
 
+
 def _twin_rows(seq, primes, mults, pad, latch=True, start=0):
     """Rows of positions start.. of a whole sequence of compressed ids (-1 = blocked), per the
     reference's description, position by position in Python ints."""
@@ -253,12 +313,37 @@ def _twin_rows(seq, primes, mults, pad, latch=True, start=0):
 
 # written down from the description for compressed ids [17, 4242, 99091], pad class 2, release layer 1:
 # tok(p) = [17, 2, 2, 2], [4242, 17, 2, 2], [99091, 4242, 17, 2]; r_s after each XOR (s = 1, 2, 3)
-R_WRITTEN = [(1310732291149303, 1382582761641757, 1248936418243251),
-             (325014165964774283, 325085732977869153, 324937938970256591),
-             (7577665848997174445, 7578270703795591272, 7578409839111667142)]
-ROWS_P2 = [10758324, 24779415, 42020388, 60472324, 68565841, 94841369, 109399929, 115298951,
-           130326290, 146788273, 172607272, 188893333, 199373781, 217401913, 228428379, 253821629,
-           267157200, 284499348, 288064305, 317044365, 321548078, 338079951, 353605500, 374770659]
+R_WRITTEN = [
+    (1310732291149303, 1382582761641757, 1248936418243251),
+    (325014165964774283, 325085732977869153, 324937938970256591),
+    (7577665848997174445, 7578270703795591272, 7578409839111667142),
+]
+ROWS_P2 = [
+    10758324,
+    24779415,
+    42020388,
+    60472324,
+    68565841,
+    94841369,
+    109399929,
+    115298951,
+    130326290,
+    146788273,
+    172607272,
+    188893333,
+    199373781,
+    217401913,
+    228428379,
+    253821629,
+    267157200,
+    284499348,
+    288064305,
+    317044365,
+    321548078,
+    338079951,
+    353605500,
+    374770659,
+]
 
 
 def test_hash_of_a_known_sequence_matches_written_values():
@@ -316,7 +401,7 @@ def test_chunked_hashing_rollback_and_snapshot_equal_all_at_once():
     st = EngramState.for_config(cfg, window=4)
     parts, pos = [], 0
     for n in (7, 1, 1, 13, 2, 16):
-        parts.append(hasher.rows(ids[pos:pos + n], st, image[pos:pos + n]))
+        parts.append(hasher.rows(ids[pos : pos + n], st, image[pos : pos + n]))
         pos += n
     assert torch.equal(torch.cat(parts), full)
     assert st.length == 40 and st.nbytes == (3 + 4) * 8 == EngramState.nbytes_for(cfg, 4)
@@ -350,6 +435,7 @@ def test_chunked_hashing_rollback_and_snapshot_equal_all_at_once():
 # row gather from fp8 rows + E8M0 scales on disk
 # ---------------------------------------------------------------------------------------------
 
+
 def _fp8_rows(rows: int, head_dim: int, gen, exps=(110, 140)) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.randint(0, 256, (rows, head_dim), dtype=torch.uint8, generator=gen)
     codes[(codes & 0x7F) == 0x7F] = 0x10  # no NaN codes
@@ -367,8 +453,14 @@ def test_gather_from_an_mmapped_fp8_table(tmp_path):
     g = torch.Generator().manual_seed(1)
     codes, exps = _fp8_rows(777, 64, g)
     (tmp_path / "config.json").write_text("{}")
-    save_safetensors({"layers.1.engram.embed.weight": codes, "layers.1.engram.embed.scale": exps,
-                      "dense": torch.randn(5, 64)}, tmp_path / "model.safetensors")
+    save_safetensors(
+        {
+            "layers.1.engram.embed.weight": codes,
+            "layers.1.engram.embed.scale": exps,
+            "dense": torch.randn(5, 64),
+        },
+        tmp_path / "model.safetensors",
+    )
     store = WeightStore(tmp_path)
     dense = _dense_reference(codes, exps)
     rows = torch.tensor([[0, 776, 5], [5, 123, 400]])
@@ -396,9 +488,14 @@ def _write_sparse_table(path, rows: int, head_dim: int, known: dict[int, tuple[b
     """A safetensors file holding embed.weight [rows, head_dim] F8_E4M3 + embed.scale [rows, head_dim/32]
     F8_E8M0 where only the `known` rows are written: the rest is a hole (zeros) in a sparse file."""
     nscale = head_dim // 32
-    header = {"embed.weight": {"dtype": "F8_E4M3", "shape": [rows, head_dim], "data_offsets": [0, rows * head_dim]},
-              "embed.scale": {"dtype": "F8_E8M0", "shape": [rows, nscale],
-                              "data_offsets": [rows * head_dim, rows * (head_dim + nscale)]}}
+    header = {
+        "embed.weight": {"dtype": "F8_E4M3", "shape": [rows, head_dim], "data_offsets": [0, rows * head_dim]},
+        "embed.scale": {
+            "dtype": "F8_E8M0",
+            "shape": [rows, nscale],
+            "data_offsets": [rows * head_dim, rows * (head_dim + nscale)],
+        },
+    }
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     base = 8 + len(raw)
@@ -432,9 +529,15 @@ def test_gather_reads_only_the_touched_rows(sparse_dir):
     folder = tmp_path / "small"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    _write_sparse_table(folder / "model.safetensors", rows_small, 256,
-                        {r: (codes[i].view(torch.uint8).numpy().tobytes(), exps[i].view(torch.uint8).numpy().tobytes())
-                         for i, r in enumerate(picks)})
+    _write_sparse_table(
+        folder / "model.safetensors",
+        rows_small,
+        256,
+        {
+            r: (codes[i].view(torch.uint8).numpy().tobytes(), exps[i].view(torch.uint8).numpy().tobytes())
+            for i, r in enumerate(picks)
+        },
+    )
     store = WeightStore(folder)
     before = _rss()
     table = EngramTable(store.get("embed.weight"), store.get("embed.scale"))
@@ -450,9 +553,15 @@ def test_gather_reads_only_the_touched_rows(sparse_dir):
     folder = tmp_path / "release"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    _write_sparse_table(folder / "model.safetensors", lay.rows, 256,
-                        {r: (codes[i].view(torch.uint8).numpy().tobytes(), exps[i].view(torch.uint8).numpy().tobytes())
-                         for i, r in enumerate(want)})
+    _write_sparse_table(
+        folder / "model.safetensors",
+        lay.rows,
+        256,
+        {
+            r: (codes[i].view(torch.uint8).numpy().tobytes(), exps[i].view(torch.uint8).numpy().tobytes())
+            for i, r in enumerate(want)
+        },
+    )
     store = WeightStore(folder)
     before = _rss()
     table = EngramTable.from_store(store, "embed")
@@ -467,15 +576,27 @@ def test_gather_reads_only_the_touched_rows(sparse_dir):
 # gather + keys-first projection + signed square-root gate, against a reference written here
 # ---------------------------------------------------------------------------------------------
 
-def _reference_engram(h, rows, table, wkv, q_weight, k_weight, eps, image=None, keys_first=True,
-                      signed_sqrt=True, per_stream=True):
+
+def _reference_engram(
+    h,
+    rows,
+    table,
+    wkv,
+    q_weight,
+    k_weight,
+    eps,
+    image=None,
+    keys_first=True,
+    signed_sqrt=True,
+    per_stream=True,
+):
     """reference/deepseek_v4.md §3.3 steps 5-7 token by token, stream by stream, in float64."""
     N, hc, d = h.shape
     out = h.double().clone()
     for t in range(N):
         e = torch.cat([table[r].double() for r in rows[t].tolist()])
         kv = wkv.double() @ e
-        keys, value = (kv[: hc * d].view(hc, d), kv[hc * d:]) if keys_first else (kv[d:].view(hc, d), kv[:d])
+        keys, value = (kv[: hc * d].view(hc, d), kv[hc * d :]) if keys_first else (kv[d:].view(hc, d), kv[:d])
         for c in range(hc):
             x, k = h[t, c].double(), keys[c]
             w = q_weight[c].double() * k_weight[c].double()
@@ -525,7 +646,9 @@ def test_engram_forward_against_an_independent_reference():
     assert (out - h).abs().amax(dim=(1, 2))[[0, 1, 2, 3, 5, 6, 7, 8]].min() > 1e-3  # Engram is not a no-op
     # broken twins: value first, a plain sigmoid, one RMS over all streams, no image mask
     for kw in ({"keys_first": False}, {"signed_sqrt": False}, {"per_stream": False}):
-        twin = _reference_engram(h, rows, dense_table, w, weights.q_weight, weights.k_weight, cfg.norm_eps, image, **kw)
+        twin = _reference_engram(
+            h, rows, dense_table, w, weights.q_weight, weights.k_weight, cfg.norm_eps, image, **kw
+        )
         assert (out.double() - twin).abs().max().item() > 1e-3, kw
     assert (engram_forward(h, rows, weights, cfg) - out).abs().max() > 1e-3
     # rows of another layer's hash (or shifted rows) give another result

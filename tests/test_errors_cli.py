@@ -10,16 +10,26 @@ import pytest
 import torch
 
 import moesaic
-from moesaic.demo import DEMO_CONFIG
+from moesaic.demo import DEMO_CONFIG, random_tensors
 from moesaic.errors import CapacityError, CheckpointError, ConfigError, RequestError
 from moesaic.models import mistral4
-from moesaic.demo import random_tensors
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
 
-SMALL = dict(DEMO_CONFIG, num_hidden_layers=2, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-             q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-             max_position_embeddings=64, moesaic_demo={})
+SMALL = dict(
+    DEMO_CONFIG,
+    num_hidden_layers=2,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    q_lora_rank=16,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    max_position_embeddings=64,
+    moesaic_demo={},
+)
 
 
 def write(folder, config=SMALL, edit=None):
@@ -57,13 +67,16 @@ def test_unknown_model_type(tmp_path):
     assert "model_type 'llama99'" in msg
 
 
-@pytest.mark.parametrize("field,value,expect", [
-    ("num_experts_per_tok", 9, "num_experts_per_tok"),
-    ("hidden_act", "gelu", "hidden_act"),
-    ("hidden_size", "wide", "hidden_size"),
-    ("n_group", 3, "n_group"),
-    ("vocab_size", -1, "vocab_size"),
-])
+@pytest.mark.parametrize(
+    "field,value,expect",
+    [
+        ("num_experts_per_tok", 9, "num_experts_per_tok"),
+        ("hidden_act", "gelu", "hidden_act"),
+        ("hidden_size", "wide", "hidden_size"),
+        ("n_group", 3, "n_group"),
+        ("vocab_size", -1, "vocab_size"),
+    ],
+)
 def test_invalid_config_values_name_the_field(tmp_path, field, value, expect):
     (tmp_path / "config.json").write_text(json.dumps(dict(SMALL, **{field: value})))
     with pytest.raises(ConfigError) as e:
@@ -85,9 +98,11 @@ def test_bad_requests_do_not_disturb_the_engine(tmp_path):
     llm = moesaic.LLM(str(write(tmp_path)), dtype="float32")
     sp = moesaic.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     before = llm.generate(["abc"], sp)[0].token_ids
-    for bad, kind in [(moesaic.SamplingParams(max_tokens=0), RequestError),
-                      (moesaic.SamplingParams(top_p=1.5), RequestError),
-                      (moesaic.SamplingParams(temperature=-1.0), RequestError)]:
+    for bad, kind in [
+        (moesaic.SamplingParams(max_tokens=0), RequestError),
+        (moesaic.SamplingParams(top_p=1.5), RequestError),
+        (moesaic.SamplingParams(temperature=-1.0), RequestError),
+    ]:
         with pytest.raises(kind):
             llm.generate(["abc"], bad)
     with pytest.raises(RequestError, match="outside the vocabulary"):
@@ -126,7 +141,9 @@ def cli(*args, env_cache):
     import os
 
     env = dict(os.environ, MOESAIC_CACHE=str(env_cache))
-    return subprocess.run([sys.executable, "-m", "moesaic", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "moesaic", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_cli_prints_errors_without_traceback(tmp_path):
@@ -148,9 +165,16 @@ def test_cli_generate_demo_streams_and_reports_rate(tmp_path):
 def test_inspect_json_on_config_only_folder(tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.Mistral4Config().save_pretrained(tmp_path)  # the class defaults = the released Small 4 shape
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-                        "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                    "lm_head.weight": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
     r = cli("inspect", str(tmp_path), "--json", env_cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
@@ -185,9 +209,21 @@ def test_checkpoint_tokenizer_and_chat_flag(tmp_path):
     path = write(tmp_path / "m", dict(SMALL, moesaic_tokenizer=None))
     write_hf_tokenizer(path)
     llm = moesaic.LLM(str(path), dtype="float32")
-    out = llm.generate(["hello world"], moesaic.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    out = llm.generate(
+        ["hello world"], moesaic.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )[0]
     assert out.prompt_token_ids == [0, 3, 4] and len(out.token_ids) == 4
-    r = cli("generate", "--model", str(path), "--prompt", "hello", "--chat", "--max-tokens", "3", env_cache=tmp_path / "c")
+    r = cli(
+        "generate",
+        "--model",
+        str(path),
+        "--prompt",
+        "hello",
+        "--chat",
+        "--max-tokens",
+        "3",
+        env_cache=tmp_path / "c",
+    )
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stderr
 
@@ -198,15 +234,24 @@ def test_stream_yields_every_token_even_when_generate_runs_meanwhile(tmp_path):
     want = llm.generate(["abc"], sp)[0].token_ids
     it = llm.stream("abc", sp)
     got = [next(it)]
-    llm.generate(["xyz"], moesaic.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))  # steps "abc" too
+    llm.generate(
+        ["xyz"], moesaic.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    )  # steps "abc" too
     got += list(it)
     assert got == want and llm.last_finish_reason == "length"
 
 
 def test_request_values_are_checked_before_any_work(tmp_path):
     llm = moesaic.LLM(str(write(tmp_path)), dtype="float32")
-    for bad in (dict(temperature="0.5"), dict(stop_token_ids=None), dict(top_k=1.5), dict(max_tokens=True),
-                dict(top_p=float("nan")), dict(seed="7"), dict(stop_token_ids=[1, "2"])):
+    for bad in (
+        dict(temperature="0.5"),
+        dict(stop_token_ids=None),
+        dict(top_k=1.5),
+        dict(max_tokens=True),
+        dict(top_p=float("nan")),
+        dict(seed="7"),
+        dict(stop_token_ids=[1, "2"]),
+    ):
         with pytest.raises(RequestError):
             llm.generate(["abc"], moesaic.SamplingParams(**bad))
     with pytest.raises(RequestError, match="SamplingParams"):
@@ -221,8 +266,12 @@ def test_request_values_are_checked_before_any_work(tmp_path):
 def test_planner_counts_at_most_the_context(tmp_path):
     path = write(tmp_path)
     per_token, _ = mistral4.state_bytes(mistral4.parse_config(SMALL), 4)
-    llm = moesaic.LLM(str(path), dtype="float32", max_state_bytes=per_token * SMALL["max_position_embeddings"])
-    out = llm.generate([[5, 6]], moesaic.SamplingParams(max_tokens=10**9, temperature=0.0, ignore_eos=True))[0]
+    llm = moesaic.LLM(
+        str(path), dtype="float32", max_state_bytes=per_token * SMALL["max_position_embeddings"]
+    )
+    out = llm.generate([[5, 6]], moesaic.SamplingParams(max_tokens=10**9, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert out.finish_reason == "length" and len(out.token_ids) == SMALL["max_position_embeddings"] - 2
 
 
@@ -281,7 +330,9 @@ def test_broken_safetensors_files(tmp_path):
 def test_wrong_dtype_of_a_dense_tensor(tmp_path):
     def edit(t):
         t["model.norm.weight"] = t["model.norm.weight"].to(torch.int64)
-        t["model.layers.0.self_attn.o_proj.weight"] = t["model.layers.0.self_attn.o_proj.weight"].to(torch.float8_e5m2)
+        t["model.layers.0.self_attn.o_proj.weight"] = t["model.layers.0.self_attn.o_proj.weight"].to(
+            torch.float8_e5m2
+        )
 
     msg = open_err(write(tmp_path, edit=edit), CheckpointError)
     assert "wrong dtype: model.norm.weight is I64" in msg
@@ -296,9 +347,21 @@ def test_chat_flag_needs_a_template(tmp_path):
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     del cfg["chat_template"]
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    r = cli("generate", "--model", str(path), "--prompt", "hello", "--chat", "--max-tokens", "2", env_cache=tmp_path / "c")
+    r = cli(
+        "generate",
+        "--model",
+        str(path),
+        "--prompt",
+        "hello",
+        "--chat",
+        "--max-tokens",
+        "2",
+        env_cache=tmp_path / "c",
+    )
     assert r.returncode != 0 and "chat template" in r.stderr and "Traceback" not in r.stderr
-    r = cli("generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "2", env_cache=tmp_path / "c")
+    r = cli(
+        "generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "2", env_cache=tmp_path / "c"
+    )
     assert r.returncode == 0, r.stderr
 
 

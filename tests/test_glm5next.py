@@ -10,10 +10,18 @@ from functools import partial
 import pytest
 import torch
 import transformers
+from helpers import (
+    check_batch_equals_singles,
+    check_greedy_matches_transformers,
+    max_err,
+    mixed_batch_err,
+    random_ids,
+    randomize_,
+    run,
+)
 from transformers import DynamicCache
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
-import moesaic
 from moesaic.engine.batch import ForwardBatch
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
@@ -22,9 +30,6 @@ from moesaic.models import glm5next
 from moesaic.weights.contract import load_tensors, to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
-
-from helpers import (check_batch_equals_singles, check_greedy_matches_transformers,
-                     max_err, mixed_batch_err, random_ids, randomize_, run)
 
 TOL = 3e-5  # logits are O(5): ~6e-6 relative. Each KDA layer adds ~1e-6 relative (its per-head RMSNorm
 # amplifies fp32 rounding of small head outputs); transformers disagrees with itself by ~3e-5 between a
@@ -35,23 +40,55 @@ def within_oracle(err: float, oracle_self_err: float) -> bool:
     """Against transformers' full prefill, a run cut differently may differ as much as transformers'
     own run with the same cuts does (the KDA head RMSNorm amplifies fp32 rounding)."""
     return err < max(TOL, 1.5 * oracle_self_err)
+
+
 VOCAB = 256
 prompt = partial(random_ids, vocab=VOCAB)
 KPOOL, TOPK = 4, 8  # selection: 2 pools + a tail of up to 3 tokens, out of prompts of up to 150
 
 # every path: KDA, full and shared DSA (16 indexer heads), dense and MoE with group limiting
 TINY = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=4,
     layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-    indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "dense"],
-    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32,
-    v_head_dim=32, qk_rope_head_dim=0, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-    moe_intermediate_size=32, intermediate_size=96, index_topk=TOPK, index_n_heads=16, index_head_dim=16,
-    index_kpool=KPOOL, linear_num_heads=4, linear_head_dim=16, hc_mult=4, swiglu_limit=1.0,
-    pad_token_id=0, eos_token_id=2, max_position_embeddings=4096,
+    indexer_types=["full", "full", "shared", "full"],
+    mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    qk_rope_head_dim=0,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    moe_intermediate_size=32,
+    intermediate_size=96,
+    index_topk=TOPK,
+    index_n_heads=16,
+    index_head_dim=16,
+    index_kpool=KPOOL,
+    linear_num_heads=4,
+    linear_head_dim=16,
+    hc_mult=4,
+    swiglu_limit=1.0,
+    pad_token_id=0,
+    eos_token_id=2,
+    max_position_embeddings=4096,
 )
-VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64,
-              projection_intermediate_size=32, patch_size=2, image_size=8)
+VISION = dict(
+    depth=1,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=32,
+    out_hidden_size=64,
+    projection_intermediate_size=32,
+    patch_size=2,
+    image_size=8,
+)
 
 
 def hf_model(text: dict, seed: int):
@@ -112,8 +149,13 @@ def test_checkpoint_is_release_named_and_selection_is_sparse(hf_ckpt, ours, monk
     ck = Checkpoint.open(hf_ckpt[1])
     names = set(ck.store.names())
     p = "model.language_model.layers."
-    assert {p + "0.hc_attn_fn", p + "0.self_attn.q_conv1d.weight", p + "0.self_attn.f_a_proj.weight",
-            p + "1.mlp.experts.7.up_proj.weight", p + "1.self_attn.indexer.index_kpool_compress_ape"} <= names
+    assert {
+        p + "0.hc_attn_fn",
+        p + "0.self_attn.q_conv1d.weight",
+        p + "0.self_attn.f_a_proj.weight",
+        p + "1.mlp.experts.7.up_proj.weight",
+        p + "1.self_attn.indexer.index_kpool_compress_ape",
+    } <= names
     assert not any(".attn_hc." in n or "gate_up_proj" in n for n in names)
     assert ck.plan().skipped_optional  # the MTP layer (index 4) is optional and absent here
     # perturbed constants: ape, gate and correction bias are not their init values
@@ -153,8 +195,10 @@ def test_cached_decode_matches_transformers_cache(hf_ckpt, ours):
     err = max_err(got, ref)
     full = hf_logits(hf, ids)[69:]
     err_full, err_hf_self = max_err(got, full), max_err(ref, full)
-    print(f"glm5next cached decode max abs err {err:.2e} vs transformers' cache; {err_full:.2e} vs its full prefill "
-          f"(transformers' own {err_hf_self:.2e})")
+    print(
+        f"glm5next cached decode max abs err {err:.2e} vs transformers' cache; {err_full:.2e} vs its full prefill "
+        f"(transformers' own {err_hf_self:.2e})"
+    )
     assert err < TOL and within_oracle(err_full, err_hf_self)
 
 
@@ -167,8 +211,10 @@ def test_chunked_prefill_at_pool_and_kda_chunk_borders(hf_ckpt, ours):
     ref, ref_chunked = hf_logits(hf, ids), hf_chunks(hf, chunks)
     got, st = run(ours, chunks)
     err, err_full, err_hf_self = max_err(got, ref_chunked), max_err(got, ref), max_err(ref_chunked, ref)
-    print(f"glm5next chunked prefill max abs err {err:.2e} vs transformers with the same cuts; {err_full:.2e} vs "
-          f"its full prefill (transformers' own chunked vs full {err_hf_self:.2e})")
+    print(
+        f"glm5next chunked prefill max abs err {err:.2e} vs transformers with the same cuts; {err_full:.2e} vs "
+        f"its full prefill (transformers' own chunked vs full {err_hf_self:.2e})"
+    )
     assert err < TOL and within_oracle(err_full, err_hf_self) and st.num_tokens == 140
 
 
@@ -181,15 +227,37 @@ def test_greedy_tokens_match_transformers_generate(hf_ckpt):
 def test_release_like_schedule_from_defaults_and_freq_form(tmp_path):
     """3 KDA then DSA (the default layer_types), dense then MoE from first_k_dense_replace, indexer
     types from index_topk_freq, the KDA fields from linear_attn_config, transformers' default kpool."""
-    text = {k: v for k, v in TINY.items() if k not in ("layer_types", "indexer_types", "mlp_layer_types",
-                                                       "linear_num_heads", "linear_head_dim", "index_kpool")}
-    text.update(num_hidden_layers=5, index_topk=16, index_topk_freq=1,
-                linear_attn_config={"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 3, "safe_gate": True})
+    text = {
+        k: v
+        for k, v in TINY.items()
+        if k
+        not in (
+            "layer_types",
+            "indexer_types",
+            "mlp_layer_types",
+            "linear_num_heads",
+            "linear_head_dim",
+            "index_kpool",
+        )
+    }
+    text.update(
+        num_hidden_layers=5,
+        index_topk=16,
+        index_topk_freq=1,
+        linear_attn_config={"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 3, "safe_gate": True},
+    )
     hf = hf_model(text, seed=5)
-    assert hf.config.text_config.layer_types[3] == "indexed_attention" and hf.config.text_config.index_kpool == 16
+    assert (
+        hf.config.text_config.layer_types[3] == "indexed_attention"
+        and hf.config.text_config.index_kpool == 16
+    )
     hf.save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    for k in ("layer_types", "indexer_types", "mlp_layer_types"):  # let moesaic derive them, as transformers did
+    for k in (
+        "layer_types",
+        "indexer_types",
+        "mlp_layer_types",
+    ):  # let moesaic derive them, as transformers did
         raw["text_config"].pop(k)
     raw["text_config"]["first_k_dense_replace"] = 3
     (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -217,8 +285,11 @@ def broken(model, **changes):
     return twin
 
 
-@pytest.mark.parametrize("change", [dict(linear_lower_bound=None), dict(index_kpool_always_select_tail=False)],
-                         ids=["gate-without-lower-bound", "tail-left-out"])
+@pytest.mark.parametrize(
+    "change",
+    [dict(linear_lower_bound=None), dict(index_kpool_always_select_tail=False)],
+    ids=["gate-without-lower-bound", "tail-left-out"],
+)
 def test_broken_twins_fail_the_oracle(hf_ckpt, ours, change):
     hf, _ = hf_ckpt
     ids = prompt(60, seed=7)
@@ -306,8 +377,13 @@ def test_selection_matches_transformers_indexer(hf_ckpt, ours):
         ref = idx(x, qr, torch.ones(1, T, dtype=torch.bool), None)[0].long()
     w = ours.layers[1]
     i = "self_attn.indexer."
-    k, z = dsa.indexer_keys(x[0], w[i + "wk.weight"], w[i + "k_norm.weight"], w[i + "k_norm.bias"],
-                            w[i + "index_kpool_compress_gate"])
+    k, z = dsa.indexer_keys(
+        x[0],
+        w[i + "wk.weight"],
+        w[i + "k_norm.weight"],
+        w[i + "k_norm.bias"],
+        w[i + "index_kpool_compress_gate"],
+    )
     q = torch.nn.functional.linear(qr[0], w[i + "wq_b.weight"]).view(T, 16, 16)
     wts = torch.nn.functional.linear(x[0], w[i + "weights_proj.weight"]).float() * 16**-0.5
     got = dsa.kpool_select(q, wts, k, z, w[i + "index_kpool_compress_ape"], torch.arange(T), TOPK)
@@ -335,32 +411,58 @@ def test_expanded_and_gathered_attention_agree():
 # ---------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("extra", [
-    dict(indexer_types=None, index_topk_pattern="FFSF"),
-    dict(indexer_types=None, index_topk_pattern=["full", "full", "shared", "full"]),
-    dict(indexer_types=None, index_topk_freq=2, index_skip_topk_offset=1),
-    dict(indexer_types=None, index_topk_freq=3),
-    dict(layer_types=None, mlp_layer_types=None, indexer_types=None),
-    dict(layer_types=["linear_attention", "full_attention", "indexed_attention", "linear_attention"]),
-    dict(linear_attn_config={"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 2, "gate_lower_bound": None}),
-    dict(linear_attn_config={"gate_lower_bound": None, "safe_gate": False}),
-    dict(linear_lower_bound=None),
-], ids=["pattern-str", "pattern-list", "freq-offset", "freq3", "defaults", "full_attention-alias",
-        "linear_attn_config", "no-safe-gate", "null-bound"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(indexer_types=None, index_topk_pattern="FFSF"),
+        dict(indexer_types=None, index_topk_pattern=["full", "full", "shared", "full"]),
+        dict(indexer_types=None, index_topk_freq=2, index_skip_topk_offset=1),
+        dict(indexer_types=None, index_topk_freq=3),
+        dict(layer_types=None, mlp_layer_types=None, indexer_types=None),
+        dict(layer_types=["linear_attention", "full_attention", "indexed_attention", "linear_attention"]),
+        dict(
+            linear_attn_config={
+                "head_dim": 8,
+                "num_heads": 2,
+                "short_conv_kernel_size": 2,
+                "gate_lower_bound": None,
+            }
+        ),
+        dict(linear_attn_config={"gate_lower_bound": None, "safe_gate": False}),
+        dict(linear_lower_bound=None),
+    ],
+    ids=[
+        "pattern-str",
+        "pattern-list",
+        "freq-offset",
+        "freq3",
+        "defaults",
+        "full_attention-alias",
+        "linear_attn_config",
+        "no-safe-gate",
+        "null-bound",
+    ],
+)
 def test_config_schedules_match_transformers(extra):
     raw = {**TINY, **extra}
     raw = {k: v for k, v in raw.items() if v is not None or k == "linear_lower_bound"}
     hf = Glm5NextTextConfig(**raw)
     try:
-        cfg = glm5next.parse_config({"model_type": "glm5_next", "text_config": {**raw, "model_type": "glm5_next_text"}})
+        cfg = glm5next.parse_config(
+            {"model_type": "glm5_next", "text_config": {**raw, "model_type": "glm5_next_text"}}
+        )
     except ConfigError as e:  # moesaic refuses a shared layer with no full DSA layer before it
         assert "shared DSA layer" in str(e)
         return
     kinds = {"linear_attention": "kda", "indexed_attention": "dsa"}
     assert list(cfg.layer_types) == [kinds[t] for t in hf.layer_types]
     assert list(cfg.mlp_layer_types) == hf.mlp_layer_types and list(cfg.indexer_types) == hf.indexer_types
-    assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim, cfg.linear_lower_bound) == (
-        hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim, hf.linear_lower_bound)
+    assert (
+        cfg.linear_num_heads,
+        cfg.linear_head_dim,
+        cfg.linear_conv_kernel_dim,
+        cfg.linear_lower_bound,
+    ) == (hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim, hf.linear_lower_bound)
 
 
 def test_flat_and_nested_configs_agree_and_errors_name_the_field():
@@ -369,15 +471,25 @@ def test_flat_and_nested_configs_agree_and_errors_name_the_field():
     assert nested == flat and nested.eos_token_ids == (2,)
     # full DSA (1), KDA, shared DSA (3): transformers raises at run time (it hands a selection only to
     # the very next layer); moesaic shares the selection across the KDA layer
-    kda_between = dict(layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
-                       indexer_types=["full", "full", "full", "shared"])
-    assert glm5next.parse_config({"model_type": "glm5_next", **{**TINY, **kda_between}}).indexer_types[3] == "shared"
-    for bad, word in [(dict(qk_rope_head_dim=64), "qk_rope_head_dim"), (dict(index_topk=10), "index_topk"),
-                      (dict(num_key_value_heads=2), "num_key_value_heads"), (dict(q_lora_rank=None), "q_lora_rank"),
-                      (dict(layer_types=["linear_attention"] * 3), "layer_types"),
-                      (dict(indexer_types=["shared"] * 4), "shared DSA layer"),
-                      (dict(index_topk_pattern="FFS"), "index_topk_pattern"),
-                      (dict(scoring_func="softmax"), "scoring_func"), (dict(mhc=False), "mhc")]:
+    kda_between = dict(
+        layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+        indexer_types=["full", "full", "full", "shared"],
+    )
+    assert (
+        glm5next.parse_config({"model_type": "glm5_next", **{**TINY, **kda_between}}).indexer_types[3]
+        == "shared"
+    )
+    for bad, word in [
+        (dict(qk_rope_head_dim=64), "qk_rope_head_dim"),
+        (dict(index_topk=10), "index_topk"),
+        (dict(num_key_value_heads=2), "num_key_value_heads"),
+        (dict(q_lora_rank=None), "q_lora_rank"),
+        (dict(layer_types=["linear_attention"] * 3), "layer_types"),
+        (dict(indexer_types=["shared"] * 4), "shared DSA layer"),
+        (dict(index_topk_pattern="FFS"), "index_topk_pattern"),
+        (dict(scoring_func="softmax"), "scoring_func"),
+        (dict(mhc=False), "mhc"),
+    ]:
         raw = {**TINY, **bad}
         if "index_topk_pattern" in bad:
             raw.pop("indexer_types")
@@ -393,29 +505,73 @@ def test_flat_and_nested_configs_agree_and_errors_name_the_field():
 # @ 9e0d74e3 (vocab 154624, index_kpool 4); layer_types spelled "deepseek_sparse_attention" as
 # in several public ports' copies of the checkpoint config).
 RELEASE_TEXT = {
-    "model_type": "glm5_next_text", "vocab_size": 154624, "hidden_size": 4096, "intermediate_size": 12288,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "first_k_dense_replace": 3, "n_routed_experts": 288, "n_shared_experts": 1, "num_experts_per_tok": 8,
-    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-    "moe_router_dtype": "float32", "n_group": 1, "topk_group": 1, "mhc": True, "hc_mult": 4, "hc_eps": 1e-6,
-    "hc_sinkhorn_iters": 20, "mla_use_nope": True, "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 256, "qk_rope_head_dim": 0, "v_head_dim": 256, "head_dim": 0, "index_n_heads": 32,
-    "index_head_dim": 128, "index_topk": 2048, "index_kpool": 4, "index_kpool_compress": True,
-    "index_kpool_always_select_tail": True, "index_share_for_mtp_iteration": True, "num_nextn_predict_layers": 1,
-    "rms_norm_eps": 1e-5, "swiglu_limit": 10.0, "hidden_act": "silu", "max_position_embeddings": 1048576,
-    "linear_lower_bound": -5.0, "tie_word_embeddings": False, "rope_parameters": None,
+    "model_type": "glm5_next_text",
+    "vocab_size": 154624,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 45,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "first_k_dense_replace": 3,
+    "n_routed_experts": 288,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "moe_router_dtype": "float32",
+    "n_group": 1,
+    "topk_group": 1,
+    "mhc": True,
+    "hc_mult": 4,
+    "hc_eps": 1e-6,
+    "hc_sinkhorn_iters": 20,
+    "mla_use_nope": True,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 256,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 256,
+    "head_dim": 0,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+    "index_kpool": 4,
+    "index_kpool_compress": True,
+    "index_kpool_always_select_tail": True,
+    "index_share_for_mtp_iteration": True,
+    "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-5,
+    "swiglu_limit": 10.0,
+    "hidden_act": "silu",
+    "max_position_embeddings": 1048576,
+    "linear_lower_bound": -5.0,
+    "tie_word_embeddings": False,
+    "rope_parameters": None,
     "layer_types": ["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention" for i in range(45)],
     "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 42,
     "indexer_types": ["full"] * 45,
-    "linear_attn_config": {"full_attn_layers": [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43], "gate_lower_bound": -5.0,
-                           "head_dim": 128, "kda_layers": [i for i in range(45) if i % 4 != 3], "num_heads": 64,
-                           "short_conv_kernel_size": 4},
+    "linear_attn_config": {
+        "full_attn_layers": [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43],
+        "gate_lower_bound": -5.0,
+        "head_dim": 128,
+        "kda_layers": [i for i in range(45) if i % 4 != 3],
+        "num_heads": 64,
+        "short_conv_kernel_size": 4,
+    },
 }
 
 
 def test_inspect_release_config_and_contract(tmp_path):
-    raw = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
-           "text_config": RELEASE_TEXT, "vision_config": {"model_type": "glm5_next_vision"}, "tie_word_embeddings": False}
+    raw = {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "text_config": RELEASE_TEXT,
+        "vision_config": {"model_type": "glm5_next_vision"},
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(raw))
     cfg = glm5next.parse_config(raw)
     # the checkpoint names the contract reads (an index file in the release layout, no shards)
@@ -425,7 +581,9 @@ def test_inspect_release_config_and_contract(tmp_path):
     assert "model.language_model.layers.45.eh_proj.weight" in names
     assert "model.language_model.layers.44.self_attn.v_conv1d.weight" in names
     assert "model.language_model.layers.45.mlp.experts.287.down_proj.weight" in names
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "model-00001.safetensors" for n in names}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: "model-00001.safetensors" for n in names}})
+    )
 
     info = inspect_checkpoint(tmp_path)
     sched = info["layer_schedule"]
@@ -441,15 +599,21 @@ def test_inspect_release_config_and_contract(tmp_path):
     assert info["index_kpool"] == 4 and info["mtp_layers"] == 1
     # "320B-A18B" (Metrale MODEL.toml; the MTP layer included, routed experts at 8 of 288)
     assert 320e9 < info["params_total"] < 321e9 and 17e9 < info["params_active_per_token"] < 19e9
-    print(f"glm5next release: {info['state_bytes_per_token']} B/token, {info['state_bytes_fixed_per_sequence']:,} B/sequence "
-          f"fixed, {info['params_total']:,} parameters, {info['tensor_count']} tensors")
+    print(
+        f"glm5next release: {info['state_bytes_per_token']} B/token, {info['state_bytes_fixed_per_sequence']:,} B/sequence "
+        f"fixed, {info['params_total']:,} parameters, {info['tensor_count']} tensors"
+    )
 
 
 def test_module_names_load_and_release_names_round_trip(hf_ckpt, ours, tmp_path):
     """A raw state_dict (transformers' module names) loads to the same model; writing the loaded
     tensors back through the release naming gives the saved checkpoint bit for bit."""
     hf, path = hf_ckpt
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k.startswith(("model.language_model.", "lm_head"))}
+    sd = {
+        k: v.contiguous()
+        for k, v in hf.state_dict().items()
+        if k.startswith(("model.language_model.", "lm_head"))
+    }
     assert "model.language_model.layers.0.self_attn.conv1d.weight" in sd
     save_safetensors(sd, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
@@ -472,7 +636,9 @@ def test_mtp_layer_loads_when_present(hf_ckpt, ours, tmp_path):
     cfg = ck.cfg
     mtp = [s for s in glm5next.tensor_specs(cfg) if s.optional and s.layer == cfg.num_hidden_layers]
     g = torch.Generator().manual_seed(19)
-    extra = to_checkpoint(mtp, glm5next.checkpoint_naming(), {s.name: torch.randn(s.shape, generator=g) for s in mtp})
+    extra = to_checkpoint(
+        mtp, glm5next.checkpoint_naming(), {s.name: torch.randn(s.shape, generator=g) for s in mtp}
+    )
     assert "model.language_model.layers.4.eh_proj.weight" in extra and not any("hc_" in n for n in extra)
     assert "model.language_model.layers.4.self_attn.indexer.wk.weight" in extra
     tensors = {n: ck.store.get(n) for n in ck.store.names()}

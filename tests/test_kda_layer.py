@@ -36,7 +36,9 @@ def random_core_inputs(n, lower_bound, seed):
     H, D = HEADS, 16
     q, k, v = (torch.randn(n, H, D, generator=gen) for _ in range(3))
     A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
-    g = kda_gate(2 * torch.randn(n, H * D, generator=gen), A_log, torch.randn(H * D, generator=gen), D, lower_bound)
+    g = kda_gate(
+        2 * torch.randn(n, H * D, generator=gen), A_log, torch.randn(H * D, generator=gen), D, lower_bound
+    )
     beta = torch.rand(n, H, generator=gen)
     S0 = torch.randn(H, D, D, generator=gen)
     return q, k, v, g, beta, S0
@@ -118,7 +120,9 @@ def hf_module(family, seed=0):
 
 
 def dims_for(family, **overrides):
-    return KdaDims.for_variant(family, HIDDEN, HEADS, HEAD_DIM, conv_kernel=KERNEL, norm_eps=1e-5, **overrides)
+    return KdaDims.for_variant(
+        family, HIDDEN, HEADS, HEAD_DIM, conv_kernel=KERNEL, norm_eps=1e-5, **overrides
+    )
 
 
 def ours(module, dims):
@@ -127,7 +131,9 @@ def ours(module, dims):
 
 def hf_state(cache):
     layer = cache.layers[0]
-    return KdaState(conv=layer.conv_states[0][0, :, 1:].T.float(), recurrent=layer.recurrent_states[0][0].float())
+    return KdaState(
+        conv=layer.conv_states[0][0, :, 1:].T.float(), recurrent=layer.recurrent_states[0][0].float()
+    )
 
 
 def run_in_pieces(w, dims, x, cuts):
@@ -173,7 +179,9 @@ def test_block_matches_transformers(family):
     assert err_split < TOL
     assert err(state_split.recurrent, state.recurrent) < TOL
     assert err(state_split.conv, state.conv) < 1e-6
-    print(f"{family}: prefill {err_prefill:.2e} decode {max(errs):.2e} state {err_state:.2e} split {err_split:.2e}")
+    print(
+        f"{family}: prefill {err_prefill:.2e} decode {max(errs):.2e} state {err_state:.2e} split {err_split:.2e}"
+    )
 
 
 @torch.no_grad()
@@ -240,9 +248,15 @@ def test_snapshots_restore_bit_exactly(lower_bound):
     o, S_end, snaps = kda_attend(q, k, v, g, beta, S0, chunk_size=16, snapshot_last=6)
     assert snaps.shape == (6, *S0.shape) and torch.equal(snaps[-1], S_end)
     for n_back in range(1, 7):
-        start = snaps[5 - n_back] if n_back < 6 else kda_attend(q[:24], k[:24], v[:24], g[:24], beta[:24], S0, 16)[1]
+        start = (
+            snaps[5 - n_back]
+            if n_back < 6
+            else kda_attend(q[:24], k[:24], v[:24], g[:24], beta[:24], S0, 16)[1]
+        )
         tail = slice(30 - n_back, 30)
-        again, S_again, _ = kda_attend(q[tail], k[tail], v[tail], g[tail], beta[tail], start, 16, snapshot_last=n_back)
+        again, S_again, _ = kda_attend(
+            q[tail], k[tail], v[tail], g[tail], beta[tail], start, 16, snapshot_last=n_back
+        )
         assert torch.equal(again, o[tail]) and torch.equal(S_again, S_end), n_back
 
 
@@ -261,7 +275,9 @@ def test_mixer_snapshots_roll_back(family):
     before = prefix_state.clone()
     drafted = x[20:26]
     out, end_state, snaps = kda_mixer(drafted, w, dims, prefix_state, snapshot_last=6)
-    assert torch.equal(prefix_state.recurrent, before.recurrent) and torch.equal(prefix_state.conv, before.conv)
+    assert torch.equal(prefix_state.recurrent, before.recurrent) and torch.equal(
+        prefix_state.conv, before.conv
+    )
     assert len(snaps) == 6
     worst_snap = 0.0
     for i, snap in enumerate(snaps):  # the state after token 20 + i, from a chunked prefill

@@ -22,6 +22,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import calm_kda_, check_batch_equals_singles, max_err, random_ids, randomize_, run
 from safetensors.torch import load_file, save_file
 from transformers.models.glm5_next import modeling_glm5_next as hf_glm
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
@@ -38,8 +39,6 @@ from moesaic.layers.attnres import attnres_mix
 from moesaic.layers.norms import rms_norm
 from moesaic.models import kimi_k3
 from moesaic.weights.load import Checkpoint
-
-from helpers import calm_kda_, check_batch_equals_singles, max_err, random_ids, randomize_, run
 
 TOL = 1e-5
 # The independent reference evaluates every op in another order (per-token loops, transformers'
@@ -62,10 +61,18 @@ def glm_kda():
     """transformers' glm5_next KDA module (lower bound -5) with K3's tiny dims; layer 0 of the
     checkpoint is written from it, so that layer can be compared with the oracle."""
     torch.manual_seed(0)
-    cfg = Glm5NextTextConfig(hidden_size=D, num_hidden_layers=1, layer_types=["linear_attention"],
-                             mlp_layer_types=["dense"], num_attention_heads=4, num_key_value_heads=4,
-                             linear_num_heads=H_KDA, linear_head_dim=DK, linear_conv_kernel_dim=KERNEL,
-                             rms_norm_eps=EPS)
+    cfg = Glm5NextTextConfig(
+        hidden_size=D,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        mlp_layer_types=["dense"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        linear_num_heads=H_KDA,
+        linear_head_dim=DK,
+        linear_conv_kernel_dim=KERNEL,
+        rms_norm_eps=EPS,
+    )
     module = hf_glm.Glm5NextTextLinearAttention(cfg, 0).eval()
     assert cfg.linear_lower_bound == -5.0
     randomize_(module, seed=1)
@@ -80,13 +87,22 @@ def kda_tensors_from(module, prefix: str) -> dict[str, torch.Tensor]:
     C = H_KDA * DK
     conv = p["conv1d.weight"]
     a = prefix + "self_attn."
-    return {a + "q_proj.weight": p["q_proj.weight"], a + "k_proj.weight": p["k_proj.weight"],
-            a + "v_proj.weight": p["v_proj.weight"], a + "q_conv1d.weight": conv[:C],
-            a + "k_conv1d.weight": conv[C:2 * C], a + "v_conv1d.weight": conv[2 * C:],
-            a + "f_a_proj.weight": p["forget_gate.f_a_proj.weight"], a + "f_b_proj.weight": p["forget_gate.f_b_proj.weight"],
-            a + "dt_bias": p["forget_gate.dt_bias"], a + "A_log": p["forget_gate.A_log"],
-            a + "b_proj.weight": p["b_proj.weight"], a + "g_proj.weight": p["g_b_proj.weight"] @ p["g_a_proj.weight"],
-            a + "o_norm.weight": p["o_norm.weight"], a + "o_proj.weight": p["o_proj.weight"]}
+    return {
+        a + "q_proj.weight": p["q_proj.weight"],
+        a + "k_proj.weight": p["k_proj.weight"],
+        a + "v_proj.weight": p["v_proj.weight"],
+        a + "q_conv1d.weight": conv[:C],
+        a + "k_conv1d.weight": conv[C : 2 * C],
+        a + "v_conv1d.weight": conv[2 * C :],
+        a + "f_a_proj.weight": p["forget_gate.f_a_proj.weight"],
+        a + "f_b_proj.weight": p["forget_gate.f_b_proj.weight"],
+        a + "dt_bias": p["forget_gate.dt_bias"],
+        a + "A_log": p["forget_gate.A_log"],
+        a + "b_proj.weight": p["b_proj.weight"],
+        a + "g_proj.weight": p["g_b_proj.weight"] @ p["g_a_proj.weight"],
+        a + "o_norm.weight": p["o_norm.weight"],
+        a + "o_proj.weight": p["o_proj.weight"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +119,7 @@ def ckpt(tmp_path_factory, glm_kda):
 def release(ckpt):
     """The checkpoint's text tensors by release name (prefix removed), read without moesaic."""
     raw = load_file(ckpt / "model.safetensors")
-    return {k[len("language_model."):]: v for k, v in raw.items() if k.startswith("language_model.")}
+    return {k[len("language_model.") :]: v for k, v in raw.items() if k.startswith("language_model.")}
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +176,12 @@ def ref_kda(R, p, x):
     z = (x @ R[a + "f_a_proj.weight"].T) @ R[a + "f_b_proj.weight"].T + R[a + "dt_bias"]
     g = LAC["gate_lower_bound"] * torch.sigmoid(torch.exp(A)[:, None] * z.reshape(T, H_KDA, DK))
     beta = torch.sigmoid(x @ R[a + "b_proj.weight"].T)
-    o, _ = hf_glm.chunk_kimi_delta_attention(q, k, v, g[None], beta[None], chunk_size=16,
-                                             use_qk_l2norm_in_kernel=True)
-    o = ref_rms(o[0], R[a + "o_norm.weight"]) * torch.sigmoid(x @ R[a + "g_proj.weight"].T).reshape(T, H_KDA, DK)
+    o, _ = hf_glm.chunk_kimi_delta_attention(
+        q, k, v, g[None], beta[None], chunk_size=16, use_qk_l2norm_in_kernel=True
+    )
+    o = ref_rms(o[0], R[a + "o_norm.weight"]) * torch.sigmoid(x @ R[a + "g_proj.weight"].T).reshape(
+        T, H_KDA, DK
+    )
     return o.reshape(T, C) @ R[a + "o_proj.weight"].T
 
 
@@ -170,7 +189,10 @@ def ref_mla(R, p, x):
     a, T = p + "self_attn.", x.shape[0]
     H, nope, rope = TC["num_attention_heads"], TC["qk_nope_head_dim"], TC["qk_rope_head_dim"]
     dv, kvr = TC["v_head_dim"], TC["kv_lora_rank"]
-    q = ref_rms(x @ R[a + "q_a_proj.weight"].T, R[a + "q_a_layernorm.weight"], MLA_NORM_EPS) @ R[a + "q_b_proj.weight"].T
+    q = (
+        ref_rms(x @ R[a + "q_a_proj.weight"].T, R[a + "q_a_layernorm.weight"], MLA_NORM_EPS)
+        @ R[a + "q_b_proj.weight"].T
+    )
     q = q.reshape(T, H, nope + rope)
     ckv = x @ R[a + "kv_a_proj_with_mqa.weight"].T
     kv = ref_rms(ckv[:, :kvr], R[a + "kv_a_layernorm.weight"], MLA_NORM_EPS) @ R[a + "kv_b_proj.weight"].T
@@ -183,7 +205,9 @@ def ref_mla(R, p, x):
 
 
 def ref_glu(R, m, x):
-    return ref_situ(x @ R[m + "gate_proj.weight"].T, x @ R[m + "up_proj.weight"].T) @ R[m + "down_proj.weight"].T
+    return (
+        ref_situ(x @ R[m + "gate_proj.weight"].T, x @ R[m + "up_proj.weight"].T) @ R[m + "down_proj.weight"].T
+    )
 
 
 def ref_moe(R, p, x):
@@ -192,13 +216,20 @@ def ref_moe(R, p, x):
     out = torch.empty_like(x)
     for t in range(x.shape[0]):
         s = torch.sigmoid(x[t] @ R[m + "gate.weight"].T)
-        order = sorted(range(len(s)), key=lambda e: (-(s[e] + R[m + "gate.e_score_correction_bias"][e]).item(), e))
+        order = sorted(
+            range(len(s)), key=lambda e: (-(s[e] + R[m + "gate.e_score_correction_bias"][e]).item(), e)
+        )
         ids = order[:k]
         w = s[ids] / (s[ids].sum() + 1e-20) * TC["routed_scaling_factor"]
         h = R[m + "routed_expert_down_proj.weight"] @ x[t]
-        y = sum(wi * (R[m + f"experts.{e}.w2.weight"] @ ref_situ(R[m + f"experts.{e}.w1.weight"] @ h,
-                                                                  R[m + f"experts.{e}.w3.weight"] @ h))
-                for wi, e in zip(w, ids))
+        y = sum(
+            wi
+            * (
+                R[m + f"experts.{e}.w2.weight"]
+                @ ref_situ(R[m + f"experts.{e}.w1.weight"] @ h, R[m + f"experts.{e}.w3.weight"] @ h)
+            )
+            for wi, e in zip(w, ids)
+        )
         y = R[m + "routed_expert_up_proj.weight"] @ ref_rms(y, R[m + "routed_expert_norm.weight"])
         out[t] = y + ref_glu(R, m + "shared_experts.", x[t][None])[0]
     return out
@@ -212,7 +243,12 @@ def ref_forward(R, ids):
         p = f"model.layers.{L}."
         partial = h
         if bank:
-            h = ref_mix(partial, bank, R[p + "self_attention_res_proj.weight"], R[p + "self_attention_res_norm.weight"])
+            h = ref_mix(
+                partial,
+                bank,
+                R[p + "self_attention_res_proj.weight"],
+                R[p + "self_attention_res_norm.weight"],
+            )
         if L % BLOCK == 0:
             bank.append(partial)
             partial = None
@@ -273,13 +309,17 @@ def check_kda(m, module, L=0) -> float:
 
 def test_checkpoint_is_in_release_naming(ckpt, release, model):
     names = set(load_file(ckpt / "model.safetensors"))
-    for n in ["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight",
-              "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight",
-              "language_model.model.layers.0.mlp.gate_proj.weight",
-              "language_model.model.layers.3.self_attn.g_proj.weight",
-              "language_model.model.layers.2.self_attn.q_conv1d.weight",
-              "language_model.model.output_attn_res_proj.weight", "language_model.lm_head.weight",
-              "vision_tower.patch_embed.proj.weight", "mm_projector.proj.0.weight"]:
+    for n in [
+        "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight",
+        "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight",
+        "language_model.model.layers.0.mlp.gate_proj.weight",
+        "language_model.model.layers.3.self_attn.g_proj.weight",
+        "language_model.model.layers.2.self_attn.q_conv1d.weight",
+        "language_model.model.output_attn_res_proj.weight",
+        "language_model.lm_head.weight",
+        "vision_tower.patch_embed.proj.weight",
+        "mm_projector.proj.0.weight",
+    ]:
         assert n in names, n
     assert release["model.layers.0.self_attn.A_log"].shape == (A_LOG_WIDTH,)
     assert model.kda[0].A_log.shape == (H_KDA,)
@@ -309,8 +349,10 @@ def test_full_forward_matches_the_independent_reference(model, real_logits, rele
     err = check_forward(real_logits, release)
     model._plain_embed = model.embed
     floor = noise_floor(model)
-    print(f"kimi_k3 prefill vs reference max abs err {err:.2e} (|logits| max {real_logits.abs().max():.2f}; "
-          f"fp32 noise floor of this model {floor:.2e})")
+    print(
+        f"kimi_k3 prefill vs reference max abs err {err:.2e} (|logits| max {real_logits.abs().max():.2f}; "
+        f"fp32 noise floor of this model {floor:.2e})"
+    )
     assert err < TOL_REF and floor < TOL_REF
 
 
@@ -324,12 +366,22 @@ def test_mla_with_gate_open_matches_kimi_linear_mla(model):
     """K3's gated MLA with sigmoid(g) forced to 1 (g_proj = 0 gives 1/2; o_proj doubled undoes it
     exactly: both are powers of two) equals transformers' kimi_linear MLA with q_lora."""
     L = 3
-    cfg = KimiLinearConfig(hidden_size=D, num_attention_heads=TC["num_attention_heads"],
-                           num_key_value_heads=TC["num_attention_heads"], q_lora_rank=TC["q_lora_rank"],
-                           kv_lora_rank=TC["kv_lora_rank"], qk_nope_head_dim=TC["qk_nope_head_dim"],
-                           qk_rope_head_dim=TC["qk_rope_head_dim"], v_head_dim=TC["v_head_dim"], vocab_size=64,
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2, num_hidden_layers=1,
-                           linear_attn_config={"kda_layers": [], "full_attn_layers": [1]})
+    cfg = KimiLinearConfig(
+        hidden_size=D,
+        num_attention_heads=TC["num_attention_heads"],
+        num_key_value_heads=TC["num_attention_heads"],
+        q_lora_rank=TC["q_lora_rank"],
+        kv_lora_rank=TC["kv_lora_rank"],
+        qk_nope_head_dim=TC["qk_nope_head_dim"],
+        qk_rope_head_dim=TC["qk_rope_head_dim"],
+        v_head_dim=TC["v_head_dim"],
+        vocab_size=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        num_hidden_layers=1,
+        linear_attn_config={"kda_layers": [], "full_attn_layers": [1]},
+    )
     cfg._attn_implementation = "eager"
     hf = KimiLinearAttention(cfg, 0).eval()
     w = model.layers[L]
@@ -347,7 +399,9 @@ def test_mla_with_gate_open_matches_kimi_linear_mla(model):
     got = model.mixer(L, opened, x, fresh_batch(model, T))
     gated = model.mixer(L, w, x, fresh_batch(model, T))
     err = max_err(got, ref)
-    print(f"kimi_k3 MLA (gate open) vs kimi_linear MLA: {err:.2e}; the real gate moves it by {max_err(gated, ref):.2e}")
+    print(
+        f"kimi_k3 MLA (gate open) vs kimi_linear MLA: {err:.2e}; the real gate moves it by {max_err(gated, ref):.2e}"
+    )
     assert err < TOL and max_err(gated, ref) > 1e-2
 
 
@@ -355,7 +409,11 @@ def test_attnres_reference_and_invariants():
     err = check_attnres(attnres_mix)
     assert err < 5e-6  # candidates up to ~15 in size
     g = torch.Generator().manual_seed(8)
-    x, proj, norm = torch.randn(5, D, generator=g), torch.randn(D, generator=g), torch.rand(D, generator=g) + 0.5
+    x, proj, norm = (
+        torch.randn(5, D, generator=g),
+        torch.randn(D, generator=g),
+        torch.rand(D, generator=g) + 0.5,
+    )
     bank = [torch.randn(5, D, generator=g) for _ in range(3)]
     # one candidate: the identity, exactly, and never the input object itself
     out = attnres_mix(x, [], proj, norm, EPS)
@@ -402,7 +460,9 @@ def test_latent_moe_matches_reference(model, release):
 
 def assert_twin(name, twin_logits, real_logits, check_err, tol):
     moved = max_err(twin_logits, real_logits)
-    print(f"twin {name}: logits move by {moved:.2e}; its check reads {check_err:.2e} (passes below {tol:.0e})")
+    print(
+        f"twin {name}: logits move by {moved:.2e}; its check reads {check_err:.2e} (passes below {tol:.0e})"
+    )
     assert moved > 1e-3, f"{name} does not change K3's logits"
     assert check_err > tol, f"{name} passes the check it targets"
 
@@ -412,7 +472,13 @@ def test_twin_plain_residuals(monkeypatch, model, real_logits):
         return sum(b.float() for b in bank) + partial.float()
 
     monkeypatch.setattr(kimi_k3, "attnres_mix", plain)
-    assert_twin("AttnRes -> plain residuals", run(model, [IDS])[0], real_logits, check_attnres(kimi_k3.attnres_mix), 5e-6)
+    assert_twin(
+        "AttnRes -> plain residuals",
+        run(model, [IDS])[0],
+        real_logits,
+        check_attnres(kimi_k3.attnres_mix),
+        5e-6,
+    )
 
 
 def test_twin_output_mix_left_out(ckpt, release, real_logits):
@@ -428,16 +494,22 @@ def test_twin_swiglu_instead_of_situ(monkeypatch, model, real_logits):
 
 
 def test_twin_latent_norm_left_out(monkeypatch, model, release, real_logits):
-    latent_norms = {id(w["mlp.routed_expert_norm.weight"]) for w in model.layers if "mlp.routed_expert_norm.weight" in w}
+    latent_norms = {
+        id(w["mlp.routed_expert_norm.weight"]) for w in model.layers if "mlp.routed_expert_norm.weight" in w
+    }
     real_norm = kimi_k3.rms_norm
-    monkeypatch.setattr(kimi_k3, "rms_norm", lambda x, w, eps: x if id(w) in latent_norms else real_norm(x, w, eps))
-    assert_twin("latent norm left out", run(model, [IDS])[0], real_logits, check_latent_moe(model, release), TOL)
+    monkeypatch.setattr(
+        kimi_k3, "rms_norm", lambda x, w, eps: x if id(w) in latent_norms else real_norm(x, w, eps)
+    )
+    assert_twin(
+        "latent norm left out", run(model, [IDS])[0], real_logits, check_latent_moe(model, release), TOL
+    )
 
 
 def test_twin_wrong_a_log_slice(ckpt, release, glm_kda, real_logits):
     twin = Checkpoint.open(ckpt).build("float32")
     stored = release["model.layers.0.self_attn.A_log"]
-    twin.kda[0].A_log = stored[A_LOG_WIDTH - H_KDA:].clone()  # the zero tail read as the heads
+    twin.kda[0].A_log = stored[A_LOG_WIDTH - H_KDA :].clone()  # the zero tail read as the heads
     assert_twin("wrong A_log slice", run(twin, [IDS])[0], real_logits, check_kda(twin, glm_kda), TOL)
 
 
@@ -459,8 +531,10 @@ def test_chunked_decode_and_rollback_agree_with_full_prefill(model, real_logits)
     changed = model.forward(ForwardBatch.build([(st, other)], logits="all"))
     fresh, _ = run(model, [IDS[:34] + other])
     e_other = max_err(changed, fresh[34:])
-    print(f"kimi_k3 vs full prefill: chunked {e_chunk:.2e}, decode {e_dec:.2e}, window prefill {e_draft:.2e}, "
-          f"rollback re-feed {e_again:.2e}, rollback + other tokens {e_other:.2e}")
+    print(
+        f"kimi_k3 vs full prefill: chunked {e_chunk:.2e}, decode {e_dec:.2e}, window prefill {e_draft:.2e}, "
+        f"rollback re-feed {e_again:.2e}, rollback + other tokens {e_other:.2e}"
+    )
     assert max(e_chunk, e_dec, e_draft, e_other) < TOL and e_again < 1e-6
     with pytest.raises(ValueError, match="window"):
         st.rollback(5)
@@ -502,7 +576,9 @@ def test_bf16_checkpoint_runs_and_stays_close(tmp_path, ckpt, real_logits):
     rows = (bf - ref).abs().amax(-1)
     assert bf.dtype == torch.float32 and rows.median() < 0.03 * ref.abs().max()
     assert (bf.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
-    print(f"kimi_k3 bf16 vs fp32 (same bf16 weights): median row err {rows.median():.3f}, max {rows.max():.2f}")
+    print(
+        f"kimi_k3 bf16 vs fp32 (same bf16 weights): median row err {rows.median():.3f}, max {rows.max():.2f}"
+    )
 
 
 # ----------------------------------------------------------------------------- tests: loading
@@ -518,10 +594,12 @@ def test_checkpoint_variants(tmp_path, ckpt, real_logits):
     (tmp_path / "vllm" / "config.json").write_text(config)
     assert torch.equal(run(Checkpoint.open(tmp_path / "vllm").build("float32"), [IDS])[0], real_logits)
     # a text-only export: no prefix, no wrapper (model_type kimi_linear with K3's fields)
-    text_only = {k[len("language_model."):]: v for k, v in raw.items() if k.startswith("language_model.")}
+    text_only = {k[len("language_model.") :]: v for k, v in raw.items() if k.startswith("language_model.")}
     (tmp_path / "text").mkdir()
     save_file(text_only, tmp_path / "text" / "model.safetensors")
-    (tmp_path / "text" / "config.json").write_text(json.dumps({**json.loads(config)["text_config"], "eos_token_id": 2}))
+    (tmp_path / "text" / "config.json").write_text(
+        json.dumps({**json.loads(config)["text_config"], "eos_token_id": 2})
+    )
     ck = Checkpoint.open(tmp_path / "text")
     assert ck.family is kimi_k3 and ck.cfg.eos_token_ids == (2,)
     assert torch.equal(run(ck.build("float32"), [IDS])[0], real_logits)
@@ -535,7 +613,9 @@ def test_checkpoint_variants(tmp_path, ckpt, real_logits):
         Checkpoint.open(tmp_path / "bad").build("float32")
     del bad["language_model.model.layers.4.block_sparse_moe.experts.5.w3.weight"]
     save_file(bad, tmp_path / "bad" / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"missing: language_model\.model\.layers\.4\.block_sparse_moe\.experts\.5\.w3"):
+    with pytest.raises(
+        CheckpointError, match=r"missing: language_model\.model\.layers\.4\.block_sparse_moe\.experts\.5\.w3"
+    ):
         Checkpoint.open(tmp_path / "bad").build("float32")
 
 
@@ -549,10 +629,14 @@ def test_mxfp4_experts_stay_packed_and_match_their_dequantized_model(tmp_path, m
     kimi_k3.write_checkpoint(tmp_path, tc, dtype=torch.float32, expert_format="mxfp4")
     ck = Checkpoint.open(tmp_path)
     e0 = "language_model.model.layers.2.block_sparse_moe.experts.0."
-    assert {n for n in ck.store.names() if n.startswith(e0)} == {e0 + f"w{i}.weight_{s}" for i in (1, 2, 3)
-                                                                  for s in ("packed", "scale")}
-    assert sum(ck.store.info(e0 + f"w{i}.weight_{s}").nbytes for i in (1, 2, 3) for s in ("packed", "scale")) \
-        == kimi_k3.expert_bytes(ck.cfg) == 3 * (32 * 16 + 32 * 1)
+    assert {n for n in ck.store.names() if n.startswith(e0)} == {
+        e0 + f"w{i}.weight_{s}" for i in (1, 2, 3) for s in ("packed", "scale")
+    }
+    assert (
+        sum(ck.store.info(e0 + f"w{i}.weight_{s}").nbytes for i in (1, 2, 3) for s in ("packed", "scale"))
+        == kimi_k3.expert_bytes(ck.cfg)
+        == 3 * (32 * 16 + 32 * 1)
+    )
     packed = ck.build("float32")
     assert isinstance(packed.layers[2]["mlp.experts.down_proj"], QuantizedTensor)
     dense = Checkpoint.open(tmp_path).build("float32")
@@ -589,31 +673,85 @@ def released_config(quant_in_text: bool = False) -> dict:
     """config.json of moonshotai/Kimi-K3 as shared/reference/kimi_k3.md section 1 cites it
     (fixture pinned to HF commit f831ab66814297da540d832a5235f8e904f29d06). The file itself was not
     reachable from here; this is rebuilt field by field from the reference."""
-    quant = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-             "ignore": ["re:.*shared_experts.*"], "quantization_status": "compressed",
-             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                           "weights": {"num_bits": 4, "group_size": 32, "type": "float",
-                                                       "symmetric": True, "strategy": "group",
-                                                       "scale_dtype": "torch.uint8"}}}}
-    text = {
-        "model_type": "kimi_linear", "hidden_size": 7168, "num_hidden_layers": 93, "num_attention_heads": 96,
-        "num_key_value_heads": 96, "vocab_size": 163840, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5,
-        "dtype": "bfloat16", "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-        "intermediate_size": 33792, "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_experts": 896,
-        "num_experts_per_token": 16, "num_shared_experts": 2, "moe_intermediate_size": 3072,
-        "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid",
-        "topk_method": "noaux_tc", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
-        "moe_renormalize": True, "routed_scaling_factor": 1.0, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
-        "mla_use_output_gate": True, "attn_res_block_size": 12, "num_nextn_predict_layers": 0,
-        "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
-                               "use_full_rank_gate": True, "gate_lower_bound": -5.0,
-                               "kda_layers": [i for i in range(1, 92) if i % 4],
-                               "full_attn_layers": list(range(4, 93, 4)) + [93]},
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "ignore": ["re:.*shared_experts.*"],
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "weights": {
+                    "num_bits": 4,
+                    "group_size": 32,
+                    "type": "float",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "scale_dtype": "torch.uint8",
+                },
+            }
+        },
     }
-    top = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "bos_token_id": 163584,
-           "eos_token_id": 163586, "pad_token_id": 163839, "media_placeholder_token_id": 163605,
-           "tie_word_embeddings": False, "text_config": text, "vision_config": {}}
+    text = {
+        "model_type": "kimi_linear",
+        "hidden_size": 7168,
+        "num_hidden_layers": 93,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 96,
+        "vocab_size": 163840,
+        "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-5,
+        "dtype": "bfloat16",
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "intermediate_size": 33792,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_experts": 896,
+        "num_experts_per_token": 16,
+        "num_shared_experts": 2,
+        "moe_intermediate_size": 3072,
+        "routed_expert_hidden_size": 3584,
+        "latent_moe_use_norm": True,
+        "moe_router_activation_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "attn_res_block_size": 12,
+        "num_nextn_predict_layers": 0,
+        "linear_attn_config": {
+            "num_heads": 96,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
+            "kda_layers": [i for i in range(1, 92) if i % 4],
+            "full_attn_layers": list(range(4, 93, 4)) + [93],
+        },
+    }
+    top = {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "bos_token_id": 163584,
+        "eos_token_id": 163586,
+        "pad_token_id": 163839,
+        "media_placeholder_token_id": 163605,
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {},
+    }
     if quant_in_text:
         text["quantization_config"] = quant
     else:
@@ -630,7 +768,9 @@ def test_inspect_released_config_alone(tmp_path, capsys):
     assert info["mla_layers"] == mla and len(mla) == 24 and 91 in mla and 92 in mla
     assert len(info["kda_layers"]) == 69 and 0 in info["kda_layers"]
     sched = info["layer_schedule"]
-    assert sched[0] == "kda+mlp" and sched[3] == "mla+moe" and sched[92] == "mla+moe" and sched[1] == "kda+moe"
+    assert (
+        sched[0] == "kda+mlp" and sched[3] == "mla+moe" and sched[92] == "mla+moe" and sched[1] == "kda+moe"
+    )
     assert sum(s.startswith("mla") for s in sched) == 24
     assert info["expert_format"] == "mxfp4" and info["expert_bytes"] == 17_547_264
     assert info["expert_bytes_bf16"] == 3 * 3584 * 3072 * 2
@@ -640,8 +780,19 @@ def test_inspect_released_config_alone(tmp_path, capsys):
     assert info["attn_res_bank_entries"] == 8  # archives at layers 0, 12, ..., 84
     assert info["experts"] == 896 and info["experts_per_token"] == 16
     assert round(info["params_total"] / 1e12, 2) == 2.78  # "2.78T total" (text model)
-    print("released K3:", {k: info[k] for k in ("num_layers", "expert_bytes", "state_bytes_per_token",
-                                                 "state_bytes_fixed_per_sequence", "params_total")})
+    print(
+        "released K3:",
+        {
+            k: info[k]
+            for k in (
+                "num_layers",
+                "expert_bytes",
+                "state_bytes_per_token",
+                "state_bytes_fixed_per_sequence",
+                "params_total",
+            )
+        },
+    )
     # the quantization block may sit in text_config too
     assert kimi_k3.parse_config(released_config(quant_in_text=True)).expert_format == "mxfp4"
 
@@ -658,9 +809,12 @@ def test_released_config_errors():
     del lac["kda_layers"], lac["full_attn_layers"]
     with pytest.raises(ConfigError, match="kda_layers"):
         kimi_k3.parse_config(no_lists)
-    for key, value, match in [("attn_res_block_size", 0, "attn_res_block_size"),
-                              ("mla_use_nope", False, "mla_use_nope"), ("hidden_act", "gelu", "hidden_act"),
-                              ("routed_expert_hidden_size", None, "routed_expert_hidden_size")]:
+    for key, value, match in [
+        ("attn_res_block_size", 0, "attn_res_block_size"),
+        ("mla_use_nope", False, "mla_use_nope"),
+        ("hidden_act", "gelu", "hidden_act"),
+        ("routed_expert_hidden_size", None, "routed_expert_hidden_size"),
+    ]:
         bad = json.loads(json.dumps(raw))
         bad["text_config"][key] = value
         with pytest.raises(ConfigError, match=match):

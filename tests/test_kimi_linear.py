@@ -15,8 +15,16 @@ from functools import partial
 import pytest
 import torch
 import transformers
+from helpers import (
+    calm_kda_,
+    check_batch_equals_singles,
+    check_greedy_matches_transformers,
+    max_err,
+    random_ids,
+    randomize_,
+    run,
+)
 
-import moesaic
 from moesaic.config import family_for
 from moesaic.engine.batch import ForwardBatch
 from moesaic.errors import ConfigError
@@ -24,21 +32,40 @@ from moesaic.inspect import inspect_checkpoint
 from moesaic.models import kimi_linear
 from moesaic.weights.load import Checkpoint
 
-from helpers import (calm_kda_, check_batch_equals_singles, check_greedy_matches_transformers,
-                     max_err, random_ids, randomize_, run)
-
 TOL = 1e-5
 VOCAB = 101
 prompt = partial(random_ids, vocab=VOCAB)
-LINEAR_ATTN = {"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 4], "full_attn_layers": [3]}
+LINEAR_ATTN = {
+    "head_dim": 8,
+    "num_heads": 2,
+    "short_conv_kernel_size": 4,
+    "kda_layers": [1, 2, 4],
+    "full_attn_layers": [3],
+}
 
 
 def tiny_config(**over):
     kw = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
-        v_head_dim=8, num_experts=8, num_experts_per_token=2, num_shared_experts=1, n_group=2, topk_group=1,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, linear_attn_config=LINEAR_ATTN,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        linear_attn_config=LINEAR_ATTN,
     )
     kw.update(over)
     return transformers.KimiLinearConfig(**kw)
@@ -165,7 +192,12 @@ def test_config_reading(tmp_path, hf_ckpt):
     raw = json.loads((hf_ckpt[1] / "config.json").read_text())
     assert raw["model_max_length"] == 1048576 and "num_experts_per_token" in raw  # transformers' spellings
     cfg = kimi_linear.parse_config(raw)
-    assert (cfg.num_experts, cfg.num_experts_per_token, cfg.n_group, cfg.routed_scaling_factor) == (8, 2, 2, 2.446)
+    assert (cfg.num_experts, cfg.num_experts_per_token, cfg.n_group, cfg.routed_scaling_factor) == (
+        8,
+        2,
+        2,
+        2.446,
+    )
     # the lists are 1-based: 0 is no layer; a gap, a duplicate and a layer_types that disagrees are refused
     bad = {**raw, "linear_attn_config": {**LINEAR_ATTN, "kda_layers": [0, 1, 3]}}
     with pytest.raises(ConfigError, match="kda_layers.*1-based"):
@@ -181,6 +213,7 @@ def test_config_reading(tmp_path, hf_ckpt):
     assert kimi_linear.parse_config({**bare, "num_hidden_layers": 9}).layer_kinds.count("mla") == 2
     # a kimi_linear text config with K3's fields belongs to the K3 family
     from moesaic.models import kimi_k3
+
     assert family_for({**raw, "attn_res_block_size": 2}, "hf")[0] is kimi_k3
     # inspect on the config alone
     (tmp_path / "config.json").write_text(json.dumps(raw))

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from transformers import NemotronHConfig
 from transformers.cache_utils import DynamicCache
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
@@ -20,16 +19,31 @@ TOL = 1e-5
 def torch_path_only():
     # transformers picks these CUDA kernels up automatically; the oracle must be its torch path.
     for pkg in ("mamba_ssm", "causal_conv1d", "kernels"):
-        assert importlib.util.find_spec(pkg) is None, f"{pkg} is installed; the oracle would not be the torch path"
+        assert importlib.util.find_spec(pkg) is None, (
+            f"{pkg} is installed; the oracle would not be the torch path"
+        )
 
 
 def tiny_config(**kw):
     return NemotronHConfig(
-        vocab_size=128, hidden_size=64, layers_block_type=["linear_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4,
-        chunk_size=8, n_routed_experts=8, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
-        layer_norm_epsilon=1e-5, **kw,
+        vocab_size=128,
+        hidden_size=64,
+        layers_block_type=["linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        conv_kernel=4,
+        chunk_size=8,
+        n_routed_experts=8,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        layer_norm_epsilon=1e-5,
+        **kw,
     )
 
 
@@ -63,7 +77,7 @@ def tokens(n, seed=1):
 
 
 def softplus_dt(m, x):
-    dt = torch.nn.functional.linear(x, m.in_proj.weight)[:, -m.num_heads:]
+    dt = torch.nn.functional.linear(x, m.in_proj.weight)[:, -m.num_heads :]
     return torch.nn.functional.softplus(dt + m.dt_bias)
 
 
@@ -161,8 +175,10 @@ def test_dt_floor_prefill_and_decode_agree():
     with torch.no_grad():
         m(x[None, :6], cache_params=cache)
         hf_dec = torch.cat([m(x[None, t : t + 1], cache_params=cache)[0] for t in range(6, 16)])
-    print(f"broken twin vs prefill {e_twin:.2e}; twin vs HF decode {err(twin, hf_dec):.2e}; "
-          f"HF decode vs HF prefill {err(hf_dec, hf_full[6:]):.2e}")
+    print(
+        f"broken twin vs prefill {e_twin:.2e}; twin vs HF decode {err(twin, hf_dec):.2e}; "
+        f"HF decode vs HF prefill {err(hf_dec, hf_full[6:]):.2e}"
+    )
     assert e_twin > 100 * TOL
     assert err(twin, hf_dec) < TOL
 
@@ -207,8 +223,12 @@ def test_state_bytes_and_bf16_weights():
     assert st.nbytes == dims.state_nbytes == 4 * (dims.conv_dim * 3 + 8 * 16 * 16)
     x = tokens(21)
     ref, _, _ = mamba2_mixer(x, w, dims, st)
-    w16 = Mamba2Weights(**{f.name: (None if getattr(w, f.name) is None else getattr(w, f.name).bfloat16())
-                           for f in dataclasses.fields(Mamba2Weights)})
+    w16 = Mamba2Weights(
+        **{
+            f.name: (None if getattr(w, f.name) is None else getattr(w, f.name).bfloat16())
+            for f in dataclasses.fields(Mamba2Weights)
+        }
+    )
     y, s, _ = mamba2_mixer(x.bfloat16(), w16, dims, st)
     assert y.dtype == torch.bfloat16 and s.ssm.dtype == torch.float32 and s.conv.dtype == torch.float32
     e = err(y, ref)

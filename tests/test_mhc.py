@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import max_err
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 from transformers.models.glm5_next import modeling_glm5_next as hf_glm
@@ -9,8 +10,6 @@ from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextCo
 
 from moesaic.layers import mhc
 from moesaic.layers.mhc import MhcDims, MhcSite
-
-from helpers import max_err
 
 N_HC, D, T = 4, 24, 7
 TOL = 1e-5  # fp32 (measured: bit-equal to transformers on these inputs)
@@ -31,7 +30,9 @@ def streams(seed, dtype=torch.float32, t=T):
 
 
 def glm_cfg(**over):
-    kw = dict(hidden_size=D, hc_mult=N_HC, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-5, num_hidden_layers=1)
+    kw = dict(
+        hidden_size=D, hc_mult=N_HC, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-5, num_hidden_layers=1
+    )
     kw.update(over)
     return Glm5NextTextConfig(**kw)
 
@@ -94,7 +95,7 @@ def test_bf16_streams_follow_transformers_casts():
     x, post, comb = mhc.site_input(h[0], site, dims)
     assert x.dtype == torch.bfloat16 and comb.dtype == torch.float32
     assert max_err(post, post_ref[0]) < TOL and max_err(comb, comb_ref[0]) < TOL
-    assert max_err(x, x_ref[0]) <= 2 ** -7 * x_ref.abs().max().item()  # at most one bf16 rounding apart
+    assert max_err(x, x_ref[0]) <= 2**-7 * x_ref.abs().max().item()  # at most one bf16 rounding apart
 
 
 def test_glm_final_collapse_is_the_unweighted_mean():

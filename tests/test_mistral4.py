@@ -9,16 +9,21 @@ from functools import partial
 import pytest
 import torch
 import transformers
+from helpers import (
+    check_batch_equals_singles,
+    check_greedy_matches_transformers,
+    max_err,
+    mixed_batch_err,
+    random_ids,
+    randomize_,
+    run,
+)
 
-import moesaic
 from moesaic.engine.batch import ForwardBatch
 from moesaic.models import mistral4
 from moesaic.weights.contract import to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors, save_sharded
-
-from helpers import (check_batch_equals_singles, check_greedy_matches_transformers,
-                     max_err, mixed_batch_err, random_ids, randomize_, run)
 
 TOL = 2e-5
 VOCAB = 101
@@ -27,14 +32,38 @@ prompt = partial(random_ids, vocab=VOCAB)
 
 def tiny_config(**over):
     kw = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
-        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, num_experts_per_tok=2,
-        first_k_dense_replace=1, n_group=2, topk_group=1, max_position_embeddings=256, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        qk_nope_head_dim=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=256,
+        eos_token_id=2,
         # original_max 32 so that the llama-4 query scaling (position >= 32) and YaRN both matter
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-                         "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
     )
     kw.update(over)
     return transformers.Mistral4Config(**kw)

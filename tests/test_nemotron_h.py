@@ -13,8 +13,16 @@ from functools import partial
 import pytest
 import torch
 import transformers
+from helpers import (
+    check_batch_equals_singles,
+    check_greedy_matches_transformers,
+    max_err,
+    mixed_batch_err,
+    random_ids,
+    randomize_,
+    run,
+)
 
-import moesaic
 from moesaic.cli import main as cli_main
 from moesaic.engine.batch import ForwardBatch
 from moesaic.errors import CheckpointError, ConfigError
@@ -23,9 +31,6 @@ from moesaic.models import nemotron_h
 from moesaic.weights.contract import to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
-
-from helpers import (check_batch_equals_singles, check_greedy_matches_transformers,
-                     max_err, mixed_batch_err, random_ids, randomize_, run)
 
 TOL = 1e-5
 VOCAB = 101
@@ -38,16 +43,36 @@ LAYERS = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention"
 def torch_path_only():
     # transformers picks these CUDA kernels up automatically; the oracle must be its torch path.
     for pkg in ("mamba_ssm", "causal_conv1d"):
-        assert importlib.util.find_spec(pkg) is None, f"{pkg} is installed; the oracle would not be the torch path"
+        assert importlib.util.find_spec(pkg) is None, (
+            f"{pkg} is installed; the oracle would not be the torch path"
+        )
 
 
 def tiny_config(latent=None, **over):
     kw = dict(
-        vocab_size=VOCAB, hidden_size=64, layers_block_type=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
-        conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=48, moe_latent_size=latent, n_group=2, topk_group=1,
-        routed_scaling_factor=2.5, max_position_embeddings=256, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        layers_block_type=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        conv_kernel=4,
+        chunk_size=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        moe_latent_size=latent,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=256,
+        eos_token_id=2,
     )
     kw.update(over)
     return transformers.NemotronHConfig(**kw)
@@ -69,13 +94,18 @@ def build_hf(latent=None, seed=1, dt=None, **over):
         for block in model.model.layers:
             m = block.mixer
             if hasattr(m, "gate"):  # a buffer, which randomize_ does not reach
-                m.gate.e_score_correction_bias.copy_(0.1 * torch.randn(m.gate.e_score_correction_bias.shape, generator=g))
+                m.gate.e_score_correction_bias.copy_(
+                    0.1 * torch.randn(m.gate.e_score_correction_bias.shape, generator=g)
+                )
             if hasattr(m, "A_log"):
                 H = m.num_heads
                 m.A_log.copy_(torch.log(torch.empty(H).uniform_(1, 8, generator=g)))
                 m.in_proj.weight[-H:] *= 0.05
-                target = (torch.exp(torch.empty(H).uniform_(math.log(1e-2), math.log(1e-1), generator=g))
-                          if dt is None else torch.full((H,), dt))
+                target = (
+                    torch.exp(torch.empty(H).uniform_(math.log(1e-2), math.log(1e-1), generator=g))
+                    if dt is None
+                    else torch.full((H,), dt)
+                )
                 m.dt_bias.copy_(inv_softplus(target))
     return model
 
@@ -107,6 +137,7 @@ def hf_cached(hf, ids, first):
 
 
 # ---------------------------------------------------------------- against transformers
+
 
 def test_prefill_logits_match_transformers(hf_ckpt, ours):
     hf, _, kind = hf_ckpt
@@ -159,17 +190,21 @@ def test_mixed_prefill_and_decode_in_one_forward(ours):
 
 # ---------------------------------------------------------------- the dt convention
 
+
 def mamba_softplus_dt(hf, ids):
     """softplus(dt + dt_bias) that every Mamba-2 mixer of `hf` sees on `ids`."""
     seen = []
 
     def hook(mod, args, kwargs):
         x = args[0] if args else kwargs["hidden_states"]
-        dt = torch.nn.functional.linear(x, mod.in_proj.weight)[..., -mod.num_heads:]
+        dt = torch.nn.functional.linear(x, mod.in_proj.weight)[..., -mod.num_heads :]
         seen.append(torch.nn.functional.softplus(dt + mod.dt_bias))
 
-    handles = [b.mixer.register_forward_pre_hook(hook, with_kwargs=True)
-               for b in hf.model.layers if b.block_type == "linear_attention"]
+    handles = [
+        b.mixer.register_forward_pre_hook(hook, with_kwargs=True)
+        for b in hf.model.layers
+        if b.block_type == "linear_attention"
+    ]
     with torch.no_grad():
         hf(torch.tensor([ids]))
     for h in handles:
@@ -191,14 +226,17 @@ def test_dt_below_the_floor_prefill_and_decode_agree(tmp_path):
     hf_dec = hf_cached(hf, ids, 12)
     e_prefill, e_ours = max_err(full, hf_full), max_err(decoded, full[11:])
     e_hf = max_err(hf_dec, hf_full[11:])
-    print(f"dt below floor: moesaic prefill vs HF prefill {e_prefill:.2e}; moesaic decode vs its prefill "
-          f"{e_ours:.2e}; HF decode vs HF prefill {e_hf:.2e} (HF clamps in prefill only)")
+    print(
+        f"dt below floor: moesaic prefill vs HF prefill {e_prefill:.2e}; moesaic decode vs its prefill "
+        f"{e_ours:.2e}; HF decode vs HF prefill {e_hf:.2e} (HF clamps in prefill only)"
+    )
     assert e_prefill < TOL  # transformers' prefill clamps as moesaic does
     assert e_ours < TOL  # moesaic's decode clamps too, so it continues its prefill exactly
     assert e_hf > 100 * TOL  # the floor matters here: an unclamped decode (transformers') departs
 
 
 # ---------------------------------------------------------------- state: rollback, snapshots, bytes
+
 
 def test_chunked_prefill_decode_and_rollback_agree_with_full_prefill(ours):
     W = 4
@@ -258,6 +296,7 @@ def test_state_bytes_match_the_planner(ours):
 
 # ---------------------------------------------------------------- names, config
 
+
 def test_both_namings(hf_ckpt, ours, tmp_path):
     hf, path, _ = hf_ckpt
     saved = Checkpoint.open(path)
@@ -301,7 +340,11 @@ def mtp_checkpoint(hf_ckpt, folder, naming: str, drop=(), replace=None, mtp=True
     specs = nemotron_h.mtp_specs(cfg)
     g = torch.Generator().manual_seed(23)
     release = nemotron_h.namings(cfg, "hf", [])  # mtp.* is named alike in both namings
-    extra = to_checkpoint(specs, release, {s.name: torch.randn(s.shape, generator=g) for s in specs}) if mtp else {}
+    extra = (
+        to_checkpoint(specs, release, {s.name: torch.randn(s.shape, generator=g) for s in specs})
+        if mtp
+        else {}
+    )
     extra = {n: t for n, t in extra.items() if n not in drop}
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors({**tensors, **extra, **(replace or {})}, folder / "model.safetensors")
@@ -316,14 +359,19 @@ def test_mtp_block_loads_when_present(hf_ckpt, ours, tmp_path, naming):
     declared shapes, the text model unchanged."""
     extra = mtp_checkpoint(hf_ckpt, tmp_path, naming)
     x = 32 if hf_ckpt[2] == "latent" else 64
-    for name, shape in [("mtp.layers.0.enorm.weight", [64]), ("mtp.layers.0.hnorm.weight", [64]),
-                        ("mtp.layers.0.eh_proj.weight", [64, 128]), ("mtp.layers.0.norm.weight", [64]),
-                        ("mtp.layers.0.mixer.q_proj.weight", [64, 64]), ("mtp.layers.0.mixer.k_proj.weight", [32, 64]),
-                        ("mtp.layers.1.mixer.gate.e_score_correction_bias", [8]),
-                        ("mtp.layers.1.mixer.experts.7.up_proj.weight", [32, x]),
-                        ("mtp.layers.1.mixer.experts.7.down_proj.weight", [x, 32]),
-                        ("mtp.layers.1.mixer.shared_experts.up_proj.weight", [48, 64]),
-                        ("mtp.layers.1.final_layernorm.weight", [64])]:
+    for name, shape in [
+        ("mtp.layers.0.enorm.weight", [64]),
+        ("mtp.layers.0.hnorm.weight", [64]),
+        ("mtp.layers.0.eh_proj.weight", [64, 128]),
+        ("mtp.layers.0.norm.weight", [64]),
+        ("mtp.layers.0.mixer.q_proj.weight", [64, 64]),
+        ("mtp.layers.0.mixer.k_proj.weight", [32, 64]),
+        ("mtp.layers.1.mixer.gate.e_score_correction_bias", [8]),
+        ("mtp.layers.1.mixer.experts.7.up_proj.weight", [32, x]),
+        ("mtp.layers.1.mixer.experts.7.down_proj.weight", [x, 32]),
+        ("mtp.layers.1.mixer.shared_experts.up_proj.weight", [48, 64]),
+        ("mtp.layers.1.final_layernorm.weight", [64]),
+    ]:
         assert list(extra[name].shape) == shape, name
     assert ("mtp.layers.1.mixer.fc1_latent_proj.weight" in extra) == (x == 32)
     assert not any(n.startswith("mtp.layers.2.") for n in extra)
@@ -331,14 +379,17 @@ def test_mtp_block_loads_when_present(hf_ckpt, ours, tmp_path, naming):
     assert len(model.mtp) == 2
     assert model.mtp[0]["eh_proj.weight"].shape == (64, 128) and "final_layernorm.weight" not in model.mtp[0]
     assert model.mtp[1]["mixer.experts.up_proj"].shape == (8, 32, x) and "eh_proj.weight" not in model.mtp[1]
-    assert torch.equal(model.mtp[1]["mixer.experts.down_proj"][7],
-                       extra["mtp.layers.1.mixer.experts.7.down_proj.weight"])
+    assert torch.equal(
+        model.mtp[1]["mixer.experts.down_proj"][7], extra["mtp.layers.1.mixer.experts.7.down_proj.weight"]
+    )
     assert torch.equal(model.mtp[1]["final_layernorm.weight"], extra["mtp.layers.1.final_layernorm.weight"])
     ids = prompt(12, seed=24)
     assert torch.equal(run(model, [ids])[0], run(ours, [ids])[0])
     # inspect counts the block apart (role "mtp"), every tensor of it
     info = inspect_checkpoint(tmp_path)
-    assert info["contract"] == "ok" and info["params_by_role"]["mtp"] == sum(t.numel() for t in extra.values())
+    assert info["contract"] == "ok" and info["params_by_role"]["mtp"] == sum(
+        t.numel() for t in extra.values()
+    )
 
 
 def test_mtp_block_absent_loads(hf_ckpt, ours, tmp_path):
@@ -349,11 +400,20 @@ def test_mtp_block_absent_loads(hf_ckpt, ours, tmp_path):
     assert torch.equal(run(model, [ids])[0], run(ours, [ids])[0])
 
 
-@pytest.mark.parametrize("drop,expect", [
-    (["mtp.layers.0.enorm.weight"], "MTP block is incomplete.*mtp.layers.0.enorm.weight"),
-    (["mtp.layers.1.final_layernorm.weight"], "MTP block is incomplete.*mtp.layers.1.final_layernorm.weight"),
-    (["mtp.layers.1.mixer.experts.3.up_proj.weight"], "missing: mtp.layers.1.mixer.experts.3.up_proj.weight"),
-])
+@pytest.mark.parametrize(
+    "drop,expect",
+    [
+        (["mtp.layers.0.enorm.weight"], "MTP block is incomplete.*mtp.layers.0.enorm.weight"),
+        (
+            ["mtp.layers.1.final_layernorm.weight"],
+            "MTP block is incomplete.*mtp.layers.1.final_layernorm.weight",
+        ),
+        (
+            ["mtp.layers.1.mixer.experts.3.up_proj.weight"],
+            "missing: mtp.layers.1.mixer.experts.3.up_proj.weight",
+        ),
+    ],
+)
 def test_partial_mtp_block_is_refused(hf_ckpt, tmp_path, drop, expect):
     mtp_checkpoint(hf_ckpt, tmp_path, "backbone", drop=drop)
     with pytest.raises(CheckpointError, match=expect):
@@ -361,9 +421,12 @@ def test_partial_mtp_block_is_refused(hf_ckpt, tmp_path, drop, expect):
 
 
 def test_misshaped_mtp_tensor_is_refused(hf_ckpt, tmp_path):
-    mtp_checkpoint(hf_ckpt, tmp_path, "backbone", replace={"mtp.layers.0.eh_proj.weight": torch.zeros(64, 64)})
-    with pytest.raises(CheckpointError,
-                       match=r"misshaped: mtp.layers.0.eh_proj.weight is \[64, 64\], expected \[64, 128\]"):
+    mtp_checkpoint(
+        hf_ckpt, tmp_path, "backbone", replace={"mtp.layers.0.eh_proj.weight": torch.zeros(64, 64)}
+    )
+    with pytest.raises(
+        CheckpointError, match=r"misshaped: mtp.layers.0.eh_proj.weight is \[64, 64\], expected \[64, 128\]"
+    ):
         Checkpoint.open(tmp_path).build("float32")
 
 
@@ -371,35 +434,59 @@ def test_config_fields_and_aliases_as_transformers_reads_them(hf_ckpt):
     saved = Checkpoint.open(hf_ckpt[1]).cfg
     assert saved.time_step_limit == (0.0, math.inf)  # written as {"__float__": "Infinity"}
     assert saved.layer_types == tuple(LAYERS) and saved.num_hidden_layers == 6
-    raw = dict(hybrid_override_pattern="M-*EM", num_hidden_layers=99,
-               mamba_num_heads=8, mamba_head_dim=16, hidden_size=64, mamba_n_groups=4, mamba_d_conv=3,
-               mamba_chunk_size=16, mamba_dt_min=0.02, mamba_dt_max=0.2, mamba_conv_bias=False,
-               mamba_dt_init_floor=1e-3, mtp_hybrid_override_pattern="*E", num_nextn_predict_layers=1,
-               moe_latent_size=16, eos_token_id=[2, 11])
+    raw = dict(
+        hybrid_override_pattern="M-*EM",
+        num_hidden_layers=99,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        hidden_size=64,
+        mamba_n_groups=4,
+        mamba_d_conv=3,
+        mamba_chunk_size=16,
+        mamba_dt_min=0.02,
+        mamba_dt_max=0.2,
+        mamba_conv_bias=False,
+        mamba_dt_init_floor=1e-3,
+        mtp_hybrid_override_pattern="*E",
+        num_nextn_predict_layers=1,
+        moe_latent_size=16,
+        eos_token_id=[2, 11],
+    )
     hf = transformers.NemotronHConfig(**raw)
     c = nemotron_h.parse_config(raw)
     assert c.layer_types == tuple(hf.layers_block_type) and c.num_hidden_layers == hf.num_hidden_layers == 5
-    assert (c.n_groups, c.conv_kernel, c.chunk_size, c.use_conv_bias) == (hf.n_groups, hf.conv_kernel, hf.chunk_size,
-                                                                          hf.use_conv_bias) == (4, 3, 16, False)
-    assert (c.time_step_min, c.time_step_max, c.time_step_floor) == (hf.time_step_min, hf.time_step_max,
-                                                                     hf.time_step_floor)
+    assert (
+        (c.n_groups, c.conv_kernel, c.chunk_size, c.use_conv_bias)
+        == (hf.n_groups, hf.conv_kernel, hf.chunk_size, hf.use_conv_bias)
+        == (4, 3, 16, False)
+    )
+    assert (c.time_step_min, c.time_step_max, c.time_step_floor) == (
+        hf.time_step_min,
+        hf.time_step_max,
+        hf.time_step_floor,
+    )
     assert c.mtp_layer_types == tuple(hf.mtp_layers_block_type) == ("full_attention", "moe")
     assert c.moe_latent_size == 16 and c.eos_token_ids == (2, 11)
     # the release names in layers_block_type, as transformers remaps them
     rel = dict(raw, layers_block_type=["mamba", "mlp", "attention", "moe", "mamba"])
-    assert nemotron_h.parse_config(rel).layer_types == tuple(transformers.NemotronHConfig(**rel).layers_block_type)
+    assert nemotron_h.parse_config(rel).layer_types == tuple(
+        transformers.NemotronHConfig(**rel).layers_block_type
+    )
 
 
-@pytest.mark.parametrize("edit,expect", [
-    ({"hybrid_override_pattern": "ME*X"}, "'hybrid_override_pattern'"),
-    ({"layers_block_type": ["mamba", "sliding"]}, "'sliding'"),
-    ({"mamba_num_heads": 8, "n_groups": 3}, "'n_groups'"),
-    ({"mlp_hidden_act": "silu"}, "'mlp_hidden_act'"),
-    ({"n_routed_experts": 8, "num_experts_per_tok": 9}, "'num_experts_per_tok'"),
-    ({"n_routed_experts": 8, "n_group": 3}, "'n_group'"),
-    ({"num_attention_heads": 6, "num_key_value_heads": 4}, "'num_key_value_heads'"),
-    ({"time_step_limit": [0.0]}, "'time_step_limit'"),
-])
+@pytest.mark.parametrize(
+    "edit,expect",
+    [
+        ({"hybrid_override_pattern": "ME*X"}, "'hybrid_override_pattern'"),
+        ({"layers_block_type": ["mamba", "sliding"]}, "'sliding'"),
+        ({"mamba_num_heads": 8, "n_groups": 3}, "'n_groups'"),
+        ({"mlp_hidden_act": "silu"}, "'mlp_hidden_act'"),
+        ({"n_routed_experts": 8, "num_experts_per_tok": 9}, "'num_experts_per_tok'"),
+        ({"n_routed_experts": 8, "n_group": 3}, "'n_group'"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 4}, "'num_key_value_heads'"),
+        ({"time_step_limit": [0.0]}, "'time_step_limit'"),
+    ],
+)
 def test_bad_configs_name_the_field(edit, expect):
     with pytest.raises(ConfigError, match=expect):
         nemotron_h.parse_config(dict({"model_type": "nemotron_h"}, **edit))
@@ -409,20 +496,53 @@ def test_bad_configs_name_the_field(edit, expect):
 
 # Values as published for the releases (see the report for the sources; not a verbatim config.json).
 NANO = {
-    "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": 131072, "hidden_size": 2688,
-    "num_hidden_layers": 52, "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
-    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 262144,
-    "intermediate_size": 1856, "mlp_hidden_act": "relu2", "mamba_num_heads": 64, "mamba_head_dim": 64,
-    "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True,
-    "time_step_limit": [0.0, math.inf], "n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 1,
-    "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5,
-    "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+    "model_type": "nemotron_h",
+    "architectures": ["NemotronHForCausalLM"],
+    "vocab_size": 131072,
+    "hidden_size": 2688,
+    "num_hidden_layers": 52,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "max_position_embeddings": 262144,
+    "intermediate_size": 1856,
+    "mlp_hidden_act": "relu2",
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "use_conv_bias": True,
+    "time_step_limit": [0.0, math.inf],
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712,
+    "routed_scaling_factor": 2.5,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "layer_norm_epsilon": 1e-5,
+    "tie_word_embeddings": False,
     "eos_token_id": 2,
 }
 SUPER = dict(
-    NANO, hidden_size=4096, num_hidden_layers=88, mamba_num_heads=128, n_routed_experts=512, num_experts_per_tok=22,
-    moe_intermediate_size=2688, moe_shared_expert_intermediate_size=5376, moe_latent_size=1024,
-    routed_scaling_factor=5.0, num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E", eos_token_id=[2, 11],
+    NANO,
+    hidden_size=4096,
+    num_hidden_layers=88,
+    mamba_num_heads=128,
+    n_routed_experts=512,
+    num_experts_per_tok=22,
+    moe_intermediate_size=2688,
+    moe_shared_expert_intermediate_size=5376,
+    moe_latent_size=1024,
+    routed_scaling_factor=5.0,
+    num_nextn_predict_layers=1,
+    mtp_hybrid_override_pattern="*E",
+    eos_token_id=[2, 11],
     hybrid_override_pattern="MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME",
 )
 
@@ -436,17 +556,35 @@ def inspect_json(tmp_path, name, config, capsys):
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("name,config,layers,counts,H,latent,total_b,active_b", [
-    ("nano", NANO, 52, (23, 23, 6), 64, None, 31.6, 3.6),  # published: 31.6B total, 3.6B active with embeddings
-    ("super", SUPER, 88, (40, 40, 8), 128, 1024, 120.0, 12.7),  # published: 120B total, ~12.7B active
-])
-def test_inspect_released_configs(tmp_path, capsys, name, config, layers, counts, H, latent, total_b, active_b):
+@pytest.mark.parametrize(
+    "name,config,layers,counts,H,latent,total_b,active_b",
+    [
+        (
+            "nano",
+            NANO,
+            52,
+            (23, 23, 6),
+            64,
+            None,
+            31.6,
+            3.6,
+        ),  # published: 31.6B total, 3.6B active with embeddings
+        ("super", SUPER, 88, (40, 40, 8), 128, 1024, 120.0, 12.7),  # published: 120B total, ~12.7B active
+    ],
+)
+def test_inspect_released_configs(
+    tmp_path, capsys, name, config, layers, counts, H, latent, total_b, active_b
+):
     info = inspect_json(tmp_path, name, config, capsys)
     assert info["family"] == "nemotron_h" and info["num_layers"] == layers
     sched = info["layer_schedule"]
     n_mamba, n_moe, n_attn = counts
     assert (sched.count("mamba2"), sched.count("moe"), sched.count("attention"), sched.count("mlp")) == (
-        n_mamba, n_moe, n_attn, 0)
+        n_mamba,
+        n_moe,
+        n_attn,
+        0,
+    )
     assert sched[:6] == ["mamba2", "moe", "mamba2", "moe", "mamba2", "attention" if name == "nano" else "moe"]
     # K and V of 2 heads x 128 per attention layer in bf16; fp32 conv tail (K-1 = 3) + SSM state per Mamba layer
     per_token = n_attn * 2 * 2 * 128 * 2
@@ -463,21 +601,33 @@ def test_inspect_released_configs(tmp_path, capsys, name, config, layers, counts
     assert abs(backbone / 1e9 - total_b) < 0.01 * total_b
     assert abs(active / 1e9 - active_b) < 0.02 * active_b
     if name == "super":
-        assert info["mtp_layer_schedule"] == ["attention", "moe"] and per_token == 8192  # "8 KiB/token" published
-        d, E, S = 4096, 512, 5376  # the `*E` block: attention + latent MoE layer, 2 layer norms, enorm, hnorm,
+        assert (
+            info["mtp_layer_schedule"] == ["attention", "moe"] and per_token == 8192
+        )  # "8 KiB/token" published
+        d, E, S = (
+            4096,
+            512,
+            5376,
+        )  # the `*E` block: attention + latent MoE layer, 2 layer norms, enorm, hnorm,
         # final_layernorm, eh_proj
         attention = d * 32 * 128 * 2 + 2 * d * 2 * 128
         moe = E * d + E + 2 * E * 1024 * I + 2 * d * S + 2 * d * 1024
         assert roles["mtp"] == attention + moe + 2 * d + 3 * d + 2 * d * d
         # the same model written with layers_block_type in the release names
-        rel = dict(config, layers_block_type=[{"M": "mamba", "E": "moe", "*": "attention"}[ch]
-                                              for ch in config["hybrid_override_pattern"]])
+        rel = dict(
+            config,
+            layers_block_type=[
+                {"M": "mamba", "E": "moe", "*": "attention"}[ch] for ch in config["hybrid_override_pattern"]
+            ],
+        )
         del rel["hybrid_override_pattern"]
         assert inspect_json(tmp_path, "super_list", rel, capsys)["layer_schedule"] == sched
     else:
         assert "mtp" not in roles
-    print(f"{name}: {backbone / 1e9:.2f}B total without MTP, {active / 1e9:.2f}B active, "
-          f"{per_token} B/token, {fixed} B/sequence fixed")
+    print(
+        f"{name}: {backbone / 1e9:.2f}B total without MTP, {active / 1e9:.2f}B active, "
+        f"{per_token} B/token, {fixed} B/sequence fixed"
+    )
 
 
 def test_bf16_matches_transformers_bf16(hf_ckpt):
@@ -490,5 +640,7 @@ def test_bf16_matches_transformers_bf16(hf_ckpt):
         ref = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([ids])).logits[0]
     got, _ = run(Checkpoint.open(path).build("bfloat16"), [ids])
     err = max_err(got, ref)
-    print(f"nemotron_h[{kind}] bf16 vs transformers bf16 max abs err {err:.2e} (|logit| max {ref.abs().max():.2f})")
+    print(
+        f"nemotron_h[{kind}] bf16 vs transformers bf16 max abs err {err:.2e} (|logit| max {ref.abs().max():.2f})"
+    )
     assert got.dtype == torch.float32 and err < 0.15

@@ -8,8 +8,19 @@ import torch
 
 from moesaic.errors import CheckpointError
 from moesaic.weights.quant import (
-    QuantizedTensor, e8m0_to_float, float_to_e2m1_codes, load_quantized, pack_fp4_codes, quantize_fp8_block,
-    quantize_fp8_tensor, quantize_mxfp4, quantize_nvfp4, resolve_format, stack, unpack_fp4, unpack_fp4_codes,
+    QuantizedTensor,
+    e8m0_to_float,
+    float_to_e2m1_codes,
+    load_quantized,
+    pack_fp4_codes,
+    quantize_fp8_block,
+    quantize_fp8_tensor,
+    quantize_mxfp4,
+    quantize_nvfp4,
+    resolve_format,
+    stack,
+    unpack_fp4,
+    unpack_fp4_codes,
 )
 
 ct_quant = pytest.importorskip("compressed_tensors.quantization")
@@ -19,24 +30,59 @@ from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor  # noqa: 
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
 
 K3_CONFIG = {  # Kimi K3 config.json quantization_config (reference/kimi_k3.md)
-    "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
     "ignore": ["re:.*shared_experts.*"],
-    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-        "num_bits": 4, "group_size": 32, "type": "float", "symmetric": True, "strategy": "group",
-        "scale_dtype": "torch.uint8", "dynamic": False}}},
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "input_activations": None,
+            "weights": {
+                "num_bits": 4,
+                "group_size": 32,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "group",
+                "scale_dtype": "torch.uint8",
+                "dynamic": False,
+            },
+        }
+    },
 }
 CT_NVFP4_CONFIG = {
-    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
     "ignore": ["lm_head", "re:.*mlp.gate$"],
-    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "group_size": 16, "type": "float", "symmetric": True, "strategy": "tensor_group",
-        "scale_dtype": "torch.float8_e4m3fn", "dynamic": False}}},
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "group_size": 16,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "tensor_group",
+                "scale_dtype": "torch.float8_e4m3fn",
+                "dynamic": False,
+            },
+        }
+    },
 }
-V41_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-              "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
-MODELOPT_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-                   "kv_cache_quant_algo": None,
-                   "exclude_modules": ["lm_head", "model.layers.*.self_attn*", "*.mlp.gate"]}
+V41_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+}
+MODELOPT_CONFIG = {
+    "quant_method": "modelopt",
+    "quant_algo": "NVFP4",
+    "group_size": 16,
+    "kv_cache_quant_algo": None,
+    "exclude_modules": ["lm_head", "model.layers.*.self_attn*", "*.mlp.gate"],
+}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -56,6 +102,7 @@ def rand_weight(n, k, seed=0, dtype=torch.float32):
 # ---------------------------------------------------------------------------------------------
 # element types
 # ---------------------------------------------------------------------------------------------
+
 
 def test_fp4_nibble_order_and_e2m1_rounding():
     # byte 0x72: low nibble 2 (1.0) is element 0, high nibble 7 (6.0) element 1; 0x9F: -6.0, -0.5
@@ -85,6 +132,7 @@ def test_e8m0_decoding_matches_ocp_and_compressed_tensors():
 # ---------------------------------------------------------------------------------------------
 # bit-exact against compressed-tensors' own decompression
 # ---------------------------------------------------------------------------------------------
+
 
 def _ct_compress(w: torch.Tensor, preset: str, compressor):
     scheme = ct_quant.preset_name_to_scheme(preset, ["Linear"])
@@ -124,12 +172,16 @@ def test_mxfp4_equals_compressed_tensors_on_arbitrary_bytes():
     scale = torch.randint(0, 255, (64, 8), dtype=torch.uint8, generator=g)
     scale[0, 0], scale[0, 1], scale[1, 0] = 0, 254, 1
     scheme = ct_quant.preset_name_to_scheme("MXFP4A16", ["Linear"])
-    theirs = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale}, scheme)["weight"]
+    theirs = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale}, scheme)[
+        "weight"
+    ]
     ours = QuantizedTensor("mxfp4", packed, scale, name="w").dequantize(torch.bfloat16)
     assert torch.equal(bits(ours), bits(theirs))
     # a broken twin: reading the high nibble first must not pass the same comparison
     swapped = (packed >> 4) | (packed << 4)
-    assert not torch.equal(bits(QuantizedTensor("mxfp4", swapped, scale).dequantize(torch.bfloat16)), bits(theirs))
+    assert not torch.equal(
+        bits(QuantizedTensor("mxfp4", swapped, scale).dequantize(torch.bfloat16)), bits(theirs)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -158,14 +210,18 @@ def test_nvfp4_equals_compressed_tensors_on_arbitrary_bytes():
     gscale = torch.tensor([1234.567])
     scheme = ct_quant.preset_name_to_scheme("NVFP4A16", ["Linear"])
     theirs = NVFP4PackedCompressor.decompress(
-        {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": gscale}, scheme)["weight"]
-    ours = QuantizedTensor("nvfp4", packed, scale, global_scale=gscale, global_divides=True).dequantize(torch.bfloat16)
+        {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": gscale}, scheme
+    )["weight"]
+    ours = QuantizedTensor("nvfp4", packed, scale, global_scale=gscale, global_divides=True).dequantize(
+        torch.bfloat16
+    )
     assert torch.equal(bits(ours), bits(theirs))
 
 
 # ---------------------------------------------------------------------------------------------
 # FP8 blocks against an independent reference
 # ---------------------------------------------------------------------------------------------
+
 
 def _fp8_reference(q: torch.Tensor, s: torch.Tensor, bn: int, bk: int, e8m0: bool) -> torch.Tensor:
     """Block by block, with explicit loops and Python floats for the scales."""
@@ -175,12 +231,22 @@ def _fp8_reference(q: torch.Tensor, s: torch.Tensor, bn: int, bk: int, e8m0: boo
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
             v = 2.0 ** (int(s[i, j].view(torch.uint8)) - 127) if e8m0 else float(s[i, j])
-            out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = qf[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] * v
+            out[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (
+                qf[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] * v
+            )
     return out
 
 
-@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((300, 200), (32, 32)),
-                                         ((256, 128), (128, 128)), ((70, 45), (1, 45)), ((65, 33), (32, 16))])
+@pytest.mark.parametrize(
+    "shape,block",
+    [
+        ((300, 200), (128, 128)),
+        ((300, 200), (32, 32)),
+        ((256, 128), (128, 128)),
+        ((70, 45), (1, 45)),
+        ((65, 33), (32, 16)),
+    ],
+)
 @pytest.mark.parametrize("e8m0", [False, True])
 def test_fp8_block_dequant_equals_reference(shape, block, e8m0):
     g = torch.Generator().manual_seed(5)
@@ -199,7 +265,7 @@ def test_fp8_block_dequant_equals_reference(shape, block, e8m0):
     assert torch.equal(qt.dequantize(torch.bfloat16), ref.bfloat16())
     for tr in (block[0], 2 * block[0] if block[0] > 1 else 7):  # tiles that cut the matrix differently
         assert torch.equal(torch.cat([qt.dequantize_rows(r, min(n, r + tr)) for r in range(0, n, tr)]), ref)
-    assert torch.equal(qt.dequantize_rows(5, n - 2), ref[5:n - 2])  # rows not aligned to the block
+    assert torch.equal(qt.dequantize_rows(5, n - 2), ref[5 : n - 2])  # rows not aligned to the block
     with pytest.raises(IndexError):
         qt.dequantize_rows(0, n + 1)
 
@@ -207,6 +273,7 @@ def test_fp8_block_dequant_equals_reference(shape, block, e8m0):
 # ---------------------------------------------------------------------------------------------
 # matmul, stacking
 # ---------------------------------------------------------------------------------------------
+
 
 def _make(fmt: str, w: torch.Tensor) -> QuantizedTensor:
     if fmt == "fp8_block_f32":
@@ -223,8 +290,13 @@ def _make(fmt: str, w: torch.Tensor) -> QuantizedTensor:
         return QuantizedTensor("mxfp4", d["weight_packed"], d["weight_scale"])
     if fmt == "nvfp4_ct":
         d = quantize_nvfp4(w)
-        return QuantizedTensor("nvfp4", d["weight_packed"], d["weight_scale"], global_scale=d["weight_global_scale"],
-                               global_divides=True)
+        return QuantizedTensor(
+            "nvfp4",
+            d["weight_packed"],
+            d["weight_scale"],
+            global_scale=d["weight_global_scale"],
+            global_divides=True,
+        )
     d = quantize_nvfp4(w, naming="modelopt")
     return QuantizedTensor("nvfp4", d["weight"], d["weight_scale"], global_scale=d["weight_scale_2"])
 
@@ -274,8 +346,9 @@ def test_stacked_experts_index_without_copy(fmt):
     assert torch.equal(st[-1].dequantize(), experts[2].dequantize())
     assert st[1:3].shape == (2, 96, 128)
     xs = torch.randn(3, 4, 128)
-    torch.testing.assert_close(st.matmul(xs), torch.stack([xs[e] @ full[e].T for e in range(3)]),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        st.matmul(xs), torch.stack([xs[e] @ full[e].T for e in range(3)]), rtol=1e-5, atol=1e-4
+    )
     with pytest.raises(IndexError):
         st[3]
     with pytest.raises(TypeError):
@@ -285,6 +358,7 @@ def test_stacked_experts_index_without_copy(fmt):
 # ---------------------------------------------------------------------------------------------
 # encoders: round trips
 # ---------------------------------------------------------------------------------------------
+
 
 def test_roundtrip_within_quantization_error():
     w = torch.randn(160, 256, generator=torch.Generator().manual_seed(7))
@@ -330,7 +404,9 @@ def test_roundtrip_exact_on_representable_values():
         for naming in ("compressed-tensors", "modelopt"):
             d = quantize_nvfp4(w16, naming=naming)
             c, s, gs = d.values()
-            qt = QuantizedTensor("nvfp4", c, s, global_scale=gs, global_divides=naming == "compressed-tensors")
+            qt = QuantizedTensor(
+                "nvfp4", c, s, global_scale=gs, global_divides=naming == "compressed-tensors"
+            )
             assert torch.equal(qt.dequantize(), w16), naming
     # FP8: E4M3 values times a block scale whose block reaches 448
     q = torch.randint(0, 256, (96, 64), dtype=torch.uint8, generator=g)
@@ -349,6 +425,7 @@ def test_roundtrip_exact_on_representable_values():
 # malformed checkpoints
 # ---------------------------------------------------------------------------------------------
 
+
 def test_malformed_scales_raise_checkpoint_errors_naming_the_tensor():
     w = torch.randn(64, 96)
     d = quantize_fp8_block(w, (32, 32), "ue8m0", naming="deepseek")
@@ -359,14 +436,26 @@ def test_malformed_scales_raise_checkpoint_errors_naming_the_tensor():
         load_quantized(base, bad, "fp8_block", V41_CONFIG)
     # unsupported block sizes
     with pytest.raises(CheckpointError, match=rf"{base}.*weight_block_size"):
-        resolve_format({**V41_CONFIG, "weight_block_size": [128]}, {f"{base}.weight": "F8_E4M3",
-                                                                    f"{base}.scale": "F8_E8M0"}, base)
+        resolve_format(
+            {**V41_CONFIG, "weight_block_size": [128]},
+            {f"{base}.weight": "F8_E4M3", f"{base}.scale": "F8_E8M0"},
+            base,
+        )
     with pytest.raises(CheckpointError, match="unsupported fp8 block size"):
         QuantizedTensor("fp8_block", d["weight"], d["scale"], block=(0, 32), name=base)
-    ct64 = {**K3_CONFIG, "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "group_size": 64, "type": "float", "strategy": "group"}}}}
+    ct64 = {
+        **K3_CONFIG,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "group_size": 64, "type": "float", "strategy": "group"},
+            }
+        },
+    }
     with pytest.raises(CheckpointError, match="experts.0.w1.*group_size 64"):
-        resolve_format(ct64, {"experts.0.w1.weight_packed": "U8", "experts.0.w1.weight_scale": "U8"}, "experts.0.w1")
+        resolve_format(
+            ct64, {"experts.0.w1.weight_packed": "U8", "experts.0.w1.weight_scale": "U8"}, "experts.0.w1"
+        )
     # missing companions
     with pytest.raises(CheckpointError, match=rf"{base}\.weight_scale_inv is missing"):
         resolve_format(V41_CONFIG, {f"{base}.weight": "F8_E4M3"}, base)
@@ -383,8 +472,9 @@ def test_malformed_scales_raise_checkpoint_errors_naming_the_tensor():
     # wrong dtypes
     m = quantize_mxfp4(torch.randn(8, 64))
     with pytest.raises(CheckpointError, match=r"x\.weight_scale: dtype torch\.float32"):
-        load_quantized("x", {"x.weight_packed": m["weight_packed"], "x.weight_scale": m["weight_scale"].float()},
-                       "mxfp4")
+        load_quantized(
+            "x", {"x.weight_packed": m["weight_packed"], "x.weight_scale": m["weight_scale"].float()}, "mxfp4"
+        )
     with pytest.raises(CheckpointError, match=r"x\.weight_scale: dtype F32"):
         resolve_format(K3_CONFIG, {"x.weight_packed": "U8", "x.weight_scale": "F32"}, "x")
     with pytest.raises(CheckpointError, match="not supported"):
@@ -396,8 +486,13 @@ def test_malformed_scales_raise_checkpoint_errors_naming_the_tensor():
         QuantizedTensor("mxfp4", m["weight_packed"], torch.zeros(8, 4, dtype=torch.uint8), name="z")
     n4 = quantize_nvfp4(torch.randn(8, 64))
     with pytest.raises(CheckpointError, match="g2.*one value per matrix"):
-        QuantizedTensor("nvfp4", n4["weight_packed"], n4["weight_scale"], global_scale=torch.ones(2),
-                        tensor_names={"global_scale": "g2"})
+        QuantizedTensor(
+            "nvfp4",
+            n4["weight_packed"],
+            n4["weight_scale"],
+            global_scale=torch.ones(2),
+            tensor_names={"global_scale": "g2"},
+        )
     with pytest.raises(CheckpointError, match=r"expected \[8, 128\]"):
         QuantizedTensor("mxfp4", m["weight_packed"], m["weight_scale"], shape=(8, 128))
 
@@ -406,19 +501,31 @@ def test_malformed_scales_raise_checkpoint_errors_naming_the_tensor():
 # resolve_format on the released configs
 # ---------------------------------------------------------------------------------------------
 
+
 def test_resolve_format_k3_compressed_tensors_mxfp4():
     p = "language_model.model.layers.5.block_sparse_moe"
-    names = {f"{p}.experts.0.w1.weight_packed": "U8", f"{p}.experts.0.w1.weight_scale": "U8",
-             f"{p}.shared_experts.gate_proj.weight": "BF16", f"{p}.gate.weight": "BF16",
-             f"{p}.routed_expert_up_proj.weight": "BF16",
-             "language_model.model.layers.5.self_attn.q_proj.weight": "BF16"}
+    names = {
+        f"{p}.experts.0.w1.weight_packed": "U8",
+        f"{p}.experts.0.w1.weight_scale": "U8",
+        f"{p}.shared_experts.gate_proj.weight": "BF16",
+        f"{p}.gate.weight": "BF16",
+        f"{p}.routed_expert_up_proj.weight": "BF16",
+        "language_model.model.layers.5.self_attn.q_proj.weight": "BF16",
+    }
     assert resolve_format(K3_CONFIG, names, f"{p}.experts.0.w1") == "mxfp4"
     assert resolve_format(K3_CONFIG, names, f"{p}.experts.0.w1.weight") == "mxfp4"
-    for dense in (f"{p}.shared_experts.gate_proj", f"{p}.gate", f"{p}.routed_expert_up_proj",
-                  "language_model.model.layers.5.self_attn.q_proj"):
+    for dense in (
+        f"{p}.shared_experts.gate_proj",
+        f"{p}.gate",
+        f"{p}.routed_expert_up_proj",
+        "language_model.model.layers.5.self_attn.q_proj",
+    ):
         assert resolve_format(K3_CONFIG, names, dense) is None, dense
     # the ignore list says shared experts stay bf16: quantized ones there are a contradiction
-    bad = {f"{p}.shared_experts.down_proj.weight_packed": "U8", f"{p}.shared_experts.down_proj.weight_scale": "U8"}
+    bad = {
+        f"{p}.shared_experts.down_proj.weight_packed": "U8",
+        f"{p}.shared_experts.down_proj.weight_scale": "U8",
+    }
     with pytest.raises(CheckpointError, match=r"shared_experts\.down_proj.*inconsistent"):
         resolve_format(K3_CONFIG, bad, f"{p}.shared_experts.down_proj")
     # an nvfp4 tensor set under an mxfp4 config
@@ -428,10 +535,16 @@ def test_resolve_format_k3_compressed_tensors_mxfp4():
 
 
 def test_resolve_format_deepseek_v41_fp8_32x32_ue8m0():
-    names = {"layers.0.attn.wq_a.weight": "F8_E4M3", "layers.0.attn.wq_a.scale": "F8_E8M0",
-             "layers.0.attn.compressor.wkv.weight": "BF16", "layers.0.attn.indexer.wq_b.weight": "BF16",
-             "layers.0.ffn.experts.3.w1.weight": "I8", "layers.0.ffn.experts.3.w1.scale": "F8_E8M0",
-             "layers.0.attn.q_norm.weight": "BF16", "layers.0.hc_attn_fn": "F32"}
+    names = {
+        "layers.0.attn.wq_a.weight": "F8_E4M3",
+        "layers.0.attn.wq_a.scale": "F8_E8M0",
+        "layers.0.attn.compressor.wkv.weight": "BF16",
+        "layers.0.attn.indexer.wq_b.weight": "BF16",
+        "layers.0.ffn.experts.3.w1.weight": "I8",
+        "layers.0.ffn.experts.3.w1.scale": "F8_E8M0",
+        "layers.0.attn.q_norm.weight": "BF16",
+        "layers.0.hc_attn_fn": "F32",
+    }
     assert resolve_format(V41_CONFIG, names, "layers.0.attn.wq_a") == "fp8_block"
     assert resolve_format(V41_CONFIG, names, "layers.0.ffn.experts.3.w1") == "mxfp4"
     for dense in ("layers.0.attn.compressor.wkv", "layers.0.attn.indexer.wq_b", "layers.0.attn.q_norm"):
@@ -440,8 +553,12 @@ def test_resolve_format_deepseek_v41_fp8_32x32_ue8m0():
     w = torch.randn(64, 96)
     d = quantize_fp8_block(w, (32, 32), "ue8m0", naming="deepseek")
     e = quantize_mxfp4(torch.randn(48, 64), naming="deepseek")
-    ckpt = {"layers.0.attn.wq_a.weight": d["weight"], "layers.0.attn.wq_a.scale": d["scale"],
-            "layers.0.ffn.experts.3.w1.weight": e["weight"], "layers.0.ffn.experts.3.w1.scale": e["scale"]}
+    ckpt = {
+        "layers.0.attn.wq_a.weight": d["weight"],
+        "layers.0.attn.wq_a.scale": d["scale"],
+        "layers.0.ffn.experts.3.w1.weight": e["weight"],
+        "layers.0.ffn.experts.3.w1.scale": e["scale"],
+    }
     qt = load_quantized("layers.0.attn.wq_a", ckpt.__getitem__, "fp8_block", V41_CONFIG, names=set(ckpt))
     assert qt.block == (32, 32) and qt.scale_kind == "e8m0" and qt.scale.shape == (2, 3)
     assert torch.equal(qt.dequantize(), _fp8_reference(d["weight"], d["scale"], 32, 32, True))
@@ -452,7 +569,9 @@ def test_resolve_format_deepseek_v41_fp8_32x32_ue8m0():
     # with no config the block is inferred from the shapes; a 128-block config reads it wrongly -> error
     assert load_quantized("layers.0.attn.wq_a", ckpt, "fp8_block", None).block == (32, 32)
     with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wq_a\.scale"):
-        load_quantized("layers.0.attn.wq_a", ckpt, "fp8_block", {**V41_CONFIG, "weight_block_size": [128, 128]})
+        load_quantized(
+            "layers.0.attn.wq_a", ckpt, "fp8_block", {**V41_CONFIG, "weight_block_size": [128, 128]}
+        )
     # HF DeepSeek-V3 style: weight_scale_inv fp32, 128x128
     h = quantize_fp8_block(torch.randn(300, 200), (128, 128), "float", naming="hf")
     hf = {"q.weight": h["weight"], "q.weight_scale_inv": h["weight_scale_inv"]}
@@ -465,20 +584,34 @@ def test_resolve_format_deepseek_v41_fp8_32x32_ue8m0():
 
 def test_resolve_format_modelopt_nvfp4():
     L = "model.layers.2"
-    names = {f"{L}.mlp.experts.4.up_proj.weight": "U8", f"{L}.mlp.experts.4.up_proj.weight_scale": "F8_E4M3",
-             f"{L}.mlp.experts.4.up_proj.weight_scale_2": "F32", f"{L}.mlp.experts.4.up_proj.input_scale": "F32",
-             f"{L}.self_attn.q_proj.weight": "BF16", f"{L}.mlp.gate.weight": "BF16", "lm_head.weight": "BF16"}
+    names = {
+        f"{L}.mlp.experts.4.up_proj.weight": "U8",
+        f"{L}.mlp.experts.4.up_proj.weight_scale": "F8_E4M3",
+        f"{L}.mlp.experts.4.up_proj.weight_scale_2": "F32",
+        f"{L}.mlp.experts.4.up_proj.input_scale": "F32",
+        f"{L}.self_attn.q_proj.weight": "BF16",
+        f"{L}.mlp.gate.weight": "BF16",
+        "lm_head.weight": "BF16",
+    }
     assert resolve_format(MODELOPT_CONFIG, names, f"{L}.mlp.experts.4.up_proj") == "nvfp4"
     for dense in (f"{L}.self_attn.q_proj", f"{L}.mlp.gate", "lm_head"):
         assert resolve_format(MODELOPT_CONFIG, names, dense) is None
     # the hf_quant_config.json spelling gives the same answers
-    hfq = {"producer": {"name": "modelopt", "version": "0.29"},
-           "quantization": {k: v for k, v in MODELOPT_CONFIG.items() if k != "quant_method"}}
+    hfq = {
+        "producer": {"name": "modelopt", "version": "0.29"},
+        "quantization": {k: v for k, v in MODELOPT_CONFIG.items() if k != "quant_method"},
+    }
     assert resolve_format(hfq, names, f"{L}.mlp.experts.4.up_proj") == "nvfp4"
     with pytest.raises(CheckpointError, match=r"self_attn\.o_proj.*inconsistent"):
-        resolve_format(MODELOPT_CONFIG, {f"{L}.self_attn.o_proj.weight": "U8", f"{L}.self_attn.o_proj.weight_scale":
-                                         "F8_E4M3", f"{L}.self_attn.o_proj.weight_scale_2": "F32"},
-                       f"{L}.self_attn.o_proj")
+        resolve_format(
+            MODELOPT_CONFIG,
+            {
+                f"{L}.self_attn.o_proj.weight": "U8",
+                f"{L}.self_attn.o_proj.weight_scale": "F8_E4M3",
+                f"{L}.self_attn.o_proj.weight_scale_2": "F32",
+            },
+            f"{L}.self_attn.o_proj",
+        )
     # ModelOpt multiplies by weight_scale_2; loading keeps that convention
     w = torch.randn(32, 64)
     d = quantize_nvfp4(w, naming="modelopt")
@@ -491,9 +624,13 @@ def test_resolve_format_modelopt_nvfp4():
     # FP8 per-tensor under ModelOpt FP8
     f = quantize_fp8_tensor(w)
     cfg8 = {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": ["lm_head"]}
-    assert resolve_format(cfg8, {"p.weight": "F8_E4M3", "p.weight_scale": "F32", "p.input_scale": "F32"}, "p") \
+    assert (
+        resolve_format(cfg8, {"p.weight": "F8_E4M3", "p.weight_scale": "F32", "p.input_scale": "F32"}, "p")
         == "fp8_tensor"
-    qt8 = load_quantized("p", {"p.weight": f["weight"], "p.weight_scale": f["weight_scale"]}, "fp8_tensor", cfg8)
+    )
+    qt8 = load_quantized(
+        "p", {"p.weight": f["weight"], "p.weight_scale": f["weight_scale"]}, "fp8_tensor", cfg8
+    )
     assert torch.equal(qt8.dequantize(), f["weight"].float() * f["weight_scale"])
 
 
@@ -510,20 +647,33 @@ def test_tiny_quantized_checkpoint_through_the_weight_store(tmp_path):
     for base, w in ws.items():
         tensors.update({f"{base}.{k}": v for k, v in quantize_mxfp4(w, naming="deepseek").items()})
     dense_fp8 = torch.randn(40, 96, generator=g)
-    tensors.update({f"layers.0.attn.wq_a.{k}": v
-                    for k, v in quantize_fp8_block(dense_fp8, (32, 32), "ue8m0", naming="deepseek").items()})
+    tensors.update(
+        {
+            f"layers.0.attn.wq_a.{k}": v
+            for k, v in quantize_fp8_block(dense_fp8, (32, 32), "ue8m0", naming="deepseek").items()
+        }
+    )
     tensors["layers.0.attn.compressor.wkv.weight"] = torch.randn(8, 96, generator=g).bfloat16()
     save_safetensors(tensors, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "quantization_config": V41_CONFIG}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v41", "quantization_config": V41_CONFIG})
+    )
     store = WeightStore(tmp_path)
     qc = store.config["quantization_config"]
     dtypes = {n: store.info(n).dtype for n in store.names()}
-    assert dtypes["layers.0.ffn.experts.0.w1.scale"] == "F8_E8M0" and dtypes["layers.0.ffn.experts.0.w1.weight"] == "I8"
+    assert (
+        dtypes["layers.0.ffn.experts.0.w1.scale"] == "F8_E8M0"
+        and dtypes["layers.0.ffn.experts.0.w1.weight"] == "I8"
+    )
     assert resolve_format(qc, dtypes, "layers.0.attn.compressor.wkv") is None
     fmt = resolve_format(qc, dtypes, "layers.0.attn.wq_a")
     wq = load_quantized("layers.0.attn.wq_a", store, fmt, qc, shape=(40, 96))
-    assert wq.block == (32, 32) and torch.equal(wq.dequantize(), _fp8_reference(
-        tensors["layers.0.attn.wq_a.weight"], tensors["layers.0.attn.wq_a.scale"], 32, 32, True))
+    assert wq.block == (32, 32) and torch.equal(
+        wq.dequantize(),
+        _fp8_reference(
+            tensors["layers.0.attn.wq_a.weight"], tensors["layers.0.attn.wq_a.scale"], 32, 32, True
+        ),
+    )
     experts = [load_quantized(b, store, resolve_format(qc, dtypes, b), qc) for b in ws]
     st = stack(experts, name="layers.0.ffn.experts.w1")
     x = torch.randn(2, 3, 96, generator=g)
@@ -535,9 +685,24 @@ def test_tiny_quantized_checkpoint_through_the_weight_store(tmp_path):
 
 def test_resolve_format_compressed_tensors_fp8_strategies():
     def ct_fp8(strategy, **extra):
-        return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                    "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, **extra}}}}
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": strategy,
+                        "symmetric": True,
+                        **extra,
+                    },
+                }
+            },
+        }
+
     w = torch.randn(70, 96, generator=torch.Generator().manual_seed(11))
     names = {"p.weight": "F8_E4M3", "p.weight_scale": "F32"}
     # per-channel: scale [N, 1] -> the block [1, K]
@@ -545,8 +710,9 @@ def test_resolve_format_compressed_tensors_fp8_strategies():
     assert resolve_format(cfg, names, "p") == "fp8_block"
     d = quantize_fp8_block(w, (1, 96), "float", naming="compressed-tensors")
     qt = load_quantized("p", {f"p.{k}": v for k, v in d.items()}, "fp8_block", cfg)
-    assert qt.block == (1, 96) and torch.equal(qt.dequantize(), _fp8_reference(d["weight"], d["weight_scale"], 1, 96,
-                                                                               False))
+    assert qt.block == (1, 96) and torch.equal(
+        qt.dequantize(), _fp8_reference(d["weight"], d["weight_scale"], 1, 96, False)
+    )
     # block strategy with its block_structure
     cfg = ct_fp8("block", block_structure=[32, 32])
     d = quantize_fp8_block(w, (32, 32), "float", naming="compressed-tensors")
@@ -557,7 +723,17 @@ def test_resolve_format_compressed_tensors_fp8_strategies():
     # packed codes must be bytes; int4 "pack-quantized" is not a format moesaic reads
     with pytest.raises(CheckpointError, match=r"q\.weight_packed: dtype F32"):
         resolve_format(K3_CONFIG, {"q.weight_packed": "F32", "q.weight_scale": "U8"}, "q")
-    int4 = {**K3_CONFIG, "format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
-    with pytest.raises(CheckpointError, match=r"q: compressed-tensors format 'pack-quantized' is not supported"):
+    int4 = {
+        **K3_CONFIG,
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+            }
+        },
+    }
+    with pytest.raises(
+        CheckpointError, match=r"q: compressed-tensors format 'pack-quantized' is not supported"
+    ):
         resolve_format(int4, {"q.weight_packed": "I32", "q.weight_scale": "BF16"}, "q")

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import transformers
+from helpers import max_err
 from torch.profiler import ProfilerActivity, profile
 
 from moesaic.demo import DEMO_CONFIG, random_tensors
@@ -18,25 +19,59 @@ from moesaic.models import mistral4, nemotron_h
 from moesaic.weights.contract import to_checkpoint
 from moesaic.weights.load import Checkpoint
 from moesaic.weights.precision import PrecisionSchedule
-from moesaic.weights.quant import COMPANION_SUFFIXES, ConcatRows, QuantizedTensor, load_quantized, resolve_format
-from moesaic.weights.store import _native_scale_name as native_scale_name, save_safetensors
+from moesaic.weights.quant import (
+    COMPANION_SUFFIXES,
+    ConcatRows,
+    QuantizedTensor,
+    load_quantized,
+    resolve_format,
+)
+from moesaic.weights.store import _native_scale_name as native_scale_name
+from moesaic.weights.store import save_safetensors
 from moesaic.weights.writers import quantize_checkpoint
 
-from helpers import max_err
-
-MISTRAL = dict(DEMO_CONFIG, num_hidden_layers=3, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-               q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-               max_position_embeddings=128, moesaic_demo={}, moesaic_tokenizer=None)
-NEMOTRON = {"model_type": "nemotron_h", "vocab_size": 101, "hidden_size": 64, "layers_block_type":
-            ["mamba", "moe", "attention", "mlp", "mamba", "moe"], "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "intermediate_size": 96, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
-            "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "max_position_embeddings": 128}
+MISTRAL = dict(
+    DEMO_CONFIG,
+    num_hidden_layers=3,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=128,
+    moesaic_demo={},
+    moesaic_tokenizer=None,
+)
+NEMOTRON = {
+    "model_type": "nemotron_h",
+    "vocab_size": 101,
+    "hidden_size": 64,
+    "layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba", "moe"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "n_groups": 2,
+    "ssm_state_size": 16,
+    "conv_kernel": 4,
+    "chunk_size": 8,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 48,
+    "max_position_embeddings": 128,
+}
 
 EXPERTS_NATIVE = r"layers\.\d+\.(experts\.\d+|shared_experts)\.w[123]\.weight"
 ATTN_HF = r"model\.layers\.\d+\.self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight"
 NEMO_EXPERTS = r"backbone\.layers\.\d+\.mixer\.(experts\.\d+|shared_experts)\.(up|down)_proj\.weight"
 NEMO_LINEAR = r"backbone\.layers\.\d+\.mixer\.(in_proj|out_proj|q_proj|k_proj|v_proj|o_proj)\.weight"
+
 
 def _tiny(test_module: str, config_class: str) -> dict:
     """The tiny config a family's oracle test uses, as the config.json transformers writes."""
@@ -55,16 +90,35 @@ DSV4_EXPERTS = r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight"
 CASES = [
     ("mistral4-native-nvfp4", mistral4, MISTRAL, "native", EXPERTS_NATIVE, "nvfp4"),
     ("mistral4-native-mxfp4", mistral4, MISTRAL, "native", EXPERTS_NATIVE, "mxfp4"),
-    ("mistral4-native-fp8", mistral4, MISTRAL, "native", r"layers\.\d+\.(attention\.w\w+|experts\.\d+\.w[123])\.weight",
-     "fp8-mistral"),
+    (
+        "mistral4-native-fp8",
+        mistral4,
+        MISTRAL,
+        "native",
+        r"layers\.\d+\.(attention\.w\w+|experts\.\d+\.w[123])\.weight",
+        "fp8-mistral",
+    ),
     ("mistral4-hf-fp8", mistral4, MISTRAL, "hf", ATTN_HF, "fp8"),
     ("mistral4-hf-fp8-ue8m0", mistral4, MISTRAL, "hf", ATTN_HF, "fp8-ue8m0"),
     ("nemotron-nvfp4-modelopt", nemotron_h, NEMOTRON, "hf", NEMO_EXPERTS, "nvfp4-modelopt"),
     ("nemotron-fp8-deepseek", nemotron_h, NEMOTRON, "hf", NEMO_LINEAR, "fp8-deepseek"),
     ("glm5next-nvfp4", "glm5next", ("test_glm5next", "Glm5NextTextConfig"), "hf", GLM_EXPERTS, "nvfp4"),
-    ("deepseek_v4-fp8+fp4", "deepseek_v4", ("test_deepseek_v4", "DeepseekV4Config"), "upstream",
-     [(DSV4_DENSE, "fp8-deepseek"), (DSV4_EXPERTS, "fp4-deepseek")], None),
-    ("deepseek_v4-fp8-ue8m0", "deepseek_v4", ("test_deepseek_v4", "DeepseekV4Config"), "upstream", DSV4_DENSE, "fp8-ue8m0"),
+    (
+        "deepseek_v4-fp8+fp4",
+        "deepseek_v4",
+        ("test_deepseek_v4", "DeepseekV4Config"),
+        "upstream",
+        [(DSV4_DENSE, "fp8-deepseek"), (DSV4_EXPERTS, "fp4-deepseek")],
+        None,
+    ),
+    (
+        "deepseek_v4-fp8-ue8m0",
+        "deepseek_v4",
+        ("test_deepseek_v4", "DeepseekV4Config"),
+        "upstream",
+        DSV4_DENSE,
+        "fp8-ue8m0",
+    ),
 ]
 
 
@@ -76,7 +130,9 @@ def release_tensors(family, raw, layout):
     for s in specs:  # integer tables: a valid hash routing (token -> distinct experts)
         if s.name.endswith("tid2eid"):
             vocab, k = s.shape
-            tensors[s.name] = ((torch.arange(vocab)[:, None] * 3 + torch.arange(k)[None, :]) % cfg.n_routed_experts).float()
+            tensors[s.name] = (
+                (torch.arange(vocab)[:, None] * 3 + torch.arange(k)[None, :]) % cfg.n_routed_experts
+            ).float()
     if layout == "native":
         naming = mistral4.native_naming(cfg)
     elif layout == "upstream":
@@ -95,7 +151,9 @@ def write(folder, raw, layout, tensors, qc=None):
         (folder / "params.json").write_text(json.dumps(params))
         save_safetensors(tensors, folder / "consolidated.safetensors")
     else:
-        (folder / "config.json").write_text(json.dumps(dict(raw, **({"quantization_config": qc} if qc else {}))))
+        (folder / "config.json").write_text(
+            json.dumps(dict(raw, **({"quantization_config": qc} if qc else {})))
+        )
         save_safetensors(tensors, folder / "model.safetensors")
     return folder
 
@@ -138,20 +196,24 @@ def test_packed_equals_dequantized_dense(case, tmp_path):
         raw = _tiny(*raw)
     dense = release_tensors(family, raw, layout)
     quant, qc = dense, {}
-    for sel, f in (select if isinstance(select, list) else [(select, fmt)]):
+    for sel, f in select if isinstance(select, list) else [(select, fmt)]:
         quant, q = quantize_checkpoint(quant, sel, f)
         qc = {**q, **qc}
     assert len(quant) > len(dense), "the selection quantized nothing"
     packed_model = Checkpoint.open(write(tmp_path / "q", raw, layout, quant, qc)).build("float32")
     ref_model = Checkpoint.open(write(tmp_path / "d", raw, layout, dequantized(quant, qc))).build("float32")
-    ids = torch.randint(3, 100, (19,), generator=torch.Generator().manual_seed(0)).tolist()  # every tiny vocab > 100
+    ids = torch.randint(
+        3, 100, (19,), generator=torch.Generator().manual_seed(0)
+    ).tolist()  # every tiny vocab > 100
     a, b = logits(packed_model, ids), logits(ref_model, ids)
     err = max_err(a, b)
     print(f"{name}: packed vs dequantized-dense max abs err {err:.2e}")
     assert err < 1e-4
+
     # and the packed model really holds packed weights, while the plain model holds none
     def packed(m):
         return sum(isinstance(v, (QuantizedTensor, ConcatRows)) for layer in m.layers for v in layer.values())
+
     assert packed(packed_model) > 0 and packed(ref_model) == 0
     # quantization changed the model: the dense original differs
     orig = Checkpoint.open(write(tmp_path / "o", raw, layout, dense)).build("float32")
@@ -165,23 +227,36 @@ def test_loading_mxfp4_experts_stays_near_the_packed_size(tmp_path):
     path = write(tmp_path, raw, "native", quant, qc)
     ckpt = Checkpoint.open(path)
     plan = ckpt.plan()
-    packed_bytes = sum(ckpt.store.info(n).nbytes for n in ckpt.store.names()
-                       if any(n.startswith(p[: -len(".weight")] + ".") for p in plan.quantized))
-    dense_bytes = sum(4 * torch.Size(ckpt.store.info(n).shape).numel() for src in plan.sources.values()
-                      for n, _ in src.parts if n not in plan.quantized)
+    packed_bytes = sum(
+        ckpt.store.info(n).nbytes
+        for n in ckpt.store.names()
+        if any(n.startswith(p[: -len(".weight")] + ".") for p in plan.quantized)
+    )
+    dense_bytes = sum(
+        4 * torch.Size(ckpt.store.info(n).shape).numel()
+        for src in plan.sources.values()
+        for n, _ in src.parts
+        if n not in plan.quantized
+    )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = ckpt.build("float32")
     # each op's own allocations (+) and frees (-), in time order (cpu_memory_usage would count nested ops twice)
-    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    events = sorted(
+        (e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage
+    )
     running = peak = 0
     for _, delta in events:
         running += delta
         peak = max(peak, running)
     budget = packed_bytes + dense_bytes
-    print(f"mxfp4 load: peak {peak} B; packed {packed_bytes} B + dense {dense_bytes} B; ratio {peak / budget:.3f}")
+    print(
+        f"mxfp4 load: peak {peak} B; packed {packed_bytes} B + dense {dense_bytes} B; ratio {peak / budget:.3f}"
+    )
     assert peak <= 1.3 * budget
     # a whole-model dequantization would have needed the experts 8x larger (fp32 vs 4.25 bits)
-    experts_fp32 = sum(4 * torch.Size(s.shape).numel() for s in mistral4.tensor_specs(ckpt.cfg) if s.role == "expert")
+    experts_fp32 = sum(
+        4 * torch.Size(s.shape).numel() for s in mistral4.tensor_specs(ckpt.cfg) if s.role == "expert"
+    )
     assert experts_fp32 > 2 * packed_bytes and peak < budget + experts_fp32 / 2
     assert isinstance(model.layers[1]["mlp.experts.gate_up_proj"], ConcatRows)
 
@@ -211,7 +286,11 @@ def test_precision_schedule(tmp_path):
 def test_precision_schedule_rules():
     s = PrecisionSchedule.parse("router=bf16,expert=fp8,expert@0-1+5=fp32,*=fp16")
     assert s.dtype_for(3, "router") == "bf16"
-    assert s.dtype_for(3, "expert") == "fp8" and s.dtype_for(1, "expert") == "fp32" and s.dtype_for(5, "expert") == "fp32"
+    assert (
+        s.dtype_for(3, "expert") == "fp8"
+        and s.dtype_for(1, "expert") == "fp32"
+        and s.dtype_for(5, "expert") == "fp32"
+    )
     assert s.dtype_for(3, "norm") == "fp16" and PrecisionSchedule().dtype_for(0, "expert") == "inherit"
     for bad in ("expert", "expert=fp5", "expert@x=fp8"):
         with pytest.raises(ConfigError):
@@ -222,7 +301,9 @@ def test_malformed_scales_in_a_checkpoint_are_reported(tmp_path):
     dense = release_tensors(mistral4, MISTRAL, "native")
     quant, qc = quantize_checkpoint(dense, EXPERTS_NATIVE, "nvfp4")
     del quant["layers.1.experts.2.w1.weight_global_scale"]
-    quant["layers.2.experts.0.w2.weight_scale"] = quant["layers.2.experts.0.w2.weight_scale"][:, :1].contiguous()
+    quant["layers.2.experts.0.w2.weight_scale"] = quant["layers.2.experts.0.w2.weight_scale"][
+        :, :1
+    ].contiguous()
     with pytest.raises(CheckpointError) as e:
         Checkpoint.open(write(tmp_path / "a", MISTRAL, "native", quant, qc)).build("float32")
     msg = str(e.value)
@@ -230,7 +311,9 @@ def test_malformed_scales_in_a_checkpoint_are_reported(tmp_path):
     # an unsupported fp8 block size named by the config
     q8, qc8 = quantize_checkpoint(release_tensors(mistral4, MISTRAL, "hf"), ATTN_HF, "fp8")
     with pytest.raises(CheckpointError, match="block"):
-        Checkpoint.open(write(tmp_path / "b", MISTRAL, "hf", q8, dict(qc8, weight_block_size=[128, 0]))).build("float32")
+        Checkpoint.open(
+            write(tmp_path / "b", MISTRAL, "hf", q8, dict(qc8, weight_block_size=[128, 0]))
+        ).build("float32")
 
 
 def test_inspect_shows_formats_and_schedule(tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 import moesaic
@@ -58,7 +57,9 @@ def test_stops_on_eos_stop_ids_and_max_tokens():
     assert base.finish_reason == "length" and len(base.token_ids) == 12
     stop_at = base.token_ids[4]
     first = base.token_ids.index(stop_at)
-    out = llm.generate([[1, 70, 71]], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at]))[0]
+    out = llm.generate(
+        [[1, 70, 71]], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at])
+    )[0]
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
     # the same token as the model's EOS
     llm.engine.eos_ids = {stop_at}
@@ -91,10 +92,16 @@ def write_hf_tokenizer(folder):
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.add_special_tokens(["<s>", "</s>", "[INST]", "[/INST]"])
     tk.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
-        "chat_template": "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}",
-    }))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": True,
+                "chat_template": "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}",
+            }
+        )
+    )
 
 
 def test_hf_tokenizer_and_chat_template(tmp_path):

@@ -85,7 +85,9 @@ class SequenceState:
             raise ValueError(f"cannot roll back {n} of {self.num_tokens} tokens")
         for i, layer in enumerate(self.layers):
             if layer is not None and not can_rollback(layer, n):
-                raise ValueError(f"cannot roll back {n} tokens: layer {i} keeps fewer (its speculative window is {getattr(layer, 'window', '?')})")
+                raise ValueError(
+                    f"cannot roll back {n} tokens: layer {i} keeps fewer (its speculative window is {getattr(layer, 'window', '?')})"
+                )
         for layer in self.layers:
             if layer is not None:
                 layer.rollback(n)
@@ -130,7 +132,7 @@ class RecurrentState:
                 raise ValueError(f"expected {self.snapshots_needed(n)} snapshots, got {len(snapshots)}")
             if n > self.window:  # older states are no longer reachable
                 self.history = []
-            self.history = (self.history + list(snapshots))[-(self.window + 1):]
+            self.history = (self.history + list(snapshots))[-(self.window + 1) :]
         else:
             self.history = [new_value]
         self.value = new_value
@@ -142,8 +144,10 @@ class RecurrentState:
         if n == 0:
             return
         if n >= len(self.history):
-            raise ValueError(f"cannot roll back {n} tokens: this state keeps snapshots of the last "
-                             f"{len(self.history) - 1} (its speculative window is {self.window})")
+            raise ValueError(
+                f"cannot roll back {n} tokens: this state keeps snapshots of the last "
+                f"{len(self.history) - 1} (its speculative window is {self.window})"
+            )
         self.history = self.history[: len(self.history) - n]
         self.value = self.history[-1]
 
@@ -192,8 +196,10 @@ class TailRows:
             out = {k: b[self.start : end] for k, b in self.bufs.items()}
             self.held += n
         else:
-            out = {k: torch.cat([self.bufs[k][self.start : self.start + self.held], rows[k].to(self.dtype)])
-                   for k in self.bufs}
+            out = {
+                k: torch.cat([self.bufs[k][self.start : self.start + self.held], rows[k].to(self.dtype)])
+                for k in self.bufs
+            }
             self.held += n
             self.start = 0
             keep = min(self.held, self.keep)
@@ -220,8 +226,10 @@ class TailRows:
             self.length = self.start = self.held = 0
             return
         if n > self.keep - self.need:  # the same bound for every TailRows of one rollback window
-            raise ValueError(f"cannot roll back {n} tokens: this state keeps {self.keep - self.need} rows "
-                             f"beyond what it reads (its speculative window)")
+            raise ValueError(
+                f"cannot roll back {n} tokens: this state keeps {self.keep - self.need} rows "
+                f"beyond what it reads (its speculative window)"
+            )
         self.held = max(self.held - n, 0)
         self.length -= n
 

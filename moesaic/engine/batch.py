@@ -25,7 +25,9 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # rows of the packed batch whose logits are returned
 
     @staticmethod
-    def build(items: list[tuple[SequenceState, list[int]]], logits: str = "last", device="cpu") -> "ForwardBatch":
+    def build(
+        items: list[tuple[SequenceState, list[int]]], logits: str = "last", device="cpu"
+    ) -> ForwardBatch:
         """items: (state, new token ids) per sequence. logits: "last" (one row per sequence) or "all"."""
         ids, pos, seqs, rows = [], [], [], []
         start = 0

@@ -54,8 +54,16 @@ def check_prompt(ids: list[int], vocab: int) -> None:
 
 
 class Engine:
-    def __init__(self, model, eos_ids=(), max_num_seqs: int = 32, max_batch_tokens: int = 1024,
-                 max_state_bytes: int | None = None, max_context: int | None = None, state_bytes=None):
+    def __init__(
+        self,
+        model,
+        eos_ids=(),
+        max_num_seqs: int = 32,
+        max_batch_tokens: int = 1024,
+        max_state_bytes: int | None = None,
+        max_context: int | None = None,
+        state_bytes=None,
+    ):
         self.model = model
         self.eos_ids = set(eos_ids)
         self.max_num_seqs = max_num_seqs
@@ -81,18 +89,25 @@ class Engine:
         seq.params.validate()
         check_prompt(seq.prompt_ids, self.model.cfg.vocab_size)
         if self.max_context is not None and len(seq.prompt_ids) >= self.max_context:
-            raise CapacityError(f"the prompt has {len(seq.prompt_ids)} tokens; this model's context is {self.max_context}")
+            raise CapacityError(
+                f"the prompt has {len(seq.prompt_ids)} tokens; this model's context is {self.max_context}"
+            )
         seq.planned_bytes = self.plan_bytes(seq)
         if self.max_state_bytes is not None and seq.planned_bytes > self.max_state_bytes:
-            raise CapacityError(f"this request needs {seq.planned_bytes} bytes of state; the engine allows "
-                                f"{self.max_state_bytes} (lower max_tokens or shorten the prompt)")
+            raise CapacityError(
+                f"this request needs {seq.planned_bytes} bytes of state; the engine allows "
+                f"{self.max_state_bytes} (lower max_tokens or shorten the prompt)"
+            )
         seq.generator = make_generator(seq.params, self.model.device)
         self.waiting.append(seq)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.max_state_bytes is not None and self.used_bytes + seq.planned_bytes > self.max_state_bytes:
+            if (
+                self.max_state_bytes is not None
+                and self.used_bytes + seq.planned_bytes > self.max_state_bytes
+            ):
                 break
             self.waiting.popleft()
             seq.state = self.model.new_state()
@@ -124,7 +139,9 @@ class Engine:
         items = self.schedule()
         if not items:
             return []
-        batch = ForwardBatch.build([(s.state, toks) for s, toks in items], logits="last", device=self.model.device)
+        batch = ForwardBatch.build(
+            [(s.state, toks) for s, toks in items], logits="last", device=self.model.device
+        )
         logits = self.model.forward(batch)
         events = []
         for row, (seq, toks) in enumerate(items):

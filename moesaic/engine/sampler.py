@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +24,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises RequestError for a value a request cannot have (checked before any work starts)."""
+
         def integer(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -41,7 +41,9 @@ class SamplingParams:
             raise RequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not integer(self.seed):
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(integer(t) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            integer(t) for t in self.stop_token_ids
+        ):
             raise RequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")

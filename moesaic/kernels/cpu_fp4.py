@@ -193,16 +193,23 @@ def load(verbose: bool = False):
     _state["tried"] = True
     try:
         from torch.utils.cpp_extension import load_inline
+
         _state["mod"] = load_inline(
-            name=f"moesaic_cpu_fp4_{_cpu_tag()}", cpp_sources=_CPP,
+            name=f"moesaic_cpu_fp4_{_cpu_tag()}",
+            cpp_sources=_CPP,
             functions=["fp4_gemv", "has_avx512"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            verbose=verbose)
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=verbose,
+        )
     except Exception as e:  # no compiler, no ninja, unsupported flags, ...: plain path
         _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        warnings.warn(f"moesaic: the fused CPU fp4 kernel could not be built ({_state['error']}); packed "
-                      f"fp4 matmuls use the plain-torch path (set MOESAIC_CPU_KERNELS=0 to skip the build)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"moesaic: the fused CPU fp4 kernel could not be built ({_state['error']}); packed "
+            f"fp4 matmuls use the plain-torch path (set MOESAIC_CPU_KERNELS=0 to skip the build)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return _state["mod"]
 
 
@@ -214,6 +221,7 @@ def available() -> bool:
 def _scale_table(fmt: str, g: torch.Tensor | None, divides: bool) -> torch.Tensor:
     """fp32 [256]: scale byte -> the fp32 multiplier dequantize_rows applies."""
     from ..weights.quant import e4m3_to_float, e8m0_to_float
+
     if fmt not in _TABLES:
         b = torch.arange(256, dtype=torch.int64).to(torch.uint8)
         _TABLES["mxfp4"] = e8m0_to_float(b).contiguous()
@@ -225,8 +233,16 @@ def _scale_table(fmt: str, g: torch.Tensor | None, divides: bool) -> torch.Tenso
     return t
 
 
-def fp4_matmul(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, stab: torch.Tensor, group: int,
-               *, threads: int | None = None, generic: bool = False) -> torch.Tensor:
+def fp4_matmul(
+    x2: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    stab: torch.Tensor,
+    group: int,
+    *,
+    threads: int | None = None,
+    generic: bool = False,
+) -> torch.Tensor:
     """Raw kernel call: x2 [M, K] (any float dtype), codes uint8 [N, K/2], scale bytes [N, K/group],
     stab fp32 [256] -> fp32 [M, N]. Raises if the kernel is unavailable."""
     mod = load()
@@ -244,8 +260,14 @@ def fp4_matmul(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, stab
 def try_matmul_2d(qt, x2: torch.Tensor, out: torch.Tensor, b: int) -> bool:
     """out[:] = x2 @ W_b.T with the fused kernel when it applies (fp4 format, CPU tensors, M <=
     MAX_ROWS, x fp32/bf16/fp16, enabled and built); returns False (nothing written) otherwise."""
-    if (qt.format not in ("mxfp4", "nvfp4") or x2.device.type != "cpu" or qt.codes.device.type != "cpu"
-            or x2.dtype not in _X_DTYPES or not 0 < x2.shape[0] <= MAX_ROWS or not enabled()):
+    if (
+        qt.format not in ("mxfp4", "nvfp4")
+        or x2.device.type != "cpu"
+        or qt.codes.device.type != "cpu"
+        or x2.dtype not in _X_DTYPES
+        or not 0 < x2.shape[0] <= MAX_ROWS
+        or not enabled()
+    ):
         stats["fallback_calls"] += 1
         return False
     if load() is None:

@@ -49,6 +49,7 @@ _SCORE_BUDGET = 1 << 22
 
 # ---------------------------------------------------------------- rope on the trailing channels
 
+
 @dataclass(frozen=True)
 class RopeTail:
     """One rope set applied to the trailing 2·len(freqs) channels, pairs kept in place (V4's
@@ -85,6 +86,7 @@ def grouped_out(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:
 
 # ---------------------------------------------------------------- compressors
 
+
 @dataclass(frozen=True)
 class CompressorDims:
     ratio: int  # m: tokens per entry
@@ -116,7 +118,9 @@ class CompressorState:
     def __init__(self, dims: CompressorDims, dtype, device, max_tokens: int, rollback_window: int):
         self.dims = dims
         pw = dims.proj_width
-        self.raw = TailRows({"kv": pw, "gate": pw}, dtype, device, dims.rows_read + rollback_window, dims.rows_read)
+        self.raw = TailRows(
+            {"kv": pw, "gate": pw}, dtype, device, dims.rows_read + rollback_window, dims.rows_read
+        )
         self.entries = TokenRows({"entry": dims.width}, dtype, device, max_tokens // dims.ratio + 1)
 
     def can_rollback(self, n: int) -> bool:
@@ -142,7 +146,9 @@ class CompressorState:
         """(bytes per token — an upper bound, exact when the ratio divides width·bytes —, fixed bytes)."""
         per_token = math.ceil(dims.width * dtype_bytes / dims.ratio)
         pw = dims.proj_width
-        return per_token, TailRows.nbytes_for({"kv": pw, "gate": pw}, dims.rows_read + rollback_window, dtype_bytes)
+        return per_token, TailRows.nbytes_for(
+            {"kv": pw, "gate": pw}, dims.rows_read + rollback_window, dtype_bytes
+        )
 
 
 def pool_windows(kv: Tensor, gate: Tensor, ape: Tensor, dims: CompressorDims, has_prev: bool) -> Tensor:
@@ -169,8 +175,9 @@ def pool_windows(kv: Tensor, gate: Tensor, ape: Tensor, dims: CompressorDims, ha
     return (slots_k * slots_g.softmax(dim=1, dtype=torch.float32).to(slots_k.dtype)).sum(dim=1)
 
 
-def compressor_update(state: CompressorState, kv: Tensor, gate: Tensor, w: CompressorWeights, eps: float,
-                      rope: RopeTail) -> Tensor:
+def compressor_update(
+    state: CompressorState, kv: Tensor, gate: Tensor, w: CompressorWeights, eps: float, rope: RopeTail
+) -> Tensor:
     """Appends n new tokens' raw projections (kv/gate [n, proj_width], the compressor's wkv / wgate
     of the layer input), closes every window they complete into an entry (pooled, RMSNorm-ed,
     roped at its first token's position) and returns all entries so far [E, width]."""
@@ -192,6 +199,7 @@ def compressor_update(state: CompressorState, kv: Tensor, gate: Tensor, w: Compr
 
 # ---------------------------------------------------------------- the lightning indexer
 
+
 def index_score_blocks(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ratio: int):
     """The lightning indexer's scores, in blocks of queries that bound memory. q [n, H, c] (roped),
     weights [n, H] fp32 (already scaled by H^-0.5), keys [E, c] (E > 0), positions [n]. Yields
@@ -211,7 +219,9 @@ def index_score_blocks(q: Tensor, weights: Tensor, keys: Tensor, positions: Tens
         yield i, j, s.masked_fill(entry[None] >= vis, float("-inf")), vis
 
 
-def indexer_select(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ratio: int, topk: int) -> Tensor:
+def indexer_select(
+    q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ratio: int, topk: int
+) -> Tensor:
     """Top-k visible entries per query (arguments as `index_score_blocks`). Returns
     [n, min(topk, E)] entry indices, -1 where fewer entries are visible."""
     n = q.shape[0]
@@ -227,9 +237,19 @@ def indexer_select(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, 
 
 # ---------------------------------------------------------------- attention with a sink
 
-def sink_attention(q: Tensor, positions: Tensor, win: Tensor, win_start: int, window: int, sink: Tensor,
-                   scale: float, comp: Tensor | None = None, comp_sel: Tensor | None = None,
-                   comp_ratio: int = 0) -> Tensor:
+
+def sink_attention(
+    q: Tensor,
+    positions: Tensor,
+    win: Tensor,
+    win_start: int,
+    window: int,
+    sink: Tensor,
+    scale: float,
+    comp: Tensor | None = None,
+    comp_sel: Tensor | None = None,
+    comp_ratio: int = 0,
+) -> Tensor:
     """One sequence's queries q [n, H, D] at consecutive positions over
     * the window keys win [L, D] (positions win_start …; a query sees the last `window` including itself),
     * compressed entries comp [E, D]: with comp_sel [n, k] (-1 = none) the selected ones (CSA), else
@@ -275,12 +295,17 @@ def sink_attention(q: Tensor, positions: Tensor, win: Tensor, win_start: int, wi
 
 # ---------------------------------------------------------------- one layer's state
 
+
 class AttentionState:
     """One attention layer's state for one sequence: the window's key rows, and on CSA/HCA layers the
     compressor (and on CSA the indexer's compressor)."""
 
-    def __init__(self, window: TailRows, compressor: CompressorState | None = None,
-                 indexer: CompressorState | None = None):
+    def __init__(
+        self,
+        window: TailRows,
+        compressor: CompressorState | None = None,
+        indexer: CompressorState | None = None,
+    ):
         self.window = window
         self.compressor = compressor
         self.indexer = indexer
@@ -316,8 +341,18 @@ def layer_compressors(kind: str, head_dim: int, index_head_dim: int, csa_ratio: 
     return None, None
 
 
-def new_attention_state(kind: str, head_dim: int, index_head_dim: int, csa_ratio: int, hca_ratio: int,
-                        window: int, dtype, device, max_tokens: int, rollback_window: int = 0) -> AttentionState:
+def new_attention_state(
+    kind: str,
+    head_dim: int,
+    index_head_dim: int,
+    csa_ratio: int,
+    hca_ratio: int,
+    window: int,
+    dtype,
+    device,
+    max_tokens: int,
+    rollback_window: int = 0,
+) -> AttentionState:
     comp, idx = layer_compressors(kind, head_dim, index_head_dim, csa_ratio, hca_ratio)
     return AttentionState(
         TailRows({"kv": head_dim}, dtype, device, window - 1 + rollback_window, window - 1),
@@ -326,8 +361,16 @@ def new_attention_state(kind: str, head_dim: int, index_head_dim: int, csa_ratio
     )
 
 
-def attention_state_bytes(kind: str, head_dim: int, index_head_dim: int, csa_ratio: int, hca_ratio: int,
-                          window: int, dtype_bytes: int, rollback_window: int = 0) -> tuple[int, int]:
+def attention_state_bytes(
+    kind: str,
+    head_dim: int,
+    index_head_dim: int,
+    csa_ratio: int,
+    hca_ratio: int,
+    window: int,
+    dtype_bytes: int,
+    rollback_window: int = 0,
+) -> tuple[int, int]:
     """(bytes per token, fixed bytes) of one layer's `AttentionState`, from the config alone."""
     per_token, fixed = 0, TailRows.nbytes_for({"kv": head_dim}, window - 1 + rollback_window, dtype_bytes)
     for dims in layer_compressors(kind, head_dim, index_head_dim, csa_ratio, hca_ratio):

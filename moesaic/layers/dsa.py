@@ -35,7 +35,9 @@ def selection_width(index_topk: int, kpool: int, always_select_tail: bool) -> in
     return index_topk + (kpool - 1 if always_select_tail else 0)
 
 
-def indexer_keys(x: Tensor, wk: Tensor, k_norm_weight: Tensor, k_norm_bias: Tensor, gate: Tensor) -> tuple[Tensor, Tensor]:
+def indexer_keys(
+    x: Tensor, wk: Tensor, k_norm_weight: Tensor, k_norm_bias: Tensor, gate: Tensor
+) -> tuple[Tensor, Tensor]:
     """The per-token indexer cache rows of x [n, d]: (k [n, c_I], z [n, c_I]) in x's dtype."""
     k = F.layer_norm(F.linear(x, wk), (wk.shape[0],), k_norm_weight, k_norm_bias, INDEXER_NORM_EPS)
     return k, F.linear(x, gate)
@@ -59,7 +61,9 @@ def index_scores(q: Tensor, weights: Tensor, pooled: Tensor) -> Tensor:
     return torch.matmul(weights.float().unsqueeze(1), s).squeeze(1)
 
 
-def select(scores: Tensor, positions: Tensor, kpool: int, index_topk: int, always_select_tail: bool) -> Tensor:
+def select(
+    scores: Tensor, positions: Tensor, kpool: int, index_topk: int, always_select_tail: bool
+) -> Tensor:
     """The selection [n, width] (token indices, -1 padded) of queries at absolute `positions` [n]
     from their pool scores [n, n_pools]."""
     n, n_pools = scores.shape
@@ -84,7 +88,13 @@ def select(scores: Tensor, positions: Tensor, kpool: int, index_topk: int, alway
 
 
 def kpool_select(
-    q: Tensor, weights: Tensor, k: Tensor, z: Tensor, ape: Tensor, positions: Tensor, index_topk: int,
+    q: Tensor,
+    weights: Tensor,
+    k: Tensor,
+    z: Tensor,
+    ape: Tensor,
+    positions: Tensor,
+    index_topk: int,
     always_select_tail: bool = True,
 ) -> Tensor:
     """The whole indexer for one sequence: queries q [n, n_I, c_I] and weights [n, n_I] at

@@ -62,10 +62,29 @@ from ..weights.quant import e4m3_to_float, e8m0_to_float
 from .linear import linear
 
 __all__ = [
-    "EngramConfig", "build_token_map", "normalize_token", "is_prime", "layer_primes", "table_rows",
-    "EngramLayout", "engram_layouts", "FROZEN_MULTIPLIERS", "derive_multipliers", "layer_multipliers",
-    "compress_ids", "ngram_rows", "EngramState", "EngramHash", "EngramTable", "EngramWeights",
-    "engram_forward", "engram_tensor_shapes", "engram_bytes", "RELEASE", "BLOCKED", "SCALE_BLOCK",
+    "EngramConfig",
+    "build_token_map",
+    "normalize_token",
+    "is_prime",
+    "layer_primes",
+    "table_rows",
+    "EngramLayout",
+    "engram_layouts",
+    "FROZEN_MULTIPLIERS",
+    "derive_multipliers",
+    "layer_multipliers",
+    "compress_ids",
+    "ngram_rows",
+    "EngramState",
+    "EngramHash",
+    "EngramTable",
+    "EngramWeights",
+    "engram_forward",
+    "engram_tensor_shapes",
+    "engram_bytes",
+    "RELEASE",
+    "BLOCKED",
+    "SCALE_BLOCK",
 ]
 
 BLOCKED = -1  # a compressed id that blocks the n-grams reaching it: before the start, image, unmapped
@@ -73,10 +92,19 @@ SCALE_BLOCK = 32  # columns per E8M0 scale in the release's table rows (and the 
 
 # The release's Engram fields (text_config of deepseek-ai/DeepSeek-V4.1-Flash, reference §1.2).
 RELEASE = {
-    "engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682],
-    "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256,
-    "engram_vocab_size": 16000000, "engram_compressed_vocab_size": 99092, "engram_pad_id": 2,
-    "hidden_size": 5120, "hc_mult": 4, "rms_norm_eps": 1e-6, "num_hidden_layers": 40, "vocab_size": 129280,
+    "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [384006168, 384016682],
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "engram_vocab_size": 16000000,
+    "engram_compressed_vocab_size": 99092,
+    "engram_pad_id": 2,
+    "hidden_size": 5120,
+    "hc_mult": 4,
+    "rms_norm_eps": 1e-6,
+    "num_hidden_layers": 40,
+    "vocab_size": 129280,
 }
 
 
@@ -84,11 +112,16 @@ RELEASE = {
 # Config
 # --------------------------------------------------------------------------------------------
 
+
 def _int(raw: Mapping, key: str, default=None, *, where: str, check=None, why: str = "") -> int:
     v = raw.get(key, default)
     if v is None:
         raise ConfigError(f"{where}: required field {key!r} is missing (Engram needs it)")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or (isinstance(v, float) and not v.is_integer())
+    ):
         raise ConfigError(f"{where}: field {key!r} must be an integer, got {v!r}")
     v = int(v)
     if check is not None and not check(v):
@@ -96,14 +129,19 @@ def _int(raw: Mapping, key: str, default=None, *, where: str, check=None, why: s
     return v
 
 
-def _int_list(raw: Mapping, key: str, *, where: str, length: int | None = None, why: str = "") -> tuple[int, ...]:
+def _int_list(
+    raw: Mapping, key: str, *, where: str, length: int | None = None, why: str = ""
+) -> tuple[int, ...]:
     v = raw.get(key)
     if v is None:
         raise ConfigError(f"{where}: required field {key!r} is missing (Engram needs it)")
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         v = [v]
-    if (not isinstance(v, (list, tuple)) or not v
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+    if (
+        not isinstance(v, (list, tuple))
+        or not v
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    ):
         raise ConfigError(f"{where}: field {key!r} must be a non-empty list of integers, got {v!r}")
     if length is not None and len(v) != length:
         raise ConfigError(f"{where}: field {key!r} has {len(v)} entries, expected {length} ({why})")
@@ -114,17 +152,17 @@ def _int_list(raw: Mapping, key: str, *, where: str, length: int | None = None, 
 class EngramConfig:
     """The Engram fields of a V4.1 text_config, plus the model dims the gate needs."""
 
-    layer_ids: tuple[int, ...]         # engram_layer_ids: decoder layers with an Engram (in table order)
-    num_embeddings: tuple[int, ...]    # engram_num_embeddings: rows of each layer's table
-    max_ngram_size: int                # S: n-grams of n = 2..S (S - 1 sizes)
-    n_heads: int                       # engram_n_heads: hash heads (primes) per n-gram size
-    head_dim: int                      # engram_head_dim: width of one table row
-    vocab_size: tuple[int, ...]        # engram_vocab_size per n-gram size: the prime search starts here
-    compressed_vocab_size: int         # classes of the compressed token map
-    pad_id: int                        # engram_pad_id: a token id; blocked lookbacks hash as cmap[pad_id]
-    hidden_size: int                   # d
-    hc_mult: int                       # hyper-connection streams
-    norm_eps: float                    # rms_norm_eps, the eps of the gate's two RMS factors
+    layer_ids: tuple[int, ...]  # engram_layer_ids: decoder layers with an Engram (in table order)
+    num_embeddings: tuple[int, ...]  # engram_num_embeddings: rows of each layer's table
+    max_ngram_size: int  # S: n-grams of n = 2..S (S - 1 sizes)
+    n_heads: int  # engram_n_heads: hash heads (primes) per n-gram size
+    head_dim: int  # engram_head_dim: width of one table row
+    vocab_size: tuple[int, ...]  # engram_vocab_size per n-gram size: the prime search starts here
+    compressed_vocab_size: int  # classes of the compressed token map
+    pad_id: int  # engram_pad_id: a token id; blocked lookbacks hash as cmap[pad_id]
+    hidden_size: int  # d
+    hc_mult: int  # hyper-connection streams
+    norm_eps: float  # rms_norm_eps, the eps of the gate's two RMS factors
 
     @property
     def n_hash(self) -> int:
@@ -149,12 +187,15 @@ class EngramConfig:
         n_layers = raw.get("num_hidden_layers")
         for lid in layer_ids:
             if lid < 0 or (isinstance(n_layers, int) and lid >= n_layers):
-                raise ConfigError(f"{where}: field 'engram_layer_ids' has layer {lid}, outside the "
-                                  f"model's {n_layers} layers")
+                raise ConfigError(
+                    f"{where}: field 'engram_layer_ids' has layer {lid}, outside the "
+                    f"model's {n_layers} layers"
+                )
         if len(set(layer_ids)) != len(layer_ids):
             raise ConfigError(f"{where}: field 'engram_layer_ids' repeats a layer: {list(layer_ids)}")
-        num_embeddings = _int_list(raw, "engram_num_embeddings", where=where, length=len(layer_ids),
-                                   why="one table per Engram layer")
+        num_embeddings = _int_list(
+            raw, "engram_num_embeddings", where=where, length=len(layer_ids), why="one table per Engram layer"
+        )
         S = _int(raw, "engram_max_ngram_size", where=where, check=lambda v: v >= 2, why="n-grams need n >= 2")
         n_heads = _int(raw, "engram_n_heads", where=where, check=lambda v: v > 0, why="must be positive")
         head_dim = _int(raw, "engram_head_dim", where=where, check=lambda v: v > 0, why="must be positive")
@@ -162,29 +203,48 @@ class EngramConfig:
         if len(vocab) == 1:
             vocab = vocab * (S - 1)
         if len(vocab) != S - 1 or min(vocab) < 2:
-            raise ConfigError(f"{where}: field 'engram_vocab_size' must be one integer >= 2 or one per n-gram "
-                              f"size ({S - 1}), got {raw.get('engram_vocab_size')!r}")
-        cvs = _int(raw, "engram_compressed_vocab_size", where=where, check=lambda v: 0 < v < 2**31,
-                   why="must be in 1 .. 2^31 - 1")
+            raise ConfigError(
+                f"{where}: field 'engram_vocab_size' must be one integer >= 2 or one per n-gram "
+                f"size ({S - 1}), got {raw.get('engram_vocab_size')!r}"
+            )
+        cvs = _int(
+            raw,
+            "engram_compressed_vocab_size",
+            where=where,
+            check=lambda v: 0 < v < 2**31,
+            why="must be in 1 .. 2^31 - 1",
+        )
         pad_id = _int(raw, "engram_pad_id", where=where, check=lambda v: v >= 0, why="a token id")
         vocab_size = raw.get("vocab_size")
         if isinstance(vocab_size, int) and pad_id >= vocab_size:
-            raise ConfigError(f"{where}: field 'engram_pad_id' is {pad_id}, not a token id of the "
-                              f"{vocab_size}-token vocabulary")
+            raise ConfigError(
+                f"{where}: field 'engram_pad_id' is {pad_id}, not a token id of the "
+                f"{vocab_size}-token vocabulary"
+            )
         eps = raw.get("rms_norm_eps", 1e-6)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ConfigError(f"{where}: field 'rms_norm_eps' must be a non-negative number, got {eps!r}")
-        cfg = cls(layer_ids, num_embeddings, S, n_heads, head_dim, vocab, cvs, pad_id,
-                  _int(raw, "hidden_size", where=where, check=lambda v: v > 0, why="must be positive"),
-                  _int(raw, "hc_mult", 4, where=where, check=lambda v: v > 0, why="must be positive"),
-                  float(eps))
+        cfg = cls(
+            layer_ids,
+            num_embeddings,
+            S,
+            n_heads,
+            head_dim,
+            vocab,
+            cvs,
+            pad_id,
+            _int(raw, "hidden_size", where=where, check=lambda v: v > 0, why="must be positive"),
+            _int(raw, "hc_mult", 4, where=where, check=lambda v: v > 0, why="must be positive"),
+            float(eps),
+        )
         rows = table_rows(vocab, len(layer_ids), S, n_heads)
         if rows != num_embeddings:
             raise ConfigError(
                 f"{where}: field 'engram_num_embeddings' is {list(num_embeddings)}, but the tables' "
                 f"primes (from engram_vocab_size {list(vocab)}, engram_max_ngram_size {S}, engram_n_heads "
                 f"{n_heads}, {len(layer_ids)} layers) sum to {list(rows)}; the checkpoint's tables would be "
-                f"addressed wrongly")
+                f"addressed wrongly"
+            )
         return cfg
 
 
@@ -200,15 +260,21 @@ def _normalizer():
     """The release's key chain, as the `tokenizers` normaliser sequence it builds."""
     global _NORMALIZER
     if _NORMALIZER is None:
-        from tokenizers import Regex, normalizers as N
+        from tokenizers import Regex
+        from tokenizers import normalizers as N
 
-        _NORMALIZER = N.Sequence([
-            N.NFKC(), N.NFD(), N.StripAccents(), N.Lowercase(),
-            N.Replace(Regex(r"[ \t\r\n]+"), " "),
-            N.Replace(Regex(r"^ $"), _SENTINEL),
-            N.Strip(),
-            N.Replace(_SENTINEL, " "),
-        ])
+        _NORMALIZER = N.Sequence(
+            [
+                N.NFKC(),
+                N.NFD(),
+                N.StripAccents(),
+                N.Lowercase(),
+                N.Replace(Regex(r"[ \t\r\n]+"), " "),
+                N.Replace(Regex(r"^ $"), _SENTINEL),
+                N.Strip(),
+                N.Replace(_SENTINEL, " "),
+            ]
+        )
     return _NORMALIZER
 
 
@@ -228,15 +294,21 @@ def _decoded_vocab(source) -> tuple[list[str], list[str]]:
         return texts, [tok.id_to_token(i) or "" for i in range(n)]
     if hasattr(tok, "convert_ids_to_tokens") and hasattr(tok, "decode"):  # a transformers tokenizer
         n = len(tok)
-        return ([tok.decode([i], skip_special_tokens=False) for i in range(n)],
-                [tok.convert_ids_to_tokens(i) or "" for i in range(n)])
+        return (
+            [tok.decode([i], skip_special_tokens=False) for i in range(n)],
+            [tok.convert_ids_to_tokens(i) or "" for i in range(n)],
+        )
     if isinstance(source, Sequence) and not isinstance(source, str):
         texts, raws = [], []
         for entry in source:
             if isinstance(entry, str):
                 texts.append(entry)
                 raws.append(entry)
-            elif isinstance(entry, (tuple, list)) and len(entry) == 2 and all(isinstance(e, str) for e in entry):
+            elif (
+                isinstance(entry, (tuple, list))
+                and len(entry) == 2
+                and all(isinstance(e, str) for e in entry)
+            ):
                 texts.append(entry[0])
                 raws.append(entry[1])
             else:
@@ -263,13 +335,15 @@ def build_token_map(source, expected: int | None = None) -> Tensor:
         raise ConfigError(
             f"engram_compressed_vocab_size is {expected}, but the tokenizer's {len(texts)} ids fall into "
             f"{len(classes)} classes under the release's normalisation; this tokenizer is not the "
-            f"checkpoint's (the release's has 129,280 ids in 99,092 classes)")
+            f"checkpoint's (the release's has 129,280 ids in 99,092 classes)"
+        )
     return torch.tensor(ids, dtype=torch.int64)
 
 
 # --------------------------------------------------------------------------------------------
 # 2. Primes: one prime-sized bucket range per (layer, n, head)
 # --------------------------------------------------------------------------------------------
+
 
 def is_prime(n: int) -> bool:
     """Deterministic Miller-Rabin (exact for n < 3.3e24)."""
@@ -295,8 +369,9 @@ def is_prime(n: int) -> bool:
     return True
 
 
-def layer_primes(vocab_size: Sequence[int], num_layers: int, max_ngram_size: int,
-                 n_heads: int) -> list[list[list[int]]]:
+def layer_primes(
+    vocab_size: Sequence[int], num_layers: int, max_ngram_size: int, n_heads: int
+) -> list[list[list[int]]]:
     """primes[layer][n - 2][head], drawn as the release does: for each Engram layer in order, for
     n = 2..S, `current` restarts at vocab_size[n - 2] - 1, and each head takes the next prime above
     `current` that no table has taken yet, then `current` moves to it."""
@@ -317,10 +392,14 @@ def layer_primes(vocab_size: Sequence[int], num_layers: int, max_ngram_size: int
     return out
 
 
-def table_rows(vocab_size: Sequence[int], num_layers: int, max_ngram_size: int, n_heads: int) -> tuple[int, ...]:
+def table_rows(
+    vocab_size: Sequence[int], num_layers: int, max_ngram_size: int, n_heads: int
+) -> tuple[int, ...]:
     """Rows of each layer's table: the sum of its primes. From the release's values
     (16000000 x 3, 2 layers, S = 4, 8 heads): (384006168, 384016682)."""
-    return tuple(sum(sum(p) for p in layer) for layer in layer_primes(vocab_size, num_layers, max_ngram_size, n_heads))
+    return tuple(
+        sum(sum(p) for p in layer) for layer in layer_primes(vocab_size, num_layers, max_ngram_size, n_heads)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,8 +497,10 @@ def derive_multipliers(layer_id: int, compressed_vocab_size: int, max_ngram_size
     """The release's derivation, reproduced without numpy (see FROZEN_MULTIPLIERS)."""
     bound = max(1, (2**63 - 1) // compressed_vocab_size // 2)
     if bound <= 2**32:
-        raise ConfigError(f"engram_compressed_vocab_size {compressed_vocab_size} is too large for the "
-                          f"multiplier derivation transcribed here (needs < 2^30)")
+        raise ConfigError(
+            f"engram_compressed_vocab_size {compressed_vocab_size} is too large for the "
+            f"multiplier derivation transcribed here (needs < 2^30)"
+        )
     rng = _PCG64(10007 * layer_id)
     return tuple(rng.below(bound) * 2 + 1 for _ in range(max_ngram_size))
 
@@ -452,7 +533,9 @@ def engram_layouts(cfg: EngramConfig) -> list[EngramLayout]:
         pt = torch.tensor(p, dtype=torch.int64)
         flat = pt.reshape(-1)
         offsets = torch.cumsum(flat, 0) - flat
-        m = torch.tensor(layer_multipliers(lid, cfg.compressed_vocab_size, cfg.max_ngram_size), dtype=torch.int64)
+        m = torch.tensor(
+            layer_multipliers(lid, cfg.compressed_vocab_size, cfg.max_ngram_size), dtype=torch.int64
+        )
         out.append(EngramLayout(lid, pt, offsets, m))
     return out
 
@@ -460,6 +543,7 @@ def engram_layouts(cfg: EngramConfig) -> list[EngramLayout]:
 # --------------------------------------------------------------------------------------------
 # 4. The rolling XOR hash and the per-sequence lookback
 # --------------------------------------------------------------------------------------------
+
 
 def compress_ids(token_ids: Tensor, token_map: Tensor, image_mask: Tensor | None = None) -> Tensor:
     """Token ids [T] -> compressed ids [T] int64; BLOCKED (-1) for an id outside the map, an id the
@@ -478,8 +562,8 @@ def _shifted_tokens(cids: Tensor, lookback: Tensor, pad_cid: int, S: int) -> Ten
     (s = 0 included) every farther shift is blocked too, and blocked entries become pad_cid."""
     T = cids.numel()
     before = torch.full((S - 1,), BLOCKED, dtype=torch.int64)  # the sequence start blocks
-    lb = lookback.to(torch.int64).reshape(-1)[-(S - 1):]
-    before[S - 1 - lb.numel():] = lb
+    lb = lookback.to(torch.int64).reshape(-1)[-(S - 1) :]
+    before[S - 1 - lb.numel() :] = lb
     ext = torch.cat([before, cids])
     tok = ext[torch.arange(T)[:, None] + (S - 1) - torch.arange(S)[None, :]]
     latched = torch.cummax((tok < 0).to(torch.int8), dim=1).values.bool()
@@ -527,27 +611,30 @@ class EngramState:
 
     def lookback_ids(self) -> Tensor:
         """The last `lookback` compressed ids, BLOCKED-padded on the left before the sequence start."""
-        held = self.ids[max(0, self.ids.numel() - self.need):]
+        held = self.ids[max(0, self.ids.numel() - self.need) :]
         if held.numel() < self.need:
             held = torch.cat([torch.full((self.need - held.numel(),), BLOCKED, dtype=torch.int64), held])
         return held
 
     def append(self, cids: Tensor) -> None:
         cids = torch.as_tensor(cids, dtype=torch.int64).reshape(-1)
-        self.ids = torch.cat([self.ids, cids])[-self.keep:]
+        self.ids = torch.cat([self.ids, cids])[-self.keep :]
         self.length += cids.numel()
 
     def can_rollback(self, n: int) -> bool:
         """n == all tokens, or n <= window while the ids left still cover the lookback."""
         if n == self.length:
             return True
-        return (0 <= n <= min(self.window, self.length)
-                and self.ids.numel() - n >= min(self.need, self.length - n))
+        return 0 <= n <= min(self.window, self.length) and self.ids.numel() - n >= min(
+            self.need, self.length - n
+        )
 
     def rollback(self, n: int) -> None:
         if not self.can_rollback(n):
-            raise ValueError(f"cannot roll back {n} of {self.length} tokens: the Engram lookback keeps "
-                             f"{self.window} ids beyond what it reads (its speculative window)")
+            raise ValueError(
+                f"cannot roll back {n} of {self.length} tokens: the Engram lookback keeps "
+                f"{self.window} ids beyond what it reads (its speculative window)"
+            )
         self.length -= n
         self.ids = self.ids[: self.ids.numel() - n] if n < self.ids.numel() else self.ids[:0]
 
@@ -575,10 +662,14 @@ class EngramHash:
         token_map = torch.as_tensor(token_map, dtype=torch.int64).reshape(-1)
         classes = int(token_map.max()) + 1 if token_map.numel() else 0
         if classes != cfg.compressed_vocab_size:
-            raise ConfigError(f"engram_compressed_vocab_size is {cfg.compressed_vocab_size}, but the token "
-                              f"map has {classes} classes")
+            raise ConfigError(
+                f"engram_compressed_vocab_size is {cfg.compressed_vocab_size}, but the token "
+                f"map has {classes} classes"
+            )
         if not 0 <= cfg.pad_id < token_map.numel() or token_map[cfg.pad_id] < 0:
-            raise ConfigError(f"engram_pad_id {cfg.pad_id} has no class in the {token_map.numel()}-id token map")
+            raise ConfigError(
+                f"engram_pad_id {cfg.pad_id} has no class in the {token_map.numel()}-id token map"
+            )
         self.cfg = cfg
         self.token_map = token_map
         self.pad_cid = int(token_map[cfg.pad_id])
@@ -636,14 +727,23 @@ class EngramTable:
         self.scale = scale
         self.fp8 = weight.dtype in (torch.float8_e4m3fn, torch.uint8)
         if self.fp8:
-            if scale is None or scale.ndim != 2 or scale.shape[0] != weight.shape[0] or scale.shape[1] == 0 \
-                    or weight.shape[1] % scale.shape[1]:
-                raise ValueError(f"{name}: fp8 rows {list(weight.shape)} need a scale [rows, head_dim / block], "
-                                 f"got {None if scale is None else list(scale.shape)}")
+            if (
+                scale is None
+                or scale.ndim != 2
+                or scale.shape[0] != weight.shape[0]
+                or scale.shape[1] == 0
+                or weight.shape[1] % scale.shape[1]
+            ):
+                raise ValueError(
+                    f"{name}: fp8 rows {list(weight.shape)} need a scale [rows, head_dim / block], "
+                    f"got {None if scale is None else list(scale.shape)}"
+                )
             self.block = weight.shape[1] // scale.shape[1]
         elif not weight.is_floating_point() or scale is not None:
-            raise ValueError(f"{name}: a table is fp8 codes + scale or a float tensor, got {weight.dtype}"
-                             f"{' with a scale' if scale is not None else ''}")
+            raise ValueError(
+                f"{name}: a table is fp8 codes + scale or a float tensor, got {weight.dtype}"
+                f"{' with a scale' if scale is not None else ''}"
+            )
 
     @classmethod
     def from_store(cls, store, prefix: str) -> EngramTable:
@@ -665,7 +765,9 @@ class EngramTable:
         rows = torch.as_tensor(rows, dtype=torch.int64)
         idx = rows.reshape(-1)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.rows):
-            raise IndexError(f"{self.name}: row ids {int(idx.min())}..{int(idx.max())} outside its {self.rows} rows")
+            raise IndexError(
+                f"{self.name}: row ids {int(idx.min())}..{int(idx.max())} outside its {self.rows} rows"
+            )
         if not self.fp8:
             vals = self.weight[idx].to(torch.float32)
         else:
@@ -674,13 +776,16 @@ class EngramTable:
                 s = e8m0_to_float(self.scale.view(torch.uint8)[idx])
             else:
                 s = self.scale[idx].to(torch.float32)
-            vals = (e4m3_to_float(codes).view(-1, s.shape[1], self.block) * s[..., None]).view(-1, self.head_dim)
+            vals = (e4m3_to_float(codes).view(-1, s.shape[1], self.block) * s[..., None]).view(
+                -1, self.head_dim
+            )
         return vals.view(*rows.shape, self.head_dim)
 
 
 # --------------------------------------------------------------------------------------------
 # 6. Projection (keys first) and the signed square-root gate per stream
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class EngramWeights:
@@ -696,8 +801,9 @@ class EngramWeights:
     k_weight: Tensor
 
 
-def engram_forward(h: Tensor, rows: Tensor, w: EngramWeights, cfg: EngramConfig,
-                   image_mask: Tensor | None = None) -> Tensor:
+def engram_forward(
+    h: Tensor, rows: Tensor, w: EngramWeights, cfg: EngramConfig, image_mask: Tensor | None = None
+) -> Tensor:
     """One Engram layer on the packed tokens of a batch.
 
     h          [N, hc, d] hyper-connection streams (fp32 highway or the compute dtype)
@@ -709,16 +815,20 @@ def engram_forward(h: Tensor, rows: Tensor, w: EngramWeights, cfg: EngramConfig,
     reference's embedding output); the gate is computed in fp32."""
     N, hc, d = h.shape
     if hc != cfg.hc_mult or d != cfg.hidden_size:
-        raise ValueError(f"engram_forward: streams {list(h.shape)} do not match hc_mult {cfg.hc_mult} x "
-                         f"hidden {cfg.hidden_size}")
+        raise ValueError(
+            f"engram_forward: streams {list(h.shape)} do not match hc_mult {cfg.hc_mult} x "
+            f"hidden {cfg.hidden_size}"
+        )
     if rows.shape != (N, cfg.n_hash):
         raise ValueError(f"engram_forward: rows {list(rows.shape)}, expected [{N}, {cfg.n_hash}]")
-    cd = h.dtype if h.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64) else torch.float32
+    cd = (
+        h.dtype if h.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64) else torch.float32
+    )
     emb = w.table.gather(rows.to(w.table.weight.device))  # the table lives where its file is mapped
     emb = emb.reshape(N, cfg.n_hash * w.table.head_dim).to(h.device, cd)
     kv = linear(emb, w.wkv).float()  # [N, (hc + 1)·d]
     key = kv[:, : hc * d].view(N, hc, d)
-    value = kv[:, hc * d:]
+    value = kv[:, hc * d :]
     x = h.float()
     weight = w.q_weight.float() * w.k_weight.float()  # [hc, d]
     rstd = torch.rsqrt(x.square().mean(-1) + cfg.norm_eps) * torch.rsqrt(key.square().mean(-1) + cfg.norm_eps)
@@ -733,7 +843,10 @@ def engram_forward(h: Tensor, rows: Tensor, w: EngramWeights, cfg: EngramConfig,
 # 7. Sizes (tensor contract, inspect)
 # --------------------------------------------------------------------------------------------
 
-def engram_tensor_shapes(cfg: EngramConfig, block: int = SCALE_BLOCK) -> dict[str, tuple[tuple[int, ...], str]]:
+
+def engram_tensor_shapes(
+    cfg: EngramConfig, block: int = SCALE_BLOCK
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, safetensors dtype) of every Engram tensor in the release's naming."""
     d, hc, hd = cfg.hidden_size, cfg.hc_mult, cfg.head_dim
     k, n = cfg.n_hash * hd, (hc + 1) * d
@@ -757,8 +870,15 @@ def engram_bytes(cfg: EngramConfig, block: int = SCALE_BLOCK) -> list[dict]:
     out = []
     for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
         p = f"layers.{lid}.engram."
-        nbytes = {k[len(p):]: math.prod(s) * size[dt] for k, (s, dt) in shapes.items() if k.startswith(p)}
+        nbytes = {k[len(p) :]: math.prod(s) * size[dt] for k, (s, dt) in shapes.items() if k.startswith(p)}
         row_bytes = (nbytes["embed.weight"] + nbytes["embed.scale"]) // rows
-        out.append({"layer": lid, "rows": rows, "row_bytes": row_bytes, "table_bytes": rows * row_bytes,
-                    "dense_bytes": sum(v for k, v in nbytes.items() if not k.startswith("embed."))})
+        out.append(
+            {
+                "layer": lid,
+                "rows": rows,
+                "row_bytes": row_bytes,
+                "table_bytes": rows * row_bytes,
+                "dense_bytes": sum(v for k, v in nbytes.items() if not k.startswith("embed.")),
+            }
+        )
     return out

@@ -54,7 +54,9 @@ class KdaDims:
     chunk_size: int = 64  # prefill chunk of the WY form
 
     @classmethod
-    def for_variant(cls, variant: str, hidden_size: int, num_heads: int, head_dim: int, **overrides) -> KdaDims:
+    def for_variant(
+        cls, variant: str, hidden_size: int, num_heads: int, head_dim: int, **overrides
+    ) -> KdaDims:
         """Defaults of each family: "kimi_linear", "glm5_next" or "kimi_k3"; overrides win
         (e.g. `lower_bound=None` for a GLM config with a null bound or K3's 0.40B twin)."""
         defaults = {
@@ -87,7 +89,9 @@ class KdaState:
     def zeros(cls, dims: KdaDims, device: torch.device | str | None = None) -> KdaState:
         return cls(
             conv=torch.zeros(dims.conv_kernel - 1, 3 * dims.qkv_dim, dtype=torch.float32, device=device),
-            recurrent=torch.zeros(dims.num_heads, dims.head_dim, dims.head_dim, dtype=torch.float32, device=device),
+            recurrent=torch.zeros(
+                dims.num_heads, dims.head_dim, dims.head_dim, dtype=torch.float32, device=device
+            ),
         )
 
     def clone(self) -> KdaState:
@@ -100,7 +104,9 @@ class KdaState:
     @staticmethod
     def nbytes_for(dims: KdaDims) -> int:
         """Bytes of one state, from the config alone (the state planner's number)."""
-        return 4 * ((dims.conv_kernel - 1) * 3 * dims.qkv_dim + dims.num_heads * dims.head_dim * dims.head_dim)
+        return 4 * (
+            (dims.conv_kernel - 1) * 3 * dims.qkv_dim + dims.num_heads * dims.head_dim * dims.head_dim
+        )
 
 
 @dataclass
@@ -178,7 +184,9 @@ class KdaWeights:
         return w
 
 
-def kda_tensor_shapes(dims: KdaDims, a_log_shape: tuple[int, ...] | None = None) -> dict[str, tuple[int, ...]]:
+def kda_tensor_shapes(
+    dims: KdaDims, a_log_shape: tuple[int, ...] | None = None
+) -> dict[str, tuple[int, ...]]:
     """The release names (under `self_attn.`) and shapes of one KDA layer. `a_log_shape` is the
     stored shape where a family differs: Kimi Linear [1, 1, H, 1], K3 [128] for 96 heads."""
     d, H, D, C, K = dims.hidden_size, dims.num_heads, dims.head_dim, dims.qkv_dim, dims.conv_kernel
@@ -287,7 +295,9 @@ def delta_rule_chunked(
         qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e, None]
         G = torch.cumsum(g[:, s:e], dim=1)
         lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        decay = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~lower[..., None], float("-inf")).exp()  # [H,c,c,Dk]
+        decay = (
+            (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~lower[..., None], float("-inf")).exp()
+        )  # [H,c,c,Dk]
         kk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay)
         qk = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay)
         system = (bc * kk).tril(-1) + torch.eye(c, dtype=q.dtype, device=q.device)
@@ -325,7 +335,11 @@ def kda_attend(
     q = (l2norm(q.float()) * Dk**-0.5).transpose(0, 1)
     k = l2norm(k.float()).transpose(0, 1)
     v, g, beta = v.float().transpose(0, 1), g.float().transpose(0, 1), beta.float().transpose(0, 1)
-    S = torch.zeros(H, Dk, v.shape[-1], dtype=torch.float32, device=q.device) if state is None else state.float()
+    S = (
+        torch.zeros(H, Dk, v.shape[-1], dtype=torch.float32, device=q.device)
+        if state is None
+        else state.float()
+    )
 
     m = n - snapshot_last
     parts = []

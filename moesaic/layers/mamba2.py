@@ -138,8 +138,11 @@ class Mamba2Weights:
         for f in fields(cls):
             name = cls.NAMES[f.name]
             kw[f.name] = sd.get(prefix + name, sd.get(f.name))
-        missing = [cls.NAMES[k] for k in ("in_proj", "conv_weight", "dt_bias", "A_log", "D", "norm_weight", "out_proj")
-                   if kw[k] is None]
+        missing = [
+            cls.NAMES[k]
+            for k in ("in_proj", "conv_weight", "dt_bias", "A_log", "D", "norm_weight", "out_proj")
+            if kw[k] is None
+        ]
         if missing:
             raise CheckpointError(f"Mamba-2 layer is missing tensors {[prefix + m for m in missing]}")
         return cls(**kw)
@@ -154,7 +157,9 @@ class Mamba2State:
     def zeros(cls, dims: Mamba2Dims, device: torch.device | str | None = None) -> Mamba2State:
         return cls(
             conv=torch.zeros(dims.conv_dim, dims.conv_kernel - 1, dtype=torch.float32, device=device),
-            ssm=torch.zeros(dims.num_heads, dims.head_dim, dims.state_size, dtype=torch.float32, device=device),
+            ssm=torch.zeros(
+                dims.num_heads, dims.head_dim, dims.state_size, dtype=torch.float32, device=device
+            ),
         )
 
     def clone(self) -> Mamba2State:
@@ -180,7 +185,9 @@ def causal_conv(xbc: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None) 
     return F.silu(out[0].t()), seq
 
 
-def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+def ssd_chunked(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tensor, chunk: int
+) -> tuple[Tensor, Tensor]:
     """Chunked SSD scan in fp32. x [T, H, P], dt [T, H] (already softplus'ed and clamped), A [H],
     B and C [T, H, N] (groups already expanded to heads), h0 [H, P, N].
     Returns y [T, H, P] without the D skip, and the state after the last token."""
@@ -202,7 +209,9 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tens
         Bc, Cc = B[s:e], C[s:e]  # [L, H, N]
         scores = torch.einsum("ihn,jhn->hij", Cc, Bc) * decay  # [H, L, L]
         y_in = torch.einsum("hij,jhp->ihp", scores, xdt)  # contributions from inside the chunk
-        y_prev = torch.einsum("ihn,hpn->ihp", Cc, h) * torch.exp(acum).t()[:, :, None]  # from the carried state
+        y_prev = (
+            torch.einsum("ihn,hpn->ihp", Cc, h) * torch.exp(acum).t()[:, :, None]
+        )  # from the carried state
         y[s:e] = y_in + y_prev
         to_end = decay[:, -1, :]  # [H, L] decay from after step j to the chunk end
         h = torch.exp(acum[:, -1])[:, None, None] * h + torch.einsum("jhn,hj,jhp->hpn", Bc, to_end, xdt)

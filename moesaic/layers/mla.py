@@ -72,8 +72,13 @@ def expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale
     kv = F.linear(latent, w_kv_b).view(T, H, dn + v_head_dim)
     k = torch.cat([kv[..., :dn], k_rope[:, None, :].expand(T, H, k_rope.shape[1])], dim=-1)
     q = torch.cat([q_nope, q_rope], dim=-1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), kv[..., dn:].transpose(0, 1),
-                                         attn_mask=causal_mask(n, T, q.device), scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        kv[..., dn:].transpose(0, 1),
+        attn_mask=causal_mask(n, T, q.device),
+        scale=scale,
+    )
     return out.transpose(0, 1)
 
 
@@ -85,39 +90,61 @@ def mla_project(x: torch.Tensor, w: dict, c, eps: float = 1e-6):
     if c.q_lora_rank is None:
         q = linear(x, w["self_attn.q_proj.weight"])
     else:
-        q = linear(rms_norm(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], eps),
-                   w["self_attn.q_b_proj.weight"])
+        q = linear(
+            rms_norm(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], eps),
+            w["self_attn.q_b_proj.weight"],
+        )
     q = q.view(n, H, c.qk_head_dim)
     kv = linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])
     latent = rms_norm(kv[:, : c.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], eps)
     return q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :], latent, kv[:, c.kv_lora_rank :]
 
 
-def mla_batch(L: int, batch, q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim: int, scale: float) -> torch.Tensor:
+def mla_batch(
+    L: int, batch, q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim: int, scale: float
+) -> torch.Tensor:
     """MLA for every sequence of a ForwardBatch: appends each one's new latent rows to its layer-L
     cache, then attends. Sequences with few new tokens take the absorbed path, whose two folds run
     once over all their packed tokens; the others expand their cache. -> [N, H, dv]."""
     N, H, dn = q_nope.shape
     kvr, dr = latent.shape[1], k_rope.shape[1]
     out = q_nope.new_empty(N, H, v_head_dim)
-    caches = [s.state.layers[L].append(latent=latent[s.start:s.start + s.n], k_rope=k_rope[s.start:s.start + s.n])
-              for s in batch.seqs]
+    caches = [
+        s.state.layers[L].append(
+            latent=latent[s.start : s.start + s.n], k_rope=k_rope[s.start : s.start + s.n]
+        )
+        for s in batch.seqs
+    ]
     absorbed = [i for i, s in enumerate(batch.seqs) if prefers_absorbed(s.n, kvr, dr, dn, v_head_dim)]
     for i, s in enumerate(batch.seqs):
         if i not in absorbed:
             rows = slice(s.start, s.start + s.n)
-            out[rows] = expanded_attention(q_nope[rows], q_rope[rows], caches[i]["latent"], caches[i]["k_rope"],
-                                           w_kv_b, v_head_dim, scale)
+            out[rows] = expanded_attention(
+                q_nope[rows],
+                q_rope[rows],
+                caches[i]["latent"],
+                caches[i]["k_rope"],
+                w_kv_b,
+                v_head_dim,
+                scale,
+            )
     if absorbed:
-        rows = torch.cat([torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n) for i in absorbed])
+        rows = torch.cat(
+            [torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n) for i in absorbed]
+        )
         w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
         q_lat = absorb_queries(q_nope[rows], w_uk)
         o_lat = torch.empty_like(q_lat)
         at = 0
         for i in absorbed:
             n = batch.seqs[i].n
-            o_lat[:, at:at + n] = latent_attention(q_lat[:, at:at + n], q_rope[rows[at:at + n]], caches[i]["latent"],
-                                                   caches[i]["k_rope"], scale)
+            o_lat[:, at : at + n] = latent_attention(
+                q_lat[:, at : at + n],
+                q_rope[rows[at : at + n]],
+                caches[i]["latent"],
+                caches[i]["k_rope"],
+                scale,
+            )
             at += n
         out[rows] = absorb_output(o_lat, w_uv)
     return out
@@ -130,8 +157,13 @@ def mla_specs(a: str, c, L: int) -> list[TensorSpec]:
     specs = [
         TensorSpec(a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + c.qk_rope_head_dim, d), "attention", L),
         TensorSpec(a + "kv_a_layernorm.weight", (c.kv_lora_rank,), "norm", L),
-        TensorSpec(a + "kv_b_proj.weight", (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), "attention", L,
-                   dense=True),  # split into W_uk / W_uv views for absorbed attention
+        TensorSpec(
+            a + "kv_b_proj.weight",
+            (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+            "attention",
+            L,
+            dense=True,
+        ),  # split into W_uk / W_uv views for absorbed attention
         TensorSpec(a + "o_proj.weight", (d, H * c.v_head_dim), "attention", L),
     ]
     if c.q_lora_rank is None:

@@ -70,7 +70,9 @@ def clamped_swiglu(limit: float):
     return lambda gate_up: clamped_silu_glu(*gate_up.chunk(2, dim=-1), limit)
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+def situ_glu(
+    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0
+) -> torch.Tensor:
     """Kimi K3's SiTU-GLU in fp32: a SiLU whose linear factor is soft-capped at +-beta, times the up
     branch soft-capped at +-linear_beta. Returns gate's dtype."""
     g, u = gate.float(), up.float()
@@ -105,7 +107,9 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu):
     if _grouped(x, w_in, w_out):
         # one grouped GEMM per projection over every expert's rows: no per-expert Python loop
         offs = counts.cumsum(0).to(torch.int32)
-        ys = F.grouped_mm(act(F.grouped_mm(xs, w_in.transpose(-2, -1), offs=offs)), w_out.transpose(-2, -1), offs=offs)
+        ys = F.grouped_mm(
+            act(F.grouped_mm(xs, w_in.transpose(-2, -1), offs=offs)), w_out.transpose(-2, -1), offs=offs
+        )
     else:
         ys = torch.empty_like(xs)
         start = 0
@@ -125,12 +129,18 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu):
 def _grouped(x, w_in, w_out) -> bool:
     """Whether torch's grouped GEMM can run these experts: dense stacks of a dtype it supports, with
     every row stride and base address a multiple of 16 bytes (its requirement)."""
-    if not (hasattr(F, "grouped_mm") and isinstance(w_in, torch.Tensor) and isinstance(w_out, torch.Tensor)
-            and x.dtype == w_in.dtype == w_out.dtype and x.dtype in (torch.float32, torch.bfloat16)):
+    if not (
+        hasattr(F, "grouped_mm")
+        and isinstance(w_in, torch.Tensor)
+        and isinstance(w_out, torch.Tensor)
+        and x.dtype == w_in.dtype == w_out.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
+    ):
         return False
     widths = (x.shape[-1], w_in.shape[-2], w_out.shape[-2], w_out.shape[-1])
-    return all(w * x.element_size() % 16 == 0 for w in widths) and \
-        all(t.data_ptr() % 16 == 0 for t in (w_in, w_out))
+    return all(w * x.element_size() % 16 == 0 for w in widths) and all(
+        t.data_ptr() % 16 == 0 for t in (w_in, w_out)
+    )
 
 
 def route_sqrtsoftplus(logits, top_k, bias=None, scale=1.0, ids=None):

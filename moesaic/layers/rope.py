@@ -43,7 +43,11 @@ def inv_freq(rope: RopeConfig) -> torch.Tensor:
     inter = 1.0 / (rope.factor * base)
 
     def corr_dim(rotations: float) -> float:
-        return d * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        return (
+            d
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
 
     low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
     if rope.truncate:
@@ -65,7 +69,9 @@ def cos_sin_attention_factor(rope: RopeConfig) -> float:
     return yarn_mscale(rope.factor)
 
 
-def cos_sin(freqs: torch.Tensor, positions: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    freqs: torch.Tensor, positions: torch.Tensor, factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [n, dim/2] in fp32 for integer positions [n]."""
     ang = positions.to(torch.float32)[:, None] * freqs[None, :]
     return ang.cos() * factor, ang.sin() * factor

@@ -75,8 +75,21 @@ from ..config import field, positive
 from ..engine.batch import ForwardBatch
 from ..errors import CheckpointError, ConfigError
 from ..layers import mhc
-from ..layers.csa import (CSA, HCA, SLIDING, CompressorWeights, RopeTail, attention_state_bytes, compressor_update,
-                          grouped_out, head_rms, indexer_select, layer_compressors, new_attention_state, sink_attention)
+from ..layers.csa import (
+    CSA,
+    HCA,
+    SLIDING,
+    CompressorWeights,
+    RopeTail,
+    attention_state_bytes,
+    compressor_update,
+    grouped_out,
+    head_rms,
+    indexer_select,
+    layer_compressors,
+    new_attention_state,
+    sink_attention,
+)
 from ..layers.linear import linear
 from ..layers.moe import clamped_swiglu, route_sqrtsoftplus, run_experts
 from ..layers.norms import rms_norm_cast_once
@@ -134,11 +147,13 @@ class DeepseekV4Config:
 
     def compressors(self, layer: int):
         """(compressor dims, indexer compressor dims) of a layer; None where it has none."""
-        return layer_compressors(self.layer_types[layer], self.head_dim, self.index_head_dim, self.csa_ratio,
-                                 self.hca_ratio)
+        return layer_compressors(
+            self.layer_types[layer], self.head_dim, self.index_head_dim, self.csa_ratio, self.hca_ratio
+        )
 
 
 # ---------------------------------------------------------------- config
+
 
 def _eos(v) -> tuple[int, ...]:
     if v is None:
@@ -149,8 +164,10 @@ def _eos(v) -> tuple[int, ...]:
 def _kinds(raw: dict, key: str, allowed, n: int, w: str) -> list:
     v = raw[key]
     if not isinstance(v, list) or len(v) < n or any(x not in allowed for x in v[:n]):
-        raise ConfigError(f"{w}: field {key!r} must list at least num_hidden_layers = {n} values from "
-                          f"{sorted(allowed, key=str)}, got {v!r}")
+        raise ConfigError(
+            f"{w}: field {key!r} must list at least num_hidden_layers = {n} values from "
+            f"{sorted(allowed, key=str)}, got {v!r}"
+        )
     return list(v[:n])
 
 
@@ -161,21 +178,30 @@ def _rope(d: dict, head_dim: int, partial: float, where: str) -> tuple[RopeConfi
     partial = field(d, "partial_rotary_factor", float, partial, where=where, check=lambda v: 0 < v <= 1)
     dim = int(head_dim * partial)
     if dim <= 0 or dim % 2:
-        raise ConfigError(f"{where}: the rotated width head_dim·partial_rotary_factor = {dim} must be a positive even number")
+        raise ConfigError(
+            f"{where}: the rotated width head_dim·partial_rotary_factor = {dim} must be a positive even number"
+        )
     rope = RopeConfig(
-        dim=dim, theta=field(d, "rope_theta", float, 10000.0, where=where, check=positive), kind=kind,
+        dim=dim,
+        theta=field(d, "rope_theta", float, 10000.0, where=where, check=positive),
+        kind=kind,
         factor=field(d, "factor", float, 1.0, where=where, check=positive),
-        original_max_position_embeddings=field(d, "original_max_position_embeddings", int, 4096, where=where, check=positive),
+        original_max_position_embeddings=field(
+            d, "original_max_position_embeddings", int, 4096, where=where, check=positive
+        ),
         beta_fast=field(d, "beta_fast", float, 32.0, where=where) or 32.0,
         beta_slow=field(d, "beta_slow", float, 1.0, where=where) or 1.0,
-        mscale=field(d, "mscale", float, 0.0, where=where), mscale_all_dim=field(d, "mscale_all_dim", float, 0.0, where=where),
+        mscale=field(d, "mscale", float, 0.0, where=where),
+        mscale_all_dim=field(d, "mscale_all_dim", float, 0.0, where=where),
         truncate=True,  # transformers reads `truncate` from the top level, where V4 has none
     )
     if kind == "yarn" and "factor" not in d:
         raise ConfigError(f"{where}: field 'factor' is missing (YaRN needs it)")
     factor = 1.0
     if kind == "yarn":
-        factor = field(d, "attention_factor", float, cos_sin_attention_factor(rope), where=where, check=positive)
+        factor = field(
+            d, "attention_factor", float, cos_sin_attention_factor(rope), where=where, check=positive
+        )
     return rope, factor
 
 
@@ -191,17 +217,32 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
     if field(raw, "num_key_value_heads", int, 1, where=w) != 1:
         raise ConfigError(f"{w}: field 'num_key_value_heads' must be 1 (DeepSeek-V4 shares one KV head)")
     if field(raw, "hidden_act", str, "silu", where=w) != "silu":
-        raise ConfigError(f"{w}: field 'hidden_act' = {raw['hidden_act']!r} is not supported (DeepSeek-V4 uses silu)")
+        raise ConfigError(
+            f"{w}: field 'hidden_act' = {raw['hidden_act']!r} is not supported (DeepSeek-V4 uses silu)"
+        )
     if field(raw, "scoring_func", str, "sqrtsoftplus", where=w) != "sqrtsoftplus":
-        raise ConfigError(f"{w}: field 'scoring_func' = {raw['scoring_func']!r} is not supported (sqrtsoftplus)")
+        raise ConfigError(
+            f"{w}: field 'scoring_func' = {raw['scoring_func']!r} is not supported (sqrtsoftplus)"
+        )
     for key in ("attention_bias", "mlp_bias"):
         if raw.get(key):
-            raise ConfigError(f"{w}: field {key!r} = true is not supported (the released model has no biases)")
+            raise ConfigError(
+                f"{w}: field {key!r} = true is not supported (the released model has no biases)"
+            )
     if field(raw, "n_shared_experts", int, 1, where=w) != 1:
-        raise ConfigError(f"{w}: field 'n_shared_experts' must be 1 (DeepSeek-V4 has one shared expert of "
-                          f"width moe_intermediate_size)")
-    o_groups = field(raw, "o_groups", int, 8, where=w, check=lambda v: v > 0 and heads % v == 0,
-                     why=f"must divide num_attention_heads = {heads} (groups are whole heads)")
+        raise ConfigError(
+            f"{w}: field 'n_shared_experts' must be 1 (DeepSeek-V4 has one shared expert of "
+            f"width moe_intermediate_size)"
+        )
+    o_groups = field(
+        raw,
+        "o_groups",
+        int,
+        8,
+        where=w,
+        check=lambda v: v > 0 and heads % v == 0,
+        why=f"must divide num_attention_heads = {heads} (groups are whole heads)",
+    )
     experts = field(raw, "n_routed_experts", int, 256, where=w, check=positive)
 
     rates = dict(raw.get("compress_rates") or {})
@@ -220,8 +261,10 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
         ratios = raw["compress_ratios"]
         known = {0: SLIDING, **_RATIO_KIND, csa_ratio: CSA, hca_ratio: HCA}
         if not isinstance(ratios, list) or len(ratios) < n or any(r not in known for r in ratios[:n]):
-            raise ConfigError(f"{w}: field 'compress_ratios' must list at least num_hidden_layers = {n} values from "
-                              f"{sorted(known)}, got {ratios!r}")
+            raise ConfigError(
+                f"{w}: field 'compress_ratios' must list at least num_hidden_layers = {n} values from "
+                f"{sorted(known)}, got {ratios!r}"
+            )
         layer_types = [known[r] for r in ratios[:n]]
     else:
         layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
@@ -250,8 +293,10 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
     rope_comp, comp_factor = _rope(comp_d, head_dim, partial, f"{w} rope_parameters.compress")
     index_head_dim = field(raw, "index_head_dim", int, 128, where=w, check=positive)
     if rope_comp.dim > index_head_dim:
-        raise ConfigError(f"{w}: field 'index_head_dim' = {index_head_dim} is narrower than the rotated width "
-                          f"{rope_comp.dim} the indexer ropes")
+        raise ConfigError(
+            f"{w}: field 'index_head_dim' = {index_head_dim} is narrower than the rotated width "
+            f"{rope_comp.dim} the indexer ropes"
+        )
 
     eos = raw.get("eos_token_id", 1)
     return DeepseekV4Config(
@@ -272,8 +317,15 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
         index_topk=field(raw, "index_topk", int, 512, where=w, check=positive),
         mlp_layer_types=tuple(mlp_types),
         n_routed_experts=experts,
-        num_experts_per_tok=field(raw, "num_experts_per_tok", int, 6, where=w, check=lambda v: 0 < v <= experts,
-                                  why=f"must be in 1..n_routed_experts={experts}"),
+        num_experts_per_tok=field(
+            raw,
+            "num_experts_per_tok",
+            int,
+            6,
+            where=w,
+            check=lambda v: 0 < v <= experts,
+            why=f"must be in 1..n_routed_experts={experts}",
+        ),
         moe_intermediate_size=field(raw, "moe_intermediate_size", int, 2048, where=w, check=positive),
         routed_scaling_factor=field(raw, "routed_scaling_factor", float, 1.5, where=w),
         swiglu_limit=field(raw, "swiglu_limit", float, 10.0, where=w, check=positive),
@@ -286,7 +338,9 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
         rope_compress=rope_comp,
         rope_compress_factor=comp_factor,
         max_position_embeddings=field(raw, "max_position_embeddings", int, 1048576, where=w, check=positive),
-        num_nextn_predict_layers=field(raw, "num_nextn_predict_layers", int, 1, where=w, check=lambda v: v >= 0),
+        num_nextn_predict_layers=field(
+            raw, "num_nextn_predict_layers", int, 1, where=w, check=lambda v: v >= 0
+        ),
         tie_word_embeddings=field(raw, "tie_word_embeddings", bool, False, where=w),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=_eos(eos),
@@ -295,14 +349,17 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
 
 # ---------------------------------------------------------------- tensor contract
 
+
 def attention_block_specs(cfg, p: str, L: int, optional: bool = False) -> list[TensorSpec]:
     """A block's norms, mHC sites and attention core (no compressors): the same in V4 and V4.1."""
     d, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     opt = dict(layer=L, optional=optional)
     f32 = dict(keep_fp32=True, **opt)
     shapes = mhc.site_shapes(cfg.mhc_dims, d)
-    specs = [TensorSpec(p + "input_layernorm.weight", (d,), "norm", **f32),
-             TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", **f32)]
+    specs = [
+        TensorSpec(p + "input_layernorm.weight", (d,), "norm", **f32),
+        TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", **f32),
+    ]
     for site in ("attn_hc", "ffn_hc"):
         specs += [TensorSpec(f"{p}{site}.{k}", shapes[k], "mhc", **f32) for k in ("fn", "base", "scale")]
     a = p + "self_attn."
@@ -312,15 +369,22 @@ def attention_block_specs(cfg, p: str, L: int, optional: bool = False) -> list[T
         TensorSpec(a + "q_b_proj.weight", (H * D, cfg.q_lora_rank), "attention", **opt),
         TensorSpec(a + "kv_proj.weight", (D, d), "attention", **opt),
         TensorSpec(a + "kv_norm.weight", (D,), "norm", **f32),
-        TensorSpec(a + "o_a_proj.weight", (cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups), "attention",
-                   dense=True, **opt),  # read per group through views
+        TensorSpec(
+            a + "o_a_proj.weight",
+            (cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups),
+            "attention",
+            dense=True,
+            **opt,
+        ),  # read per group through views
         TensorSpec(a + "o_b_proj.weight", (d, cfg.o_groups * cfg.o_lora_rank), "attention", **opt),
         TensorSpec(a + "sinks", (H,), "attention", **f32),
     ]
     return specs
 
 
-def _layer_specs(cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, optional: bool) -> list[TensorSpec]:
+def _layer_specs(
+    cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, optional: bool
+) -> list[TensorSpec]:
     """One decoder block's tensors; an MTP block (optional=True) reports every tensor under role "mtp"."""
     d, D = cfg.hidden_size, cfg.head_dim
     opt = dict(layer=L, optional=optional)
@@ -340,12 +404,23 @@ def _layer_specs(cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, opt
         ]
     if idx is not None:
         i = a + "compressor.indexer."
-        specs += [TensorSpec(i + "q_b_proj.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "indexer", **opt),
-                  TensorSpec(i + "scorer.weights_proj.weight", (cfg.index_n_heads, d), "indexer", **opt)]
+        specs += [
+            TensorSpec(
+                i + "q_b_proj.weight",
+                (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+                "indexer",
+                **opt,
+            ),
+            TensorSpec(i + "scorer.weights_proj.weight", (cfg.index_n_heads, d), "indexer", **opt),
+        ]
     m, E, I = p + "mlp.", cfg.n_routed_experts, cfg.moe_intermediate_size
     specs.append(TensorSpec(m + "gate.weight", (E, d), "router", **opt))
     if mlp == HASH_MOE:  # int64 in checkpoints; fp32 holds expert ids exactly
-        specs.append(TensorSpec(m + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "router", integer=True, **f32))
+        specs.append(
+            TensorSpec(
+                m + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "router", integer=True, **f32
+            )
+        )
     else:
         specs.append(TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", **f32))
     specs += [
@@ -360,9 +435,11 @@ def _layer_specs(cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, opt
 
 def _hc_head_specs(cfg: DeepseekV4Config, p: str, role: str, optional: bool) -> list[TensorSpec]:
     n, d = cfg.hc_mult, cfg.hidden_size
-    return [TensorSpec(p + "hc_head.hc_fn", (n, n * d), role, keep_fp32=True, optional=optional),
-            TensorSpec(p + "hc_head.hc_base", (n,), role, keep_fp32=True, optional=optional),
-            TensorSpec(p + "hc_head.hc_scale", (1,), role, keep_fp32=True, optional=optional)]
+    return [
+        TensorSpec(p + "hc_head.hc_fn", (n, n * d), role, keep_fp32=True, optional=optional),
+        TensorSpec(p + "hc_head.hc_base", (n,), role, keep_fp32=True, optional=optional),
+        TensorSpec(p + "hc_head.hc_scale", (1,), role, keep_fp32=True, optional=optional),
+    ]
 
 
 def tensor_specs(cfg: DeepseekV4Config) -> list[TensorSpec]:
@@ -372,15 +449,19 @@ def tensor_specs(cfg: DeepseekV4Config) -> list[TensorSpec]:
         specs += _layer_specs(cfg, f"model.layers.{L}.", cfg.layer_types[L], cfg.mlp_layer_types[L], L, False)
     specs.append(TensorSpec("model.norm.weight", (d,), "norm", keep_fp32=True))
     specs += _hc_head_specs(cfg, "model.", "mhc", False)
-    specs.append(TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings))
+    specs.append(
+        TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
+    )
     for j in range(cfg.num_nextn_predict_layers):  # the MTP layer(s): a sliding-window block + its own head
         p, L = f"mtp.{j}.", cfg.num_hidden_layers + j
         specs += _layer_specs(cfg, p, SLIDING, MOE, L, True)
-        specs += [TensorSpec(p + "e_proj.weight", (d, d), "mtp", L, optional=True),
-                  TensorSpec(p + "h_proj.weight", (d, d), "mtp", L, optional=True),
-                  TensorSpec(p + "enorm.weight", (d,), "mtp", L, optional=True, keep_fp32=True),
-                  TensorSpec(p + "hnorm.weight", (d,), "mtp", L, optional=True, keep_fp32=True),
-                  TensorSpec(p + "norm.weight", (d,), "mtp", L, optional=True, keep_fp32=True)]
+        specs += [
+            TensorSpec(p + "e_proj.weight", (d, d), "mtp", L, optional=True),
+            TensorSpec(p + "h_proj.weight", (d, d), "mtp", L, optional=True),
+            TensorSpec(p + "enorm.weight", (d,), "mtp", L, optional=True, keep_fp32=True),
+            TensorSpec(p + "hnorm.weight", (d,), "mtp", L, optional=True, keep_fp32=True),
+            TensorSpec(p + "norm.weight", (d,), "mtp", L, optional=True, keep_fp32=True),
+        ]
         specs += _hc_head_specs(cfg, p, "mtp", True)
     return specs
 
@@ -389,7 +470,11 @@ def tensor_specs(cfg: DeepseekV4Config) -> list[TensorSpec]:
 _SUFFIX = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
-    **{f"{site}.{k}": f"hc_{ck}_{k}" for site, ck in (("attn_hc", "attn"), ("ffn_hc", "ffn")) for k in ("fn", "base", "scale")},
+    **{
+        f"{site}.{k}": f"hc_{ck}_{k}"
+        for site, ck in (("attn_hc", "attn"), ("ffn_hc", "ffn"))
+        for k in ("fn", "base", "scale")
+    },
     "self_attn.q_a_proj.weight": "attn.wq_a.weight",
     "self_attn.q_a_norm.weight": "attn.q_norm.weight",
     "self_attn.q_b_proj.weight": "attn.wq_b.weight",
@@ -397,12 +482,24 @@ _SUFFIX = {
     "self_attn.o_a_proj.weight": "attn.wo_a.weight",
     "self_attn.o_b_proj.weight": "attn.wo_b.weight",
     "self_attn.sinks": "attn.attn_sink",
-    **{f"self_attn.compressor.{a}": f"attn.compressor.{b}" for a, b in
-       (("kv_proj.weight", "wkv.weight"), ("gate_proj.weight", "wgate.weight"), ("position_bias", "ape"),
-        ("kv_norm.weight", "norm.weight"))},
-    **{f"self_attn.compressor.indexer.{a}": f"attn.indexer.compressor.{b}" for a, b in
-       (("kv_proj.weight", "wkv.weight"), ("gate_proj.weight", "wgate.weight"), ("position_bias", "ape"),
-        ("kv_norm.weight", "norm.weight"))},
+    **{
+        f"self_attn.compressor.{a}": f"attn.compressor.{b}"
+        for a, b in (
+            ("kv_proj.weight", "wkv.weight"),
+            ("gate_proj.weight", "wgate.weight"),
+            ("position_bias", "ape"),
+            ("kv_norm.weight", "norm.weight"),
+        )
+    },
+    **{
+        f"self_attn.compressor.indexer.{a}": f"attn.indexer.compressor.{b}"
+        for a, b in (
+            ("kv_proj.weight", "wkv.weight"),
+            ("gate_proj.weight", "wgate.weight"),
+            ("position_bias", "ape"),
+            ("kv_norm.weight", "norm.weight"),
+        )
+    },
     "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
     "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
     "mlp.gate.weight": "ffn.gate.weight",
@@ -417,9 +514,11 @@ _SUFFIX = {
 
 def checkpoint_naming(upstream: bool) -> Naming:
     """The names transformers' `save_pretrained` writes (upstream=False) or DeepSeek's release uses."""
-    top = {"model.embed_tokens.weight": "embed.weight" if upstream else "model.embed_tokens.weight",
-           "lm_head.weight": "head.weight",
-           "model.norm.weight": "norm.weight" if upstream else "model.norm.weight"}
+    top = {
+        "model.embed_tokens.weight": "embed.weight" if upstream else "model.embed_tokens.weight",
+        "lm_head.weight": "head.weight",
+        "model.norm.weight": "norm.weight" if upstream else "model.norm.weight",
+    }
     for k in ("fn", "base", "scale"):
         top[f"model.hc_head.hc_{k}"] = f"hc_head_{k}" if upstream else f"model.hc_head.hc_{k}"
     kv_norm = "attn.kv_norm.weight" if upstream else "attn.norm.weight"
@@ -438,7 +537,9 @@ def checkpoint_naming(upstream: bool) -> Naming:
             ex = [f"{prefix}ffn.experts.{e}." for e in range(E)]
             return stacked_pairs([x + "w1.weight" for x in ex], [x + "w3.weight" for x in ex], (I2 // 2, d))
         if rest == "mlp.experts.down_proj":
-            return stacked([f"{prefix}ffn.experts.{e}.w2.weight" for e in range(spec.shape[0])], spec.shape[1:])
+            return stacked(
+                [f"{prefix}ffn.experts.{e}.w2.weight" for e in range(spec.shape[0])], spec.shape[1:]
+            )
         if rest == "self_attn.kv_norm.weight":
             return direct(prefix + kv_norm, spec.shape)
         return direct(prefix + _SUFFIX.get(rest, rest), spec.shape)
@@ -450,7 +551,9 @@ def checkpoint_naming(upstream: bool) -> Naming:
 
 def module_naming() -> Naming:
     """transformers' in-memory module names (a raw `state_dict()` dump)."""
-    return Naming("transformers modules (model.layers.N.self_attn.*)", lambda spec: direct(spec.name, spec.shape))
+    return Naming(
+        "transformers modules (model.layers.N.self_attn.*)", lambda spec: direct(spec.name, spec.shape)
+    )
 
 
 def namings(cfg: DeepseekV4Config, layout: str, store_names) -> Naming:
@@ -464,6 +567,7 @@ def namings(cfg: DeepseekV4Config, layout: str, store_names) -> Naming:
 
 # ---------------------------------------------------------------- model
 
+
 class Model:
     """The DeepSeek-V4 decoder over a ForwardBatch."""
 
@@ -474,7 +578,9 @@ class Model:
         self.hc = cfg.mhc_dims
         self.act = clamped_swiglu(cfg.swiglu_limit)
         self.rope = {SLIDING: RopeTail(inv_freq(cfg.rope_main).to(device), cfg.rope_main_factor)}
-        self.rope[CSA] = self.rope[HCA] = RopeTail(inv_freq(cfg.rope_compress).to(device), cfg.rope_compress_factor)
+        self.rope[CSA] = self.rope[HCA] = RopeTail(
+            inv_freq(cfg.rope_compress).to(device), cfg.rope_compress_factor
+        )
         t = tensors
         self.embed = t["model.embed_tokens.weight"]
         self.norm = t["model.norm.weight"]
@@ -483,23 +589,42 @@ class Model:
         self.layers, self.sites, self.compressors, self.tid2eid = [], [], [], {}
         for L in range(cfg.num_hidden_layers):
             p = f"model.layers.{L}."
-            w = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
+            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
             self.layers.append(w)
-            self.sites.append(tuple(mhc.MhcSite(w[f"{s}.fn"], w[f"{s}.base"], w[f"{s}.scale"]) for s in ("attn_hc", "ffn_hc")))
+            self.sites.append(
+                tuple(
+                    mhc.MhcSite(w[f"{s}.fn"], w[f"{s}.base"], w[f"{s}.scale"]) for s in ("attn_hc", "ffn_hc")
+                )
+            )
             comp, idx = cfg.compressors(L)
-            self.compressors.append(tuple(
-                None if dims is None else CompressorWeights(w[c + "kv_proj.weight"], w[c + "gate_proj.weight"],
-                                                            w[c + "position_bias"], w[c + "kv_norm.weight"])
-                for dims, c in ((comp, "self_attn.compressor."), (idx, "self_attn.compressor.indexer."))))
+            self.compressors.append(
+                tuple(
+                    None
+                    if dims is None
+                    else CompressorWeights(
+                        w[c + "kv_proj.weight"],
+                        w[c + "gate_proj.weight"],
+                        w[c + "position_bias"],
+                        w[c + "kv_norm.weight"],
+                    )
+                    for dims, c in ((comp, "self_attn.compressor."), (idx, "self_attn.compressor.indexer."))
+                )
+            )
             if cfg.mlp_layer_types[L] == HASH_MOE:
                 table = w["mlp.gate.tid2eid"]
-                if table.min() < 0 or table.max() >= cfg.n_routed_experts or not torch.equal(table, table.round()):
-                    raise CheckpointError(f"layer {L}: mlp.gate.tid2eid holds expert ids outside 0..{cfg.n_routed_experts - 1}")
+                if (
+                    table.min() < 0
+                    or table.max() >= cfg.n_routed_experts
+                    or not torch.equal(table, table.round())
+                ):
+                    raise CheckpointError(
+                        f"layer {L}: mlp.gate.tid2eid holds expert ids outside 0..{cfg.n_routed_experts - 1}"
+                    )
                 self.tid2eid[L] = table.long()
         self.mtp = []  # the MTP layer(s)' tensors, for a drafter (spec/); empty when the checkpoint has none
         for j in range(cfg.num_nextn_predict_layers):
             p = f"mtp.{j}."
-            w = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
+            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
             if w:
                 self.mtp.append(w)
 
@@ -508,10 +633,23 @@ class Model:
         """`rollback_window`: how many of its last tokens a sequence can forget exactly (each window and
         compressor buffer keeps that many rows more than it reads)."""
         c = self.cfg
-        return SequenceState([
-            new_attention_state(c.layer_types[L], c.head_dim, c.index_head_dim, c.csa_ratio, c.hca_ratio,
-                                c.sliding_window, self.dtype, self.device, c.max_position_embeddings, rollback_window)
-            for L in range(c.num_hidden_layers)])
+        return SequenceState(
+            [
+                new_attention_state(
+                    c.layer_types[L],
+                    c.head_dim,
+                    c.index_head_dim,
+                    c.csa_ratio,
+                    c.hca_ratio,
+                    c.sliding_window,
+                    self.dtype,
+                    self.device,
+                    c.max_position_embeddings,
+                    rollback_window,
+                )
+                for L in range(c.num_hidden_layers)
+            ]
+        )
 
     # -- blocks
     def attention(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -519,9 +657,14 @@ class Model:
         kind, eps = c.layer_types[L], c.rms_norm_eps
         N, H, D = x.shape[0], c.num_attention_heads, c.head_dim
         rope, pos = self.rope[kind], batch.positions
-        qr = rms_norm_cast_once(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_norm.weight"], eps)
+        qr = rms_norm_cast_once(
+            linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_norm.weight"], eps
+        )
         q = rope(head_rms(linear(qr, w["self_attn.q_b_proj.weight"]).view(N, H, D), eps), pos)
-        kv = rope(rms_norm_cast_once(linear(x, w["self_attn.kv_proj.weight"]), w["self_attn.kv_norm.weight"], eps), pos)
+        kv = rope(
+            rms_norm_cast_once(linear(x, w["self_attn.kv_proj.weight"]), w["self_attn.kv_norm.weight"], eps),
+            pos,
+        )
         comp, idx = self.compressors[L]
         if comp is not None:
             ckv, cgate = linear(x, comp.wkv), linear(x, comp.wgate)
@@ -542,23 +685,44 @@ class Model:
             if idx is not None:
                 keys = compressor_update(st.indexer, ikv[r], igate[r], idx, eps, rope)
                 sel = indexer_select(qi[r], wts[r], keys, pos[r], c.csa_ratio, c.index_topk)
-            out[r] = sink_attention(q[r], pos[r], win, win_start, c.sliding_window, w["self_attn.sinks"], D**-0.5,
-                                    entries, sel, c.hca_ratio if kind == HCA else c.csa_ratio)
+            out[r] = sink_attention(
+                q[r],
+                pos[r],
+                win,
+                win_start,
+                c.sliding_window,
+                w["self_attn.sinks"],
+                D**-0.5,
+                entries,
+                sel,
+                c.hca_ratio if kind == HCA else c.csa_ratio,
+            )
         out = rope(out, pos, inverse=True)
-        return grouped_out(out.reshape(N, H * D), w["self_attn.o_a_proj.weight"], w["self_attn.o_b_proj.weight"], c.o_groups)
+        return grouped_out(
+            out.reshape(N, H * D), w["self_attn.o_a_proj.weight"], w["self_attn.o_b_proj.weight"], c.o_groups
+        )
 
     def moe(self, L: int, w: dict, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         logits = linear(x, w["mlp.gate.weight"])
         if c.mlp_layer_types[L] == HASH_MOE:
-            weights, ids = route_sqrtsoftplus(logits, c.num_experts_per_tok, scale=c.routed_scaling_factor,
-                                              ids=self.tid2eid[L][token_ids])
+            weights, ids = route_sqrtsoftplus(
+                logits, c.num_experts_per_tok, scale=c.routed_scaling_factor, ids=self.tid2eid[L][token_ids]
+            )
         else:
-            weights, ids = route_sqrtsoftplus(logits, c.num_experts_per_tok, w["mlp.gate.e_score_correction_bias"],
-                                              c.routed_scaling_factor)
-        out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act)
-        sh = torch.cat([linear(x, w["mlp.shared_experts.gate_proj.weight"]),
-                        linear(x, w["mlp.shared_experts.up_proj.weight"])], dim=-1)
+            weights, ids = route_sqrtsoftplus(
+                logits, c.num_experts_per_tok, w["mlp.gate.e_score_correction_bias"], c.routed_scaling_factor
+            )
+        out = run_experts(
+            x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act
+        )
+        sh = torch.cat(
+            [
+                linear(x, w["mlp.shared_experts.gate_proj.weight"]),
+                linear(x, w["mlp.shared_experts.up_proj.weight"]),
+            ],
+            dim=-1,
+        )
         return out + linear(self.act(sh), w["mlp.shared_experts.down_proj.weight"])
 
     @torch.inference_mode()
@@ -573,7 +737,9 @@ class Model:
             y = self.attention(L, w, rms_norm_cast_once(x, w["input_layernorm.weight"], eps), batch)
             h = mhc.update(h, y, post, comb)
             x, post, comb = mhc.site_input(h, ffn_site, self.hc)
-            y = self.moe(L, w, rms_norm_cast_once(x, w["post_attention_layernorm.weight"], eps), batch.token_ids)
+            y = self.moe(
+                L, w, rms_norm_cast_once(x, w["post_attention_layernorm.weight"], eps), batch.token_ids
+            )
             h = mhc.update(h, y, post, comb)
         batch.finish()
         h = mhc.head_weighted(h[batch.logit_rows], *self.hc_head, self.hc)
@@ -581,6 +747,7 @@ class Model:
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
+
 
 def layer_schedule(cfg: DeepseekV4Config) -> list[str]:
     return [f"{_SHORT[cfg.layer_types[L]]}+{cfg.mlp_layer_types[L]}" for L in range(cfg.num_hidden_layers)]
@@ -592,8 +759,16 @@ def state_bytes(cfg: DeepseekV4Config, dtype_bytes: int, rollback_window: int = 
     compressor's open-window raw rows, plus `rollback_window` rows of each."""
     per_token = fixed = 0
     for kind in cfg.layer_types:
-        pt, fx = attention_state_bytes(kind, cfg.head_dim, cfg.index_head_dim, cfg.csa_ratio, cfg.hca_ratio,
-                                       cfg.sliding_window, dtype_bytes, rollback_window)
+        pt, fx = attention_state_bytes(
+            kind,
+            cfg.head_dim,
+            cfg.index_head_dim,
+            cfg.csa_ratio,
+            cfg.hca_ratio,
+            cfg.sliding_window,
+            dtype_bytes,
+            rollback_window,
+        )
         per_token, fixed = per_token + pt, fixed + fx
     return per_token, fixed
 
@@ -629,16 +804,51 @@ def facts(cfg: DeepseekV4Config) -> dict:
 # `rope_scaling`), with the tiny HCA rate 8 in transformers' `compress_rates`. Widths are multiples of
 # 32, so the experts take DeepSeek's fp4.
 DEMO_CONFIG = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 259, "hidden_size": 64,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
-    "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 8,
-    "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_hash_layers": 2,
-    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 1.0,
-    "sliding_window": 8, "compress_ratios": [0, 4, 8, 4, 0], "compress_rates": {CSA: 4, HCA: 8},
-    "index_n_heads": 16, "index_head_dim": 16, "index_topk": 3, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000, "compress_rope_theta": 160000,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256, "beta_fast": 32,
-                     "beta_slow": 1},
-    "max_position_embeddings": 4096, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "moesaic_tokenizer": "bytes",
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 259,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "qk_rope_head_dim": 8,
+    "q_lora_rank": 32,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "num_hash_layers": 2,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 1.0,
+    "sliding_window": 8,
+    "compress_ratios": [0, 4, 8, 4, 0],
+    "compress_rates": {CSA: 4, HCA: 8},
+    "index_n_heads": 16,
+    "index_head_dim": 16,
+    "index_topk": 3,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 4096,
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "moesaic_tokenizer": "bytes",
 }

@@ -101,10 +101,32 @@ from ..config import field
 from ..engine.batch import ForwardBatch
 from ..errors import ConfigError
 from ..layers import mhc
-from ..layers.csa import (CSA, HCA, SLIDING, AttentionState, index_score_blocks, CompressorDims, CompressorState, CompressorWeights,
-                          RopeTail, compressor_update, grouped_out, head_rms, pool_windows, sink_attention)
-from ..layers.engram import (EngramConfig, EngramHash, EngramState, EngramTable, EngramWeights, build_token_map,
-                             engram_bytes, engram_forward)
+from ..layers.csa import (
+    CSA,
+    HCA,
+    SLIDING,
+    AttentionState,
+    CompressorDims,
+    CompressorState,
+    CompressorWeights,
+    RopeTail,
+    compressor_update,
+    grouped_out,
+    head_rms,
+    index_score_blocks,
+    pool_windows,
+    sink_attention,
+)
+from ..layers.engram import (
+    EngramConfig,
+    EngramHash,
+    EngramState,
+    EngramTable,
+    EngramWeights,
+    build_token_map,
+    engram_bytes,
+    engram_forward,
+)
 from ..layers.linear import linear
 from ..layers.moe import clamped_swiglu, route_sqrtsoftplus, run_experts
 from ..layers.norms import rms_norm_cast_once
@@ -122,37 +144,92 @@ _SHORT = {SLIDING: "swa", CSA: "csa", HCA: "hca", CSA2: "csa2"}
 # release config.json itself is not in the reference; field spellings follow transformers' V4 config
 # where the reference abbreviates, e.g. "heads 64" -> num_attention_heads).
 RELEASE_TEXT_CONFIG = {
-    "model_type": "deepseek_v41", "num_hidden_layers": 40, "hidden_size": 5120, "vocab_size": 129280,
-    "tie_word_embeddings": False, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
-    "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024, "o_groups": 8, "sliding_window": 128,
-    "max_position_embeddings": 1048576, "rope_theta": 160000, "compress_rope_theta": 160000,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                     "beta_fast": 32, "beta_slow": 1},
+    "model_type": "deepseek_v41",
+    "num_hidden_layers": 40,
+    "hidden_size": 5120,
+    "vocab_size": 129280,
+    "tie_word_embeddings": False,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1280,
+    "o_lora_rank": 1024,
+    "o_groups": 8,
+    "sliding_window": 128,
+    "max_position_embeddings": 1048576,
+    "rope_theta": 160000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
     "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
-    "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-    "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
-    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
-    "n_routed_experts": 384, "num_experts_per_tok": 6, "moe_intermediate_size": 2304, "n_shared_experts": 1,
-    "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True, "route_scale": 1.5,
-    "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
-    "engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4,
-    "engram_n_heads": 8, "engram_head_dim": 256, "engram_vocab_size": 16000000,
-    "engram_compressed_vocab_size": 99092, "engram_pad_id": 2,
-    "num_nextn_predict_layers": 3, "dspark_target_layer_ids": [37, 38, 39], "dspark_block_size": 5,
-    "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
-    "dspark_noise_token_id": 128799, "bos_token_id": 0, "eos_token_id": 1,
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2304,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "route_scale": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [384006168, 384016682],
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "engram_vocab_size": 16000000,
+    "engram_compressed_vocab_size": 99092,
+    "engram_pad_id": 2,
+    "num_nextn_predict_layers": 3,
+    "dspark_target_layer_ids": [37, 38, 39],
+    "dspark_block_size": 5,
+    "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128,
+    "dspark_num_experts_per_tok": 3,
+    "dspark_noise_token_id": 128799,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
 }
-RELEASE_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
-                        "scale_fmt": "ue8m0"}
-_DEFAULTS = {k: v for k, v in RELEASE_TEXT_CONFIG.items()
-             if not isinstance(v, list) and not k.startswith(("engram_", "candidate_", "dspark_"))}
+RELEASE_QUANTIZATION = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+}
+_DEFAULTS = {
+    k: v
+    for k, v in RELEASE_TEXT_CONFIG.items()
+    if not isinstance(v, list) and not k.startswith(("engram_", "candidate_", "dspark_"))
+}
 
 
 def release_config(text_config: dict, **top) -> dict:
     """The released top-level layout around a text config (nested `text_config`)."""
-    return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
-            "text_config": text_config, "vision_config": {"downsample_ratio": 3},
-            "expert_dtype": "fp4", **top}
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "text_config": text_config,
+        "vision_config": {"downsample_ratio": 3},
+        "expert_dtype": "fp4",
+        **top,
+    }
 
 
 RELEASE_CONFIG = release_config(RELEASE_TEXT_CONFIG, quantization_config=RELEASE_QUANTIZATION)
@@ -193,13 +270,16 @@ class DeepseekV41Config(DeepseekV4Config):
 
 # ---------------------------------------------------------------- config
 
+
 def _text(raw: dict) -> tuple[dict, str]:
     text = raw.get("text_config")
     if text is None:
         return raw, "config.json"
     if not isinstance(text, dict):
         raise ConfigError(f"config.json: field 'text_config' must be an object, got {text!r}")
-    top = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings") if k in raw}
+    top = {
+        k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings") if k in raw
+    }
     return {**top, **text}, "config.json text_config"
 
 
@@ -207,8 +287,11 @@ def _layer_ids(raw: dict, key: str, default: list[int], n: int, w: str) -> tuple
     v = raw.get(key)
     if v is None:
         return tuple(default)
-    if (not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n for x in v)
-            or len(set(v)) != len(v)):
+    if (
+        not isinstance(v, list)
+        or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n for x in v)
+        or len(set(v)) != len(v)
+    ):
         raise ConfigError(f"{w}: field {key!r} must list distinct layer ids in 0..{n - 1}, got {v!r}")
     return tuple(sorted(v))
 
@@ -222,11 +305,18 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
         text["routed_scaling_factor"] = text["route_scale"]
     n = field(text, "num_hidden_layers", int, where=w, check=lambda v: v > 0)
     if text.get("num_hash_layers") or any(k == HASH_MOE for k in text.get("mlp_layer_types") or []):
-        raise ConfigError(f"{w}: field 'num_hash_layers' / 'mlp_layer_types' asks for hash-routed layers; "
-                          f"DeepSeek-V4.1 has no hash routing (every layer routes by score + bias)")
-    base = deepseek_v4.parse_config({**{k: v for k, v in text.items() if k not in ("compress_ratios", "model_type")},
-                                     "layer_types": [SLIDING] * n, "mlp_layer_types": [MOE] * n,
-                                     "num_hash_layers": 0})
+        raise ConfigError(
+            f"{w}: field 'num_hash_layers' / 'mlp_layer_types' asks for hash-routed layers; "
+            f"DeepSeek-V4.1 has no hash routing (every layer routes by score + bias)"
+        )
+    base = deepseek_v4.parse_config(
+        {
+            **{k: v for k, v in text.items() if k not in ("compress_ratios", "model_type")},
+            "layer_types": [SLIDING] * n,
+            "mlp_layer_types": [MOE] * n,
+            "num_hash_layers": 0,
+        }
+    )
 
     if text.get("layer_types") is not None:  # moesaic: V4's kinds under V4.1's wiring (tests)
         kinds = deepseek_v4._kinds(text, "layer_types", {SLIDING, CSA, HCA}, n, w)
@@ -234,10 +324,15 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
         mtp_ratios: list[int] = []
     else:
         cr, nextn = text.get("compress_ratios"), base.num_nextn_predict_layers
-        if (not isinstance(cr, list) or len(cr) not in (n, n + nextn)
-                or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in cr)):
-            raise ConfigError(f"{w}: field 'compress_ratios' must list a ratio >= 0 for each of the {n} layers "
-                              f"(then one per MTP stage, {nextn}), got {cr!r}")
+        if (
+            not isinstance(cr, list)
+            or len(cr) not in (n, n + nextn)
+            or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in cr)
+        ):
+            raise ConfigError(
+                f"{w}: field 'compress_ratios' must list a ratio >= 0 for each of the {n} layers "
+                f"(then one per MTP stage, {nextn}), got {cr!r}"
+            )
         ratios, mtp_ratios = list(cr[:n]), list(cr[n:])
         kinds = [SLIDING if r == 0 else CSA2 for r in ratios]
 
@@ -248,17 +343,25 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
         index = key.startswith("index")
         bad = [L for L in ids if ratios[L] == 0 or (index and kinds[L] == HCA)]
         if bad:
-            raise ConfigError(f"{w}: field {key!r} names layer(s) {bad} that have no compressed attention (compress "
-                              f"ratio 0{', or V4 HCA layers, which have no indexer' if index else ''})")
+            raise ConfigError(
+                f"{w}: field {key!r} names layer(s) {bad} that have no compressed attention (compress "
+                f"ratio 0{', or V4 HCA layers, which have no indexer' if index else ''})"
+            )
     kv_from: list[int | None] = []
     for L in range(n):
-        src = max((j for j in kv_src if j <= L and (kinds[j], ratios[j]) == (kinds[L], ratios[L])), default=None)
+        src = max(
+            (j for j in kv_src if j <= L and (kinds[j], ratios[j]) == (kinds[L], ratios[L])), default=None
+        )
         if ratios[L] and src is None:
-            raise ConfigError(f"{w}: field 'kv_source_layer_ids' = {list(kv_src)} leaves layer {L} (compress ratio "
-                              f"{ratios[L]}) without a KV source of its kind and ratio at or below it")
+            raise ConfigError(
+                f"{w}: field 'kv_source_layer_ids' = {list(kv_src)} leaves layer {L} (compress ratio "
+                f"{ratios[L]}) without a KV source of its kind and ratio at or below it"
+            )
         kv_from.append(src if ratios[L] else None)
-    index_from = [max((j for j in idx_src if j <= L and kv_from[j] == kv_from[L]), default=None) if ratios[L] else None
-                  for L in range(n)]
+    index_from = [
+        max((j for j in idx_src if j <= L and kv_from[j] == kv_from[L]), default=None) if ratios[L] else None
+        for L in range(n)
+    ]
     index_keys = [L in kv_src and any(kv_from[j] == L for j in idx_src) for L in range(n)]
 
     cand = text.get("candidate_source_layer_id")
@@ -266,22 +369,44 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
     uses = [False] * n
     if cand is not None:
         if cand not in idx_src:
-            raise ConfigError(f"{w}: field 'candidate_source_layer_id' = {cand!r} is not one of the index sources "
-                              f"{list(idx_src)}")
+            raise ConfigError(
+                f"{w}: field 'candidate_source_layer_id' = {cand!r} is not one of the index sources "
+                f"{list(idx_src)}"
+            )
         blocks = field(text, "candidate_topk_blocks", int, where=w, check=lambda v: v > 0)
         size = field(text, "candidate_block_size", int, where=w, check=lambda v: v > 0)
         uses = [L in idx_src and L > cand and kv_from[L] == kv_from[cand] for L in range(n)]
 
-    engram = EngramConfig.from_config({**text, "hc_mult": base.hc_mult, "rms_norm_eps": base.rms_norm_eps,
-                                       "hidden_size": base.hidden_size, "vocab_size": base.vocab_size}, w)
-    common = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)
-              if f.name not in ("layer_types", "model_type")}
+    engram = EngramConfig.from_config(
+        {
+            **text,
+            "hc_mult": base.hc_mult,
+            "rms_norm_eps": base.rms_norm_eps,
+            "hidden_size": base.hidden_size,
+            "vocab_size": base.vocab_size,
+        },
+        w,
+    )
+    common = {
+        f.name: getattr(base, f.name)
+        for f in dataclasses.fields(base)
+        if f.name not in ("layer_types", "model_type")
+    }
     return DeepseekV41Config(
         **common,
-        layer_types=tuple(kinds), compress_ratios=tuple(ratios), mtp_compress_ratios=tuple(mtp_ratios),
-        kv_source_layer_ids=kv_src, index_source_layer_ids=idx_src, candidate_source_layer_id=cand,
-        candidate_topk_blocks=blocks, candidate_block_size=size or 1, kv_from=tuple(kv_from),
-        index_from=tuple(index_from), index_keys=tuple(index_keys), uses_candidates=tuple(uses), engram=engram,
+        layer_types=tuple(kinds),
+        compress_ratios=tuple(ratios),
+        mtp_compress_ratios=tuple(mtp_ratios),
+        kv_source_layer_ids=kv_src,
+        index_source_layer_ids=idx_src,
+        candidate_source_layer_id=cand,
+        candidate_topk_blocks=blocks,
+        candidate_block_size=size or 1,
+        kv_from=tuple(kv_from),
+        index_from=tuple(index_from),
+        index_keys=tuple(index_keys),
+        uses_candidates=tuple(uses),
+        engram=engram,
         q_head_norm=field(text, "q_head_norm", bool, False, where=w),
         delayed_pre=field(text, "mhc_delayed_pre", bool, True, where=w),
     )
@@ -289,8 +414,10 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
 
 # ---------------------------------------------------------------- tensor contract
 
-def _compressor_specs(c: str, dims: CompressorDims, d: int, gate: bool, ape: bool, role: str,
-                      L: int) -> list[TensorSpec]:
+
+def _compressor_specs(
+    c: str, dims: CompressorDims, d: int, gate: bool, ape: bool, role: str, L: int
+) -> list[TensorSpec]:
     specs = [TensorSpec(c + "kv_proj.weight", (dims.proj_width, d), role, L)]
     if gate:
         specs.append(TensorSpec(c + "gate_proj.weight", (dims.proj_width, d), role, L))
@@ -306,21 +433,28 @@ def _layer_specs(cfg: DeepseekV41Config, L: int) -> list[TensorSpec]:
     specs = attention_block_specs(cfg, p, L)
     a = p + "self_attn."
     if L in cfg.kv_source_layer_ids:
-        specs += _compressor_specs(a + "compressor.", cfg.compressor_dims(L), d, kind != CSA2 or r > 1, kind != CSA2,
-                                   "compressor", L)
+        specs += _compressor_specs(
+            a + "compressor.", cfg.compressor_dims(L), d, kind != CSA2 or r > 1, kind != CSA2, "compressor", L
+        )
     if cfg.index_keys[L]:
         cI = cfg.index_head_dim
         if kind == CSA:
-            specs += _compressor_specs(a + "compressor.indexer.", cfg.index_compressor_dims(L), d, True, True,
-                                       "indexer", L)
+            specs += _compressor_specs(
+                a + "compressor.indexer.", cfg.index_compressor_dims(L), d, True, True, "indexer", L
+            )
         else:
-            specs += [TensorSpec(a + "indexer.wk.weight", (cI, D), "indexer", L),
-                      TensorSpec(a + "indexer.k_norm.weight", (cI,), "norm", **f32)]
+            specs += [
+                TensorSpec(a + "indexer.wk.weight", (cI, D), "indexer", L),
+                TensorSpec(a + "indexer.k_norm.weight", (cI,), "norm", **f32),
+            ]
     if L in cfg.index_source_layer_ids:
         i = a + "compressor.indexer."
-        specs += [TensorSpec(i + "q_b_proj.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-                             "indexer", L),
-                  TensorSpec(i + "scorer.weights_proj.weight", (cfg.index_n_heads, d), "indexer", L)]
+        specs += [
+            TensorSpec(
+                i + "q_b_proj.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "indexer", L
+            ),
+            TensorSpec(i + "scorer.weights_proj.weight", (cfg.index_n_heads, d), "indexer", L),
+        ]
     m, E, I = p + "mlp.", cfg.n_routed_experts, cfg.moe_intermediate_size
     specs += [
         TensorSpec(m + "gate.weight", (E, d), "router", L),
@@ -338,7 +472,9 @@ def _layer_specs(cfg: DeepseekV41Config, L: int) -> list[TensorSpec]:
         specs += [
             # the table stays in the file (fp8 rows + one E8M0 scale per 32 columns; a float table has no scale)
             TensorSpec(g + "embed.weight", (rows, e.head_dim), "engram_table", L, mapped=True),
-            TensorSpec(g + "embed.scale", (rows, -(-e.head_dim // 32)), "engram_scale", L, mapped=True, optional=True),
+            TensorSpec(
+                g + "embed.scale", (rows, -(-e.head_dim // 32)), "engram_scale", L, mapped=True, optional=True
+            ),
             TensorSpec(g + "wkv.weight", ((e.hc_mult + 1) * d, e.n_hash * e.head_dim), "engram", L),
             TensorSpec(g + "q_weight", (e.hc_mult, d), "engram", **f32),
             TensorSpec(g + "k_weight", (e.hc_mult, d), "engram", **f32),
@@ -354,18 +490,26 @@ def tensor_specs(cfg: DeepseekV41Config) -> list[TensorSpec]:
     specs.append(TensorSpec("model.norm.weight", (d,), "norm", keep_fp32=True))
     if not cfg.delayed_pre:  # V4's weighted hyper head
         n = cfg.hc_mult
-        specs += [TensorSpec("model.hc_head.hc_fn", (n, n * d), "mhc", keep_fp32=True),
-                  TensorSpec("model.hc_head.hc_base", (n,), "mhc", keep_fp32=True),
-                  TensorSpec("model.hc_head.hc_scale", (1,), "mhc", keep_fp32=True)]
-    specs.append(TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings))
+        specs += [
+            TensorSpec("model.hc_head.hc_fn", (n, n * d), "mhc", keep_fp32=True),
+            TensorSpec("model.hc_head.hc_base", (n,), "mhc", keep_fp32=True),
+            TensorSpec("model.hc_head.hc_scale", (1,), "mhc", keep_fp32=True),
+        ]
+    specs.append(
+        TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
+    )
     return specs
 
 
-_V41_NAMES = {"self_attn.indexer.wk.weight": "attn.indexer.wk.weight",
-              "self_attn.indexer.k_norm.weight": "attn.indexer.k_norm.weight"}
-IGNORED = [r"mtp\..*",  # the DSpark drafter stages (spec/)
-           r"layers\.\d+\.ffn\.gate\.bias_vl",  # the router bias of image tokens (vision is not supported)
-           r"(vision|visual|vision_model|vision_tower|aligner|mm_projector|projector)\..*"]  # inferred names
+_V41_NAMES = {
+    "self_attn.indexer.wk.weight": "attn.indexer.wk.weight",
+    "self_attn.indexer.k_norm.weight": "attn.indexer.k_norm.weight",
+}
+IGNORED = [
+    r"mtp\..*",  # the DSpark drafter stages (spec/)
+    r"layers\.\d+\.ffn\.gate\.bias_vl",  # the router bias of image tokens (vision is not supported)
+    r"(vision|visual|vision_model|vision_tower|aligner|mm_projector|projector)\..*",
+]  # inferred names
 
 
 def release_naming(cfg: DeepseekV41Config | None = None) -> Naming:
@@ -390,8 +534,10 @@ def namings(cfg: DeepseekV41Config, layout: str, store_names) -> Naming:
 
 # ---------------------------------------------------------------- compression and the indexer (V4.1 variants)
 
-def compress(state: CompressorState, kv: Tensor, gate: Tensor, w: CompressorWeights, eps: float,
-             rope: RopeTail) -> tuple[Tensor, Tensor, int]:
+
+def compress(
+    state: CompressorState, kv: Tensor, gate: Tensor, w: CompressorWeights, eps: float, rope: RopeTail
+) -> tuple[Tensor, Tensor, int]:
     """csa.compressor_update, also returning the new entries before rope: (all entries [E, width]
     roped, the new ones [E1 − E0, width] before rope, E0)."""
     d, m = state.dims, state.dims.ratio
@@ -402,8 +548,9 @@ def compress(state: CompressorState, kv: Tensor, gate: Tensor, w: CompressorWeig
         return state.entries.bufs["entry"][: state.entries.length], kv.new_empty(0, d.width), E0
     has_prev = d.overlap and E0 > 0
     a, b = (E0 - 1 if has_prev else E0) * m - (T0 - held), E1 * m - (T0 - held)
-    latent = rms_norm_cast_once(pool_windows(raw["kv"][a:b], raw["gate"][a:b], w.ape, d, has_prev).to(kv.dtype),
-                                w.norm, eps)
+    latent = rms_norm_cast_once(
+        pool_windows(raw["kv"][a:b], raw["gate"][a:b], w.ape, d, has_prev).to(kv.dtype), w.norm, eps
+    )
     roped = rope(latent, torch.arange(E0, E1, device=kv.device) * m)
     return state.entries.append(entry=roped)["entry"], latent, E0
 
@@ -434,8 +581,17 @@ def _held(part) -> Tensor:
     return part.entries.bufs["entry"][: part.entries.length]
 
 
-def index_select(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ratio: int, topk: int,
-                 block: int = 1, topk_blocks: int = 0, allowed: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def index_select(
+    q: Tensor,
+    weights: Tensor,
+    keys: Tensor,
+    positions: Tensor,
+    ratio: int,
+    topk: int,
+    block: int = 1,
+    topk_blocks: int = 0,
+    allowed: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """csa.indexer_select (same arithmetic) with candidate blocks. q [n, H, c] roped, weights [n, H]
     (scaled by H^-0.5), keys [E, c]. Returns (sel [n, min(topk, E)], -1 where nothing is selected;
     with topk_blocks > 0, the candidate blocks [n, ceil(E / block)] bool: the topk_blocks blocks of
@@ -467,6 +623,7 @@ def index_select(q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ra
 
 # ---------------------------------------------------------------- model
 
+
 class _TableOn:
     """An Engram table whose gathered rows are moved to the model's device (the table stays on the host)."""
 
@@ -482,7 +639,10 @@ def _table(weight: Tensor, scale: Tensor | None, name: str) -> EngramTable:
     demo.random_tensors writes for the demo list) multiplied out once."""
     if scale is not None and weight.dtype not in (torch.float8_e4m3fn, torch.uint8):
         block = -(-weight.shape[1] // scale.shape[1])
-        weight, scale = weight.float() * scale.float().repeat_interleave(block, dim=1)[:, : weight.shape[1]], None
+        weight, scale = (
+            weight.float() * scale.float().repeat_interleave(block, dim=1)[:, : weight.shape[1]],
+            None,
+        )
     return EngramTable(weight, scale, name)
 
 
@@ -494,8 +654,9 @@ def tokenizer_vocab(tok):
 
     if isinstance(tok, ByteTokenizer):
         names = ["<pad>", "<s>", "</s>"]
-        return [(s, s) for s in names] + [(tok.decode([i]), f"<0x{i - BYTE_OFFSET:02X}>")
-                                          for i in range(BYTE_OFFSET, tok.vocab_size)]
+        return [(s, s) for s in names] + [
+            (tok.decode([i]), f"<0x{i - BYTE_OFFSET:02X}>") for i in range(BYTE_OFFSET, tok.vocab_size)
+        ]
     return tok
 
 
@@ -503,8 +664,14 @@ class Model:
     """The DeepSeek-V4.1 decoder over a ForwardBatch. `token_map` (Engram's compressed token map, int64
     [V]) may be given here; a model loaded through `Checkpoint` builds it from the checkpoint's tokenizer."""
 
-    def __init__(self, cfg: DeepseekV41Config, tensors: dict[str, Tensor], dtype: torch.dtype, device,
-                 token_map: Tensor | None = None):
+    def __init__(
+        self,
+        cfg: DeepseekV41Config,
+        tensors: dict[str, Tensor],
+        dtype: torch.dtype,
+        device,
+        token_map: Tensor | None = None,
+    ):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -518,25 +685,33 @@ class Model:
         self.embed = t["model.embed_tokens.weight"]
         self.norm = t["model.norm.weight"]
         self.lm_head = t.get("lm_head.weight", self.embed)
-        self.hc_head = None if cfg.delayed_pre else [t[f"model.hc_head.hc_{k}"] for k in ("fn", "base", "scale")]
+        self.hc_head = (
+            None if cfg.delayed_pre else [t[f"model.hc_head.hc_{k}"] for k in ("fn", "base", "scale")]
+        )
         self.layers, self.sites, self.compressors, self.engram = [], [], {}, {}
         for L in range(cfg.num_hidden_layers):
             p = f"model.layers.{L}."
-            w = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
+            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
             self.layers.append(w)
-            self.sites.append(tuple(mhc.MhcSite(w[f"{s}.fn"], w[f"{s}.base"], w[f"{s}.scale"])
-                                    for s in ("attn_hc", "ffn_hc")))
+            self.sites.append(
+                tuple(
+                    mhc.MhcSite(w[f"{s}.fn"], w[f"{s}.base"], w[f"{s}.scale"]) for s in ("attn_hc", "ffn_hc")
+                )
+            )
             if L in cfg.kv_source_layer_ids:
                 self.compressors[L] = self._compressor(w, "self_attn.compressor.", cfg.compressor_dims(L))
             if cfg.index_keys[L] and cfg.layer_types[L] == CSA:
-                self.compressors[(L, "index")] = self._compressor(w, "self_attn.compressor.indexer.",
-                                                                  cfg.index_compressor_dims(L))
+                self.compressors[(L, "index")] = self._compressor(
+                    w, "self_attn.compressor.indexer.", cfg.index_compressor_dims(L)
+                )
             if L in cfg.engram_layers:
                 g = "engram."
                 table = _table(w[g + "embed.weight"], w.get(g + "embed.scale"), f"layers.{L}.engram.embed")
                 if torch.device(device).type != "cpu":
                     table = _TableOn(table, device)
-                self.engram[L] = EngramWeights(table, w[g + "wkv.weight"], w[g + "q_weight"], w[g + "k_weight"])
+                self.engram[L] = EngramWeights(
+                    table, w[g + "wkv.weight"], w[g + "q_weight"], w[g + "k_weight"]
+                )
         self.hasher = None
         if cfg.engram is not None and token_map is not None:
             self.hasher = EngramHash(cfg.engram, token_map)
@@ -545,7 +720,9 @@ class Model:
         ape = w.get(c + "position_bias")
         if ape is None:  # V4.1: no position bias
             ape = torch.zeros(dims.ratio, dims.proj_width, device=self.device)
-        return CompressorWeights(w[c + "kv_proj.weight"], w.get(c + "gate_proj.weight"), ape, w[c + "kv_norm.weight"])
+        return CompressorWeights(
+            w[c + "kv_proj.weight"], w.get(c + "gate_proj.weight"), ape, w[c + "kv_norm.weight"]
+        )
 
     def bind_checkpoint(self, store) -> None:
         """Builds Engram's token map from the checkpoint's tokenizer (Checkpoint.build calls this)."""
@@ -555,10 +732,13 @@ class Model:
 
         tok = load_tokenizer(store.folder, store.config, self.cfg.eos_token_ids)
         if tok is None:
-            raise ConfigError(f"{store.folder}: DeepSeek-V4.1's Engram layers hash compressed token ids, whose map is "
-                              f"built from the checkpoint's tokenizer, and this folder has none (tokenizer.json)")
-        self.hasher = EngramHash(self.cfg.engram, build_token_map(tokenizer_vocab(tok),
-                                                                  self.cfg.engram.compressed_vocab_size))
+            raise ConfigError(
+                f"{store.folder}: DeepSeek-V4.1's Engram layers hash compressed token ids, whose map is "
+                f"built from the checkpoint's tokenizer, and this folder has none (tokenizer.json)"
+            )
+        self.hasher = EngramHash(
+            self.cfg.engram, build_token_map(tokenizer_vocab(tok), self.cfg.engram.compressed_vocab_size)
+        )
 
     # -- state
     def new_state(self, rollback_window: int = 0) -> SequenceState:
@@ -572,8 +752,11 @@ class Model:
             if L in c.kv_source_layer_ids:
                 comp = CompressorState(c.compressor_dims(L), dt, dev, T, R)
                 if c.index_keys[L]:
-                    idx = (CompressorState(c.index_compressor_dims(L), dt, dev, T, R) if c.layer_types[L] == CSA
-                           else IndexKeys(comp, c.index_head_dim, dt, dev, T))
+                    idx = (
+                        CompressorState(c.index_compressor_dims(L), dt, dev, T, R)
+                        if c.layer_types[L] == CSA
+                        else IndexKeys(comp, c.index_head_dim, dt, dev, T)
+                    )
             window = TailRows({"kv": c.head_dim}, dt, dev, c.sliding_window - 1 + R, c.sliding_window - 1)
             layers.append(AttentionState(window, comp, idx))
         if c.engram is not None:
@@ -586,15 +769,22 @@ class Model:
         eps, r = c.rms_norm_eps, c.compress_ratios[L]
         N, H, D = x.shape[0], c.num_attention_heads, c.head_dim
         rope, pos = self.rope[L], batch.positions
-        qr = rms_norm_cast_once(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_norm.weight"], eps)
+        qr = rms_norm_cast_once(
+            linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_norm.weight"], eps
+        )
         q = linear(qr, w["self_attn.q_b_proj.weight"]).view(N, H, D)
         q = rope(head_rms(q, eps) if c.q_head_norm else q, pos)
-        kv = rope(rms_norm_cast_once(linear(x, w["self_attn.kv_proj.weight"]), w["self_attn.kv_norm.weight"], eps), pos)
+        kv = rope(
+            rms_norm_cast_once(linear(x, w["self_attn.kv_proj.weight"]), w["self_attn.kv_norm.weight"], eps),
+            pos,
+        )
         src, isrc = c.kv_from[L], c.index_from[L]
         if src == L:
             comp = self.compressors[L]
             ckv = linear(x, comp.wkv)
-            cgate = torch.zeros_like(ckv) if comp.wgate is None else linear(x, comp.wgate)  # ratio 1: one member
+            cgate = (
+                torch.zeros_like(ckv) if comp.wgate is None else linear(x, comp.wgate)
+            )  # ratio 1: one member
             if (L, "index") in self.compressors:
                 icomp = self.compressors[(L, "index")]
                 ikv, igate = linear(x, icomp.wkv), linear(x, icomp.wgate)
@@ -616,45 +806,84 @@ class Model:
                     if isinstance(st.indexer, CompressorState):  # V4 CSA: the index keys' own compressor
                         compressor_update(st.indexer, ikv[rows], igate[rows], icomp, eps, rope)
                     elif st.indexer is not None and latent.shape[0]:  # V4.1: keys from the latent before rope
-                        k = rms_norm_cast_once(linear(latent, w["self_attn.indexer.wk.weight"]),
-                                               w["self_attn.indexer.k_norm.weight"], eps)
-                        st.indexer.entries.append(entry=rope(k, torch.arange(E0, E0 + k.shape[0], device=k.device) * r))
+                        k = rms_norm_cast_once(
+                            linear(latent, w["self_attn.indexer.wk.weight"]),
+                            w["self_attn.indexer.k_norm.weight"],
+                            eps,
+                        )
+                        st.indexer.entries.append(
+                            entry=rope(k, torch.arange(E0, E0 + k.shape[0], device=k.device) * r)
+                        )
                 else:
                     entries = _held(s.state.layers[src].compressor)
                 if isrc == L:
                     keys = _held(s.state.layers[src].indexer)
                     cand = L == c.candidate_source_layer_id
-                    sel, keep = index_select(qi[rows], wts[rows], keys, pos[rows], r, c.index_topk,
-                                             c.candidate_block_size, c.candidate_topk_blocks if cand else 0,
-                                             published[("candidates", b)] if c.uses_candidates[L] else None)
+                    sel, keep = index_select(
+                        qi[rows],
+                        wts[rows],
+                        keys,
+                        pos[rows],
+                        r,
+                        c.index_topk,
+                        c.candidate_block_size,
+                        c.candidate_topk_blocks if cand else 0,
+                        published[("candidates", b)] if c.uses_candidates[L] else None,
+                    )
                     published[(L, b)] = sel
                     if cand:
                         published[("candidates", b)] = keep
                 elif isrc is not None:
                     sel = published[(isrc, b)]
-            out[rows] = sink_attention(q[rows], pos[rows], win, win_start, c.sliding_window, w["self_attn.sinks"],
-                                       D**-0.5, entries, sel, r)
+            out[rows] = sink_attention(
+                q[rows],
+                pos[rows],
+                win,
+                win_start,
+                c.sliding_window,
+                w["self_attn.sinks"],
+                D**-0.5,
+                entries,
+                sel,
+                r,
+            )
         out = rope(out, pos, inverse=True)
-        return grouped_out(out.reshape(N, H * D), w["self_attn.o_a_proj.weight"], w["self_attn.o_b_proj.weight"],
-                           c.o_groups)
+        return grouped_out(
+            out.reshape(N, H * D), w["self_attn.o_a_proj.weight"], w["self_attn.o_b_proj.weight"], c.o_groups
+        )
 
     def moe(self, w: dict, x: Tensor) -> Tensor:
         c = self.cfg
-        weights, ids = route_sqrtsoftplus(linear(x, w["mlp.gate.weight"]), c.num_experts_per_tok,
-                                          w["mlp.gate.e_score_correction_bias"], c.routed_scaling_factor)
-        out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act)
-        sh = torch.cat([linear(x, w["mlp.shared_experts.gate_proj.weight"]),
-                        linear(x, w["mlp.shared_experts.up_proj.weight"])], dim=-1)
+        weights, ids = route_sqrtsoftplus(
+            linear(x, w["mlp.gate.weight"]),
+            c.num_experts_per_tok,
+            w["mlp.gate.e_score_correction_bias"],
+            c.routed_scaling_factor,
+        )
+        out = run_experts(
+            x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act
+        )
+        sh = torch.cat(
+            [
+                linear(x, w["mlp.shared_experts.gate_proj.weight"]),
+                linear(x, w["mlp.shared_experts.up_proj.weight"]),
+            ],
+            dim=-1,
+        )
         return out + linear(self.act(sh), w["mlp.shared_experts.down_proj.weight"])
 
     def engram_rows(self, batch: ForwardBatch) -> Tensor:
         """[N, engram layers, rows per token] table rows of the batch's tokens; appends each sequence's
         tokens to its lookback (the last entry of its state)."""
         if self.hasher is None:
-            raise ConfigError("this DeepSeek-V4.1 model has Engram layers but no token map: load it through "
-                              "moesaic (the checkpoint's tokenizer builds it) or pass token_map to Model")
+            raise ConfigError(
+                "this DeepSeek-V4.1 model has Engram layers but no token map: load it through "
+                "moesaic (the checkpoint's tokenizer builds it) or pass token_map to Model"
+            )
         ids = batch.token_ids.cpu()
-        return torch.cat([self.hasher.rows(ids[s.start : s.start + s.n], s.state.layers[-1]) for s in batch.seqs])
+        return torch.cat(
+            [self.hasher.rows(ids[s.start : s.start + s.n], s.state.layers[-1]) for s in batch.seqs]
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:
@@ -671,8 +900,10 @@ class Model:
         for L, w in enumerate(self.layers):
             if L in self.engram:
                 h = engram_forward(h, rows[:, c.engram.layer_ids.index(L)], self.engram[L], c.engram)
-            for site, norm, block in ((self.sites[L][0], "input_layernorm.weight", "attention"),
-                                      (self.sites[L][1], "post_attention_layernorm.weight", "moe")):
+            for site, norm, block in (
+                (self.sites[L][0], "input_layernorm.weight", "attention"),
+                (self.sites[L][1], "post_attention_layernorm.weight", "moe"),
+            ):
                 if c.delayed_pre:
                     site_pre, post, comb = mhc.site_maps(h, site, self.hc)
                     x, pre = mhc.collapse(h, pre), site_pre
@@ -683,11 +914,16 @@ class Model:
                 h = mhc.update(h, y, post, comb)
         batch.finish()
         h = h[batch.logit_rows]
-        out = mhc.collapse(h, pre[batch.logit_rows]) if c.delayed_pre else mhc.head_weighted(h, *self.hc_head, self.hc)
+        out = (
+            mhc.collapse(h, pre[batch.logit_rows])
+            if c.delayed_pre
+            else mhc.head_weighted(h, *self.hc_head, self.hc)
+        )
         return linear(rms_norm_cast_once(out, self.norm, eps), self.lm_head).float()
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
+
 
 def layer_schedule(cfg: DeepseekV41Config) -> list[str]:
     """e.g. "engram+swa+moe", "csa2(r2,kv,idx)+moe", "csa2(r2)+moe" (reads layer 2's entries and selection)."""
@@ -695,8 +931,15 @@ def layer_schedule(cfg: DeepseekV41Config) -> list[str]:
     for L in range(cfg.num_hidden_layers):
         kind, r = cfg.layer_types[L], cfg.compress_ratios[L]
         roles = [f"r{r}"] if r else []
-        roles += [name for name, on in (("kv", L in cfg.kv_source_layer_ids), ("idx", L in cfg.index_source_layer_ids),
-                                        ("cand", L == cfg.candidate_source_layer_id)) if on]
+        roles += [
+            name
+            for name, on in (
+                ("kv", L in cfg.kv_source_layer_ids),
+                ("idx", L in cfg.index_source_layer_ids),
+                ("cand", L == cfg.candidate_source_layer_id),
+            )
+            if on
+        ]
         mixer = _SHORT[kind] + (f"({','.join(roles)})" if roles else "")
         out.append(("engram+" if L in cfg.engram_layers else "") + f"{mixer}+moe")
     return out
@@ -708,8 +951,11 @@ def state_bytes(cfg: DeepseekV41Config, dtype_bytes: int, rollback_window: int =
     every layer's window rows (window − 1 + rollback_window), each KV source's open-group raw rows, and
     the Engram lookback (int64 ids). Layers that read a source's entries hold nothing of their own."""
     R = rollback_window
-    per_token, fixed = 0, cfg.num_hidden_layers * TailRows.nbytes_for({"kv": cfg.head_dim}, cfg.sliding_window - 1 + R,
-                                                                       dtype_bytes)
+    per_token, fixed = (
+        0,
+        cfg.num_hidden_layers
+        * TailRows.nbytes_for({"kv": cfg.head_dim}, cfg.sliding_window - 1 + R, dtype_bytes),
+    )
     for L in cfg.kv_source_layer_ids:
         pt, fx = CompressorState.nbytes_for(cfg.compressor_dims(L), R, dtype_bytes)
         if cfg.index_keys[L] and cfg.layer_types[L] == CSA:
@@ -741,26 +987,40 @@ def facts(cfg: DeepseekV41Config) -> dict:
         "compressed_layers_by_ratio": ratios,
         "kv_source_layer_ids": list(cfg.kv_source_layer_ids),
         "index_source_layer_ids": list(cfg.index_source_layer_ids),
-        "candidates": None if cfg.candidate_source_layer_id is None else {
-            "source_layer": cfg.candidate_source_layer_id, "topk_blocks": cfg.candidate_topk_blocks,
+        "candidates": None
+        if cfg.candidate_source_layer_id is None
+        else {
+            "source_layer": cfg.candidate_source_layer_id,
+            "topk_blocks": cfg.candidate_topk_blocks,
             "block_size": cfg.candidate_block_size,
-            "consumer_layers": [L for L in range(n) if cfg.uses_candidates[L]]},
-        "sliding_window": cfg.sliding_window, "index_heads": cfg.index_n_heads, "index_topk": cfg.index_topk,
-        "mtp_layers": cfg.num_nextn_predict_layers, "mtp_compress_ratios": list(cfg.mtp_compress_ratios),
-        "hash_moe_layers": 0, "q_head_norm": cfg.q_head_norm,
+            "consumer_layers": [L for L in range(n) if cfg.uses_candidates[L]],
+        },
+        "sliding_window": cfg.sliding_window,
+        "index_heads": cfg.index_n_heads,
+        "index_topk": cfg.index_topk,
+        "mtp_layers": cfg.num_nextn_predict_layers,
+        "mtp_compress_ratios": list(cfg.mtp_compress_ratios),
+        "hash_moe_layers": 0,
+        "q_head_norm": cfg.q_head_norm,
         "mhc": "delayed pre, no hc_head" if cfg.delayed_pre else "per-site pre, weighted hc_head",
         "hc_mult": cfg.hc_mult,
-        "experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
-        "expert_params": 3 * d * I, "expert_bytes_fp4": expert_bytes_fp4(cfg), "expert_bytes_bf16": 3 * d * I * 2,
+        "experts": cfg.n_routed_experts,
+        "experts_per_token": cfg.num_experts_per_tok,
+        "expert_params": 3 * d * I,
+        "expert_bytes_fp4": expert_bytes_fp4(cfg),
+        "expert_bytes_bf16": 3 * d * I * 2,
         "routed_expert_bytes_fp4": n * cfg.n_routed_experts * expert_bytes_fp4(cfg),
         "routed_expert_code_bytes_fp4": n * cfg.n_routed_experts * 3 * d * I // 2,  # without the E8M0 scales
     }
     if cfg.engram is not None:
         tables = engram_bytes(cfg.engram)
-        out.update(engram_layers=list(cfg.engram.layer_ids), engram_tables=tables,
-                   engram_table_bytes=sum(t["table_bytes"] for t in tables),
-                   engram_rows_per_token=cfg.engram.n_hash * len(tables),
-                   engram_lookback_bytes_per_sequence=EngramState.nbytes_for(cfg.engram))
+        out.update(
+            engram_layers=list(cfg.engram.layer_ids),
+            engram_tables=tables,
+            engram_table_bytes=sum(t["table_bytes"] for t in tables),
+            engram_rows_per_token=cfg.engram.n_hash * len(tables),
+            engram_lookback_bytes_per_sequence=EngramState.nbytes_for(cfg.engram),
+        )
     return out
 
 
@@ -769,21 +1029,58 @@ def facts(cfg: DeepseekV41Config) -> dict:
 # seed_system.md §7's tiny V4.1 fixture, adapted: vocab 259 (moesaic's byte tokenizer, 230 token-map
 # classes), 16 index heads x 16 (no top-k ties), routed width 32 (fp4 groups of 32), rms eps 1e-6.
 TINY_TEXT_CONFIG = {
-    "model_type": "deepseek_v41", "vocab_size": 259, "hidden_size": 64, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "qk_rope_head_dim": 8, "q_lora_rank": 16,
-    "o_lora_rank": 16, "o_groups": 2, "sliding_window": 8, "max_position_embeddings": 4096,
-    "rope_theta": 10000, "compress_rope_theta": 40000,
-    "rope_scaling": {"type": "yarn", "factor": 2, "original_max_position_embeddings": 32, "beta_fast": 32,
-                     "beta_slow": 1},
-    "compress_ratios": [0, 0, 2, 2, 1, 1, 0], "kv_source_layer_ids": [2, 4], "index_source_layer_ids": [2, 4, 5],
-    "candidate_source_layer_id": 4, "candidate_topk_blocks": 3, "candidate_block_size": 2,
-    "index_n_heads": 16, "index_head_dim": 16, "index_topk": 6,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
-    "route_scale": 1.5, "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1,
-    "engram_layer_ids": [1, 4], "engram_num_embeddings": [462, 630], "engram_max_ngram_size": 4, "engram_n_heads": 2,
-    "engram_head_dim": 32, "engram_vocab_size": 64, "engram_compressed_vocab_size": 230, "engram_pad_id": 0,
-    "bos_token_id": 1, "eos_token_id": 2,
+    "model_type": "deepseek_v41",
+    "vocab_size": 259,
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "qk_rope_head_dim": 8,
+    "q_lora_rank": 16,
+    "o_lora_rank": 16,
+    "o_groups": 2,
+    "sliding_window": 8,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000,
+    "compress_rope_theta": 40000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 2,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "compress_ratios": [0, 0, 2, 2, 1, 1, 0],
+    "kv_source_layer_ids": [2, 4],
+    "index_source_layer_ids": [2, 4, 5],
+    "candidate_source_layer_id": 4,
+    "candidate_topk_blocks": 3,
+    "candidate_block_size": 2,
+    "index_n_heads": 16,
+    "index_head_dim": 16,
+    "index_topk": 6,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "route_scale": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "num_nextn_predict_layers": 1,
+    "engram_layer_ids": [1, 4],
+    "engram_num_embeddings": [462, 630],
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 64,
+    "engram_compressed_vocab_size": 230,
+    "engram_pad_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 DEMO_CONFIG = release_config(TINY_TEXT_CONFIG, moesaic_tokenizer="bytes")
 # the release's quantized layout: dense fp8 (E4M3 + UE8M0 32x32 `.scale`), routed experts fp4 (`.weight` I8 +
@@ -817,9 +1114,14 @@ def quantize_table(weight: Tensor) -> dict[str, Tensor]:
     return quantize_fp8_block(weight.float(), (1, 32), "ue8m0", naming="deepseek")
 
 
-def write_checkpoint(path, config: dict | None = None, seed: int = 0, quantized: bool = False,
-                     tensors: dict[str, Tensor] | None = None,
-                     extra: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+def write_checkpoint(
+    path,
+    config: dict | None = None,
+    seed: int = 0,
+    quantized: bool = False,
+    tensors: dict[str, Tensor] | None = None,
+    extra: dict[str, Tensor] | None = None,
+) -> dict[str, Tensor]:
     """Writes a V4.1 checkpoint in the release naming: `config` (a whole config.json, default the tiny
     DEMO_CONFIG) and `tensors` (model names, default `random_tensors`) as float32, or with quantized=True in
     the release's formats: dense weights fp8 E4M3 + UE8M0 32x32 scales, routed experts fp4, Engram tables

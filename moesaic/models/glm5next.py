@@ -60,7 +60,12 @@ from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stac
 MODEL_TYPES = ("glm5_next", "glm5_next_text")
 
 KDA, DSA = "kda", "dsa"
-_MIXERS = {"linear_attention": KDA, "indexed_attention": DSA, "full_attention": DSA, "deepseek_sparse_attention": DSA}
+_MIXERS = {
+    "linear_attention": KDA,
+    "indexed_attention": DSA,
+    "full_attention": DSA,
+    "deepseek_sparse_attention": DSA,
+}
 
 
 @dataclass(frozen=True)
@@ -111,9 +116,15 @@ class Glm5NextConfig:
 
     @property
     def kda_dims(self) -> KdaDims:
-        return KdaDims.for_variant("glm5_next", self.hidden_size, self.linear_num_heads, self.linear_head_dim,
-                                   conv_kernel=self.linear_conv_kernel_dim, lower_bound=self.linear_lower_bound,
-                                   norm_eps=self.rms_norm_eps)
+        return KdaDims.for_variant(
+            "glm5_next",
+            self.hidden_size,
+            self.linear_num_heads,
+            self.linear_head_dim,
+            conv_kernel=self.linear_conv_kernel_dim,
+            lower_bound=self.linear_lower_bound,
+            norm_eps=self.rms_norm_eps,
+        )
 
     @property
     def mhc_dims(self) -> mhc.MhcDims:
@@ -122,10 +133,13 @@ class Glm5NextConfig:
 
 # ---------------------------------------------------------------- config
 
+
 def _str_list(raw: dict, key: str, allowed, n: int, w: str) -> list[str]:
     v = raw[key]
     if not isinstance(v, list) or len(v) != n or any(x not in allowed for x in v):
-        raise ConfigError(f"{w}: field {key!r} must be a list of {n} values from {sorted(allowed)}, got {v!r}")
+        raise ConfigError(
+            f"{w}: field {key!r} must be a list of {n} values from {sorted(allowed)}, got {v!r}"
+        )
     return list(v)
 
 
@@ -151,7 +165,9 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
         if t.get(key) is False:
             raise ConfigError(f"{w}: field {key!r} = false is not supported (GLM-5.3 has it on)")
     if t.get("attention_bias"):
-        raise ConfigError(f"{w}: field 'attention_bias' = true is not supported (the released model has no biases)")
+        raise ConfigError(
+            f"{w}: field 'attention_bias' = true is not supported (the released model has no biases)"
+        )
     if field(t, "qk_rope_head_dim", int, 0, where=w) != 0:
         raise ConfigError(f"{w}: field 'qk_rope_head_dim' must be 0: GLM-5.3's DSA attention is NoPE")
     if "q_lora_rank" in t and t["q_lora_rank"] is None:
@@ -166,23 +182,57 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
     if experts % n_group:
         raise ConfigError(f"{w}: field 'n_group' = {n_group} must divide n_routed_experts = {experts}")
     kpool = field(t, "index_kpool", int, 16, where=w, check=positive)
-    topk = field(t, "index_topk", int, 2048, where=w, check=lambda v: v > 0 and v % kpool == 0,
-                 why=f"must be a positive multiple of index_kpool = {kpool}")
+    topk = field(
+        t,
+        "index_topk",
+        int,
+        2048,
+        where=w,
+        check=lambda v: v > 0 and v % kpool == 0,
+        why=f"must be a positive multiple of index_kpool = {kpool}",
+    )
 
     # KDA fields, then the linear_attn_config overrides (transformers' order)
     lw = f"{w} linear_attn_config"
-    lin_heads = field(lin, "num_heads", int, field(t, "linear_num_heads", int, 64, where=w, check=positive), where=lw, check=positive)
-    lin_dim = field(lin, "head_dim", int, field(t, "linear_head_dim", int, 128, where=w, check=positive), where=lw, check=positive)
-    conv_k = field(lin, "short_conv_kernel_size", int, field(t, "linear_conv_kernel_dim", int, 4, where=w, check=positive),
-                   where=lw, check=lambda v: v >= 2, why="the short convolution needs at least 2 taps")
+    lin_heads = field(
+        lin,
+        "num_heads",
+        int,
+        field(t, "linear_num_heads", int, 64, where=w, check=positive),
+        where=lw,
+        check=positive,
+    )
+    lin_dim = field(
+        lin,
+        "head_dim",
+        int,
+        field(t, "linear_head_dim", int, 128, where=w, check=positive),
+        where=lw,
+        check=positive,
+    )
+    conv_k = field(
+        lin,
+        "short_conv_kernel_size",
+        int,
+        field(t, "linear_conv_kernel_dim", int, 4, where=w, check=positive),
+        where=lw,
+        check=lambda v: v >= 2,
+        why="the short convolution needs at least 2 taps",
+    )
     bound = t.get("linear_lower_bound", -5.0)
     if "gate_lower_bound" in lin:
         bound = lin["gate_lower_bound"]
     if lin and lin.get("safe_gate", True) and bound is None:
         bound = -5.0
     if bound is not None:
-        bound = field({"linear_lower_bound": bound}, "linear_lower_bound", float, where=w, check=lambda v: v < 0,
-                      why="the gate lower bound is a negative log-decay")
+        bound = field(
+            {"linear_lower_bound": bound},
+            "linear_lower_bound",
+            float,
+            where=w,
+            check=lambda v: v < 0,
+            why="the gate lower bound is a negative log-decay",
+        )
 
     # schedules
     if t.get("layer_types") is not None:
@@ -190,7 +240,9 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
     elif lin.get("full_attn_layers") is not None:
         full = lin["full_attn_layers"]
         if not isinstance(full, list) or any(not isinstance(i, int) or not 0 <= i < L for i in full):
-            raise ConfigError(f"{lw}: field 'full_attn_layers' must list layer indices in 0..{L - 1}, got {full!r}")
+            raise ConfigError(
+                f"{lw}: field 'full_attn_layers' must list layer indices in 0..{L - 1}, got {full!r}"
+            )
         layer_types = [DSA if i in full else KDA for i in range(L)]
     else:
         layer_types = [DSA if i % 4 == 3 else KDA for i in range(L)]
@@ -206,8 +258,10 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
             if indexer_types[i] == "full":
                 last_full = i
             elif last_full is None:
-                raise ConfigError(f"{w}: layer {i} is a shared DSA layer with no full DSA layer before it "
-                                  f"(indexer_types {indexer_types!r})")
+                raise ConfigError(
+                    f"{w}: layer {i} is a shared DSA layer with no full DSA layer before it "
+                    f"(indexer_types {indexer_types!r})"
+                )
 
     inter = field(t, "intermediate_size", int, 12288, where=w, check=lambda v: v >= 0)
     if "dense" in mlp_types and inter <= 0:
@@ -225,12 +279,26 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
         intermediate_size=inter,
         moe_intermediate_size=field(t, "moe_intermediate_size", int, 2048, where=w, check=positive),
         n_routed_experts=experts,
-        num_experts_per_tok=field(t, "num_experts_per_tok", int, 8, where=w, check=lambda v: 0 < v <= experts,
-                                  why=f"must be in 1..n_routed_experts={experts}"),
+        num_experts_per_tok=field(
+            t,
+            "num_experts_per_tok",
+            int,
+            8,
+            where=w,
+            check=lambda v: 0 < v <= experts,
+            why=f"must be in 1..n_routed_experts={experts}",
+        ),
         n_shared_experts=field(t, "n_shared_experts", int, 1, where=w, check=lambda v: v >= 0),
         n_group=n_group,
-        topk_group=field(t, "topk_group", int, 1, where=w, check=lambda v: 0 < v <= n_group,
-                         why=f"must be in 1..n_group={n_group}"),
+        topk_group=field(
+            t,
+            "topk_group",
+            int,
+            1,
+            where=w,
+            check=lambda v: 0 < v <= n_group,
+            why=f"must be in 1..n_group={n_group}",
+        ),
         norm_topk_prob=field(t, "norm_topk_prob", bool, True, where=w),
         routed_scaling_factor=field(t, "routed_scaling_factor", float, 2.5, where=w),
         swiglu_limit=field(t, "swiglu_limit", float, 10.0, where=w, check=positive),
@@ -251,8 +319,12 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
         layer_types=tuple(layer_types),
         mlp_layer_types=tuple(mlp_types),
         indexer_types=tuple(indexer_types),
-        num_nextn_predict_layers=field(t, "num_nextn_predict_layers", int, 1, where=w, check=lambda v: v >= 0),
-        tie_word_embeddings=field(t, "tie_word_embeddings", bool, outer.get("tie_word_embeddings") or False, where=w),
+        num_nextn_predict_layers=field(
+            t, "num_nextn_predict_layers", int, 1, where=w, check=lambda v: v >= 0
+        ),
+        tie_word_embeddings=field(
+            t, "tie_word_embeddings", bool, outer.get("tie_word_embeddings") or False, where=w
+        ),
         bos_token_id=t.get("bos_token_id", outer.get("bos_token_id")),
         eos_token_ids=eos_ids(eos),
         model_type=str(outer.get("model_type") or "glm5_next"),
@@ -269,8 +341,10 @@ def _indexer_types(t: dict, L: int, w: str) -> list[str]:
             return [letters[c] for c in pattern]
         if isinstance(pattern, list) and len(pattern) == L and all(x in ("full", "shared") for x in pattern):
             return list(pattern)
-        raise ConfigError(f"{w}: field 'index_topk_pattern' must be {L} letters F/S or a list of {L} "
-                          f"'full'/'shared', got {pattern!r}")
+        raise ConfigError(
+            f"{w}: field 'index_topk_pattern' must be {L} letters F/S or a list of {L} "
+            f"'full'/'shared', got {pattern!r}"
+        )
     freq = max(field(t, "index_topk_freq", int, 1, where=w), 1)
     offset = field(t, "index_skip_topk_offset", int, 2, where=w)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)]
@@ -278,17 +352,24 @@ def _indexer_types(t: dict, L: int, w: str) -> list[str]:
 
 # ---------------------------------------------------------------- tensor contract
 
-def _layer_specs(cfg: Glm5NextConfig, L: int, p: str, mixer: str, full: bool, mlp: str, mtp: bool) -> list[TensorSpec]:
+
+def _layer_specs(
+    cfg: Glm5NextConfig, L: int, p: str, mixer: str, full: bool, mlp: str, mtp: bool
+) -> list[TensorSpec]:
     d, H = cfg.hidden_size, cfg.num_attention_heads
     opt = dict(layer=L, optional=mtp)
-    specs = [TensorSpec(p + "input_layernorm.weight", (d,), "norm", **opt),
-             TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", **opt)]
+    specs = [
+        TensorSpec(p + "input_layernorm.weight", (d,), "norm", **opt),
+        TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", **opt),
+    ]
     if not mtp:
         shapes = mhc.site_shapes(cfg.mhc_dims, d)
         for site in ("attn_hc", "ffn_hc"):
-            specs += [TensorSpec(f"{p}{site}.fn", shapes["fn"], "mhc", L),
-                      TensorSpec(f"{p}{site}.base", shapes["base"], "mhc", L, keep_fp32=True),
-                      TensorSpec(f"{p}{site}.scale", shapes["scale"], "mhc", L, keep_fp32=True)]
+            specs += [
+                TensorSpec(f"{p}{site}.fn", shapes["fn"], "mhc", L),
+                TensorSpec(f"{p}{site}.base", shapes["base"], "mhc", L, keep_fp32=True),
+                TensorSpec(f"{p}{site}.scale", shapes["scale"], "mhc", L, keep_fp32=True),
+            ]
     a = p + "self_attn."
     if mixer == KDA:
         kd = cfg.kda_dims
@@ -316,7 +397,9 @@ def _layer_specs(cfg: Glm5NextConfig, L: int, p: str, mixer: str, full: bool, ml
             TensorSpec(a + "q_b_proj.weight", (H * dn, qr), "attention", **opt),
             TensorSpec(a + "kv_a_proj_with_mqa.weight", (kvr, d), "attention", **opt),
             TensorSpec(a + "kv_a_layernorm.weight", (kvr,), "norm", **opt),
-            TensorSpec(a + "kv_b_proj.weight", (H * (dn + dv), kvr), "attention", dense=True, **opt),  # viewed per head
+            TensorSpec(
+                a + "kv_b_proj.weight", (H * (dn + dv), kvr), "attention", dense=True, **opt
+            ),  # viewed per head
             TensorSpec(a + "o_proj.weight", (d, H * dv), "attention", **opt),
         ]
         if full:
@@ -341,19 +424,25 @@ def _layer_specs(cfg: Glm5NextConfig, L: int, p: str, mixer: str, full: bool, ml
         ]
         if cfg.n_shared_experts:
             S = I * cfg.n_shared_experts
-            specs += [TensorSpec(m + "shared_experts.gate_proj.weight", (S, d), "shared_expert", **opt),
-                      TensorSpec(m + "shared_experts.up_proj.weight", (S, d), "shared_expert", **opt),
-                      TensorSpec(m + "shared_experts.down_proj.weight", (d, S), "shared_expert", **opt)]
+            specs += [
+                TensorSpec(m + "shared_experts.gate_proj.weight", (S, d), "shared_expert", **opt),
+                TensorSpec(m + "shared_experts.up_proj.weight", (S, d), "shared_expert", **opt),
+                TensorSpec(m + "shared_experts.down_proj.weight", (d, S), "shared_expert", **opt),
+            ]
     else:
         I = cfg.intermediate_size
-        specs += [TensorSpec(m + "gate_proj.weight", (I, d), "mlp", **opt),
-                  TensorSpec(m + "up_proj.weight", (I, d), "mlp", **opt),
-                  TensorSpec(m + "down_proj.weight", (d, I), "mlp", **opt)]
+        specs += [
+            TensorSpec(m + "gate_proj.weight", (I, d), "mlp", **opt),
+            TensorSpec(m + "up_proj.weight", (I, d), "mlp", **opt),
+            TensorSpec(m + "down_proj.weight", (d, I), "mlp", **opt),
+        ]
     if mtp:
-        specs += [TensorSpec(p + "eh_proj.weight", (d, 2 * d), "mtp", L, optional=True),
-                  TensorSpec(p + "enorm.weight", (d,), "mtp", L, optional=True),
-                  TensorSpec(p + "hnorm.weight", (d,), "mtp", L, optional=True),
-                  TensorSpec(p + "shared_head.norm.weight", (d,), "mtp", L, optional=True)]
+        specs += [
+            TensorSpec(p + "eh_proj.weight", (d, 2 * d), "mtp", L, optional=True),
+            TensorSpec(p + "enorm.weight", (d,), "mtp", L, optional=True),
+            TensorSpec(p + "hnorm.weight", (d,), "mtp", L, optional=True),
+            TensorSpec(p + "shared_head.norm.weight", (d,), "mtp", L, optional=True),
+        ]
     return specs
 
 
@@ -361,25 +450,38 @@ def tensor_specs(cfg: Glm5NextConfig) -> list[TensorSpec]:
     d = cfg.hidden_size
     specs = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding")]
     for L in range(cfg.num_hidden_layers):
-        specs += _layer_specs(cfg, L, f"model.layers.{L}.", cfg.layer_types[L], cfg.is_full_indexer(L),
-                              cfg.mlp_layer_types[L], mtp=False)
+        specs += _layer_specs(
+            cfg,
+            L,
+            f"model.layers.{L}.",
+            cfg.layer_types[L],
+            cfg.is_full_indexer(L),
+            cfg.mlp_layer_types[L],
+            mtp=False,
+        )
     for j in range(cfg.num_nextn_predict_layers):  # the MTP layer(s): DSA (own indexer) + MoE, no mHC
         L = cfg.num_hidden_layers + j
         specs += _layer_specs(cfg, L, f"model.layers.{L}.", DSA, True, "sparse", mtp=True)
     specs.append(TensorSpec("model.norm.weight", (d,), "norm"))
-    specs.append(TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings))
+    specs.append(
+        TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
+    )
     return specs
 
 
 _IGNORED = [  # the vision tower, and MTP heads some exports add (the target lm_head serves)
-    r"model\.visual\..*", r"visual\..*", r"model\.vision_tower\..*",
+    r"model\.visual\..*",
+    r"visual\..*",
+    r"model\.vision_tower\..*",
     r"(model\.)?(language_model\.)?layers\.\d+\.shared_head\.head\.weight",
 ]
 
 
 def _concat_rows(names: list[str], shape) -> Source:
     """Tensors concatenated along rows: the q | k | v short convolutions into transformers' conv1d."""
-    return Source([(n, tuple(shape)) for n in names], lambda ts: torch.cat(ts), lambda t: list(t.chunk(len(names))))
+    return Source(
+        [(n, tuple(shape)) for n in names], lambda ts: torch.cat(ts), lambda t: list(t.chunk(len(names)))
+    )
 
 
 def checkpoint_naming(text_prefix: str = "model.language_model.") -> Naming:
@@ -388,7 +490,7 @@ def checkpoint_naming(text_prefix: str = "model.language_model.") -> Naming:
     def source(spec: TensorSpec) -> Source:
         name = spec.name
         if name.startswith("model."):
-            name = text_prefix + name[len("model."):]
+            name = text_prefix + name[len("model.") :]
         for site, ck in (("attn_hc", "hc_attn"), ("ffn_hc", "hc_ffn")):
             for part in ("fn", "base", "scale"):
                 name = name.replace(f".{site}.{part}", f".{ck}_{part}")
@@ -400,8 +502,11 @@ def checkpoint_naming(text_prefix: str = "model.language_model.") -> Naming:
         if name.endswith("mlp.experts.gate_up_proj"):
             base = name[: -len("gate_up_proj")]
             E, I2, d = spec.shape
-            return stacked_pairs([f"{base}{e}.gate_proj.weight" for e in range(E)],
-                                 [f"{base}{e}.up_proj.weight" for e in range(E)], (I2 // 2, d))
+            return stacked_pairs(
+                [f"{base}{e}.gate_proj.weight" for e in range(E)],
+                [f"{base}{e}.up_proj.weight" for e in range(E)],
+                (I2 // 2, d),
+            )
         if name.endswith("mlp.experts.down_proj"):
             base = name[: -len("down_proj")]
             return stacked([f"{base}{e}.down_proj.weight" for e in range(spec.shape[0])], spec.shape[1:])
@@ -415,20 +520,23 @@ def module_naming(text_prefix: str = "model.language_model.") -> Naming:
 
     def source(spec: TensorSpec) -> Source:
         name = spec.name
-        return direct(text_prefix + name[len("model."):] if name.startswith("model.") else name, spec.shape)
+        return direct(text_prefix + name[len("model.") :] if name.startswith("model.") else name, spec.shape)
 
     return Naming(f"transformers modules ({text_prefix}*)", source, _IGNORED)
 
 
 def namings(cfg: Glm5NextConfig, layout: str, store_names) -> Naming:
     names = set(store_names)
-    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
+    prefix = (
+        "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
+    )
     if any(n.endswith(".attn_hc.fn") for n in names):
         return module_naming(prefix)
     return checkpoint_naming(prefix)
 
 
 # ---------------------------------------------------------------- model
+
 
 class Model:
     """The GLM-5.3-Flash text decoder over a ForwardBatch."""
@@ -448,23 +556,28 @@ class Model:
         self.layers, self.sites, self.kda = [], [], {}
         for L in range(cfg.num_hidden_layers):
             p = f"model.layers.{L}."
-            w = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
+            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
             self.layers.append(w)
-            self.sites.append(tuple(mhc.MhcSite(w[f"{s}.fn"], w[f"{s}.base"], w[f"{s}.scale"])
-                                    for s in ("attn_hc", "ffn_hc")))
+            self.sites.append(
+                tuple(
+                    mhc.MhcSite(w[f"{s}.fn"], w[f"{s}.base"], w[f"{s}.scale"]) for s in ("attn_hc", "ffn_hc")
+                )
+            )
             if cfg.layer_types[L] == KDA:
-                sub = {k[len("self_attn."):]: v for k, v in w.items() if k.startswith("self_attn.")}
+                sub = {k[len("self_attn.") :]: v for k, v in w.items() if k.startswith("self_attn.")}
                 self.kda[L] = KdaWeights.from_tensors(sub, self.kda_dims)
         self.mtp = []  # the MTP layer(s)' tensors, for a drafter (spec/); empty when the checkpoint has none
         mtp_specs = [s for s in tensor_specs(cfg) if s.optional and s.layer is not None]
         for j in range(cfg.num_nextn_predict_layers):
             p = f"model.layers.{cfg.num_hidden_layers + j}."
-            w = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
+            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
             if w:
                 missing = [s.name for s in mtp_specs if s.name.startswith(p) and s.name not in t]
                 if missing:
-                    raise CheckpointError(f"the MTP layer {p[:-1]} is incomplete: {len(missing)} tensor(s) missing, "
-                                          f"e.g. {missing[:3]} (ship all of it or none)")
+                    raise CheckpointError(
+                        f"the MTP layer {p[:-1]} is incomplete: {len(missing)} tensor(s) missing, "
+                        f"e.g. {missing[:3]} (ship all of it or none)"
+                    )
                 self.mtp.append(w)
 
     # -- state
@@ -488,45 +601,76 @@ class Model:
         """DSA over every sequence; returns (output, the selections it used, one per sequence)."""
         c = self.cfg
         N, H, dn, dv = x.shape[0], c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
-        qr = rms_norm(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], c.rms_norm_eps)
+        qr = rms_norm(
+            linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], c.rms_norm_eps
+        )
         q = linear(qr, w["self_attn.q_b_proj.weight"]).view(N, H, dn)
-        latent = rms_norm(linear(x, w["self_attn.kv_a_proj_with_mqa.weight"]), w["self_attn.kv_a_layernorm.weight"],
-                          c.rms_norm_eps)
+        latent = rms_norm(
+            linear(x, w["self_attn.kv_a_proj_with_mqa.weight"]),
+            w["self_attn.kv_a_layernorm.weight"],
+            c.rms_norm_eps,
+        )
         full = c.is_full_indexer(L)
         if full:
             i = "self_attn.indexer."
             qi = linear(qr, w[i + "wq_b.weight"]).view(N, c.index_n_heads, c.index_head_dim)
             wts = linear(x, w[i + "weights_proj.weight"]).float() * c.index_n_heads**-0.5
-            k, z = dsa.indexer_keys(x, w[i + "wk.weight"], w[i + "k_norm.weight"], w[i + "k_norm.bias"],
-                                    w[i + "index_kpool_compress_gate"])
+            k, z = dsa.indexer_keys(
+                x,
+                w[i + "wk.weight"],
+                w[i + "k_norm.weight"],
+                w[i + "k_norm.bias"],
+                w[i + "index_kpool_compress_gate"],
+            )
         out = x.new_empty(N, H, dv)
         selections = []
         for j, s in enumerate(batch.seqs):
             rows = slice(s.start, s.start + s.n)
             if full:
                 cache = s.state.layers[L].append(latent=latent[rows], k=k[rows], z=z[rows])
-                sel = dsa.kpool_select(qi[rows], wts[rows], cache["k"], cache["z"], w[i + "index_kpool_compress_ape"],
-                                       batch.positions[rows], c.index_topk, c.index_kpool_always_select_tail)
+                sel = dsa.kpool_select(
+                    qi[rows],
+                    wts[rows],
+                    cache["k"],
+                    cache["z"],
+                    w[i + "index_kpool_compress_ape"],
+                    batch.positions[rows],
+                    c.index_topk,
+                    c.index_kpool_always_select_tail,
+                )
             else:
                 cache = s.state.layers[L].append(latent=latent[rows])
                 sel = shared[j]
             selections.append(sel)
-            out[rows] = dsa.sparse_mla_attend(q[rows], cache["latent"], w["self_attn.kv_b_proj.weight"], dv,
-                                              dn**-0.5, sel)
+            out[rows] = dsa.sparse_mla_attend(
+                q[rows], cache["latent"], w["self_attn.kv_b_proj.weight"], dv, dn**-0.5, sel
+            )
         return linear(out.reshape(N, H * dv), w["self_attn.o_proj.weight"]), selections
 
     def mlp(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         if c.mlp_layer_types[L] == "dense":
-            return glu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"], self.glu)
+            return glu_mlp(
+                x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"], self.glu
+            )
         logits = F.linear(x.float(), w["mlp.gate.weight"].float())
-        weights, ids = route_sigmoid(logits, c.num_experts_per_tok, w["mlp.gate.e_score_correction_bias"], c.n_group,
-                                     c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act)
+        weights, ids = route_sigmoid(
+            logits,
+            c.num_experts_per_tok,
+            w["mlp.gate.e_score_correction_bias"],
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+        out = run_experts(
+            x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act
+        )
         if c.n_shared_experts:
             s = "mlp.shared_experts."
-            out = out + glu_mlp(x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"],
-                                self.glu)
+            out = out + glu_mlp(
+                x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"], self.glu
+            )
         return out
 
     @torch.inference_mode()
@@ -547,13 +691,19 @@ class Model:
                     selections = sel
             h = mhc.update(h, y, post, comb)
             x, post, comb = mhc.site_input(h, ffn_site, self.hc)
-            h = mhc.update(h, self.mlp(L, w, rms_norm(x, w["post_attention_layernorm.weight"], c.rms_norm_eps)), post, comb)
+            h = mhc.update(
+                h,
+                self.mlp(L, w, rms_norm(x, w["post_attention_layernorm.weight"], c.rms_norm_eps)),
+                post,
+                comb,
+            )
         batch.finish()
         h = rms_norm(mhc.head_mean(h[batch.logit_rows]), self.norm, c.rms_norm_eps)
         return linear(h, self.lm_head).float()
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
+
 
 def layer_schedule(cfg: Glm5NextConfig) -> list[str]:
     out = []
@@ -615,19 +765,52 @@ def facts(cfg: Glm5NextConfig) -> dict:
 # in the release's config.json layout, the multimodal wrapper (no vision tower is written), with its
 # MTP layer. Widths are multiples of 16, so the experts take NVFP4.
 DEMO_CONFIG = {
-    "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+    "architectures": ["Glm5NextForConditionalGeneration"],
+    "model_type": "glm5_next",
     "text_config": {
-        "model_type": "glm5_next_text", "vocab_size": 259, "hidden_size": 64, "num_hidden_layers": 4,
+        "model_type": "glm5_next_text",
+        "vocab_size": 259,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
         "layer_types": ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-        "indexer_types": ["full", "full", "shared", "full"], "mlp_layer_types": ["dense", "sparse", "sparse", "dense"],
-        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
-        "qk_nope_head_dim": 32, "qk_rope_head_dim": 0, "v_head_dim": 32, "intermediate_size": 96,
-        "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-        "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "swiglu_limit": 1.0,
-        "index_topk": 8, "index_n_heads": 16, "index_head_dim": 16, "index_kpool": 4,
-        "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 4, "hc_mult": 4,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "num_nextn_predict_layers": 1,
-        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "indexer_types": ["full", "full", "shared", "full"],
+        "mlp_layer_types": ["dense", "sparse", "sparse", "dense"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 0,
+        "v_head_dim": 32,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "swiglu_limit": 1.0,
+        "index_topk": 8,
+        "index_n_heads": 16,
+        "index_head_dim": 16,
+        "index_kpool": 4,
+        "linear_num_heads": 4,
+        "linear_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "hc_mult": 4,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
     },
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "moesaic_tokenizer": "bytes",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "moesaic_tokenizer": "bytes",
 }

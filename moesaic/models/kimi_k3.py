@@ -60,15 +60,39 @@ MODEL_TYPES = ("kimi_k3",)
 
 # the released text config (shared/reference/kimi_k3.md section 1): absent fields take these
 DEFAULTS = dict(
-    kl.DEFAULTS, vocab_size=163840, hidden_size=7168, num_hidden_layers=93, num_attention_heads=96,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    intermediate_size=33792, moe_intermediate_size=3072, num_experts=896, num_experts_per_token=16,
-    num_shared_experts=2, n_group=1, topk_group=1, moe_renormalize=True, routed_scaling_factor=1.0,
-    rms_norm_eps=1e-5, max_position_embeddings=1048576, kda_num_heads=96, kda_head_dim=128, conv_kernel=4,
-    first_k_dense_replace=1, bos_token_id=163584, eos_token_id=163586,
+    kl.DEFAULTS,
+    vocab_size=163840,
+    hidden_size=7168,
+    num_hidden_layers=93,
+    num_attention_heads=96,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    intermediate_size=33792,
+    moe_intermediate_size=3072,
+    num_experts=896,
+    num_experts_per_token=16,
+    num_shared_experts=2,
+    n_group=1,
+    topk_group=1,
+    moe_renormalize=True,
+    routed_scaling_factor=1.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=1048576,
+    kda_num_heads=96,
+    kda_head_dim=128,
+    conv_kernel=4,
+    first_k_dense_replace=1,
+    bos_token_id=163584,
+    eos_token_id=163586,
 )
-VISION = [r"(language_model\.)?(model\.)?vision_tower\..*", r"(language_model\.)?(model\.)?mm_projector\..*",
-          r"(language_model\.)?(model\.)?multi_modal_projector\..*"]
+VISION = [
+    r"(language_model\.)?(model\.)?vision_tower\..*",
+    r"(language_model\.)?(model\.)?mm_projector\..*",
+    r"(language_model\.)?(model\.)?multi_modal_projector\..*",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,9 +114,16 @@ class K3Config(kl.KimiLinearConfig):
 
     @property
     def kda_dims(self) -> KdaDims:
-        return KdaDims.for_variant("kimi_k3", self.hidden_size, self.kda_num_heads, self.kda_head_dim,
-                                   conv_kernel=self.conv_kernel, norm_eps=self.rms_norm_eps,
-                                   lower_bound=self.gate_lower_bound, full_rank_gate=self.use_full_rank_gate)
+        return KdaDims.for_variant(
+            "kimi_k3",
+            self.hidden_size,
+            self.kda_num_heads,
+            self.kda_head_dim,
+            conv_kernel=self.conv_kernel,
+            norm_eps=self.rms_norm_eps,
+            lower_bound=self.gate_lower_bound,
+            full_rank_gate=self.use_full_rank_gate,
+        )
 
 
 def _quantization(top: dict, text: dict, w: str) -> tuple[str, int]:
@@ -102,8 +133,10 @@ def _quantization(top: dict, text: dict, w: str) -> tuple[str, int]:
         return "bf16", 32
     fmt = str(qc.get("format", "")) + " " + str(qc.get("quant_method", ""))
     if "mxfp4" not in fmt:
-        raise ConfigError(f"{w}: quantization_config {qc.get('quant_method')!r}/{qc.get('format')!r} is not the "
-                          "MXFP4 (mxfp4-pack-quantized) format Kimi K3 ships")
+        raise ConfigError(
+            f"{w}: quantization_config {qc.get('quant_method')!r}/{qc.get('format')!r} is not the "
+            "MXFP4 (mxfp4-pack-quantized) format Kimi K3 ships"
+        )
     group = 32
     for g in (qc.get("config_groups") or {}).values():
         group = (g.get("weights") or {}).get("group_size", group) or group
@@ -127,8 +160,10 @@ def parse_config(raw: dict, layout: str = "hf") -> K3Config:
     if act not in ("situ", "silu", "swish"):
         raise ConfigError(f"{w}: field 'hidden_act' has unsupported value {act!r} (Kimi K3 uses situ)")
     if not field(text, "mla_use_nope", bool, True, where=w):
-        raise ConfigError(f"{w}: field 'mla_use_nope' = false is not supported (Kimi K3's MLA has no rotary "
-                          "embedding; its config carries no rope_theta)")
+        raise ConfigError(
+            f"{w}: field 'mla_use_nope' = false is not supported (Kimi K3's MLA has no rotary "
+            "embedding; its config carries no rope_theta)"
+        )
     router = field(text, "moe_router_activation_func", str, "sigmoid", where=w)
     if router != "sigmoid":
         raise ConfigError(f"{w}: field 'moe_router_activation_func' = {router!r} is not supported (sigmoid)")
@@ -137,12 +172,19 @@ def parse_config(raw: dict, layout: str = "hf") -> K3Config:
     cfg = K3Config(
         **common,
         attn_res_block_size=field(text, "attn_res_block_size", int, where=w, check=positive),
-        routed_expert_hidden_size=field(text, "routed_expert_hidden_size", int, where=w,
-                                        check=lambda v: 0 < v <= d, why=f"must be in 1..hidden_size={d}"),
+        routed_expert_hidden_size=field(
+            text,
+            "routed_expert_hidden_size",
+            int,
+            where=w,
+            check=lambda v: 0 < v <= d,
+            why=f"must be in 1..hidden_size={d}",
+        ),
         latent_moe_use_norm=field(text, "latent_moe_use_norm", bool, False, where=w),
         mla_use_output_gate=field(text, "mla_use_output_gate", bool, False, where=w),
-        gate_lower_bound=None if lac.get("gate_lower_bound") is None else
-        field(lac, "gate_lower_bound", float, where=lw, check=lambda v: v < 0, why="must be negative"),
+        gate_lower_bound=None
+        if lac.get("gate_lower_bound") is None
+        else field(lac, "gate_lower_bound", float, where=lw, check=lambda v: v < 0, why="must be negative"),
         use_full_rank_gate=field(lac, "use_full_rank_gate", bool, False, where=lw),
         hidden_act="situ" if act == "situ" else "silu",
         situ_beta=field(text, "activation_situ_beta", float, 4.0, where=w, check=positive),
@@ -151,10 +193,14 @@ def parse_config(raw: dict, layout: str = "hf") -> K3Config:
         expert_group_size=group,
     )
     if fmt == "mxfp4":
-        for name, width in (("routed_expert_hidden_size", cfg.routed_expert_hidden_size),
-                            ("moe_intermediate_size", cfg.moe_intermediate_size)):
+        for name, width in (
+            ("routed_expert_hidden_size", cfg.routed_expert_hidden_size),
+            ("moe_intermediate_size", cfg.moe_intermediate_size),
+        ):
             if width % group:
-                raise ConfigError(f"{w}: field {name!r} = {width} is not a multiple of the MXFP4 group {group}")
+                raise ConfigError(
+                    f"{w}: field {name!r} = {width} is not a multiple of the MXFP4 group {group}"
+                )
     return cfg
 
 
@@ -165,32 +211,44 @@ def tensor_specs(cfg: K3Config) -> list[TensorSpec]:
     c, d, r = cfg, cfg.hidden_size, cfg.routed_expert_hidden_size
 
     def attnres(name, L=None):
-        return [TensorSpec(name + "_norm.weight", (d,), "attnres", L, keep_fp32=True),
-                TensorSpec(name + "_proj.weight", (1, d), "attnres", L, keep_fp32=True)]
+        return [
+            TensorSpec(name + "_norm.weight", (d,), "attnres", L, keep_fp32=True),
+            TensorSpec(name + "_proj.weight", (1, d), "attnres", L, keep_fp32=True),
+        ]
 
     specs = [TensorSpec("model.embed_tokens.weight", (c.vocab_size, d), "embedding")]
     for L in range(c.num_hidden_layers):
         p = f"model.layers.{L}."
-        specs += [TensorSpec(p + "input_layernorm.weight", (d,), "norm", L),
-                  TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", L)]
+        specs += [
+            TensorSpec(p + "input_layernorm.weight", (d,), "norm", L),
+            TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", L),
+        ]
         specs += attnres(p + "self_attention_res", L) + attnres(p + "mlp_res", L)
         if c.layer_kinds[L] == "kda":
             specs += kl.kda_specs(p, c.kda_dims, L, (c.kda_num_heads,))
         else:
             specs += mla_specs(p + "self_attn.", c, L)
             if c.mla_use_output_gate:
-                specs.append(TensorSpec(p + "self_attn.g_proj.weight", (c.num_attention_heads * c.v_head_dim, d),
-                                        "attention", L))
+                specs.append(
+                    TensorSpec(
+                        p + "self_attn.g_proj.weight",
+                        (c.num_attention_heads * c.v_head_dim, d),
+                        "attention",
+                        L,
+                    )
+                )
         m = p + "mlp."
         if c.mlp_kinds[L] == "dense":
             specs += kl.glu_specs(m, c.intermediate_size, d, "mlp", L)
             continue
         E, I = c.num_experts, c.moe_intermediate_size
         specs += kl.router_specs(m, c, L)
-        specs += [TensorSpec(m + "routed_expert_down_proj.weight", (r, d), "latent_moe", L),
-                  TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, r), "expert", L),
-                  TensorSpec(m + "experts.down_proj", (E, r, I), "expert", L),
-                  TensorSpec(m + "routed_expert_up_proj.weight", (d, r), "latent_moe", L)]
+        specs += [
+            TensorSpec(m + "routed_expert_down_proj.weight", (r, d), "latent_moe", L),
+            TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, r), "expert", L),
+            TensorSpec(m + "experts.down_proj", (E, r, I), "expert", L),
+            TensorSpec(m + "routed_expert_up_proj.weight", (d, r), "latent_moe", L),
+        ]
         if c.latent_moe_use_norm:
             specs.append(TensorSpec(m + "routed_expert_norm.weight", (r,), "latent_moe", L))
         if c.num_shared_experts:
@@ -208,7 +266,9 @@ def release_naming(cfg: K3Config, store_names, prefix: str = "language_model.") 
             return Source([(where(spec.name), (-1,))])
         return None
 
-    return kl.release_naming(f"Kimi K3 release ({prefix or 'no prefix'})", store_names, prefix, VISION, override)
+    return kl.release_naming(
+        f"Kimi K3 release ({prefix or 'no prefix'})", store_names, prefix, VISION, override
+    )
 
 
 def namings(cfg: K3Config, layout: str, store_names) -> Naming:
@@ -234,7 +294,11 @@ class Model:
         self.out_res_norm = t["model.output_attn_res_norm.weight"]
         self.out_res_proj = t["model.output_attn_res_proj.weight"]
         self.layers = [kl.layer_tensors(t, L) for L in range(cfg.num_hidden_layers)]
-        self.kda = {L: kl.kda_weights(w, cfg.kda_dims) for L, w in enumerate(self.layers) if cfg.layer_kinds[L] == "kda"}
+        self.kda = {
+            L: kl.kda_weights(w, cfg.kda_dims)
+            for L, w in enumerate(self.layers)
+            if cfg.layer_kinds[L] == "kda"
+        }
 
     def new_state(self, rollback_window: int = 0):
         """Per-sequence state; `rollback_window` > 0 keeps the KDA states of the last tokens so
@@ -249,7 +313,9 @@ class Model:
         return silu_glu(gate, up)
 
     def mlp(self, w: dict, m: str, x: torch.Tensor) -> torch.Tensor:
-        return glu_mlp(x, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"], self.glu)
+        return glu_mlp(
+            x, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"], self.glu
+        )
 
     def mixer(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         c = self.cfg
@@ -264,8 +330,14 @@ class Model:
         c = self.cfg
         weights, ids = kl.route(c, w, x)
         h = linear(x, w["mlp.routed_expert_down_proj.weight"])
-        y = run_experts(h, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"],
-                        lambda gu: self.glu(*gu.chunk(2, dim=-1)))
+        y = run_experts(
+            h,
+            weights,
+            ids,
+            w["mlp.experts.gate_up_proj"],
+            w["mlp.experts.down_proj"],
+            lambda gu: self.glu(*gu.chunk(2, dim=-1)),
+        )
         if c.latent_moe_use_norm:
             y = rms_norm(y, w["mlp.routed_expert_norm.weight"], c.rms_norm_eps)
         y = linear(y, w["mlp.routed_expert_up_proj.weight"])
@@ -290,8 +362,17 @@ class Model:
         partial = F.embedding(batch.token_ids, self.embed).float()
         bank: list[torch.Tensor] = []
         for L, w in enumerate(self.layers):
-            x = attnres_mix(partial, bank, w["self_attention_res_proj.weight"], w["self_attention_res_norm.weight"],
-                            eps) if bank else partial
+            x = (
+                attnres_mix(
+                    partial,
+                    bank,
+                    w["self_attention_res_proj.weight"],
+                    w["self_attention_res_norm.weight"],
+                    eps,
+                )
+                if bank
+                else partial
+            )
             if is_block_start(L, c.attn_res_block_size):
                 bank.append(partial)
                 partial = None
@@ -331,29 +412,68 @@ def facts(cfg: K3Config) -> dict:
         "attn_res_block_size": cfg.attn_res_block_size,
         "attn_res_bank_entries": bank_size(cfg.num_hidden_layers, cfg.attn_res_block_size),
         "attn_res_activation_bytes_per_token": (bank_size(cfg.num_hidden_layers, cfg.attn_res_block_size) + 1)
-        * cfg.hidden_size * 4,
-        "experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_token,
-        "routed_expert_hidden_size": r, "expert_params": 3 * r * I,
-        "expert_format": cfg.expert_format, "expert_bytes": expert_bytes(cfg), "expert_bytes_bf16": 3 * r * I * 2,
+        * cfg.hidden_size
+        * 4,
+        "experts": cfg.num_experts,
+        "experts_per_token": cfg.num_experts_per_token,
+        "routed_expert_hidden_size": r,
+        "expert_params": 3 * r * I,
+        "expert_format": cfg.expert_format,
+        "expert_bytes": expert_bytes(cfg),
+        "expert_bytes_bf16": 3 * r * I * 2,
     }
 
 
 # ---------------------------------------------------------------- tiny checkpoints in the release naming
 
 TINY_TEXT_CONFIG = {
-    "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-    "vocab_size": 259, "hidden_size": 32, "num_hidden_layers": 5, "intermediate_size": 48,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 8,
-    "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "mla_use_nope": True, "mla_use_output_gate": True,
-    "linear_attn_config": {"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
-                           "gate_lower_bound": -5.0, "kda_layers": [1, 2, 3], "full_attn_layers": [4, 5]},
-    "attn_res_block_size": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 12,
-    "routed_expert_hidden_size": 16, "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid",
-    "topk_method": "noaux_tc", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
-    "moe_renormalize": True, "routed_scaling_factor": 1.0,
-    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-    "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+    "model_type": "kimi_linear",
+    "architectures": ["KimiLinearForCausalLM"],
+    "vocab_size": 259,
+    "hidden_size": 32,
+    "num_hidden_layers": 5,
+    "intermediate_size": 48,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "linear_attn_config": {
+        "num_heads": 2,
+        "head_dim": 16,
+        "short_conv_kernel_size": 4,
+        "use_full_rank_gate": True,
+        "gate_lower_bound": -5.0,
+        "kda_layers": [1, 2, 3],
+        "full_attn_layers": [4, 5],
+    },
+    "attn_res_block_size": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_experts": 8,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 2,
+    "moe_intermediate_size": 12,
+    "routed_expert_hidden_size": 16,
+    "latent_moe_use_norm": True,
+    "moe_router_activation_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "use_grouped_topk": True,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 1.0,
+    "hidden_act": "situ",
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 0,
 }
 
 
@@ -366,7 +486,12 @@ def random_tensors(cfg: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
     1.5): gates near -0.1, a memory of ~10 tokens, so head outputs are rarely near zero before
     their RMSNorm)."""
     g = torch.Generator().manual_seed(seed)
-    outputs = ("o_proj.weight", "mlp.down_proj.weight", "routed_expert_up_proj.weight", "shared_experts.down_proj.weight")
+    outputs = (
+        "o_proj.weight",
+        "mlp.down_proj.weight",
+        "routed_expert_up_proj.weight",
+        "shared_experts.down_proj.weight",
+    )
     out = {}
     for s in tensor_specs(cfg):
         name = s.name
@@ -395,25 +520,50 @@ def random_tensors(cfg: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
 # A demo model for `moesaic.demo.DEMOS` (byte tokenizer; MXFP4-compatible expert widths):
 #   "demo-kimi-k3": (kimi_k3.DEMO_CONFIG, None),
 #   "demo-kimi-k3-mxfp4": (kimi_k3.DEMO_CONFIG, kimi_k3.MXFP4_EXPERTS)
-DEMO_TEXT_CONFIG = dict(TINY_TEXT_CONFIG, hidden_size=64, intermediate_size=96, routed_expert_hidden_size=32,
-                        moe_intermediate_size=32)
-MXFP4_EXPERTS = (r"language_model\.model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight", "mxfp4")
+DEMO_TEXT_CONFIG = dict(
+    TINY_TEXT_CONFIG,
+    hidden_size=64,
+    intermediate_size=96,
+    routed_expert_hidden_size=32,
+    moe_intermediate_size=32,
+)
+MXFP4_EXPERTS = (
+    r"language_model\.model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight",
+    "mxfp4",
+)
 
 
 def release_config(text_config: dict, **top) -> dict:
     """The released top-level layout around a text config."""
-    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-            "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
-            "media_placeholder_token_id": 163605, "tie_word_embeddings": False,
-            "text_config": text_config, "vision_config": {"model_type": "moonvit3d"}, **top}
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "bos_token_id": 163584,
+        "eos_token_id": 163586,
+        "pad_token_id": 163839,
+        "media_placeholder_token_id": 163605,
+        "tie_word_embeddings": False,
+        "text_config": text_config,
+        "vision_config": {"model_type": "moonvit3d"},
+        **top,
+    }
 
 
-DEMO_CONFIG = release_config(DEMO_TEXT_CONFIG, bos_token_id=1, eos_token_id=2, pad_token_id=0, moesaic_tokenizer="bytes")
+DEMO_CONFIG = release_config(
+    DEMO_TEXT_CONFIG, bos_token_id=1, eos_token_id=2, pad_token_id=0, moesaic_tokenizer="bytes"
+)
 
 
-def write_checkpoint(path, text_config: dict | None = None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                     tensors: dict[str, torch.Tensor] | None = None, a_log_width: int | None = None,
-                     expert_format: str = "bf16", **top) -> dict[str, torch.Tensor]:
+def write_checkpoint(
+    path,
+    text_config: dict | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    tensors: dict[str, torch.Tensor] | None = None,
+    a_log_width: int | None = None,
+    expert_format: str = "bf16",
+    **top,
+) -> dict[str, torch.Tensor]:
     """Writes a K3 checkpoint in the release naming (`language_model.` prefix, per-expert
     `experts.E.w1|w3|w2`, q/k/v_conv1d, A_log padded with zeros to `a_log_width`, default
     max(H, head_dim) = 128 for the release, two vision tensors that a text model must ignore).
@@ -430,7 +580,9 @@ def write_checkpoint(path, text_config: dict | None = None, seed: int = 0, dtype
     raw = release_config(dict(TINY_TEXT_CONFIG if text_config is None else text_config), **top)
     cfg = parse_config(raw)
     tensors = random_tensors(cfg, seed) if tensors is None else tensors
-    tensors = {k: v.to(torch.float32 if k.endswith(("A_log", "dt_bias")) else dtype) for k, v in tensors.items()}
+    tensors = {
+        k: v.to(torch.float32 if k.endswith(("A_log", "dt_bias")) else dtype) for k, v in tensors.items()
+    }
     ckpt = to_checkpoint(tensor_specs(cfg), release_naming(cfg, ()), tensors)
     width = a_log_width or max(cfg.kda_num_heads, cfg.kda_head_dim)
     for name in [n for n in ckpt if n.endswith("self_attn.A_log")]:

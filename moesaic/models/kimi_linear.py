@@ -55,12 +55,33 @@ MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the RMSNorm class default
 
 # transformers' KimiLinearConfig defaults (= the released 48B shape)
 DEFAULTS = dict(
-    vocab_size=163840, hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, q_lora_rank=None,
-    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=9216,
-    moe_intermediate_size=1024, num_experts=256, num_experts_per_token=8, num_shared_experts=1, n_group=1,
-    topk_group=1, moe_renormalize=True, routed_scaling_factor=2.446, rms_norm_eps=1e-5,
-    max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=163584, eos_token_id=163586,
-    kda_num_heads=32, kda_head_dim=128, conv_kernel=4, first_k_dense_replace=1,
+    vocab_size=163840,
+    hidden_size=2304,
+    num_hidden_layers=27,
+    num_attention_heads=32,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    intermediate_size=9216,
+    moe_intermediate_size=1024,
+    num_experts=256,
+    num_experts_per_token=8,
+    num_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    moe_renormalize=True,
+    routed_scaling_factor=2.446,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=1048576,
+    tie_word_embeddings=False,
+    bos_token_id=163584,
+    eos_token_id=163586,
+    kda_num_heads=32,
+    kda_head_dim=128,
+    conv_kernel=4,
+    first_k_dense_replace=1,
 )
 
 # config.json spellings: the first is the name transformers writes, the others its aliases
@@ -116,8 +137,14 @@ class KimiLinearConfig:
 
     @property
     def kda_dims(self) -> KdaDims:
-        return KdaDims.for_variant("kimi_linear", self.hidden_size, self.kda_num_heads, self.kda_head_dim,
-                                   conv_kernel=self.conv_kernel, norm_eps=self.rms_norm_eps)
+        return KdaDims.for_variant(
+            "kimi_linear",
+            self.hidden_size,
+            self.kda_num_heads,
+            self.kda_head_dim,
+            conv_kernel=self.conv_kernel,
+            norm_eps=self.rms_norm_eps,
+        )
 
 
 # ---------------------------------------------------------------- config
@@ -139,7 +166,7 @@ def _get(raw: dict, key: str, kind, default, w: str, **kw):
 
 
 def layer_kinds(raw: dict, n: int, w: str, default_schedule: bool) -> tuple[str, ...]:
-    """"kda" / "mla" per layer from the 1-based lists (and/or `layer_types`)."""
+    """ "kda" / "mla" per layer from the 1-based lists (and/or `layer_types`)."""
     lac = raw.get("linear_attn_config") or {}
     lists = {k: lac.get(k) for k in ("kda_layers", "full_attn_layers") if lac.get(k) is not None}
     from_lists = None
@@ -148,7 +175,9 @@ def layer_kinds(raw: dict, n: int, w: str, default_schedule: bool) -> tuple[str,
         for key, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
             vals = lists.get(key, [])
             where = f"{w}: field 'linear_attn_config.{key}'"
-            if not isinstance(vals, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+            if not isinstance(vals, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in vals
+            ):
                 raise ConfigError(f"{where} must be a list of layer numbers, got {vals!r}")
             for v in vals:
                 if not 1 <= v <= n:
@@ -158,38 +187,61 @@ def layer_kinds(raw: dict, n: int, w: str, default_schedule: bool) -> tuple[str,
                 seen[v] = kind
         if len(lists) == 2 and len(seen) != n:
             missing = sorted(set(range(1, n + 1)) - set(seen))
-            raise ConfigError(f"{w}: fields 'linear_attn_config.kda_layers' and 'full_attn_layers' leave layers "
-                              f"{missing[:8]} (1-based) without a mixer")
+            raise ConfigError(
+                f"{w}: fields 'linear_attn_config.kda_layers' and 'full_attn_layers' leave layers "
+                f"{missing[:8]} (1-based) without a mixer"
+            )
         other = "mla" if "kda_layers" in lists else "kda"
         from_lists = tuple(seen.get(L + 1, other) for L in range(n))
     explicit = raw.get("layer_types")
     if explicit is not None:
         names = {"linear_attention": "kda", "full_attention": "mla"}
         if not isinstance(explicit, list) or len(explicit) != n or any(t not in names for t in explicit):
-            raise ConfigError(f"{w}: field 'layer_types' must list {n} entries of {sorted(names)}, got {explicit!r}")
+            raise ConfigError(
+                f"{w}: field 'layer_types' must list {n} entries of {sorted(names)}, got {explicit!r}"
+            )
         kinds = tuple(names[t] for t in explicit)
         if from_lists is not None and kinds != from_lists:
-            raise ConfigError(f"{w}: field 'layer_types' disagrees with 'linear_attn_config' kda_layers/"
-                              f"full_attn_layers (1-based): {list(kinds)} vs {list(from_lists)}")
+            raise ConfigError(
+                f"{w}: field 'layer_types' disagrees with 'linear_attn_config' kda_layers/"
+                f"full_attn_layers (1-based): {list(kinds)} vs {list(from_lists)}"
+            )
         return kinds
     if from_lists is not None:
         return from_lists
     if not default_schedule:
-        raise ConfigError(f"{w}: field 'linear_attn_config.kda_layers' (1-based) is missing; "
-                          "this model has no default layer schedule")
+        raise ConfigError(
+            f"{w}: field 'linear_attn_config.kda_layers' (1-based) is missing; "
+            "this model has no default layer schedule"
+        )
     return tuple("mla" if L and L % 4 == 0 else "kda" for L in range(n))
 
 
 def mlp_kinds(raw: dict, n: int, w: str, first_dense_default: int) -> tuple[str, ...]:
     if _get(raw, "moe_layer_freq", int, 1, w) != 1:
-        raise ConfigError(f"{w}: field 'moe_layer_freq' must be 1 (every layer after the dense prefix is MoE)")
+        raise ConfigError(
+            f"{w}: field 'moe_layer_freq' must be 1 (every layer after the dense prefix is MoE)"
+        )
     explicit = raw.get("mlp_layer_types")
     if explicit is not None:
-        if not isinstance(explicit, list) or len(explicit) != n or any(t not in ("dense", "sparse") for t in explicit):
-            raise ConfigError(f"{w}: field 'mlp_layer_types' must list {n} entries of 'dense'/'sparse', got {explicit!r}")
+        if (
+            not isinstance(explicit, list)
+            or len(explicit) != n
+            or any(t not in ("dense", "sparse") for t in explicit)
+        ):
+            raise ConfigError(
+                f"{w}: field 'mlp_layer_types' must list {n} entries of 'dense'/'sparse', got {explicit!r}"
+            )
         return tuple("moe" if t == "sparse" else "dense" for t in explicit)
-    k = field(raw, "first_k_dense_replace", int, first_dense_default, where=w, check=lambda v: 0 <= v <= n,
-              why=f"must be within 0..num_hidden_layers={n}")
+    k = field(
+        raw,
+        "first_k_dense_replace",
+        int,
+        first_dense_default,
+        where=w,
+        check=lambda v: 0 <= v <= n,
+        why=f"must be within 0..num_hidden_layers={n}",
+    )
     return tuple("dense" if L < k else "moe" for L in range(n))
 
 
@@ -197,13 +249,17 @@ def parse_common(raw: dict, w: str, defaults: dict, default_schedule: bool) -> d
     """The fields Kimi Linear and Kimi K3 share, as keyword arguments of their config classes."""
     d = defaults
     if raw.get("attention_bias"):
-        raise ConfigError(f"{w}: field 'attention_bias' = true is not supported (the released models have no biases)")
+        raise ConfigError(
+            f"{w}: field 'attention_bias' = true is not supported (the released models have no biases)"
+        )
     n = _get(raw, "num_hidden_layers", int, d["num_hidden_layers"], w, check=positive)
     heads = _get(raw, "num_attention_heads", int, d["num_attention_heads"], w, check=positive)
     kv_heads = raw.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
-        raise ConfigError(f"{w}: field 'num_key_value_heads' = {kv_heads!r} must equal num_attention_heads = {heads} "
-                          "(MLA expands per-head keys from the latent)")
+        raise ConfigError(
+            f"{w}: field 'num_key_value_heads' = {kv_heads!r} must equal num_attention_heads = {heads} "
+            "(MLA expands per-head keys from the latent)"
+        )
     experts = _get(raw, "num_experts", int, d["num_experts"], w, check=positive)
     n_group = _get(raw, "n_group", int, d["n_group"], w, check=positive)
     if experts % n_group:
@@ -219,32 +275,79 @@ def parse_common(raw: dict, w: str, defaults: dict, default_schedule: bool) -> d
         layer_kinds=layer_kinds(raw, n, w, default_schedule),
         mlp_kinds=kinds,
         num_attention_heads=heads,
-        q_lora_rank=None if q_lora is None else field({"q_lora_rank": q_lora}, "q_lora_rank", int, where=w, check=positive),
+        q_lora_rank=None
+        if q_lora is None
+        else field({"q_lora_rank": q_lora}, "q_lora_rank", int, where=w, check=positive),
         kv_lora_rank=_get(raw, "kv_lora_rank", int, d["kv_lora_rank"], w, check=positive),
         qk_nope_head_dim=_get(raw, "qk_nope_head_dim", int, d["qk_nope_head_dim"], w, check=positive),
         qk_rope_head_dim=_get(raw, "qk_rope_head_dim", int, d["qk_rope_head_dim"], w, check=lambda v: v >= 0),
         v_head_dim=_get(raw, "v_head_dim", int, d["v_head_dim"], w, check=positive),
-        kda_num_heads=field(lac, "num_heads", int, _get(raw, "linear_num_heads", int, d["kda_num_heads"], w),
-                            where=lw, check=positive),
-        kda_head_dim=field(lac, "head_dim", int, _get(raw, "linear_head_dim", int, d["kda_head_dim"], w),
-                           where=lw, check=positive),
-        conv_kernel=field(lac, "short_conv_kernel_size", int,
-                          _get(raw, "linear_conv_kernel_dim", int, d["conv_kernel"], w), where=lw,
-                          check=lambda v: v >= 2, why="the short convolution needs at least 2 taps"),
-        intermediate_size=_get(raw, "intermediate_size", int, d["intermediate_size"], w,
-                               check=lambda v: v > 0 or "dense" not in kinds, why="the dense layers need it"),
-        moe_intermediate_size=_get(raw, "moe_intermediate_size", int, d["moe_intermediate_size"], w, check=positive),
+        kda_num_heads=field(
+            lac,
+            "num_heads",
+            int,
+            _get(raw, "linear_num_heads", int, d["kda_num_heads"], w),
+            where=lw,
+            check=positive,
+        ),
+        kda_head_dim=field(
+            lac,
+            "head_dim",
+            int,
+            _get(raw, "linear_head_dim", int, d["kda_head_dim"], w),
+            where=lw,
+            check=positive,
+        ),
+        conv_kernel=field(
+            lac,
+            "short_conv_kernel_size",
+            int,
+            _get(raw, "linear_conv_kernel_dim", int, d["conv_kernel"], w),
+            where=lw,
+            check=lambda v: v >= 2,
+            why="the short convolution needs at least 2 taps",
+        ),
+        intermediate_size=_get(
+            raw,
+            "intermediate_size",
+            int,
+            d["intermediate_size"],
+            w,
+            check=lambda v: v > 0 or "dense" not in kinds,
+            why="the dense layers need it",
+        ),
+        moe_intermediate_size=_get(
+            raw, "moe_intermediate_size", int, d["moe_intermediate_size"], w, check=positive
+        ),
         num_experts=experts,
-        num_experts_per_token=_get(raw, "num_experts_per_token", int, d["num_experts_per_token"], w,
-                                   check=lambda v: 0 < v <= experts, why=f"must be in 1..num_experts={experts}"),
-        num_shared_experts=_get(raw, "num_shared_experts", int, d["num_shared_experts"], w, check=lambda v: v >= 0),
+        num_experts_per_token=_get(
+            raw,
+            "num_experts_per_token",
+            int,
+            d["num_experts_per_token"],
+            w,
+            check=lambda v: 0 < v <= experts,
+            why=f"must be in 1..num_experts={experts}",
+        ),
+        num_shared_experts=_get(
+            raw, "num_shared_experts", int, d["num_shared_experts"], w, check=lambda v: v >= 0
+        ),
         n_group=n_group,
-        topk_group=_get(raw, "topk_group", int, d["topk_group"], w, check=lambda v: 0 < v <= n_group,
-                        why=f"must be in 1..num_expert_group={n_group}"),
+        topk_group=_get(
+            raw,
+            "topk_group",
+            int,
+            d["topk_group"],
+            w,
+            check=lambda v: 0 < v <= n_group,
+            why=f"must be in 1..num_expert_group={n_group}",
+        ),
         moe_renormalize=_get(raw, "moe_renormalize", bool, d["moe_renormalize"], w),
         routed_scaling_factor=_get(raw, "routed_scaling_factor", float, d["routed_scaling_factor"], w),
         rms_norm_eps=_get(raw, "rms_norm_eps", float, d["rms_norm_eps"], w, check=positive),
-        max_position_embeddings=_get(raw, "max_position_embeddings", int, d["max_position_embeddings"], w, check=positive),
+        max_position_embeddings=_get(
+            raw, "max_position_embeddings", int, d["max_position_embeddings"], w, check=positive
+        ),
         tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, d["tie_word_embeddings"], w),
         bos_token_id=raw.get("bos_token_id", d["bos_token_id"]),
         eos_token_ids=eos_ids(raw.get("eos_token_id", d["eos_token_id"])),
@@ -257,8 +360,10 @@ def parse_config(raw: dict, layout: str = "hf") -> KimiLinearConfig:
     w = "config.json"
     act = field(raw, "hidden_act", str, "silu", where=w)
     if act not in ("silu", "swish"):
-        raise ConfigError(f"{w}: field 'hidden_act' has unsupported value {act!r} (Kimi Linear uses silu, "
-                          "which also activates the KDA short convolution)")
+        raise ConfigError(
+            f"{w}: field 'hidden_act' has unsupported value {act!r} (Kimi Linear uses silu, "
+            "which also activates the KDA short convolution)"
+        )
     return KimiLinearConfig(**parse_common(raw, w, DEFAULTS, default_schedule=True))
 
 
@@ -267,20 +372,33 @@ def parse_config(raw: dict, layout: str = "hf") -> KimiLinearConfig:
 
 def kda_specs(p: str, dims: KdaDims, L: int, a_log_shape) -> list[TensorSpec]:
     """One KDA layer under `p + "self_attn."`: the release names of `kda_tensor_shapes`."""
-    return [TensorSpec(p + "self_attn." + name, shape, "norm" if name == "o_norm.weight" else "attention", L,
-                       keep_fp32=name in ("A_log", "dt_bias"), dense="conv1d" in name)  # conv taps, never a matmul
-            for name, shape in kda_tensor_shapes(dims, a_log_shape).items()]
+    return [
+        TensorSpec(
+            p + "self_attn." + name,
+            shape,
+            "norm" if name == "o_norm.weight" else "attention",
+            L,
+            keep_fp32=name in ("A_log", "dt_bias"),
+            dense="conv1d" in name,
+        )  # conv taps, never a matmul
+        for name, shape in kda_tensor_shapes(dims, a_log_shape).items()
+    ]
 
 
 def glu_specs(m: str, inner: int, d: int, role: str, L: int) -> list[TensorSpec]:
-    return [TensorSpec(m + "gate_proj.weight", (inner, d), role, L), TensorSpec(m + "up_proj.weight", (inner, d), role, L),
-            TensorSpec(m + "down_proj.weight", (d, inner), role, L)]
+    return [
+        TensorSpec(m + "gate_proj.weight", (inner, d), role, L),
+        TensorSpec(m + "up_proj.weight", (inner, d), role, L),
+        TensorSpec(m + "down_proj.weight", (d, inner), role, L),
+    ]
 
 
 def router_specs(m: str, c, L: int) -> list[TensorSpec]:
     E, d = c.num_experts, c.hidden_size
-    return [TensorSpec(m + "gate.weight", (E, d), "router", L, keep_fp32=True),
-            TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", L, keep_fp32=True)]
+    return [
+        TensorSpec(m + "gate.weight", (E, d), "router", L, keep_fp32=True),
+        TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", L, keep_fp32=True),
+    ]
 
 
 def tensor_specs(cfg: KimiLinearConfig) -> list[TensorSpec]:
@@ -288,8 +406,10 @@ def tensor_specs(cfg: KimiLinearConfig) -> list[TensorSpec]:
     specs = [TensorSpec("model.embed_tokens.weight", (c.vocab_size, d), "embedding")]
     for L in range(c.num_hidden_layers):
         p = f"model.layers.{L}."
-        specs += [TensorSpec(p + "input_layernorm.weight", (d,), "norm", L),
-                  TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", L)]
+        specs += [
+            TensorSpec(p + "input_layernorm.weight", (d,), "norm", L),
+            TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", L),
+        ]
         if c.layer_kinds[L] == "kda":
             specs += kda_specs(p, c.kda_dims, L, (1, 1, c.kda_num_heads, 1))
         else:
@@ -300,8 +420,10 @@ def tensor_specs(cfg: KimiLinearConfig) -> list[TensorSpec]:
             continue
         E, I = c.num_experts, c.moe_intermediate_size
         specs += router_specs(m, c, L)
-        specs += [TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, d), "expert", L),
-                  TensorSpec(m + "experts.down_proj", (E, d, I), "expert", L)]
+        specs += [
+            TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, d), "expert", L),
+            TensorSpec(m + "experts.down_proj", (E, d, I), "expert", L),
+        ]
         if c.num_shared_experts:
             specs += glu_specs(m + "shared_experts.", I * c.num_shared_experts, d, "shared_expert", L)
     specs.append(TensorSpec("model.norm.weight", (d,), "norm"))
@@ -320,7 +442,7 @@ def release_naming(label: str, store_names, prefix: str = "", ignore=(), overrid
         if ".mlp." in name:
             block = name.replace(".mlp.", ".block_sparse_moe.")
             cands = [block, name] if moe else [name, block]
-        cands += [c[len("model."):] for c in cands if c.startswith("model.layers.")]
+        cands += [c[len("model.") :] for c in cands if c.startswith("model.layers.")]
         full = [prefix + c for c in cands]
         return next((f for f in full if f in names), full[0])
 
@@ -331,11 +453,16 @@ def release_naming(label: str, store_names, prefix: str = "", ignore=(), overrid
         if spec.name.endswith("experts.gate_up_proj"):
             base = spec.name[: -len("gate_up_proj")]
             E, half = spec.shape[0], (spec.shape[1] // 2, spec.shape[2])
-            return stacked_pairs([where(f"{base}{e}.w1.weight", True) for e in range(E)],
-                                 [where(f"{base}{e}.w3.weight", True) for e in range(E)], half)
+            return stacked_pairs(
+                [where(f"{base}{e}.w1.weight", True) for e in range(E)],
+                [where(f"{base}{e}.w3.weight", True) for e in range(E)],
+                half,
+            )
         if spec.name.endswith("experts.down_proj"):
             base = spec.name[: -len("down_proj")]
-            return stacked([where(f"{base}{e}.w2.weight", True) for e in range(spec.shape[0])], spec.shape[1:])
+            return stacked(
+                [where(f"{base}{e}.w2.weight", True) for e in range(spec.shape[0])], spec.shape[1:]
+            )
         return direct(where(spec.name, moe), spec.shape)
 
     return Naming(label, source, list(ignore))
@@ -356,8 +483,14 @@ def new_state(cfg, dtype: torch.dtype, device, rollback_window: int = 0) -> Sequ
         if kind == "kda":
             layers.append(RecurrentState(KdaState.zeros(cfg.kda_dims, device=device), rollback_window))
         else:
-            layers.append(TokenRows({"latent": cfg.kv_lora_rank, "k_rope": cfg.qk_rope_head_dim}, dtype, device,
-                                    cfg.max_position_embeddings))
+            layers.append(
+                TokenRows(
+                    {"latent": cfg.kv_lora_rank, "k_rope": cfg.qk_rope_head_dim},
+                    dtype,
+                    device,
+                    cfg.max_position_embeddings,
+                )
+            )
     return SequenceState(layers)
 
 
@@ -365,25 +498,43 @@ def mla_heads(L: int, c, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch
     """MLA without rotation up to (not including) o_proj: [N, H * v_head_dim]. Appends each
     sequence's latent and shared key slice to its cache."""
     q_nope, q_shared, latent, k_shared = mla_project(x, w, c, MLA_NORM_EPS)
-    out = mla_batch(L, batch, q_nope, q_shared, latent, k_shared, w["self_attn.kv_b_proj.weight"], c.v_head_dim,
-                    c.softmax_scale)
+    out = mla_batch(
+        L,
+        batch,
+        q_nope,
+        q_shared,
+        latent,
+        k_shared,
+        w["self_attn.kv_b_proj.weight"],
+        c.v_head_dim,
+        c.softmax_scale,
+    )
     return out.flatten(1)
 
 
 def route(c, w: dict, x: torch.Tensor):
     """Sigmoid router on the full hidden state, in fp32: (weights [N, k] fp32, expert ids)."""
     logits = F.linear(x.float(), w["mlp.gate.weight"].float())
-    return route_sigmoid(logits, c.num_experts_per_token, w["mlp.gate.e_score_correction_bias"], c.n_group,
-                         c.topk_group, c.moe_renormalize, c.routed_scaling_factor)
+    return route_sigmoid(
+        logits,
+        c.num_experts_per_token,
+        w["mlp.gate.e_score_correction_bias"],
+        c.n_group,
+        c.topk_group,
+        c.moe_renormalize,
+        c.routed_scaling_factor,
+    )
 
 
 def layer_tensors(tensors: dict, L: int) -> dict:
     p = f"model.layers.{L}."
-    return {k[len(p):]: v for k, v in tensors.items() if k.startswith(p)}
+    return {k[len(p) :]: v for k, v in tensors.items() if k.startswith(p)}
 
 
 def kda_weights(w: dict, dims: KdaDims) -> KdaWeights:
-    return KdaWeights.from_tensors({k[len("self_attn."):]: v for k, v in w.items() if k.startswith("self_attn.")}, dims)
+    return KdaWeights.from_tensors(
+        {k[len("self_attn.") :]: v for k, v in w.items() if k.startswith("self_attn.")}, dims
+    )
 
 
 # ---------------------------------------------------------------- model
@@ -398,7 +549,9 @@ class Model:
         self.norm = tensors["model.norm.weight"]
         self.lm_head = tensors.get("lm_head.weight", self.embed)
         self.layers = [layer_tensors(tensors, L) for L in range(cfg.num_hidden_layers)]
-        self.kda = {L: kda_weights(w, cfg.kda_dims) for L, w in enumerate(self.layers) if cfg.layer_kinds[L] == "kda"}
+        self.kda = {
+            L: kda_weights(w, cfg.kda_dims) for L, w in enumerate(self.layers) if cfg.layer_kinds[L] == "kda"
+        }
 
     def new_state(self, rollback_window: int = 0) -> SequenceState:
         return new_state(self.cfg, self.dtype, self.device, rollback_window)
@@ -416,7 +569,9 @@ class Model:
         out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], swiglu)
         if c.num_shared_experts:
             s = "mlp.shared_experts."
-            out = out + glu_mlp(x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
+            out = out + glu_mlp(
+                x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
+            )
         return out
 
     @torch.inference_mode()
@@ -455,11 +610,15 @@ def max_context(cfg) -> int:
 
 def facts(cfg: KimiLinearConfig) -> dict:
     d, I = cfg.hidden_size, cfg.moe_intermediate_size
-    return {"kda_layers": [L for L, k in enumerate(cfg.layer_kinds) if k == "kda"],
-            "mla_layers": [L for L, k in enumerate(cfg.layer_kinds) if k == "mla"],
-            "kda_state_bytes_per_layer": KdaState.nbytes_for(cfg.kda_dims),
-            "experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_token,
-            "expert_params": 3 * d * I, "expert_bytes_bf16": 3 * d * I * 2}
+    return {
+        "kda_layers": [L for L, k in enumerate(cfg.layer_kinds) if k == "kda"],
+        "mla_layers": [L for L, k in enumerate(cfg.layer_kinds) if k == "mla"],
+        "kda_state_bytes_per_layer": KdaState.nbytes_for(cfg.kda_dims),
+        "experts": cfg.num_experts,
+        "experts_per_token": cfg.num_experts_per_token,
+        "expert_params": 3 * d * I,
+        "expert_bytes_bf16": 3 * d * I * 2,
+    }
 
 
 # ---------------------------------------------------------------- demo model
@@ -467,13 +626,41 @@ def facts(cfg: KimiLinearConfig) -> dict:
 # For `moesaic.demo.DEMOS`: tests/test_kimi_linear.py's tiny model (vocab 259 for the byte tokenizer) as
 # the release's config.json states it (transformers' field names, 1-based `linear_attn_config` lists).
 DEMO_CONFIG = {
-    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 259, "hidden_size": 32,
-    "num_hidden_layers": 4, "intermediate_size": 48, "moe_intermediate_size": 16, "num_attention_heads": 2,
-    "num_key_value_heads": 2, "q_lora_rank": None, "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-    "v_head_dim": 8, "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1, "num_expert_group": 2,
-    "topk_group": 1, "moe_renormalize": True, "routed_scaling_factor": 2.446, "first_k_dense_replace": 1,
-    "hidden_act": "silu", "rms_norm_eps": 1e-5, "model_max_length": 4096,
-    "linear_attn_config": {"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 4],
-                           "full_attn_layers": [3]},
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "moesaic_tokenizer": "bytes",
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "vocab_size": 259,
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": None,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "num_experts": 8,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "num_expert_group": 2,
+    "topk_group": 1,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 2.446,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "model_max_length": 4096,
+    "linear_attn_config": {
+        "num_heads": 2,
+        "head_dim": 8,
+        "short_conv_kernel_size": 4,
+        "kda_layers": [1, 2, 4],
+        "full_attn_layers": [3],
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "moesaic_tokenizer": "bytes",
 }

@@ -22,15 +22,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import eos_ids, field, positive
-from ..errors import ConfigError
-from ..engine.batch import ForwardBatch
 from ..cache.state import SequenceState, TokenRows
-from ..layers.linear import linear
+from ..config import eos_ids, field, positive
+from ..engine.batch import ForwardBatch
+from ..errors import ConfigError
 from ..layers import mla
+from ..layers.linear import linear
 from ..layers.moe import glu_mlp, route_softmax, run_experts, swiglu
 from ..layers.norms import rms_norm
-from ..layers.rope import RopeConfig, cos_sin, cos_sin_attention_factor, inv_freq, rope_interleaved, rope_half, yarn_mscale
+from ..layers.rope import (
+    RopeConfig,
+    cos_sin,
+    cos_sin_attention_factor,
+    inv_freq,
+    rope_half,
+    rope_interleaved,
+    yarn_mscale,
+)
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
 
 MODEL_TYPES = ("mistral4",)
@@ -93,20 +101,38 @@ def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
     if "rope_theta" not in rp and "rope_theta" in raw:
         rp["rope_theta"] = raw["rope_theta"]
     if not rp:
-        rp = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0, "original_max_position_embeddings": 8192,
-              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+        rp = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 128.0,
+            "original_max_position_embeddings": 8192,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        }
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind not in ("default", "yarn"):
         raise ConfigError(f"{w}: rope_parameters.rope_type {kind!r} is not supported (yarn or default)")
     rw = f"{w} rope_parameters"
-    rope_dim = field(raw, "qk_rope_head_dim", int, 64, where=w, check=lambda v: v > 0 and v % 2 == 0,
-                     why="must be a positive even number")
+    rope_dim = field(
+        raw,
+        "qk_rope_head_dim",
+        int,
+        64,
+        where=w,
+        check=lambda v: v > 0 and v % 2 == 0,
+        why="must be a positive even number",
+    )
     rope = RopeConfig(
         dim=rope_dim,
         theta=field(rp, "rope_theta", float, 10000.0, where=rw, check=positive),
         kind=kind,
         factor=field(rp, "factor", float, 1.0, where=rw, check=positive),
-        original_max_position_embeddings=field(rp, "original_max_position_embeddings", int, 8192, where=rw, check=positive),
+        original_max_position_embeddings=field(
+            rp, "original_max_position_embeddings", int, 8192, where=rw, check=positive
+        ),
         beta_fast=field(rp, "beta_fast", float, 32.0, where=rw),
         beta_slow=field(rp, "beta_slow", float, 1.0, where=rw),
         mscale=field(rp, "mscale", float, 1.0, where=rw),
@@ -115,11 +141,17 @@ def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
     )
     act = field(raw, "hidden_act", str, "silu", where=w)
     if act not in ("silu", "swish"):
-        raise ConfigError(f"{w}: field 'hidden_act' has unsupported value {act!r} (Mistral Small 4 uses silu)")
+        raise ConfigError(
+            f"{w}: field 'hidden_act' has unsupported value {act!r} (Mistral Small 4 uses silu)"
+        )
     if raw.get("attention_bias"):
-        raise ConfigError(f"{w}: field 'attention_bias' = true is not supported (the released model has no biases)")
+        raise ConfigError(
+            f"{w}: field 'attention_bias' = true is not supported (the released model has no biases)"
+        )
     if field(raw, "moe_layer_freq", int, 1, where=w) != 1:
-        raise ConfigError(f"{w}: field 'moe_layer_freq' must be 1 (every layer after the dense prefix is MoE)")
+        raise ConfigError(
+            f"{w}: field 'moe_layer_freq' must be 1 (every layer after the dense prefix is MoE)"
+        )
     heads = field(raw, "num_attention_heads", int, 32, where=w, check=positive)
     experts = field(raw, "n_routed_experts", int, 128, where=w, check=positive)
     n_group = field(raw, "n_group", int, 1, where=w, check=positive)
@@ -131,7 +163,9 @@ def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
         hidden_size=field(raw, "hidden_size", int, 4096, where=w, check=positive),
         num_hidden_layers=field(raw, "num_hidden_layers", int, 36, where=w, check=positive),
         num_attention_heads=heads,
-        q_lora_rank=None if q_lora is None else field({"q_lora_rank": q_lora}, "q_lora_rank", int, where=w, check=positive),
+        q_lora_rank=None
+        if q_lora is None
+        else field({"q_lora_rank": q_lora}, "q_lora_rank", int, where=w, check=positive),
         kv_lora_rank=field(raw, "kv_lora_rank", int, 256, where=w, check=positive),
         qk_nope_head_dim=field(raw, "qk_nope_head_dim", int, 64, where=w, check=positive),
         qk_rope_head_dim=rope_dim,
@@ -139,13 +173,27 @@ def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
         intermediate_size=field(raw, "intermediate_size", int, 12288, where=w, check=lambda v: v >= 0),
         moe_intermediate_size=field(raw, "moe_intermediate_size", int, 2048, where=w, check=positive),
         n_routed_experts=experts,
-        num_experts_per_tok=field(raw, "num_experts_per_tok", int, 4, where=w,
-                                  check=lambda v: 0 < v <= experts, why=f"must be in 1..n_routed_experts={experts}"),
+        num_experts_per_tok=field(
+            raw,
+            "num_experts_per_tok",
+            int,
+            4,
+            where=w,
+            check=lambda v: 0 < v <= experts,
+            why=f"must be in 1..n_routed_experts={experts}",
+        ),
         n_shared_experts=field(raw, "n_shared_experts", int, 1, where=w, check=lambda v: v >= 0),
         first_k_dense_replace=field(raw, "first_k_dense_replace", int, 0, where=w, check=lambda v: v >= 0),
         n_group=n_group,
-        topk_group=field(raw, "topk_group", int, 1, where=w, check=lambda v: 0 < v <= n_group,
-                         why=f"must be in 1..n_group={n_group}"),
+        topk_group=field(
+            raw,
+            "topk_group",
+            int,
+            1,
+            where=w,
+            check=lambda v: 0 < v <= n_group,
+            why=f"must be in 1..n_group={n_group}",
+        ),
         norm_topk_prob=field(raw, "norm_topk_prob", bool, True, where=w),
         routed_scaling_factor=field(raw, "routed_scaling_factor", float, 1.0, where=w),
         rms_norm_eps=field(raw, "rms_norm_eps", float, 1e-6, where=w, check=positive),
@@ -161,7 +209,9 @@ def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
     if cfg.first_k_dense_replace > 0 and cfg.intermediate_size <= 0:
         raise ConfigError(f"{w}: field 'intermediate_size' must be positive when first_k_dense_replace > 0")
     if cfg.first_k_dense_replace > cfg.num_hidden_layers:
-        raise ConfigError(f"{w}: field 'first_k_dense_replace' = {cfg.first_k_dense_replace} exceeds num_hidden_layers")
+        raise ConfigError(
+            f"{w}: field 'first_k_dense_replace' = {cfg.first_k_dense_replace} exceeds num_hidden_layers"
+        )
     return cfg
 
 
@@ -170,50 +220,82 @@ def _from_params_json(p: dict) -> dict:
     moe = p.get("moe") or {}
     yarn = p.get("yarn")
     l4 = p.get("llama_4_scaling") or {}
-    need = ["dim", "n_layers", "n_heads", "vocab_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+    need = [
+        "dim",
+        "n_layers",
+        "n_heads",
+        "vocab_size",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+    ]
     for k in need:
         if k not in p:
             raise ConfigError(f"params.json: required field {k!r} is missing")
     if not moe:
         raise ConfigError("params.json: required field 'moe' is missing (Mistral Small 4 is a MoE model)")
     raw = {
-        "vocab_size": p["vocab_size"], "hidden_size": p["dim"], "num_hidden_layers": p["n_layers"],
-        "num_attention_heads": p["n_heads"], "num_key_value_heads": p.get("n_kv_heads", p["n_heads"]),
-        "q_lora_rank": p.get("q_lora_rank"), "kv_lora_rank": p["kv_lora_rank"],
-        "qk_nope_head_dim": p["qk_nope_head_dim"], "qk_rope_head_dim": p["qk_rope_head_dim"],
-        "v_head_dim": p["v_head_dim"], "intermediate_size": p.get("hidden_dim", 0),
-        "rms_norm_eps": p.get("norm_eps", 1e-6), "tie_word_embeddings": p.get("tied_embeddings", False),
+        "vocab_size": p["vocab_size"],
+        "hidden_size": p["dim"],
+        "num_hidden_layers": p["n_layers"],
+        "num_attention_heads": p["n_heads"],
+        "num_key_value_heads": p.get("n_kv_heads", p["n_heads"]),
+        "q_lora_rank": p.get("q_lora_rank"),
+        "kv_lora_rank": p["kv_lora_rank"],
+        "qk_nope_head_dim": p["qk_nope_head_dim"],
+        "qk_rope_head_dim": p["qk_rope_head_dim"],
+        "v_head_dim": p["v_head_dim"],
+        "intermediate_size": p.get("hidden_dim", 0),
+        "rms_norm_eps": p.get("norm_eps", 1e-6),
+        "tie_word_embeddings": p.get("tied_embeddings", False),
         "max_position_embeddings": p.get("max_position_embeddings", p.get("max_seq_len", 1048576)),
         "hidden_act": p.get("activation", "silu"),
-        "n_routed_experts": moe.get("num_experts"), "num_experts_per_tok": moe.get("num_experts_per_tok"),
-        "moe_intermediate_size": moe.get("expert_hidden_dim"), "n_shared_experts": moe.get("num_shared_experts", 0),
+        "n_routed_experts": moe.get("num_experts"),
+        "num_experts_per_tok": moe.get("num_experts_per_tok"),
+        "moe_intermediate_size": moe.get("expert_hidden_dim"),
+        "n_shared_experts": moe.get("num_shared_experts", 0),
         "first_k_dense_replace": moe.get("first_k_dense_replace", 0),
         "routed_scaling_factor": moe.get("routed_scale", 1.0),
-        "n_group": moe.get("num_expert_groups", 1), "topk_group": moe.get("num_expert_groups_per_tok", 1),
-        "moe_layer_freq": moe.get("route_every_n", 1), "norm_topk_prob": True,
-        "bos_token_id": p.get("bos_token_id", 1), "eos_token_id": p.get("eos_token_id", 2),
+        "n_group": moe.get("num_expert_groups", 1),
+        "topk_group": moe.get("num_expert_groups_per_tok", 1),
+        "moe_layer_freq": moe.get("route_every_n", 1),
+        "norm_topk_prob": True,
+        "bos_token_id": p.get("bos_token_id", 1),
+        "eos_token_id": p.get("eos_token_id", 2),
     }
     theta = p.get("rope_theta", 10000.0)
     if yarn:
         # The converter fixes mscale = mscale_all_dim = 1 (the softmax-scale correction of YaRN).
         raw["rope_parameters"] = {
-            "rope_type": "yarn", "rope_theta": theta, "factor": yarn.get("factor"),
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": yarn.get("factor"),
             "original_max_position_embeddings": yarn.get("original_max_position_embeddings"),
-            "beta_fast": yarn.get("beta", 32.0), "beta_slow": yarn.get("alpha", 1.0),
-            "mscale": 1.0, "mscale_all_dim": 1.0,
+            "beta_fast": yarn.get("beta", 32.0),
+            "beta_slow": yarn.get("alpha", 1.0),
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
             "llama_4_scaling_beta": l4.get("beta", 0.0),
         }
     else:
-        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "llama_4_scaling_beta": l4.get("beta", 0.0)}
+        raw["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": theta,
+            "llama_4_scaling_beta": l4.get("beta", 0.0),
+        }
         if l4:
-            raw["rope_parameters"]["original_max_position_embeddings"] = l4.get("original_max_position_embeddings", 8192)
+            raw["rope_parameters"]["original_max_position_embeddings"] = l4.get(
+                "original_max_position_embeddings", 8192
+            )
     return raw
 
 
 # ---------------------------------------------------------------- tensor contract
 
+
 def tensor_specs(cfg: Mistral4Config) -> list[TensorSpec]:
-    d, H = cfg.hidden_size, cfg.num_attention_heads
+    d = cfg.hidden_size
     specs = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding")]
     for L in range(cfg.num_hidden_layers):
         p = f"model.layers.{L}."
@@ -246,35 +328,56 @@ def tensor_specs(cfg: Mistral4Config) -> list[TensorSpec]:
                 TensorSpec(m + "down_proj.weight", (d, I), "mlp", L),
             ]
     specs.append(TensorSpec("model.norm.weight", (d,), "norm"))
-    specs.append(TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings))
+    specs.append(
+        TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
+    )
     return specs
 
 
-_VISION_HF = [r"model\.vision_tower\..*", r"model\.multi_modal_projector\..*", r"vision_tower\..*", r"multi_modal_projector\..*"]
-_VISION_NATIVE = [r"vision_encoder\..*", r"vision_language_adapter\..*", r"patch_merger\..*", r"pre_mm_projector_norm\..*"]
+_VISION_HF = [
+    r"model\.vision_tower\..*",
+    r"model\.multi_modal_projector\..*",
+    r"vision_tower\..*",
+    r"multi_modal_projector\..*",
+]
+_VISION_NATIVE = [
+    r"vision_encoder\..*",
+    r"vision_language_adapter\..*",
+    r"patch_merger\..*",
+    r"pre_mm_projector_norm\..*",
+]
 
 
 def hf_naming(text_prefix: str = "model.") -> Naming:
     """transformers names; `text_prefix` is `model.language_model.` in multimodal releases."""
 
     def source(spec: TensorSpec) -> Source:
-        name = spec.name if not spec.name.startswith("model.") else text_prefix + spec.name[len("model."):]
+        name = spec.name if not spec.name.startswith("model.") else text_prefix + spec.name[len("model.") :]
         return direct(name, spec.shape)
 
     return Naming(f"transformers ({text_prefix}*)", source, _VISION_HF)
 
 
 _NATIVE_ATTN = {
-    "q_proj": "wq", "q_a_proj": "wq_a", "q_a_layernorm": "q_a_norm", "q_b_proj": "wq_b",
-    "kv_a_proj_with_mqa": "wkv_a_with_mqa", "kv_a_layernorm": "kv_a_norm", "kv_b_proj": "wkv_b", "o_proj": "wo",
+    "q_proj": "wq",
+    "q_a_proj": "wq_a",
+    "q_a_layernorm": "q_a_norm",
+    "q_b_proj": "wq_b",
+    "kv_a_proj_with_mqa": "wkv_a_with_mqa",
+    "kv_a_layernorm": "kv_a_norm",
+    "kv_b_proj": "wkv_b",
+    "o_proj": "wo",
 }
 _NATIVE_MLP = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def native_naming(cfg: Mistral4Config) -> Naming:
     """Mistral's consolidated names (see the module docstring for the sources)."""
-    top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "output.weight",
+    }
 
     def source(spec: TensorSpec) -> Source:
         if spec.name in top:
@@ -316,6 +419,7 @@ def namings(cfg: Mistral4Config, layout: str, store_names) -> Naming:
 
 # ---------------------------------------------------------------- model
 
+
 class Model:
     """The Mistral Small 4 decoder over a ForwardBatch."""
 
@@ -330,7 +434,7 @@ class Model:
         self.layers = []
         for L in range(cfg.num_hidden_layers):
             p = f"model.layers.{L}."
-            self.layers.append({k[len(p):]: v for k, v in t.items() if k.startswith(p)})
+            self.layers.append({k[len(p) :]: v for k, v in t.items() if k.startswith(p)})
         self.freqs = inv_freq(cfg.rope).to(device)
         self.rope_factor = cos_sin_attention_factor(cfg.rope)
         self.rope_fn = rope_interleaved if cfg.rope_interleave else rope_half
@@ -340,19 +444,34 @@ class Model:
         """Latent rows per layer; rows roll back exactly at any depth, so the window needs nothing."""
         c = self.cfg
         widths = {"latent": c.kv_lora_rank, "k_rope": c.qk_rope_head_dim}
-        return SequenceState([TokenRows(widths, self.dtype, self.device, c.max_position_embeddings)
-                              for _ in range(c.num_hidden_layers)])
+        return SequenceState(
+            [
+                TokenRows(widths, self.dtype, self.device, c.max_position_embeddings)
+                for _ in range(c.num_hidden_layers)
+            ]
+        )
 
     # -- blocks
-    def attention(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch, cos, sin, qscale) -> torch.Tensor:
+    def attention(
+        self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch, cos, sin, qscale
+    ) -> torch.Tensor:
         c = self.cfg
         q_nope, q_rope, latent, k_rope = mla.mla_project(x, w, c)
         k_rope = self.rope_fn(k_rope[:, None], cos, sin)[:, 0]
         q_rope = self.rope_fn(q_rope, cos, sin)
         if qscale is not None:
             q_nope, q_rope = q_nope * qscale, q_rope * qscale
-        out = mla.mla_batch(L, batch, q_nope, q_rope, latent, k_rope, w["self_attn.kv_b_proj.weight"],
-                            c.v_head_dim, c.softmax_scale)
+        out = mla.mla_batch(
+            L,
+            batch,
+            q_nope,
+            q_rope,
+            latent,
+            k_rope,
+            w["self_attn.kv_b_proj.weight"],
+            c.v_head_dim,
+            c.softmax_scale,
+        )
         return linear(out.flatten(1), w["self_attn.o_proj.weight"])
 
     def mlp(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
@@ -360,12 +479,15 @@ class Model:
         if not c.is_moe(L):
             return glu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         logits = linear(x, w["mlp.gate.weight"])
-        weights, ids = route_softmax(logits, c.num_experts_per_tok, c.n_group, c.topk_group,
-                                     c.norm_topk_prob, c.routed_scaling_factor)
+        weights, ids = route_softmax(
+            logits, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor
+        )
         out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], swiglu)
         if c.n_shared_experts:
             s = "mlp.shared_experts."
-            out = out + glu_mlp(x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
+            out = out + glu_mlp(
+                x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
+            )
         return out
 
     @torch.inference_mode()
@@ -379,7 +501,9 @@ class Model:
             s = 1 + c.llama4_beta * torch.log1p(torch.floor(batch.positions.float() / c.llama4_original_max))
             qscale = s.to(h.dtype)[:, None, None]
         for L, w in enumerate(self.layers):
-            h = h + self.attention(L, w, rms_norm(h, w["input_layernorm.weight"], c.rms_norm_eps), batch, cos, sin, qscale)
+            h = h + self.attention(
+                L, w, rms_norm(h, w["input_layernorm.weight"], c.rms_norm_eps), batch, cos, sin, qscale
+            )
             h = h + self.mlp(L, w, rms_norm(h, w["post_attention_layernorm.weight"], c.rms_norm_eps))
         batch.finish()
         h = rms_norm(h[batch.logit_rows], self.norm, c.rms_norm_eps)
@@ -387,6 +511,7 @@ class Model:
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
+
 
 def layer_schedule(cfg: Mistral4Config) -> list[str]:
     return ["mla+moe" if cfg.is_moe(L) else "mla+mlp" for L in range(cfg.num_hidden_layers)]
@@ -403,8 +528,12 @@ def max_context(cfg: Mistral4Config) -> int:
 
 def facts(cfg: Mistral4Config) -> dict:
     d, I = cfg.hidden_size, cfg.moe_intermediate_size
-    return {"experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
-            "expert_params": 3 * d * I, "expert_bytes_bf16": 3 * d * I * 2}
+    return {
+        "experts": cfg.n_routed_experts,
+        "experts_per_token": cfg.num_experts_per_tok,
+        "expert_params": 3 * d * I,
+        "expert_bytes_bf16": 3 * d * I * 2,
+    }
 
 
 def params_json(raw: dict) -> dict:
@@ -412,25 +541,45 @@ def params_json(raw: dict) -> dict:
     `_from_params_json`; used by checkpoint writers)."""
     rp = raw.get("rope_parameters") or {}
     p = {
-        "dim": raw["hidden_size"], "n_layers": raw["num_hidden_layers"], "n_heads": raw["num_attention_heads"],
+        "dim": raw["hidden_size"],
+        "n_layers": raw["num_hidden_layers"],
+        "n_heads": raw["num_attention_heads"],
         "n_kv_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        "head_dim": raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"], "hidden_dim": raw.get("intermediate_size", 0),
-        "vocab_size": raw["vocab_size"], "norm_eps": raw.get("rms_norm_eps", 1e-6),
-        "q_lora_rank": raw.get("q_lora_rank"), "kv_lora_rank": raw["kv_lora_rank"],
-        "qk_nope_head_dim": raw["qk_nope_head_dim"], "qk_rope_head_dim": raw["qk_rope_head_dim"],
-        "v_head_dim": raw["v_head_dim"], "tied_embeddings": raw.get("tie_word_embeddings", False),
+        "head_dim": raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"],
+        "hidden_dim": raw.get("intermediate_size", 0),
+        "vocab_size": raw["vocab_size"],
+        "norm_eps": raw.get("rms_norm_eps", 1e-6),
+        "q_lora_rank": raw.get("q_lora_rank"),
+        "kv_lora_rank": raw["kv_lora_rank"],
+        "qk_nope_head_dim": raw["qk_nope_head_dim"],
+        "qk_rope_head_dim": raw["qk_rope_head_dim"],
+        "v_head_dim": raw["v_head_dim"],
+        "tied_embeddings": raw.get("tie_word_embeddings", False),
         "max_position_embeddings": raw.get("max_position_embeddings", 1048576),
         "rope_theta": rp.get("rope_theta", 10000.0),
-        "moe": {"num_experts": raw["n_routed_experts"], "num_experts_per_tok": raw["num_experts_per_tok"],
-                "expert_hidden_dim": raw["moe_intermediate_size"], "num_shared_experts": raw.get("n_shared_experts", 0),
-                "first_k_dense_replace": raw.get("first_k_dense_replace", 0),
-                "routed_scale": raw.get("routed_scaling_factor", 1.0), "num_expert_groups": raw.get("n_group", 1),
-                "num_expert_groups_per_tok": raw.get("topk_group", 1), "route_every_n": 1},
+        "moe": {
+            "num_experts": raw["n_routed_experts"],
+            "num_experts_per_tok": raw["num_experts_per_tok"],
+            "expert_hidden_dim": raw["moe_intermediate_size"],
+            "num_shared_experts": raw.get("n_shared_experts", 0),
+            "first_k_dense_replace": raw.get("first_k_dense_replace", 0),
+            "routed_scale": raw.get("routed_scaling_factor", 1.0),
+            "num_expert_groups": raw.get("n_group", 1),
+            "num_expert_groups_per_tok": raw.get("topk_group", 1),
+            "route_every_n": 1,
+        },
     }
     if rp.get("rope_type", rp.get("type")) == "yarn":
-        p["yarn"] = {"factor": rp["factor"], "original_max_position_embeddings": rp["original_max_position_embeddings"],
-                     "beta": rp.get("beta_fast", 32.0), "alpha": rp.get("beta_slow", 1.0), "apply_scale": False}
+        p["yarn"] = {
+            "factor": rp["factor"],
+            "original_max_position_embeddings": rp["original_max_position_embeddings"],
+            "beta": rp.get("beta_fast", 32.0),
+            "alpha": rp.get("beta_slow", 1.0),
+            "apply_scale": False,
+        }
     if rp.get("llama_4_scaling_beta"):
-        p["llama_4_scaling"] = {"beta": rp["llama_4_scaling_beta"],
-                                "original_max_position_embeddings": rp.get("original_max_position_embeddings", 8192)}
+        p["llama_4_scaling"] = {
+            "beta": rp["llama_4_scaling_beta"],
+            "original_max_position_embeddings": rp.get("original_max_position_embeddings", 8192),
+        }
     return p

@@ -125,9 +125,16 @@ class NemotronHConfig:
     @property
     def mamba_dims(self) -> Mamba2Dims:
         return Mamba2Dims(
-            hidden_size=self.hidden_size, num_heads=self.mamba_num_heads, head_dim=self.mamba_head_dim,
-            n_groups=self.n_groups, state_size=self.ssm_state_size, conv_kernel=self.conv_kernel,
-            chunk_size=self.chunk_size, eps=self.layer_norm_epsilon, dt_min=self.time_step_min, dt_max=math.inf,
+            hidden_size=self.hidden_size,
+            num_heads=self.mamba_num_heads,
+            head_dim=self.mamba_head_dim,
+            n_groups=self.n_groups,
+            state_size=self.ssm_state_size,
+            conv_kernel=self.conv_kernel,
+            chunk_size=self.chunk_size,
+            eps=self.layer_norm_epsilon,
+            dt_min=self.time_step_min,
+            dt_max=math.inf,
         )
 
     @property
@@ -141,6 +148,7 @@ class NemotronHConfig:
 
 # ---------------------------------------------------------------- config
 
+
 def _layer_list(value, key: str, w: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{w}: field {key!r} must be a non-empty list of layer types, got {value!r}")
@@ -148,8 +156,10 @@ def _layer_list(value, key: str, w: str) -> tuple[str, ...]:
     for i, t in enumerate(value):
         t = _LEGACY.get(t, t)
         if t not in _SCHEDULE:
-            raise ConfigError(f"{w}: field {key!r} has unknown layer type {value[i]!r} at index {i} "
-                              f"(one of {', '.join(sorted(_SCHEDULE))}, or mamba/attention)")
+            raise ConfigError(
+                f"{w}: field {key!r} has unknown layer type {value[i]!r} at index {i} "
+                f"(one of {', '.join(sorted(_SCHEDULE))}, or mamba/attention)"
+            )
         out.append(t)
     return tuple(out)
 
@@ -159,7 +169,9 @@ def _pattern(value, key: str, w: str) -> tuple[str, ...]:
         raise ConfigError(f"{w}: field {key!r} must be a non-empty string of M/E/*/-, got {value!r}")
     bad = sorted(set(value) - set(_PATTERN))
     if bad:
-        raise ConfigError(f"{w}: field {key!r} = {value!r} has characters {bad} (only M, E, *, - are layer kinds)")
+        raise ConfigError(
+            f"{w}: field {key!r} = {value!r} has characters {bad} (only M, E, *, - are layer kinds)"
+        )
     return tuple(_PATTERN[c] for c in value)
 
 
@@ -205,24 +217,64 @@ def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
         if got != want:
             raise ConfigError(f"{w}: field {key!r} = {got!r} is not supported (Nemotron-H uses {want})")
     if raw.get("mlp_bias"):
-        raise ConfigError(f"{w}: field 'mlp_bias' = true is not supported (the released models have no MLP biases)")
+        raise ConfigError(
+            f"{w}: field 'mlp_bias' = true is not supported (the released models have no MLP biases)"
+        )
 
     heads = field(raw, "num_attention_heads", int, 32, where=w, check=positive)
-    kv_raw = {"num_key_value_heads": raw.get("num_key_value_heads", 8)}  # transformers: absent 8, null = heads
-    kv = field(kv_raw, "num_key_value_heads", int, heads, where=w, check=lambda v: v > 0 and heads % v == 0,
-               why=f"must divide num_attention_heads={heads}")
-    head_dim = field(raw, "head_dim", int, field(raw, "attention_head_dim", int, 128, where=w), where=w, check=positive)
+    kv_raw = {
+        "num_key_value_heads": raw.get("num_key_value_heads", 8)
+    }  # transformers: absent 8, null = heads
+    kv = field(
+        kv_raw,
+        "num_key_value_heads",
+        int,
+        heads,
+        where=w,
+        check=lambda v: v > 0 and heads % v == 0,
+        why=f"must divide num_attention_heads={heads}",
+    )
+    head_dim = field(
+        raw, "head_dim", int, field(raw, "attention_head_dim", int, 128, where=w), where=w, check=positive
+    )
     m_heads = field(raw, "mamba_num_heads", int, 128, where=w, check=positive)
-    n_groups = field(raw, _key(raw, "n_groups", "mamba_n_groups"), int, 8, where=w,
-                     check=lambda v: v > 0 and m_heads % v == 0, why=f"must divide mamba_num_heads={m_heads}")
+    n_groups = field(
+        raw,
+        _key(raw, "n_groups", "mamba_n_groups"),
+        int,
+        8,
+        where=w,
+        check=lambda v: v > 0 and m_heads % v == 0,
+        why=f"must divide mamba_num_heads={m_heads}",
+    )
     experts = field(raw, "n_routed_experts", int, 8, where=w, check=positive)
-    n_group = field(raw, "n_group", int, 1, where=w, check=lambda v: v > 0 and experts % v == 0,
-                    why=f"must divide n_routed_experts={experts}")
-    topk_group = field(raw, "topk_group", int, 1, where=w, check=lambda v: 0 < v <= n_group,
-                       why=f"must be in 1..n_group={n_group}")
-    top_k = field(raw, "num_experts_per_tok", int, 2, where=w,
-                  check=lambda v: 0 < v <= topk_group * (experts // n_group),
-                  why=f"must be in 1..{topk_group * (experts // n_group)} (the experts of topk_group groups)")
+    n_group = field(
+        raw,
+        "n_group",
+        int,
+        1,
+        where=w,
+        check=lambda v: v > 0 and experts % v == 0,
+        why=f"must divide n_routed_experts={experts}",
+    )
+    topk_group = field(
+        raw,
+        "topk_group",
+        int,
+        1,
+        where=w,
+        check=lambda v: 0 < v <= n_group,
+        why=f"must be in 1..n_group={n_group}",
+    )
+    top_k = field(
+        raw,
+        "num_experts_per_tok",
+        int,
+        2,
+        where=w,
+        check=lambda v: 0 < v <= topk_group * (experts // n_group),
+        why=f"must be in 1..{topk_group * (experts // n_group)} (the experts of topk_group groups)",
+    )
     latent = raw.get("moe_latent_size")
     if latent is not None:
         latent = field(raw, "moe_latent_size", int, where=w, check=positive)
@@ -241,8 +293,15 @@ def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
         num_key_value_heads=kv,
         head_dim=head_dim,
         max_position_embeddings=field(raw, "max_position_embeddings", int, 4096, where=w, check=positive),
-        intermediate_size=field(raw, "intermediate_size", int, 21504, where=w,
-                                check=lambda v: v > 0 or MLP not in layers, why="an MLP layer needs it"),
+        intermediate_size=field(
+            raw,
+            "intermediate_size",
+            int,
+            21504,
+            where=w,
+            check=lambda v: v > 0 or MLP not in layers,
+            why="an MLP layer needs it",
+        ),
         mamba_num_heads=m_heads,
         mamba_head_dim=field(raw, "mamba_head_dim", int, 64, where=w, check=positive),
         n_groups=n_groups,
@@ -251,18 +310,19 @@ def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
         use_conv_bias=field(raw, _key(raw, "use_conv_bias", "mamba_conv_bias"), bool, True, where=w),
         use_bias=field(raw, "use_bias", bool, False, where=w),
         chunk_size=field(raw, _key(raw, "chunk_size", "mamba_chunk_size"), int, 128, where=w, check=positive),
-        time_step_min=field(raw, _key(raw, "time_step_min", "mamba_dt_min"), float, 1e-3, where=w,
-                            check=lambda v: v >= 0),
+        time_step_min=field(
+            raw, _key(raw, "time_step_min", "mamba_dt_min"), float, 1e-3, where=w, check=lambda v: v >= 0
+        ),
         time_step_max=field(raw, _key(raw, "time_step_max", "mamba_dt_max"), float, 0.1, where=w),
         time_step_limit=limit,
-        time_step_floor=field(raw, _key(raw, "time_step_floor", "mamba_dt_init_floor"), float, 1e-4,
-                              where=w),
+        time_step_floor=field(raw, _key(raw, "time_step_floor", "mamba_dt_init_floor"), float, 1e-4, where=w),
         mamba_ssm_cache_dtype=field(raw, "mamba_ssm_cache_dtype", str, "float32", where=w),
         n_routed_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=field(raw, "moe_intermediate_size", int, 7688, where=w, check=positive),
-        moe_shared_expert_intermediate_size=field(raw, "moe_shared_expert_intermediate_size", int, 7688, where=w,
-                                                  check=positive),
+        moe_shared_expert_intermediate_size=field(
+            raw, "moe_shared_expert_intermediate_size", int, 7688, where=w, check=positive
+        ),
         moe_latent_size=latent,
         n_group=n_group,
         topk_group=topk_group,
@@ -270,7 +330,9 @@ def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
         routed_scaling_factor=field(raw, "routed_scaling_factor", float, 1.0, where=w),
         layer_norm_epsilon=field(raw, "layer_norm_epsilon", float, 1e-5, where=w, check=positive),
         tie_word_embeddings=field(raw, "tie_word_embeddings", bool, False, where=w),
-        num_nextn_predict_layers=field(raw, "num_nextn_predict_layers", int, 0, where=w, check=lambda v: v >= 0),
+        num_nextn_predict_layers=field(
+            raw, "num_nextn_predict_layers", int, 0, where=w, check=lambda v: v >= 0
+        ),
         mtp_layer_types=mtp,
         bos_token_id=raw.get("bos_token_id", 1),
         eos_token_ids=eos_ids(raw.get("eos_token_id", 2)),
@@ -278,6 +340,7 @@ def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
 
 
 # ---------------------------------------------------------------- tensor contract
+
 
 def _layer_specs(cfg: NemotronHConfig, kind: str, p: str, L: int) -> list[TensorSpec]:
     """One layer's tensors under prefix `p`: its norm and its mixer."""
@@ -299,8 +362,10 @@ def _layer_specs(cfg: NemotronHConfig, kind: str, p: str, L: int) -> list[Tensor
         if cfg.use_conv_bias:
             specs.append(TensorSpec(m + "conv1d.bias", (dims.conv_dim,), "mamba", L))
         if cfg.use_bias:
-            specs += [TensorSpec(m + "in_proj.bias", (dims.in_proj_dim,), "mamba", L),
-                      TensorSpec(m + "out_proj.bias", (d,), "mamba", L)]
+            specs += [
+                TensorSpec(m + "in_proj.bias", (dims.in_proj_dim,), "mamba", L),
+                TensorSpec(m + "out_proj.bias", (d,), "mamba", L),
+            ]
     elif kind == ATTENTION:
         q, k = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         specs += [
@@ -311,10 +376,17 @@ def _layer_specs(cfg: NemotronHConfig, kind: str, p: str, L: int) -> list[Tensor
         ]
     elif kind == MLP:
         I = cfg.intermediate_size
-        specs += [TensorSpec(m + "up_proj.weight", (I, d), "mlp", L),
-                  TensorSpec(m + "down_proj.weight", (d, I), "mlp", L)]
+        specs += [
+            TensorSpec(m + "up_proj.weight", (I, d), "mlp", L),
+            TensorSpec(m + "down_proj.weight", (d, I), "mlp", L),
+        ]
     else:
-        E, I, S, x = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size, cfg.expert_in
+        E, I, S, x = (
+            cfg.n_routed_experts,
+            cfg.moe_intermediate_size,
+            cfg.moe_shared_expert_intermediate_size,
+            cfg.expert_in,
+        )
         specs += [
             TensorSpec(m + "gate.weight", (E, d), "router", L),
             TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", L, keep_fp32=True),
@@ -324,8 +396,10 @@ def _layer_specs(cfg: NemotronHConfig, kind: str, p: str, L: int) -> list[Tensor
             TensorSpec(m + "shared_experts.down_proj.weight", (d, S), "shared_expert", L),
         ]
         if cfg.moe_latent_size:
-            specs += [TensorSpec(m + "fc1_latent_proj.weight", (x, d), "expert_latent_proj", L),
-                      TensorSpec(m + "fc2_latent_proj.weight", (d, x), "expert_latent_proj", L)]
+            specs += [
+                TensorSpec(m + "fc1_latent_proj.weight", (x, d), "expert_latent_proj", L),
+                TensorSpec(m + "fc2_latent_proj.weight", (d, x), "expert_latent_proj", L),
+            ]
     return specs
 
 
@@ -337,10 +411,14 @@ def mtp_specs(cfg: NemotronHConfig) -> list[TensorSpec]:
             k = j * P + i
             p, L = f"mtp.layers.{k}.", cfg.num_hidden_layers + k
             layer = _layer_specs(cfg, kind, p, L)
-            if i == 0:  # the block's input: RMSNorm'd embeddings and hidden states, concatenated and projected
-                layer += [TensorSpec(p + "enorm.weight", (d,), "norm", L),
-                          TensorSpec(p + "hnorm.weight", (d,), "norm", L),
-                          TensorSpec(p + "eh_proj.weight", (d, 2 * d), "mtp", L)]
+            if (
+                i == 0
+            ):  # the block's input: RMSNorm'd embeddings and hidden states, concatenated and projected
+                layer += [
+                    TensorSpec(p + "enorm.weight", (d,), "norm", L),
+                    TensorSpec(p + "hnorm.weight", (d,), "norm", L),
+                    TensorSpec(p + "eh_proj.weight", (d, 2 * d), "mtp", L),
+                ]
             if i == P - 1:
                 layer.append(TensorSpec(p + "final_layernorm.weight", (d,), "norm", L))
             specs += [dataclasses.replace(s, role="mtp", optional=True) for s in layer]
@@ -353,7 +431,9 @@ def tensor_specs(cfg: NemotronHConfig) -> list[TensorSpec]:
     for L, kind in enumerate(cfg.layer_types):
         specs += _layer_specs(cfg, kind, f"model.layers.{L}.", L)
     specs.append(TensorSpec("model.norm_f.weight", (d,), "norm"))
-    specs.append(TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings))
+    specs.append(
+        TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
+    )
     return specs + mtp_specs(cfg)
 
 
@@ -364,7 +444,7 @@ def namings(cfg: NemotronHConfig, layout: str, store_names) -> Naming:
     prefix = "model." if "model.embeddings.weight" in names else "backbone."
 
     def source(spec: TensorSpec) -> Source:
-        name = spec.name if not spec.name.startswith("model.") else prefix + spec.name[len("model."):]
+        name = spec.name if not spec.name.startswith("model.") else prefix + spec.name[len("model.") :]
         if not name.endswith((".experts.up_proj", ".experts.down_proj")) or name in names:
             return direct(name, spec.shape)
         base, proj = name.rsplit(".", 1)  # <...>.mixer.experts, up_proj | down_proj
@@ -374,6 +454,7 @@ def namings(cfg: NemotronHConfig, layout: str, store_names) -> Naming:
 
 
 # ---------------------------------------------------------------- model
+
 
 class Model:
     """The Nemotron-H decoder over a ForwardBatch."""
@@ -390,7 +471,7 @@ class Model:
         self.layers = []
         for L, kind in enumerate(cfg.layer_types):
             p = f"model.layers.{L}."
-            w = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
+            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
             if kind == MAMBA:
                 w["mamba"] = Mamba2Weights.from_state_dict(w, "mixer.")
             self.layers.append(w)
@@ -398,12 +479,14 @@ class Model:
         mtp = mtp_specs(cfg)
         missing = [s.name for s in mtp if s.name not in t]
         if len(missing) not in (0, len(mtp)):
-            raise CheckpointError(f"the MTP block is incomplete: {len(missing)} of its {len(mtp)} tensor(s) missing, "
-                                  f"e.g. {missing[:3]} (ship all of it or none)")
+            raise CheckpointError(
+                f"the MTP block is incomplete: {len(missing)} of its {len(mtp)} tensor(s) missing, "
+                f"e.g. {missing[:3]} (ship all of it or none)"
+            )
         self.mtp = []
         for k in range(0 if missing else cfg.num_nextn_predict_layers * len(cfg.mtp_layer_types)):
             p = f"mtp.layers.{k}."
-            self.mtp.append({n[len(p):]: v for n, v in t.items() if n.startswith(p)})
+            self.mtp.append({n[len(p) :]: v for n, v in t.items() if n.startswith(p)})
 
     # -- state
     def new_state(self, rollback_window: int = 0) -> SequenceState:
@@ -416,7 +499,9 @@ class Model:
             if kind == MAMBA:
                 layers.append(RecurrentState(Mamba2State.zeros(self.dims, self.device), rollback_window))
             elif kind == ATTENTION:
-                layers.append(TokenRows({"k": kv, "v": kv}, self.dtype, self.device, c.max_position_embeddings))
+                layers.append(
+                    TokenRows({"k": kv, "v": kv}, self.dtype, self.device, c.max_position_embeddings)
+                )
             else:
                 layers.append(None)
         return SequenceState(layers)
@@ -442,8 +527,15 @@ class Model:
     def moe(self, w: dict, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         logits = F.linear(x.float(), w["mixer.gate.weight"].float())
-        weights, ids = route_sigmoid(logits, c.num_experts_per_tok, w["mixer.gate.e_score_correction_bias"],
-                                     c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        weights, ids = route_sigmoid(
+            logits,
+            c.num_experts_per_tok,
+            w["mixer.gate.e_score_correction_bias"],
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
         xl = linear(x, w["mixer.fc1_latent_proj.weight"]) if c.moe_latent_size else x
         y = run_experts(xl, weights, ids, w["mixer.experts.up_proj"], w["mixer.experts.down_proj"], relu2)
         if c.moe_latent_size:
@@ -473,6 +565,7 @@ class Model:
 
 # ---------------------------------------------------------------- facts for inspect and the planner
 
+
 def layer_schedule(cfg: NemotronHConfig) -> list[str]:
     return [_SCHEDULE[t] for t in cfg.layer_types]
 
@@ -501,5 +594,7 @@ def facts(cfg: NemotronHConfig) -> dict:
         "mamba_state_bytes_per_layer": cfg.mamba_dims.state_nbytes,
         "dt_clamp": f"softplus(dt) >= {cfg.time_step_min} in prefill and decode",
         "mtp_layers": cfg.num_nextn_predict_layers,
-        "mtp_layer_schedule": [_SCHEDULE[t] for t in cfg.mtp_layer_types] if cfg.num_nextn_predict_layers else [],
+        "mtp_layer_schedule": [_SCHEDULE[t] for t in cfg.mtp_layer_types]
+        if cfg.num_nextn_predict_layers
+        else [],
     }

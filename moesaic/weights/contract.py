@@ -17,7 +17,15 @@ import torch
 
 from ..errors import CheckpointError
 from .precision import PrecisionSchedule
-from .quant import COMPANION_SUFFIXES, ConcatRows, QuantizedTensor, load_quantized, quantize_fp8_block, from_suffix_dict, resolve_format
+from .quant import (
+    COMPANION_SUFFIXES,
+    ConcatRows,
+    QuantizedTensor,
+    from_suffix_dict,
+    load_quantized,
+    quantize_fp8_block,
+    resolve_format,
+)
 from .store import WeightStore
 
 
@@ -28,10 +36,16 @@ class TensorSpec:
     role: str  # embedding | attention | norm | router | expert | shared_expert | mlp | lm_head | ...
     layer: int | None = None
     optional: bool = False
-    keep_fp32: bool = False  # kept in fp32 whatever the model dtype (norm gains, routers where the reference does)
-    dense: bool = False  # used other than through `linear` (views, einsums): dequantized at load if stored packed
+    keep_fp32: bool = (
+        False  # kept in fp32 whatever the model dtype (norm gains, routers where the reference does)
+    )
+    dense: bool = (
+        False  # used other than through `linear` (views, einsums): dequantized at load if stored packed
+    )
     integer: bool = False  # an integer table (e.g. hash routing), not a float weight
-    mapped: bool = False  # left in the file: handed over as stored (dtype included), a view of the file's map,
+    mapped: bool = (
+        False  # left in the file: handed over as stored (dtype included), a view of the file's map,
+    )
     #                       never copied or converted (tables read a few rows at a time: V4.1's Engram)
 
 
@@ -108,12 +122,24 @@ class LoadPlan:
 def quantization_config(store: WeightStore) -> dict | None:
     """config.json's `quantization_config` (also in a nested text_config), or Mistral's `quantization`."""
     c = store.config
-    return c.get("quantization_config") or (c.get("text_config") or {}).get("quantization_config") \
+    return (
+        c.get("quantization_config")
+        or (c.get("text_config") or {}).get("quantization_config")
         or c.get("quantization")
+    )
 
 
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
-_INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64") + _FLOAT_DTYPES  # tables saved as floats too
+_INTEGER_DTYPES = (
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U8",
+    "U16",
+    "U32",
+    "U64",
+) + _FLOAT_DTYPES  # tables saved as floats too
 
 
 def _base(name: str) -> str:
@@ -142,9 +168,11 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
         src = naming.source(spec)
         formats = {}
         if spec.mapped and len(src.parts) != 1:
-            problems.append(f"{spec.name}: a mapped tensor must come from one checkpoint tensor, not {len(src.parts)}")
+            problems.append(
+                f"{spec.name}: a mapped tensor must come from one checkpoint tensor, not {len(src.parts)}"
+            )
             continue
-        for n, shape in [] if spec.mapped else src.parts:  # a mapped tensor is taken as stored
+        for n, _ in [] if spec.mapped else src.parts:  # a mapped tensor is taken as stored
             try:
                 fmt = _quant_format(store, n, qc, dtypes)
             except CheckpointError as e:
@@ -173,7 +201,9 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
             elif fmt != "bad":
                 base = _base(n)
                 try:  # builds views only: checks companions, dtypes and the logical shape
-                    load_quantized(base, lambda k: store.get(k, count=False), fmt, qc, names=store, shape=shape)
+                    load_quantized(
+                        base, lambda k: store.get(k, count=False), fmt, qc, names=store, shape=shape
+                    )
                 except CheckpointError as e:
                     problems.append(f"bad quantized weight: {e}")
                 used.update(f"{base}.{s}" for s in ("weight",) + COMPANION_SUFFIXES if f"{base}.{s}" in store)
@@ -192,8 +222,9 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
     return LoadPlan(sources, {s.name: s for s in specs}, skipped, quantized, qc)
 
 
-def load_tensors(plan: LoadPlan, store: WeightStore, dtype: torch.dtype, device,
-                 schedule: PrecisionSchedule | None = None) -> dict:
+def load_tensors(
+    plan: LoadPlan, store: WeightStore, dtype: torch.dtype, device, schedule: PrecisionSchedule | None = None
+) -> dict:
     """Reads each planned checkpoint tensor once and converts it as the spec and the precision
     schedule say. Quantized weights of packable roles stay packed (codes and scales copied out of
     the mmap, never dequantized as a whole); the rest become dense tensors."""
@@ -206,7 +237,9 @@ def load_tensors(plan: LoadPlan, store: WeightStore, dtype: torch.dtype, device,
             out[name] = store.get(src.parts[0][0], count=False)  # a view of the file map: not read here
             continue
         want = schedule.dtype_for(spec.layer, spec.role)
-        packable = spec.role in PACKABLE_ROLES and not spec.dense and not spec.keep_fp32 and len(spec.shape) >= 2
+        packable = (
+            spec.role in PACKABLE_ROLES and not spec.dense and not spec.keep_fp32 and len(spec.shape) >= 2
+        )
         if spec.keep_fp32:
             target = torch.float32
         elif isinstance(want, torch.dtype) or want in ("inherit", "fp8"):
@@ -246,8 +279,9 @@ def _precision_dtype(want: str) -> torch.dtype:
 def _own(q: QuantizedTensor, device) -> QuantizedTensor:
     """The packed codes and scales copied out of the file mapping (the checkpoint may go away)."""
     cp = lambda t: None if t is None else t.to(device=device, copy=True)  # noqa: E731
-    return q._replace(codes=cp(q.codes), scale=cp(q.scale), global_scale=cp(q.global_scale),
-                      input_scale=cp(q.input_scale))
+    return q._replace(
+        codes=cp(q.codes), scale=cp(q.scale), global_scale=cp(q.global_scale), input_scale=cp(q.input_scale)
+    )
 
 
 _FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -256,11 +290,15 @@ _FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128]}
 def _to_fp8(t: torch.Tensor, name: str) -> QuantizedTensor:
     """Runtime FP8 (E4M3, 128x128 block scales) of a dense weight; stacked experts one at a time."""
     if t.dim() == 2:
-        return from_suffix_dict(quantize_fp8_block(t.float(), (128, 128)), _FP8_CONFIG, name=_base(name), format="fp8_block")
+        return from_suffix_dict(
+            quantize_fp8_block(t.float(), (128, 128)), _FP8_CONFIG, name=_base(name), format="fp8_block"
+        )
     return QuantizedTensor.stack([_to_fp8(x, f"{name}[{i}]") for i, x in enumerate(t.unbind(0))], name=name)
 
 
-def to_checkpoint(specs: list[TensorSpec], naming: Naming, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_checkpoint(
+    specs: list[TensorSpec], naming: Naming, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The model's tensors renamed (and split) the way `naming` stores them: what a checkpoint writer saves."""
     out = {}
     for spec in specs:

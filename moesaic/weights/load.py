@@ -13,8 +13,14 @@ from .contract import LoadPlan, load_tensors, plan_load
 from .precision import PrecisionSchedule
 from .store import WeightStore
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -33,7 +39,7 @@ class Checkpoint:
     raw: dict  # the text config dict as read
 
     @staticmethod
-    def open(path) -> "Checkpoint":
+    def open(path) -> Checkpoint:
         store = WeightStore(path)
         family, raw = family_for(store.config, store.layout)
         return Checkpoint(store, family, family.parse_config(raw, store.layout), raw)
@@ -49,6 +55,8 @@ class Checkpoint:
         tensors = load_tensors(self.plan(), self.store, dt, device, precision)
         model = self.family.Model(self.cfg, tensors, dt, device)
         bind = getattr(model, "bind_checkpoint", None)
-        if bind is not None:  # a model that reads more than tensors from the folder (V4.1 Engram: the tokenizer)
+        if (
+            bind is not None
+        ):  # a model that reads more than tensors from the folder (V4.1 Engram: the tokenizer)
             bind(self.store)
         return model

@@ -20,8 +20,16 @@ import torch
 
 from ..errors import ConfigError
 
-DTYPES = {"inherit": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "fp8": "fp8"}
+DTYPES = {
+    "inherit": None,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp8": "fp8",
+}
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,7 @@ class PrecisionSchedule:
     rules: tuple[Rule, ...] = ()
 
     @staticmethod
-    def parse(text: str | None) -> "PrecisionSchedule":
+    def parse(text: str | None) -> PrecisionSchedule:
         if not text:
             return PrecisionSchedule()
         rules = []
@@ -48,7 +56,9 @@ class PrecisionSchedule:
                 raise ConfigError(f"precision rule {item!r}: expected role[@layers]=dtype")
             lhs, dtype = (x.strip() for x in item.split("=", 1))
             if dtype not in DTYPES:
-                raise ConfigError(f"precision rule {item!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+                raise ConfigError(
+                    f"precision rule {item!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}"
+                )
             role, _, layer_text = lhs.partition("@")
             layers = None
             if layer_text:
@@ -58,7 +68,9 @@ class PrecisionSchedule:
                         a, _, b = part.partition("-")
                         layers.update(range(int(a), int(b or a) + 1))
                 except ValueError:
-                    raise ConfigError(f"precision rule {item!r}: layers {layer_text!r} are not like 0-2+7") from None
+                    raise ConfigError(
+                        f"precision rule {item!r}: layers {layer_text!r} are not like 0-2+7"
+                    ) from None
                 layers = frozenset(layers)
             rules.append(Rule(role.strip(), layers, dtype))
         return PrecisionSchedule(tuple(rules))
@@ -80,8 +92,10 @@ class PrecisionSchedule:
         roles = {s.role for s in specs}
         unknown = sorted({r.role for r in self.rules if r.role != "*" and r.role not in roles})
         if unknown:
-            raise ConfigError(f"precision rule role(s) {', '.join(unknown)} match no tensor of this model "
-                              f"(its roles: {', '.join(sorted(roles))})")
+            raise ConfigError(
+                f"precision rule role(s) {', '.join(unknown)} match no tensor of this model "
+                f"(its roles: {', '.join(sorted(roles))})"
+            )
 
     def describe(self, specs) -> dict[str, str]:
         """role -> resolved dtype (or per-layer detail when layers differ), for `inspect`."""

@@ -57,10 +57,26 @@ from ..errors import CheckpointError
 from ..kernels.cpu_fp4 import try_matmul_2d
 
 __all__ = [
-    "FORMATS", "E2M1_VALUES", "e2m1_to_float", "unpack_fp4_codes", "pack_fp4_codes", "unpack_fp4",
-    "e8m0_to_float", "e4m3_to_float", "float_to_e2m1_codes", "float_to_e4m3", "pow2_ceil_e8m0",
-    "QuantizedTensor", "stack", "resolve_format", "load_quantized", "from_suffix_dict",
-    "quantize_fp8_block", "quantize_fp8_tensor", "quantize_mxfp4", "quantize_nvfp4",
+    "FORMATS",
+    "E2M1_VALUES",
+    "e2m1_to_float",
+    "unpack_fp4_codes",
+    "pack_fp4_codes",
+    "unpack_fp4",
+    "e8m0_to_float",
+    "e4m3_to_float",
+    "float_to_e2m1_codes",
+    "float_to_e4m3",
+    "pow2_ceil_e8m0",
+    "QuantizedTensor",
+    "stack",
+    "resolve_format",
+    "load_quantized",
+    "from_suffix_dict",
+    "quantize_fp8_block",
+    "quantize_fp8_tensor",
+    "quantize_mxfp4",
+    "quantize_nvfp4",
 ]
 
 FORMATS = ("fp8_block", "fp8_tensor", "mxfp4", "nvfp4")
@@ -74,8 +90,10 @@ E2M1_MAX = 6.0
 # --------------------------------------------------------------------------------------------
 
 # index = 4-bit code: bit 3 is the sign, bits 0-2 the magnitude (code 8 is -0.0)
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
 
 _PAIR_TABLES: dict = {}
 _E8M0_TABLES: dict = {}
@@ -153,12 +171,20 @@ def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
 
 # encoders (used by the checkpoint writers of the tests and by runtime quantisation)
 
+
 def float_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value, ties to the even code, saturating at +-6 -> uint8 codes.
     The sign bit follows the input's sign (so -0.1 -> code 8, -0.0)."""
     a = x.float().abs()
-    mag = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
-           + (a > 2.5) + (a >= 3.5) + (a > 5.0))
+    mag = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    )
     return mag.to(torch.uint8) | (torch.signbit(x.float()).to(torch.uint8) << 3)
 
 
@@ -206,44 +232,64 @@ class QuantizedTensor:
                   `input_global_scale` divides, like the weight's global scale); not used by matmul
     """
 
-    def __init__(self, format: str, codes: torch.Tensor, scale: torch.Tensor, *,
-                 shape: Sequence[int] | None = None, block: Sequence[int] | None = None,
-                 global_scale: torch.Tensor | None = None, global_divides: bool = False,
-                 input_scale: torch.Tensor | None = None, name: str = "<weight>",
-                 tensor_names: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        format: str,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        shape: Sequence[int] | None = None,
+        block: Sequence[int] | None = None,
+        global_scale: torch.Tensor | None = None,
+        global_divides: bool = False,
+        input_scale: torch.Tensor | None = None,
+        name: str = "<weight>",
+        tensor_names: Mapping[str, str] | None = None,
+    ):
         self.name = name
-        names = {"codes": f"{name} (codes)", "scale": f"{name} (scale)",
-                 "global_scale": f"{name} (global scale)"}
+        names = {
+            "codes": f"{name} (codes)",
+            "scale": f"{name} (scale)",
+            "global_scale": f"{name} (global scale)",
+        }
         names.update(tensor_names or {})
         self.tensor_names = names
         if format not in FORMATS:
-            raise CheckpointError(f"{name}: unknown quantized format {format!r} (one of {', '.join(FORMATS)})")
+            raise CheckpointError(
+                f"{name}: unknown quantized format {format!r} (one of {', '.join(FORMATS)})"
+            )
         self.format = format
         self.block = None
         self.global_scale = None
         self.global_divides = bool(global_divides)
         self.input_scale = input_scale
         if codes.ndim < 2:
-            raise CheckpointError(f"{names['codes']}: a quantized weight needs at least 2 dims, "
-                                  f"got shape {_shape(codes)}")
+            raise CheckpointError(
+                f"{names['codes']}: a quantized weight needs at least 2 dims, got shape {_shape(codes)}"
+            )
         lead = tuple(codes.shape[:-2])
         n = codes.shape[-2]
 
         def bad_dtype(role, t, allowed):
-            raise CheckpointError(f"{names[role]}: dtype {t.dtype} is not valid for {format} "
-                                  f"(expected {' or '.join(str(a).replace('torch.', '') for a in allowed)})")
+            raise CheckpointError(
+                f"{names[role]}: dtype {t.dtype} is not valid for {format} "
+                f"(expected {' or '.join(str(a).replace('torch.', '') for a in allowed)})"
+            )
 
         def check_scale_shape(expected, why):
             if tuple(scale.shape) != tuple(expected):
                 raise CheckpointError(
                     f"{names['scale']}: shape {_shape(scale)} does not match {names['codes']} "
                     f"{_shape(codes)} ({why}; expected {list(expected)}). The checkpoint is corrupt or "
-                    f"its quantization_config names the wrong block/group size.")
+                    f"its quantization_config names the wrong block/group size."
+                )
 
         def per_matrix(role, t):
             if t.numel() != math.prod(lead):
-                raise CheckpointError(f"{names[role]}: expected one value per matrix ({math.prod(lead)} "
-                                      f"for {names['codes']} {_shape(codes)}), got shape {_shape(t)}")
+                raise CheckpointError(
+                    f"{names[role]}: expected one value per matrix ({math.prod(lead)} "
+                    f"for {names['codes']} {_shape(codes)}), got shape {_shape(t)}"
+                )
             if t.dtype not in _FLOAT_SCALE_DTYPES:
                 bad_dtype(role, t, _FLOAT_SCALE_DTYPES)
             return t.reshape(lead).to(torch.float32)
@@ -253,10 +299,15 @@ class QuantizedTensor:
                 bad_dtype("codes", codes, (torch.float8_e4m3fn,))
             k = codes.shape[-1]
             if format == "fp8_block":
-                if (block is None or len(block) != 2
-                        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-                    raise CheckpointError(f"{names['codes']}: unsupported fp8 block size {block!r} "
-                                          f"(need two positive integers [rows, cols], e.g. [128, 128])")
+                if (
+                    block is None
+                    or len(block) != 2
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+                ):
+                    raise CheckpointError(
+                        f"{names['codes']}: unsupported fp8 block size {block!r} "
+                        f"(need two positive integers [rows, cols], e.g. [128, 128])"
+                    )
                 self.block = (int(block[0]), int(block[1]))
                 if scale.dtype not in _FLOAT_SCALE_DTYPES + _E8M0_DTYPES:
                     bad_dtype("scale", scale, _FLOAT_SCALE_DTYPES + _E8M0_DTYPES)
@@ -273,8 +324,10 @@ class QuantizedTensor:
             k = 2 * codes.shape[-1]
             group = MXFP4_GROUP if format == "mxfp4" else NVFP4_GROUP
             if k % group:
-                raise CheckpointError(f"{names['codes']}: {format} needs the input dim ({k}) to be a "
-                                      f"multiple of its group size {group}")
+                raise CheckpointError(
+                    f"{names['codes']}: {format} needs the input dim ({k}) to be a "
+                    f"multiple of its group size {group}"
+                )
             if format == "mxfp4":
                 if scale.dtype not in _E8M0_DTYPES + (torch.int8,):
                     bad_dtype("scale", scale, _E8M0_DTYPES + (torch.int8,))
@@ -283,18 +336,24 @@ class QuantizedTensor:
                 if scale.dtype != torch.float8_e4m3fn:
                     bad_dtype("scale", scale, (torch.float8_e4m3fn,))
                 if global_scale is None:
-                    raise CheckpointError(f"{names['global_scale']}: nvfp4 needs a global scale "
-                                          f"(weight_global_scale or weight_scale_2) and none was given")
+                    raise CheckpointError(
+                        f"{names['global_scale']}: nvfp4 needs a global scale "
+                        f"(weight_global_scale or weight_scale_2) and none was given"
+                    )
                 self.global_scale = per_matrix("global_scale", global_scale)
             check_scale_shape(lead + (n, k // group), f"one scale per {group} inputs")
         if format != "nvfp4" and global_scale is not None:
-            raise CheckpointError(f"{names['global_scale']}: a global scale is only valid for nvfp4, not {format}")
+            raise CheckpointError(
+                f"{names['global_scale']}: a global scale is only valid for nvfp4, not {format}"
+            )
         self.codes = codes
         self.scale = scale
         self.shape = torch.Size(lead + (n, k))
         if shape is not None and tuple(shape) != tuple(self.shape):
-            raise CheckpointError(f"{names['codes']}: holds a {format} weight of shape {list(self.shape)}, "
-                                  f"expected {list(shape)}")
+            raise CheckpointError(
+                f"{names['codes']}: holds a {format} weight of shape {list(self.shape)}, "
+                f"expected {list(shape)}"
+            )
 
     # --- introspection ---------------------------------------------------------------------
     @property
@@ -327,62 +386,91 @@ class QuantizedTensor:
         extra = f", block={list(self.block)}" if self.block else ""
         if self.format == "nvfp4":
             extra += ", global=" + ("divisor" if self.global_divides else "multiplier")
-        return (f"QuantizedTensor({self.format}, shape={list(self.shape)}{extra}, scale={self.scale_kind}, "
-                f"nbytes={self.nbytes}, name={self.name!r})")
+        return (
+            f"QuantizedTensor({self.format}, shape={list(self.shape)}{extra}, scale={self.scale_kind}, "
+            f"nbytes={self.nbytes}, name={self.name!r})"
+        )
 
-    def _replace(self, **kw) -> "QuantizedTensor":
+    def _replace(self, **kw) -> QuantizedTensor:
         new = object.__new__(QuantizedTensor)
         new.__dict__.update(self.__dict__)
         new.__dict__.update(kw)
         return new
 
     # --- stacking --------------------------------------------------------------------------
-    def __getitem__(self, i) -> "QuantizedTensor":
+    def __getitem__(self, i) -> QuantizedTensor:
         """Index the leading (expert) dim of a stacked tensor: views, no copy."""
         if self.ndim < 3:
-            raise TypeError(f"{self.name}: indexing needs a stacked [E, N, K] QuantizedTensor, "
-                            f"this one is {list(self.shape)}")
+            raise TypeError(
+                f"{self.name}: indexing needs a stacked [E, N, K] QuantizedTensor, "
+                f"this one is {list(self.shape)}"
+            )
         if isinstance(i, int):
             if not -self.shape[0] <= i < self.shape[0]:
                 raise IndexError(f"{self.name}: index {i} out of range for {self.shape[0]} experts")
         elif not isinstance(i, slice):
-            raise TypeError(f"{self.name}: QuantizedTensor supports an int or a slice index, not {type(i).__name__}")
+            raise TypeError(
+                f"{self.name}: QuantizedTensor supports an int or a slice index, not {type(i).__name__}"
+            )
         lead = self.shape[:-2]
         ins = self.input_scale
         if ins is not None and ins.numel() == math.prod(lead) and ins.numel() > 1:
             ins = ins.reshape(lead)[i]
         codes = self.codes[i]
         return self._replace(
-            codes=codes, scale=self.scale[i],
+            codes=codes,
+            scale=self.scale[i],
             global_scale=None if self.global_scale is None else self.global_scale[i],
-            input_scale=ins, shape=torch.Size(codes.shape[:-1] + (self.shape[-1],)),
-            name=f"{self.name}[{i if isinstance(i, int) else f'{i.start}:{i.stop}'}]")
+            input_scale=ins,
+            shape=torch.Size(codes.shape[:-1] + (self.shape[-1],)),
+            name=f"{self.name}[{i if isinstance(i, int) else f'{i.start}:{i.stop}'}]",
+        )
 
     @classmethod
-    def stack(cls, tensors: Sequence["QuantizedTensor"], name: str | None = None) -> "QuantizedTensor":
+    def stack(cls, tensors: Sequence[QuantizedTensor], name: str | None = None) -> QuantizedTensor:
         """One [E, ...] QuantizedTensor from E of the same format, shape and block."""
         if not tensors:
             raise ValueError("stack() of an empty list")
         t0 = tensors[0]
         name = name or f"stack({t0.name}, ...)"
         for t in tensors[1:]:
-            if (t.format, t.shape, t.block, t.global_divides, t.scale.dtype) != \
-                    (t0.format, t0.shape, t0.block, t0.global_divides, t0.scale.dtype):
-                raise CheckpointError(f"{name}: cannot stack {t!r} with {t0!r} (format, shape, block, "
-                                      f"scale dtype and global-scale convention must agree)")
+            if (t.format, t.shape, t.block, t.global_divides, t.scale.dtype) != (
+                t0.format,
+                t0.shape,
+                t0.block,
+                t0.global_divides,
+                t0.scale.dtype,
+            ):
+                raise CheckpointError(
+                    f"{name}: cannot stack {t!r} with {t0!r} (format, shape, block, "
+                    f"scale dtype and global-scale convention must agree)"
+                )
         gs = torch.stack([t.global_scale for t in tensors]) if t0.global_scale is not None else None
         ins = None
         if all(t.input_scale is not None for t in tensors):
-            ins = torch.stack([t.input_scale.reshape(()) if t.input_scale.numel() == 1 else t.input_scale
-                               for t in tensors])
+            ins = torch.stack(
+                [t.input_scale.reshape(()) if t.input_scale.numel() == 1 else t.input_scale for t in tensors]
+            )
         scale = torch.stack([t.scale for t in tensors])
-        return cls(t0.format, torch.stack([t.codes for t in tensors]), scale, block=t0.block,
-                   global_scale=gs, global_divides=t0.global_divides, input_scale=ins, name=name)
+        return cls(
+            t0.format,
+            torch.stack([t.codes for t in tensors]),
+            scale,
+            block=t0.block,
+            global_scale=gs,
+            global_divides=t0.global_divides,
+            input_scale=ins,
+            name=name,
+        )
 
-    def to(self, device) -> "QuantizedTensor":
+    def to(self, device) -> QuantizedTensor:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return self._replace(codes=self.codes.to(device), scale=self.scale.to(device),
-                             global_scale=mv(self.global_scale), input_scale=mv(self.input_scale))
+        return self._replace(
+            codes=self.codes.to(device),
+            scale=self.scale.to(device),
+            global_scale=mv(self.global_scale),
+            input_scale=mv(self.input_scale),
+        )
 
     # --- dequantization --------------------------------------------------------------------
     def _matrix(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -391,12 +479,17 @@ class QuantizedTensor:
         if not lead:
             return self.codes, self.scale, self.global_scale
         g = self.global_scale.reshape(-1)[b] if self.global_scale is not None else None
-        return (self.codes.reshape(-1, *self.codes.shape[-2:])[b],
-                self.scale.reshape(-1, *self.scale.shape[-2:])[b] if self.scale.ndim >= 2
-                else self.scale.reshape(-1)[b], g)
+        return (
+            self.codes.reshape(-1, *self.codes.shape[-2:])[b],
+            self.scale.reshape(-1, *self.scale.shape[-2:])[b]
+            if self.scale.ndim >= 2
+            else self.scale.reshape(-1)[b],
+            g,
+        )
 
-    def dequantize_rows(self, r0: int, r1: int, dtype: torch.dtype = torch.float32,
-                        matrix: int = 0) -> torch.Tensor:
+    def dequantize_rows(
+        self, r0: int, r1: int, dtype: torch.dtype = torch.float32, matrix: int = 0
+    ) -> torch.Tensor:
         """Rows r0:r1 of one matrix (index `matrix` over the flattened leading dims), [r1-r0, K]."""
         n, k = self.shape[-2:]
         if not 0 <= r0 <= r1 <= n:
@@ -412,12 +505,15 @@ class QuantizedTensor:
             rb0, rb1 = r0 // bn, _ceil_div(r1, bn)
             s = scale[rb0:rb1]
             s = e8m0_to_float(s) if s.dtype == torch.uint8 else s.to(torch.float32)
-            s = s.repeat_interleave(bn, dim=0)[r0 - rb0 * bn: r1 - rb0 * bn]  # [rows, kb]
+            s = s.repeat_interleave(bn, dim=0)[r0 - rb0 * bn : r1 - rb0 * bn]  # [rows, kb]
             kf = (k // bk) * bk
             out = torch.empty(rows, k, dtype=torch.float32, device=q.device)
             if kf:
-                torch.mul(q[:, :kf].unflatten(1, (k // bk, bk)), s[:, : k // bk, None],
-                          out=out[:, :kf].unflatten(1, (k // bk, bk)))
+                torch.mul(
+                    q[:, :kf].unflatten(1, (k // bk, bk)),
+                    s[:, : k // bk, None],
+                    out=out[:, :kf].unflatten(1, (k // bk, bk)),
+                )
             if kf < k:
                 out[:, kf:] = q[:, kf:] * s[:, -1:]
             return out.to(dtype)
@@ -460,15 +556,22 @@ class QuantizedTensor:
         For a stacked W [E, N, K], x is [E, ..., K] and the result [E, ..., N] (expert e on x[e])."""
         n, k = self.shape[-2:]
         if x.shape[-1] != k:
-            raise ValueError(f"{self.name}: matmul of x {list(x.shape)} with weight {list(self.shape)}: "
-                             f"last dims differ")
-        cd = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64) else torch.float32
+            raise ValueError(
+                f"{self.name}: matmul of x {list(x.shape)} with weight {list(self.shape)}: last dims differ"
+            )
+        cd = (
+            x.dtype
+            if x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+            else torch.float32
+        )
         tr = tile_rows or self.tile_rows()
         lead = self.shape[:-2]
         if lead:
             if tuple(x.shape[: len(lead)]) != tuple(lead):
-                raise ValueError(f"{self.name}: stacked weight {list(self.shape)} needs x with leading dims "
-                                 f"{list(lead)}, got {list(x.shape)}")
+                raise ValueError(
+                    f"{self.name}: stacked weight {list(self.shape)} needs x with leading dims "
+                    f"{list(lead)}, got {list(x.shape)}"
+                )
             xs = x.to(cd).reshape(math.prod(lead), -1, k)
             out = torch.empty(xs.shape[:2] + (n,), dtype=cd, device=x.device)
             for b in range(xs.shape[0]):
@@ -498,13 +601,35 @@ def stack(tensors: Sequence[QuantizedTensor], name: str | None = None) -> Quanti
 # Format resolution from quantization_config + the tensors present
 # --------------------------------------------------------------------------------------------
 
-_TORCH_TO_ST = {"float32": "F32", "float": "F32", "bfloat16": "BF16", "float16": "F16", "half": "F16",
-                "float64": "F64", "double": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-                "float8_e8m0fnu": "F8_E8M0", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32",
-                "int64": "I64", "bool": "BOOL"}
+_TORCH_TO_ST = {
+    "float32": "F32",
+    "float": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "half": "F16",
+    "float64": "F64",
+    "double": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "bool": "BOOL",
+}
 _FLOAT_ST = ("F32", "BF16", "F16", "F64")
-_COMPANIONS = ("weight_packed", "weight_scale", "weight_scale_inv", "scale", "weight_global_scale",
-               "weight_scale_2", "input_scale", "input_global_scale")
+_COMPANIONS = (
+    "weight_packed",
+    "weight_scale",
+    "weight_scale_inv",
+    "scale",
+    "weight_global_scale",
+    "weight_scale_2",
+    "input_scale",
+    "input_global_scale",
+)
 COMPANION_SUFFIXES = _COMPANIONS  # tensors besides `.weight` that make a weight quantized
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "scale", "weight_global_scale", "weight_scale_2")
 
@@ -556,11 +681,13 @@ def _ct_scheme(qc: dict, base: str):
         return None, None, True
     groups = qc.get("config_groups") or {}
     by_class = None
-    for gname, g in groups.items():
+    for g in groups.values():
         targets = g.get("targets") or []
         if any(_ct_match(base, t) for t in targets):
             return g, g.get("format") or qc.get("format"), False
-        if by_class is None and any(not t.startswith("re:") and "." not in t and t[:1].isupper() for t in targets):
+        if by_class is None and any(
+            not t.startswith("re:") and "." not in t and t[:1].isupper() for t in targets
+        ):
             by_class = g  # class-name target like "Linear": matches every linear module
     if by_class is not None:
         return by_class, by_class.get("format") or qc.get("format"), False
@@ -573,8 +700,10 @@ def _fp4_kind(weights: Mapping, base: str, fmt: str) -> str:
         return "mxfp4"
     if gs == NVFP4_GROUP:
         return "nvfp4"
-    raise CheckpointError(f"{base}: compressed-tensors {fmt} fp4 weights with group_size {gs} are not "
-                          f"supported (mxfp4 needs 32, nvfp4 16)")
+    raise CheckpointError(
+        f"{base}: compressed-tensors {fmt} fp4 weights with group_size {gs} are not "
+        f"supported (mxfp4 needs 32, nvfp4 16)"
+    )
 
 
 def _ct_expect(qc: dict, base: str) -> str | None:
@@ -591,23 +720,33 @@ def _ct_expect(qc: dict, base: str) -> str | None:
         return "dense"
     if fmt == "mxfp4-pack-quantized":
         if w.get("group_size") != MXFP4_GROUP:
-            raise CheckpointError(f"{base}: mxfp4-pack-quantized with group_size {w.get('group_size')} "
-                                  f"is not supported (MXFP4 groups are 32)")
+            raise CheckpointError(
+                f"{base}: mxfp4-pack-quantized with group_size {w.get('group_size')} "
+                f"is not supported (MXFP4 groups are 32)"
+            )
         return "mxfp4"
     if fmt == "nvfp4-pack-quantized":
         if w.get("group_size") != NVFP4_GROUP:
-            raise CheckpointError(f"{base}: nvfp4-pack-quantized with group_size {w.get('group_size')} "
-                                  f"is not supported (NVFP4 groups are 16)")
+            raise CheckpointError(
+                f"{base}: nvfp4-pack-quantized with group_size {w.get('group_size')} "
+                f"is not supported (NVFP4 groups are 16)"
+            )
         return "nvfp4"
     is_float = w.get("type") == "float"
-    if fmt in ("float-quantized", "naive-quantized", "mixed-precision") and is_float and w.get("num_bits") == 8:
+    if (
+        fmt in ("float-quantized", "naive-quantized", "mixed-precision")
+        and is_float
+        and w.get("num_bits") == 8
+    ):
         strategy = w.get("strategy")
         if strategy == "tensor":
             return "fp8_tensor"
         if strategy in ("block", "channel"):
             return "fp8_block"
-        raise CheckpointError(f"{base}: compressed-tensors fp8 strategy {strategy!r} is not supported "
-                              f"(tensor, channel or block)")
+        raise CheckpointError(
+            f"{base}: compressed-tensors fp8 strategy {strategy!r} is not supported "
+            f"(tensor, channel or block)"
+        )
     if fmt == "mixed-precision" and is_float and w.get("num_bits") == 4:
         return _fp4_kind(w, base, fmt)
     return "unsupported:compressed-tensors format " + repr(fmt)
@@ -629,8 +768,12 @@ def _modelopt_excluded(qc: dict, base: str) -> bool:
         if pat.startswith("re:"):
             if re.match(pat[3:], base):
                 return True
-        elif fnmatch.fnmatchcase(base, pat) or base == pat or base.startswith(pat + ".") \
-                or fnmatch.fnmatchcase(base, pat + ".*"):
+        elif (
+            fnmatch.fnmatchcase(base, pat)
+            or base == pat
+            or base.startswith(pat + ".")
+            or fnmatch.fnmatchcase(base, pat + ".*")
+        ):
             return True
     return False
 
@@ -657,10 +800,15 @@ def _fp8_block_size(qc: dict, base: str):
     bs = qc.get("weight_block_size")
     if bs is None:
         return None
-    if (not isinstance(bs, (list, tuple)) or len(bs) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bs)):
-        raise CheckpointError(f"{base}: unsupported fp8 weight_block_size {bs!r} in quantization_config "
-                              f"(need [rows, cols] of positive integers, e.g. [128, 128] or [32, 32])")
+    if (
+        not isinstance(bs, (list, tuple))
+        or len(bs) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bs)
+    ):
+        raise CheckpointError(
+            f"{base}: unsupported fp8 weight_block_size {bs!r} in quantization_config "
+            f"(need [rows, cols] of positive integers, e.g. [128, 128] or [32, 32])"
+        )
     return tuple(bs)
 
 
@@ -673,8 +821,10 @@ def _expect(qc: dict, base: str) -> str | None:
     if m == "fp8":
         _fp8_block_size(qc, base)
         skip = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
-        if any(base == s or base.startswith(s + ".") or s in base.split(".") or fnmatch.fnmatchcase(base, s)
-               for s in skip):
+        if any(
+            base == s or base.startswith(s + ".") or s in base.split(".") or fnmatch.fnmatchcase(base, s)
+            for s in skip
+        ):
             return "dense"
         return None  # dense fp8 blocks, DeepSeek fp4 experts or bf16 projections: the tensors decide
     if m == "compressed-tensors":
@@ -686,12 +836,15 @@ def _expect(qc: dict, base: str) -> str | None:
 
 def _from_tensors(present: dict, shapes: dict, base: str, expect: str | None) -> str | None:
     def need(suffix, why):
-        raise CheckpointError(f"{base}.{suffix} is missing: {why}. The checkpoint is incomplete "
-                              f"(re-download the shard that should hold it).")
+        raise CheckpointError(
+            f"{base}.{suffix} is missing: {why}. The checkpoint is incomplete "
+            f"(re-download the shard that should hold it)."
+        )
 
     def dtype_err(suffix, allowed):
-        raise CheckpointError(f"{base}.{suffix}: dtype {present[suffix]} is not valid here "
-                              f"(expected {' or '.join(allowed)})")
+        raise CheckpointError(
+            f"{base}.{suffix}: dtype {present[suffix]} is not valid here (expected {' or '.join(allowed)})"
+        )
 
     if "weight_packed" in present:
         if present["weight_packed"] not in ("U8", "I8"):
@@ -717,8 +870,10 @@ def _from_tensors(present: dict, shapes: dict, base: str, expect: str | None) ->
     scales = [s for s in _SCALE_SUFFIXES if s in present]
     if wd in _FLOAT_ST:
         if scales:
-            raise CheckpointError(f"{base}.weight is {wd} (not quantized) but has quantization scales "
-                                  f"{', '.join(base + '.' + s for s in scales)}: inconsistent checkpoint")
+            raise CheckpointError(
+                f"{base}.weight is {wd} (not quantized) but has quantization scales "
+                f"{', '.join(base + '.' + s for s in scales)}: inconsistent checkpoint"
+            )
         return None
     if wd in ("U8", "I8"):
         if "weight_scale_2" in present:
@@ -729,16 +884,21 @@ def _from_tensors(present: dict, shapes: dict, base: str, expect: str | None) ->
             return "nvfp4"
         sname = "scale" if "scale" in present else ("weight_scale" if "weight_scale" in present else None)
         if sname is None:
-            need("scale", f"{base}.weight is {wd} (packed fp4 or int8 codes) and has no scale "
-                          f"({base}.scale / {base}.weight_scale)")
+            need(
+                "scale",
+                f"{base}.weight is {wd} (packed fp4 or int8 codes) and has no scale "
+                f"({base}.scale / {base}.weight_scale)",
+            )
         sd = present[sname]
         if sd in ("U8", "I8", "F8_E8M0"):
             return "mxfp4"
         if sd == "F8_E4M3":
             need("weight_scale_2", "ModelOpt nvfp4 weights (E4M3 group scales) need their fp32 global scale")
-        raise CheckpointError(f"{base}.weight is {wd} with a {sd} scale ({base}.{sname}): integer-quantized "
-                              f"weights (GPTQ/AWQ/W8A8-int) are not supported; use an FP8, MXFP4 or "
-                              f"NVFP4 checkpoint or the bf16 release")
+        raise CheckpointError(
+            f"{base}.weight is {wd} with a {sd} scale ({base}.{sname}): integer-quantized "
+            f"weights (GPTQ/AWQ/W8A8-int) are not supported; use an FP8, MXFP4 or "
+            f"NVFP4 checkpoint or the bf16 release"
+        )
     if wd == "F8_E4M3":
         if "weight_scale_inv" in present or "scale" in present:
             sname = "weight_scale_inv" if "weight_scale_inv" in present else "scale"
@@ -754,14 +914,20 @@ def _from_tensors(present: dict, shapes: dict, base: str, expect: str | None) ->
             if shp is not None and math.prod(shp) > 1:
                 return "fp8_block"
             return "fp8_tensor"
-        need("weight_scale_inv", f"{base}.weight is F8_E4M3 and needs a scale "
-                                 f"({base}.weight_scale_inv, {base}.scale or {base}.weight_scale)")
-    raise CheckpointError(f"{base}.weight: dtype {wd} is not a supported weight encoding "
-                          f"(float, F8_E4M3 with scales, or packed fp4 in U8/I8)")
+        need(
+            "weight_scale_inv",
+            f"{base}.weight is F8_E4M3 and needs a scale "
+            f"({base}.weight_scale_inv, {base}.scale or {base}.weight_scale)",
+        )
+    raise CheckpointError(
+        f"{base}.weight: dtype {wd} is not a supported weight encoding "
+        f"(float, F8_E4M3 with scales, or packed fp4 in U8/I8)"
+    )
 
 
-def resolve_format(quantization_config: Mapping | None, tensor_names_and_dtypes: Mapping[str, object],
-                   base: str) -> str | None:
+def resolve_format(
+    quantization_config: Mapping | None, tensor_names_and_dtypes: Mapping[str, object], base: str
+) -> str | None:
     """The format of weight `base` (a module path; a trailing '.weight' is ignored): one of
     FORMATS, or None for a plain dense weight.
 
@@ -780,26 +946,36 @@ def resolve_format(quantization_config: Mapping | None, tensor_names_and_dtypes:
             present[suffix] = _st_dtype(v)
             shapes[suffix] = _entry_shape(v)
     expect = _expect(qc, base)
-    dense_here = (present.get("weight") in _FLOAT_ST and "weight_packed" not in present
-                  and not any(s in present for s in _SCALE_SUFFIXES))
+    dense_here = (
+        present.get("weight") in _FLOAT_ST
+        and "weight_packed" not in present
+        and not any(s in present for s in _SCALE_SUFFIXES)
+    )
     if dense_here:
         return None
     if expect is not None and expect.startswith("unsupported:"):
-        raise CheckpointError(f"{base}: {expect.split(':', 1)[1]} is not supported (moesaic reads FP8 block/"
-                              f"tensor, MXFP4 and NVFP4 checkpoints); use another release of the model")
+        raise CheckpointError(
+            f"{base}: {expect.split(':', 1)[1]} is not supported (moesaic reads FP8 block/"
+            f"tensor, MXFP4 and NVFP4 checkpoints); use another release of the model"
+        )
     found = _from_tensors(present, shapes, base, expect)
     if expect == "dense" and found is not None:
-        raise CheckpointError(f"{base}: quantization_config keeps this module unquantized (ignore/exclude "
-                              f"list) but the checkpoint holds it as {found}: inconsistent checkpoint")
+        raise CheckpointError(
+            f"{base}: quantization_config keeps this module unquantized (ignore/exclude "
+            f"list) but the checkpoint holds it as {found}: inconsistent checkpoint"
+        )
     if expect not in (None, "dense") and found is not None and found != expect:
-        raise CheckpointError(f"{base}: quantization_config assigns {expect} but the tensors present "
-                              f"({', '.join(f'{base}.{s}:{d}' for s, d in present.items())}) are {found}")
+        raise CheckpointError(
+            f"{base}: quantization_config assigns {expect} but the tensors present "
+            f"({', '.join(f'{base}.{s}:{d}' for s, d in present.items())}) are {found}"
+        )
     return found
 
 
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
+
 
 def _infer_block(n: int, ns: int) -> int | None:
     """The power-of-two block b with ceil(n / b) == ns (the smallest), or None."""
@@ -827,8 +1003,11 @@ def _block_from_config(qc: dict, base: str, wshape, sshape) -> tuple[int, int]:
             return (1, k)
         bs = w.get("block_structure")
         if bs is not None:
-            if (not isinstance(bs, (list, tuple)) or len(bs) != 2
-                    or not all(isinstance(b, int) and b > 0 for b in bs)):
+            if (
+                not isinstance(bs, (list, tuple))
+                or len(bs) != 2
+                or not all(isinstance(b, int) and b > 0 for b in bs)
+            ):
                 raise CheckpointError(f"{base}: unsupported compressed-tensors block_structure {bs!r}")
             return tuple(bs)
     elif m == "modelopt":
@@ -838,18 +1017,28 @@ def _block_from_config(qc: dict, base: str, wshape, sshape) -> tuple[int, int]:
         if params.get("block_size") or params.get("weight_block_size"):
             return tuple(params.get("block_size") or params.get("weight_block_size"))
     if len(sshape) < 2:
-        raise CheckpointError(f"{base}: fp8 block scale of shape {list(sshape)} for weight {list(wshape)} "
-                              f"and no block size in quantization_config")
+        raise CheckpointError(
+            f"{base}: fp8 block scale of shape {list(sshape)} for weight {list(wshape)} "
+            f"and no block size in quantization_config"
+        )
     bn, bk = _infer_block(n, sshape[-2]), _infer_block(k, sshape[-1])
     if bn is None or bk is None:
-        raise CheckpointError(f"{base}: cannot infer the fp8 block size from weight {list(wshape)} and scale "
-                              f"{list(sshape)}; set quantization_config.weight_block_size")
+        raise CheckpointError(
+            f"{base}: cannot infer the fp8 block size from weight {list(wshape)} and scale "
+            f"{list(sshape)}; set quantization_config.weight_block_size"
+        )
     return (bn, bk)
 
 
-def load_quantized(base: str, fetch: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
-                   format: str, cfg: Mapping | None = None, *, names=None,
-                   shape: Sequence[int] | None = None) -> QuantizedTensor:
+def load_quantized(
+    base: str,
+    fetch: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
+    format: str,
+    cfg: Mapping | None = None,
+    *,
+    names=None,
+    shape: Sequence[int] | None = None,
+) -> QuantizedTensor:
     """Reads weight `base` of `format` (from resolve_format) into a QuantizedTensor.
 
     fetch(name) -> Tensor reads one checkpoint tensor; a Mapping or a WeightStore works too. A
@@ -877,21 +1066,42 @@ def load_quantized(base: str, fetch: Callable[[str], torch.Tensor] | Mapping[str
             t = opt(s)
             if t is not None:
                 return t, f"{base}.{s}"
-        raise CheckpointError(f"{base}.{suffixes[0]} is missing (needed by the {format} weight {base}"
-                              + (f"; also looked for {', '.join(base + '.' + s for s in suffixes[1:])}"
-                                 if len(suffixes) > 1 else "") + ")")
+        raise CheckpointError(
+            f"{base}.{suffixes[0]} is missing (needed by the {format} weight {base}"
+            + (
+                f"; also looked for {', '.join(base + '.' + s for s in suffixes[1:])}"
+                if len(suffixes) > 1
+                else ""
+            )
+            + ")"
+        )
 
     if format == "fp8_block":
         w, wn = req("weight")
         s, sn = req("weight_scale_inv", "scale", "weight_scale")
         block = _block_from_config(qc, base, w.shape, s.shape)
-        return QuantizedTensor("fp8_block", w, s, block=block, input_scale=opt("input_scale"), shape=shape,
-                               name=base, tensor_names={"codes": wn, "scale": sn})
+        return QuantizedTensor(
+            "fp8_block",
+            w,
+            s,
+            block=block,
+            input_scale=opt("input_scale"),
+            shape=shape,
+            name=base,
+            tensor_names={"codes": wn, "scale": sn},
+        )
     if format == "fp8_tensor":
         w, wn = req("weight")
         s, sn = req("weight_scale", "weight_scale_inv", "scale")
-        return QuantizedTensor("fp8_tensor", w, s, input_scale=opt("input_scale"), shape=shape, name=base,
-                               tensor_names={"codes": wn, "scale": sn})
+        return QuantizedTensor(
+            "fp8_tensor",
+            w,
+            s,
+            input_scale=opt("input_scale"),
+            shape=shape,
+            name=base,
+            tensor_names={"codes": wn, "scale": sn},
+        )
     if format == "mxfp4":
         w, wn = req("weight_packed", "weight")
         s, sn = req("weight_scale") if wn.endswith("weight_packed") else req("scale", "weight_scale")
@@ -901,20 +1111,40 @@ def load_quantized(base: str, fetch: Callable[[str], torch.Tensor] | Mapping[str
         if packed is not None:  # compressed-tensors: the global scale divides
             s, sn = req("weight_scale")
             g, gn = req("weight_global_scale")
-            return QuantizedTensor("nvfp4", packed, s, global_scale=g, global_divides=True,
-                                   input_scale=opt("input_global_scale"), shape=shape, name=base,
-                                   tensor_names={"codes": f"{base}.weight_packed", "scale": sn, "global_scale": gn})
+            return QuantizedTensor(
+                "nvfp4",
+                packed,
+                s,
+                global_scale=g,
+                global_divides=True,
+                input_scale=opt("input_global_scale"),
+                shape=shape,
+                name=base,
+                tensor_names={"codes": f"{base}.weight_packed", "scale": sn, "global_scale": gn},
+            )
         w, wn = req("weight")  # ModelOpt: weight_scale_2 multiplies
         s, sn = req("weight_scale")
         g, gn = req("weight_scale_2")
-        return QuantizedTensor("nvfp4", w, s, global_scale=g, global_divides=False,
-                               input_scale=opt("input_scale"), shape=shape, name=base,
-                               tensor_names={"codes": wn, "scale": sn, "global_scale": gn})
+        return QuantizedTensor(
+            "nvfp4",
+            w,
+            s,
+            global_scale=g,
+            global_divides=False,
+            input_scale=opt("input_scale"),
+            shape=shape,
+            name=base,
+            tensor_names={"codes": wn, "scale": sn, "global_scale": gn},
+        )
     raise CheckpointError(f"{base}: unknown quantized format {format!r} (one of {', '.join(FORMATS)})")
 
 
-def from_suffix_dict(tensors: Mapping[str, torch.Tensor], cfg: Mapping | None = None,
-                     name: str = "weight", format: str | None = None) -> QuantizedTensor:
+def from_suffix_dict(
+    tensors: Mapping[str, torch.Tensor],
+    cfg: Mapping | None = None,
+    name: str = "weight",
+    format: str | None = None,
+) -> QuantizedTensor:
     """A QuantizedTensor from an encoder's output ({"weight_packed": .., "weight_scale": ..}, the
     suffixes of one checkpoint weight); the format is resolved from the dtypes when not given."""
     full = {f"{name}.{k}": v for k, v in tensors.items()}
@@ -929,13 +1159,15 @@ def from_suffix_dict(tensors: Mapping[str, torch.Tensor], cfg: Mapping | None = 
 # Encoders (checkpoint writers of the tests; runtime quantisation)
 # --------------------------------------------------------------------------------------------
 
+
 def _check_2d(w: torch.Tensor, what: str):
     if w.ndim != 2:
         raise ValueError(f"{what} quantizes one [N, K] matrix, got {list(w.shape)}; stack experts afterwards")
 
 
-def quantize_fp8_block(w: torch.Tensor, block: Sequence[int] = (128, 128), scale_fmt: str = "float",
-                       naming: str = "hf") -> dict[str, torch.Tensor]:
+def quantize_fp8_block(
+    w: torch.Tensor, block: Sequence[int] = (128, 128), scale_fmt: str = "float", naming: str = "hf"
+) -> dict[str, torch.Tensor]:
     """E4M3 codes + one scale per block (scale = amax/448; 'ue8m0': the power of two >= that,
     amax floored at 1e-4, stored as float8_e8m0fnu). naming: 'hf' -> weight + weight_scale_inv,
     'deepseek' -> weight + scale, 'compressed-tensors' -> weight + weight_scale."""
@@ -1037,21 +1269,29 @@ class ConcatRows:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes if hasattr(p, "nbytes") and not isinstance(p, torch.Tensor)
-                   else p.numel() * p.element_size() for p in self.parts)
+        return sum(
+            p.nbytes
+            if hasattr(p, "nbytes") and not isinstance(p, torch.Tensor)
+            else p.numel() * p.element_size()
+            for p in self.parts
+        )
 
-    def __getitem__(self, i) -> "ConcatRows":
+    def __getitem__(self, i) -> ConcatRows:
         return ConcatRows([p[i] for p in self.parts])
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.matmul(x) if not isinstance(p, torch.Tensor) else x @ p.transpose(-1, -2)
-                          for p in self.parts], dim=-1)
+        return torch.cat(
+            [p.matmul(x) if not isinstance(p, torch.Tensor) else x @ p.transpose(-1, -2) for p in self.parts],
+            dim=-1,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.cat([p.dequantize(dtype) if not isinstance(p, torch.Tensor) else p.to(dtype)
-                          for p in self.parts], dim=-2)
+        return torch.cat(
+            [p.dequantize(dtype) if not isinstance(p, torch.Tensor) else p.to(dtype) for p in self.parts],
+            dim=-2,
+        )
 
-    def to(self, device) -> "ConcatRows":
+    def to(self, device) -> ConcatRows:
         return ConcatRows([p.to(device) for p in self.parts])
 
     def __repr__(self) -> str:

@@ -108,18 +108,24 @@ class WeightStore:
             for name, h in header.items():
                 try:
                     begin, end = h["data_offsets"]
-                    info = TensorInfo(name, h["dtype"], tuple(h["shape"]), path, data_start + begin, data_start + end)
+                    info = TensorInfo(
+                        name, h["dtype"], tuple(h["shape"]), path, data_start + begin, data_start + end
+                    )
                 except (KeyError, TypeError, ValueError):
                     raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
                 if info.dtype not in DTYPES:
                     raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.dtype}")
                 if not data_start <= info.start <= info.end <= size:
-                    raise CheckpointError(f"{path}: tensor {name!r} lies beyond the end of the file "
-                                          f"({info.end} > {size} bytes): the file is truncated, download it again")
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} lies beyond the end of the file "
+                        f"({info.end} > {size} bytes): the file is truncated, download it again"
+                    )
                 if self.layout == "mistral":
                     name = _native_scale_name(name)
                 if name in self.infos:
-                    raise CheckpointError(f"tensor {name!r} is in both {self.infos[name].file.name} and {path.name}")
+                    raise CheckpointError(
+                        f"tensor {name!r} is in both {self.infos[name].file.name} and {path.name}"
+                    )
                 self.infos[name] = info
 
     def _files(self) -> list[Path]:
@@ -225,7 +231,9 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None) -> None:
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None
+) -> None:
     """Writes a safetensors file (used by the demo model and the tests' checkpoint writers)."""
     header: dict = {}
     if metadata:
@@ -237,7 +245,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, 
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}: dtype {t.dtype} cannot be written to safetensors")
         data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         offset += len(data)
         blobs.append(data)
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -249,8 +261,9 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, 
             f.write(b)
 
 
-def save_sharded(tensors: dict[str, torch.Tensor], folder: str | os.PathLike, max_shard_bytes: int,
-                 prefix: str = "model") -> None:
+def save_sharded(
+    tensors: dict[str, torch.Tensor], folder: str | os.PathLike, max_shard_bytes: int, prefix: str = "model"
+) -> None:
     """Writes tensors as `prefix-0000i-of-0000n.safetensors` shards plus `prefix.safetensors.index.json`."""
     folder = Path(folder)
     shards: list[dict[str, torch.Tensor]] = [{}]

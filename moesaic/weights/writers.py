@@ -26,36 +26,75 @@ from .quant import quantize_fp8_block, quantize_fp8_tensor, quantize_mxfp4, quan
 
 
 def _ct_config(fmt: str, group: int, strategy: str, scale_dtype: str) -> dict:
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-                "num_bits": 4, "group_size": group, "type": "float", "symmetric": True, "strategy": strategy,
-                "scale_dtype": scale_dtype, "dynamic": False}}},
-            "ignore": []}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "weights": {
+                    "num_bits": 4,
+                    "group_size": group,
+                    "type": "float",
+                    "symmetric": True,
+                    "strategy": strategy,
+                    "scale_dtype": scale_dtype,
+                    "dynamic": False,
+                },
+            }
+        },
+        "ignore": [],
+    }
 
 
 FORMATS: dict[str, tuple[Callable[[torch.Tensor], dict], dict]] = {
-    "mxfp4": (lambda w: quantize_mxfp4(w, naming="compressed-tensors"),
-              _ct_config("mxfp4-pack-quantized", 32, "group", "torch.uint8")),
-    "nvfp4": (lambda w: quantize_nvfp4(w, naming="compressed-tensors"),
-              _ct_config("nvfp4-pack-quantized", 16, "tensor_group", "torch.float8_e4m3fn")),
-    "nvfp4-modelopt": (lambda w: quantize_nvfp4(w, naming="modelopt"),
-                       {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []}),
-    "fp8": (lambda w: quantize_fp8_block(w, (128, 128), "float", naming="hf"),
-            {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}),
-    "fp8-deepseek": (lambda w: quantize_fp8_block(w, (128, 128), "float", naming="deepseek"),
-                     {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}),
-    "fp8-ue8m0": (lambda w: quantize_fp8_block(w, (32, 32), "ue8m0", naming="deepseek"),
-                  {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
-                   "activation_scheme": "dynamic"}),
-    "fp8-mistral": (lambda w: {("qscale_weight" if k == "weight_scale" else k): v for k, v in quantize_fp8_tensor(w).items()},
-                    {"qformat_weight": "fp8_e4m3", "qscheme_act": "TENSOR"}),
-    "fp4-deepseek": (lambda w: quantize_mxfp4(w, naming="deepseek"),
-                     {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}),
+    "mxfp4": (
+        lambda w: quantize_mxfp4(w, naming="compressed-tensors"),
+        _ct_config("mxfp4-pack-quantized", 32, "group", "torch.uint8"),
+    ),
+    "nvfp4": (
+        lambda w: quantize_nvfp4(w, naming="compressed-tensors"),
+        _ct_config("nvfp4-pack-quantized", 16, "tensor_group", "torch.float8_e4m3fn"),
+    ),
+    "nvfp4-modelopt": (
+        lambda w: quantize_nvfp4(w, naming="modelopt"),
+        {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []},
+    ),
+    "fp8": (
+        lambda w: quantize_fp8_block(w, (128, 128), "float", naming="hf"),
+        {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+    ),
+    "fp8-deepseek": (
+        lambda w: quantize_fp8_block(w, (128, 128), "float", naming="deepseek"),
+        {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+    ),
+    "fp8-ue8m0": (
+        lambda w: quantize_fp8_block(w, (32, 32), "ue8m0", naming="deepseek"),
+        {
+            "quant_method": "fp8",
+            "weight_block_size": [32, 32],
+            "scale_fmt": "ue8m0",
+            "activation_scheme": "dynamic",
+        },
+    ),
+    "fp8-mistral": (
+        lambda w: {
+            ("qscale_weight" if k == "weight_scale" else k): v for k, v in quantize_fp8_tensor(w).items()
+        },
+        {"qformat_weight": "fp8_e4m3", "qscheme_act": "TENSOR"},
+    ),
+    "fp4-deepseek": (
+        lambda w: quantize_mxfp4(w, naming="deepseek"),
+        {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+    ),
 }
 
 
-def quantize_checkpoint(tensors: dict[str, torch.Tensor], select: str | Callable[[str], bool],
-                        fmt: str) -> tuple[dict[str, torch.Tensor], dict]:
+def quantize_checkpoint(
+    tensors: dict[str, torch.Tensor], select: str | Callable[[str], bool], fmt: str
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Quantizes every 2-D `*.weight` whose name matches `select` (a regex, fully matched, or a
     predicate) into `fmt`; the others pass through. Returns (tensors, quantization_config)."""
     encode, qc = FORMATS[fmt]
