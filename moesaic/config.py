@@ -1,66 +1,28 @@
-"""The family registry (model_type -> family module) and helpers for reading config fields.
+"""Reading config.json fields: one typed, checked reader, and config dataclasses that declare their fields.
 
-A family module provides:
-  parse_config(raw, layout)        -> frozen config dataclass (raises ConfigError naming the field)
-  tensor_specs(cfg)                -> list[TensorSpec], the tensor contract
-  namings(cfg, layout, store_names) -> the Naming that maps the contract onto this checkpoint's names
-  Model(cfg, tensors, dtype, device) with new_state(rollback_window=0) -> SequenceState and
-                                   forward(ForwardBatch) -> fp32 logits of batch.logit_rows
-  layer_schedule(cfg)              -> one "mixer+mlp" string per decoder layer
-  state_bytes(cfg, dtype_bytes)    -> (bytes per token, fixed bytes per sequence), for the planner
-  max_context(cfg)                 -> the longest sequence the model takes
-  facts(cfg)                       -> (optional) family facts `inspect` reports (expert bytes, ...)
-  handoff(raw)                     -> (optional) another model_type that should read this config
+A family's config is a frozen dataclass whose fields say how they are read:
+
+    @dataclass(frozen=True, kw_only=True)
+    class MyConfig:
+        hidden_size: int = declared(4096, check=positive)
+        n_routed_experts: int = declared(128, aliases=("num_experts",), check=positive)
+        rope: RopeConfig                       # no declaration: computed by the parser and passed in
+
+    cfg = read_config(MyConfig, raw, "config.json", rope=rope)
+
+`read_config` reads every declared field from `raw` (its key or the first alias present) with `field`,
+which checks the type (a float must be finite), the `check` and names the field and the value in the
+ConfigError it raises. Fields without a declaration are given by the caller.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+import dataclasses
+import math
+import types
+import typing
 
 from .errors import ConfigError
-
-FAMILIES = {
-    "mistral4": "moesaic.models.mistral4",
-    "glm5_next": "moesaic.models.glm5next",
-    "glm5_next_text": "moesaic.models.glm5next",
-    "nemotron_h": "moesaic.models.nemotron_h",
-    "kimi_linear": "moesaic.models.kimi_linear",
-    "kimi_k3": "moesaic.models.kimi_k3",
-    "deepseek_v4": "moesaic.models.deepseek_v4",
-    "deepseek_v41": "moesaic.models.deepseek_v41",
-}
-
-
-def family_for(raw: dict, layout: str) -> tuple[ModuleType, dict]:
-    """The family module and the (text) config dict of a checkpoint's config."""
-    if layout == "mistral":
-        # Mistral's native params.json has no model_type; MLA fields mark the Mistral-4 layout.
-        if "kv_lora_rank" in raw or "q_lora_rank" in raw:
-            return importlib.import_module(FAMILIES["mistral4"]), raw
-        raise ConfigError(
-            "params.json: only the MLA (Mistral Small 4) native layout is supported; no kv_lora_rank found"
-        )
-    mt = raw.get("model_type")
-    if mt is None:
-        raise ConfigError("config.json: field 'model_type' is missing")
-    if mt in FAMILIES:
-        return _module(mt, raw), raw
-    text = raw.get("text_config")
-    if isinstance(text, dict) and text.get("model_type") in FAMILIES:
-        return _module(text["model_type"], text), text
-    known = ", ".join(sorted(FAMILIES))
-    raise ConfigError(f"config.json: model_type {mt!r} is not supported (supported: {known})")
-
-
-def _module(model_type: str, raw: dict) -> ModuleType:
-    """The family module of a model_type. A family may pass a config it recognises as a relative's
-    to that family: `handoff(raw)` returns the other model_type or None (a bare Kimi K3 text
-    config says model_type "kimi_linear")."""
-    module = importlib.import_module(FAMILIES[model_type])
-    other = module.handoff(raw) if hasattr(module, "handoff") else None
-    return importlib.import_module(FAMILIES[other]) if other else module
-
 
 _MISSING = object()
 
@@ -68,8 +30,10 @@ _MISSING = object()
 def field(
     raw: dict, key: str, kind: type, default=_MISSING, *, where: str = "config", check=None, why: str = ""
 ):
-    """Reads raw[key] as `kind` (int/float/bool/str). Missing without default, wrong type or a
-    failed `check(value)` raise ConfigError naming the field and the value."""
+    """Reads raw[key] as `kind` (int/float/bool/str). Missing without default, wrong type, a non-finite
+    float or a failed `check(value)` raise ConfigError naming the field and the value."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
     if key not in raw or raw[key] is None:
         if default is _MISSING:
             raise ConfigError(f"{where}: required field {key!r} is missing")
@@ -80,17 +44,23 @@ def field(
             if not isinstance(v, bool):
                 raise TypeError
         elif kind is int:
-            if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (isinstance(v, float) and not v.is_integer())
+            ):
                 raise TypeError
             v = int(v)
         elif kind is float:
-            if isinstance(v, bool):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError
             v = float(v)
+            if not math.isfinite(v):
+                raise ConfigError(f"{where}: field {key!r} must be a finite number, got {raw[key]!r}")
         elif kind is str:
             if not isinstance(v, str):
                 raise TypeError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{where}: field {key!r} must be {kind.__name__}, got {raw[key]!r}") from None
     if check is not None and not check(v):
         raise ConfigError(f"{where}: field {key!r} has invalid value {v!r}" + (f" ({why})" if why else ""))
@@ -101,8 +71,76 @@ def positive(v) -> bool:
     return v > 0
 
 
-def eos_ids(value) -> tuple[int, ...]:
-    """config.json's `eos_token_id` (one id, a list of ids, or null) as a tuple of ints."""
+def non_negative(v) -> bool:
+    return v >= 0
+
+
+def eos_ids(value, where: str = "config.json") -> tuple[int, ...]:
+    """config.json's `eos_token_id` (one id, a list of ids, or null) as a tuple of non-negative ints."""
     if value is None:
         return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
+        raise ConfigError(
+            f"{where}: field 'eos_token_id' must be a token id or a list of them, got {value!r}"
+        )
+    return tuple(items)
+
+
+def section(raw: dict, key: str, where: str) -> dict:
+    """A nested object of a config (e.g. `rope_parameters`): {} when absent, a ConfigError when it is not
+    an object."""
+    v = raw.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"{where}: field {key!r} must be an object, got {type(v).__name__}: {v!r}")
+    return v
+
+
+def declared(
+    default=_MISSING, *, key: str | None = None, aliases: tuple[str, ...] = (), check=None, why: str = ""
+):
+    """A config dataclass field read from config.json: its default (none = required), the key when it
+    differs from the field's name, older or other releases' aliases, and a check of the value."""
+    meta = {"moesaic": {"key": key, "aliases": aliases, "check": check, "why": why, "default": default}}
+    if default is _MISSING:
+        return dataclasses.field(metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _kind(annotation) -> tuple[type, bool]:
+    """(int/float/bool/str, whether None is allowed) of a field's annotation."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return annotation, False
+
+
+def read_config(cls, raw: dict, where: str, **given):
+    """An instance of config dataclass `cls`: declared fields read from `raw`, the others from `given`."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in given:
+            values[f.name] = given[f.name]
+            continue
+        meta = f.metadata.get("moesaic")
+        if meta is None:
+            continue  # a field with a plain default the parser does not set
+        kind, nullable = _kind(hints[f.name])
+        keys = [meta["key"] or f.name, *meta["aliases"]]
+        key = next((k for k in keys if raw.get(k) is not None), keys[0])
+        if nullable and key in raw and raw[key] is None:
+            values[f.name] = None
+            continue
+        default = None if nullable and meta["default"] is _MISSING else meta["default"]
+        values[f.name] = field(raw, key, kind, default, where=where, check=meta["check"], why=meta["why"])
+    return cls(**values)
+
+
+def require(ok: bool, where: str, key: str, value, why: str) -> None:
+    """A check across fields: ConfigError naming the field, its value and why, unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{where}: field {key!r} has invalid value {value!r} ({why})")

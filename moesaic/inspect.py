@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .config import family_for
 from .demo import is_demo
 from .errors import CheckpointError
+from .models import family_for
 from .weights.contract import plan_load, quantization_config
 from .weights.precision import PrecisionSchedule
 from .weights.store import WeightStore

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
+from .cache.batch import ForwardBatch
 from .demo import DEMO_NAME, DEMOS, ensure_demo, is_demo_name
-from .engine.batch import ForwardBatch
 from .engine.engine import Engine, Sequence, check_prompt
 from .engine.sampler import SamplingParams
 from .errors import CapacityError, CheckpointError, ConfigError, RequestError
+from .models import Checkpoint
 from .tokenizer import load_tokenizer
-from .weights.load import Checkpoint
 
 
 @dataclass

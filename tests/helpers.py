@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moesaic.engine.batch import ForwardBatch
+from moesaic.cache.batch import ForwardBatch
 
 
 def randomize_(model, seed: int = 0, std: float = 0.2) -> None:

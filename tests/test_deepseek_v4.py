@@ -16,12 +16,11 @@ from helpers import (
     randomize_,
 )
 
-from moesaic.engine.batch import ForwardBatch
+from moesaic.cache.batch import ForwardBatch
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
-from moesaic.models import deepseek_v4
+from moesaic.models import Checkpoint, deepseek_v4
 from moesaic.weights.contract import load_tensors, to_checkpoint
-from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
 
 transformers = pytest.importorskip("transformers")

@@ -23,17 +23,17 @@ import pytest
 import torch
 from helpers import check_batch_equals_singles, max_err
 
+from moesaic.cache.batch import ForwardBatch
+from moesaic.demo import deepseek_v41 as v41demo
 from moesaic.demo import random_tensors as demo_random_tensors
-from moesaic.engine.batch import ForwardBatch
 from moesaic.errors import ConfigError
 from moesaic.inspect import inspect_checkpoint
 from moesaic.layers import mhc
 from moesaic.layers.csa import CSA, HCA, SLIDING, grouped_out
 from moesaic.layers.engram import EngramState, build_token_map, engram_forward, table_rows
-from moesaic.models import deepseek_v4
+from moesaic.models import Checkpoint, deepseek_v4
 from moesaic.models import deepseek_v41 as v41
 from moesaic.tokenizer import ByteTokenizer
-from moesaic.weights.load import Checkpoint
 from moesaic.weights.quant import (
     QuantizedTensor,
     e4m3_to_float,
@@ -97,7 +97,7 @@ ENGRAM = dict(
 )
 
 TEXT = (
-    v41.TINY_TEXT_CONFIG
+    v41demo.TINY_TEXT_CONFIG
 )  # release-shaped: ratios (0, 0, 2, 2, 1, 1), sources, candidates, Engram at 1 and 4
 
 
@@ -127,7 +127,7 @@ def v4_weights():
     cfg4 = deepseek_v4.parse_config(V4_TINY)
     tensors = live(demo_random_tensors(deepseek_v4.tensor_specs(cfg4), seed=1), seed=2)
     with_engram = v41.parse_config(dict(V41_AS_V4, **ENGRAM))
-    tensors.update({k: v for k, v in v41.random_tensors(with_engram, seed=3).items() if ".engram." in k})
+    tensors.update({k: v for k, v in v41demo.random_tensors(with_engram, seed=3).items() if ".engram." in k})
     return cfg4, tensors
 
 
@@ -210,7 +210,7 @@ def byte_map():
 def superset():
     """Weights for the tiny model and every twin below: all compressed layers own sources, hc_head."""
     raw = dict(TEXT, kv_source_layer_ids=None, index_source_layer_ids=None, mhc_delayed_pre=False)
-    return v41.random_tensors(v41.parse_config(raw), seed=5)
+    return v41demo.random_tensors(v41.parse_config(raw), seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -456,7 +456,7 @@ def dequantized(ckpt: dict, qc: dict) -> dict:
 
 def test_quantized_release_layout_equals_its_dequantized_weights(tmp_path):
     extra = {"mtp.0.main_proj.weight": torch.zeros(64, 192), "layers.2.ffn.gate.bias_vl": torch.zeros(4)}
-    ckpt = v41.write_checkpoint(tmp_path / "q", quantized=True, extra=extra)
+    ckpt = v41demo.write_checkpoint(tmp_path / "q", quantized=True, extra=extra)
     raw = json.loads((tmp_path / "q" / "config.json").read_text())
     qc = raw["quantization_config"]
     assert qc["weight_block_size"] == [32, 32] and qc["scale_fmt"] == "ue8m0"
@@ -497,7 +497,7 @@ def test_quantized_release_layout_equals_its_dequantized_weights(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("deepseek_v41")
-    v41.write_checkpoint(path)
+    v41demo.write_checkpoint(path)
     return path
 
 
@@ -530,7 +530,7 @@ def test_token_map_comes_from_the_checkpoints_tokenizer(tiny_ckpt, tmp_path):
 
 def test_inspect_reports_the_release_config(tmp_path):
     # the release config.json, built from the values the reference publishes (§1.2); the file alone
-    (tmp_path / "config.json").write_text(json.dumps(v41.RELEASE_CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(v41demo.RELEASE_CONFIG))
     info = inspect_checkpoint(tmp_path)
     assert (
         info["family"] == "deepseek_v41"
@@ -589,8 +589,8 @@ def test_inspect_reports_the_release_config(tmp_path):
 )
 def test_config_errors_name_the_field(over, field):
     with pytest.raises(ConfigError, match=field):
-        v41.parse_config(v41.release_config(dict(TEXT, **over)))
-    v41.parse_config(v41.release_config(TEXT))
+        v41.parse_config(v41demo.release_config(dict(TEXT, **over)))
+    v41.parse_config(v41demo.release_config(TEXT))
 
 
 def test_bf16_equals_v4_and_runs(v4_weights, tiny_ckpt):

@@ -32,7 +32,7 @@ def expected_formats(name: str, path) -> dict[str, int]:
     names = WeightStore(path).names()
     bases = {n.rsplit(".", 1)[0] for n in names if n.endswith((".weight", ".weight_packed"))}
     out = Counter()
-    for regex, fmt in demo_entry(DEMOS[name]).quant:
+    for regex, fmt in demo_entry(name).quant:
         n = sum(re.fullmatch(regex, b + ".weight") is not None for b in bases)
         assert n > 0, f"{name}: {regex} names no weight of the checkpoint"
         out[READ_AS[fmt]] += n

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import moesaic
-from moesaic.demo import DEMO_CONFIG, random_tensors
+from moesaic.demo import random_tensors
+from moesaic.demo.mistral4 import DEMO_CONFIG
 from moesaic.errors import CapacityError, CheckpointError, ConfigError, RequestError
-from moesaic.models import mistral4
-from moesaic.weights.load import Checkpoint
+from moesaic.models import Checkpoint, mistral4
 from moesaic.weights.store import save_safetensors
 
 SMALL = dict(

@@ -22,13 +22,12 @@ from helpers import (
 from transformers import DynamicCache
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
-from moesaic.engine.batch import ForwardBatch
+from moesaic.cache.batch import ForwardBatch
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
 from moesaic.layers import dsa
-from moesaic.models import glm5next
+from moesaic.models import Checkpoint, glm5next
 from moesaic.weights.contract import load_tensors, to_checkpoint
-from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
 
 TOL = 3e-5  # logits are O(5): ~6e-6 relative. Each KDA layer adds ~1e-6 relative (its per-head RMSNorm

@@ -11,7 +11,7 @@
 * consistency: chunked prefill, decode and rollback against one full prefill;
 * the released config.json alone through `moesaic inspect --json`.
 
-Tiny checkpoints come from `kimi_k3.write_checkpoint` (release naming, `language_model.` prefix,
+Tiny checkpoints come from `k3demo.write_checkpoint` (release naming, `language_model.` prefix,
 vision tensors present). Max abs errors are printed (-s)."""
 
 from __future__ import annotations
@@ -30,22 +30,21 @@ from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinear
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
 import moesaic
+from moesaic.cache.batch import ForwardBatch
 from moesaic.cli import main as cli_main
-from moesaic.config import family_for
-from moesaic.engine.batch import ForwardBatch
+from moesaic.demo import kimi_k3 as k3demo
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
 from moesaic.layers.attnres import attnres_mix
 from moesaic.layers.norms import rms_norm
-from moesaic.models import kimi_k3
-from moesaic.weights.load import Checkpoint
+from moesaic.models import Checkpoint, family_for, kimi_k3
 
 TOL = 1e-5
 # The independent reference evaluates every op in another order (per-token loops, transformers'
 # KDA chunking); this tiny model's logits move by ~1e-5 when its embeddings change by one fp32
 # rounding step (measured and printed below), so the reference comparison gets twice TOL.
 TOL_REF = 2e-5
-TC = kimi_k3.TINY_TEXT_CONFIG
+TC = k3demo.TINY_TEXT_CONFIG
 D, EPS, BLOCK = TC["hidden_size"], TC["rms_norm_eps"], TC["attn_res_block_size"]
 LAC = TC["linear_attn_config"]
 H_KDA, DK, KERNEL = LAC["num_heads"], LAC["head_dim"], LAC["short_conv_kernel_size"]
@@ -107,11 +106,11 @@ def kda_tensors_from(module, prefix: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, glm_kda):
-    cfg = kimi_k3.parse_config(kimi_k3.release_config(TC))
-    tensors = kimi_k3.random_tensors(cfg, seed=0)
+    cfg = kimi_k3.parse_config(k3demo.release_config(TC))
+    tensors = k3demo.random_tensors(cfg, seed=0)
     tensors.update(kda_tensors_from(glm_kda, "model.layers.0."))
     path = tmp_path_factory.mktemp("kimi_k3")
-    kimi_k3.write_checkpoint(path, dtype=torch.float32, tensors=tensors, a_log_width=A_LOG_WIDTH)
+    k3demo.write_checkpoint(path, dtype=torch.float32, tensors=tensors, a_log_width=A_LOG_WIDTH)
     return path
 
 
@@ -565,8 +564,8 @@ def test_llm_batch_equals_singles(ckpt):
 
 def test_bf16_checkpoint_runs_and_stays_close(tmp_path, ckpt, real_logits):
     """The writer's default: bf16 everywhere (experts included), A_log and dt_bias fp32."""
-    cfg = kimi_k3.parse_config(kimi_k3.release_config(TC))
-    kimi_k3.write_checkpoint(tmp_path, tensors=kimi_k3.random_tensors(cfg, seed=0))
+    cfg = kimi_k3.parse_config(k3demo.release_config(TC))
+    k3demo.write_checkpoint(tmp_path, tensors=k3demo.random_tensors(cfg, seed=0))
     m = Checkpoint.open(tmp_path)
     assert m.store.info("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight").dtype == "BF16"
     assert m.store.info("language_model.model.layers.0.self_attn.A_log").dtype == "F32"
@@ -625,8 +624,8 @@ def test_mxfp4_experts_stay_packed_and_match_their_dequantized_model(tmp_path, m
     the bytes one expert occupies in the file are the bytes `inspect` derives from the config."""
     from moesaic.weights.quant import QuantizedTensor
 
-    tc = kimi_k3.DEMO_TEXT_CONFIG
-    kimi_k3.write_checkpoint(tmp_path, tc, dtype=torch.float32, expert_format="mxfp4")
+    tc = k3demo.DEMO_TEXT_CONFIG
+    k3demo.write_checkpoint(tmp_path, tc, dtype=torch.float32, expert_format="mxfp4")
     ck = Checkpoint.open(tmp_path)
     e0 = "language_model.model.layers.2.block_sparse_moe.experts.0."
     assert {n for n in ck.store.names() if n.startswith(e0)} == {
@@ -657,9 +656,6 @@ def test_mxfp4_experts_stay_packed_and_match_their_dequantized_model(tmp_path, m
 def test_demo_entries(monkeypatch):
     """The demo list entries offered for moesaic.demo.DEMOS: written on first use in the release
     naming (+ MXFP4 experts), generating through the public API."""
-    from moesaic import demo
-
-    monkeypatch.setitem(demo.DEMOS, "demo-kimi-k3-mxfp4", (kimi_k3.DEMO_CONFIG, kimi_k3.MXFP4_EXPERTS))
     llm = moesaic.LLM("demo-kimi-k3-mxfp4", dtype="float32")
     assert llm.family is kimi_k3 and llm.cfg.expert_format == "mxfp4"
     out = llm.generate(["Hi"], moesaic.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]

@@ -25,12 +25,10 @@ from helpers import (
     run,
 )
 
-from moesaic.config import family_for
-from moesaic.engine.batch import ForwardBatch
+from moesaic.cache.batch import ForwardBatch
 from moesaic.errors import ConfigError
 from moesaic.inspect import inspect_checkpoint
-from moesaic.models import kimi_linear
-from moesaic.weights.load import Checkpoint
+from moesaic.models import Checkpoint, family_for, kimi_linear
 
 TOL = 1e-5
 VOCAB = 101

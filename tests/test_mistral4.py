@@ -19,10 +19,9 @@ from helpers import (
     run,
 )
 
-from moesaic.engine.batch import ForwardBatch
-from moesaic.models import mistral4
+from moesaic.cache.batch import ForwardBatch
+from moesaic.models import Checkpoint, mistral4
 from moesaic.weights.contract import to_checkpoint
-from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors, save_sharded
 
 TOL = 2e-5

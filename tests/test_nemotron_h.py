@@ -23,13 +23,12 @@ from helpers import (
     run,
 )
 
+from moesaic.cache.batch import ForwardBatch
 from moesaic.cli import main as cli_main
-from moesaic.engine.batch import ForwardBatch
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
-from moesaic.models import nemotron_h
+from moesaic.models import Checkpoint, nemotron_h
 from moesaic.weights.contract import to_checkpoint
-from moesaic.weights.load import Checkpoint
 from moesaic.weights.store import save_safetensors
 
 TOL = 1e-5

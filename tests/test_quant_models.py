@@ -12,12 +12,12 @@ import transformers
 from helpers import max_err
 from torch.profiler import ProfilerActivity, profile
 
-from moesaic.demo import DEMO_CONFIG, random_tensors
-from moesaic.engine.batch import ForwardBatch
+from moesaic.cache.batch import ForwardBatch
+from moesaic.demo import random_tensors
+from moesaic.demo.mistral4 import DEMO_CONFIG
 from moesaic.errors import CheckpointError, ConfigError
-from moesaic.models import mistral4, nemotron_h
+from moesaic.models import Checkpoint, mistral4, nemotron_h
 from moesaic.weights.contract import to_checkpoint
-from moesaic.weights.load import Checkpoint
 from moesaic.weights.precision import PrecisionSchedule
 from moesaic.weights.quant import (
     COMPANION_SUFFIXES,

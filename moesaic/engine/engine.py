@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.batch import ForwardBatch
 from ..errors import CapacityError, RequestError
-from .batch import ForwardBatch
 from .sampler import SamplingParams, make_generator, sample
 
 _ids = itertools.count()

@@ -698,7 +698,7 @@ def _map_readonly(info) -> Tensor:
     """A tensor over a read-only shared mapping of its bytes in the checkpoint file (no copy, no
     commit charge: a private writable mapping of a 100 GB shard is refused by the kernel's
     overcommit heuristic on a machine with less memory)."""
-    from ..weights.store import DTYPES
+    from ..weights.dtypes import SAFETENSORS as DTYPES
 
     dtype = DTYPES[info.dtype]
     numel = math.prod(info.shape)

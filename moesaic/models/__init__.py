@@ -1,0 +1,148 @@
+"""The families: the registry (model_type -> family module), the protocol every family module
+implements, and `Checkpoint`, which turns a folder into a ready model.
+
+Importing this package imports no family: a family module is imported the first time a checkpoint
+of its model_type is opened.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..cache.batch import ForwardBatch
+from ..cache.state import SequenceState
+from ..errors import ConfigError
+from ..weights.bind import Tensors
+from ..weights.contract import LoadPlan, Naming, TensorSpec, load_tensors, plan_load
+from ..weights.dtypes import parse_dtype
+from ..weights.precision import PrecisionSchedule
+from ..weights.store import WeightStore
+
+FAMILIES = {
+    "mistral4": "moesaic.models.mistral4",
+    "glm5_next": "moesaic.models.glm5next",
+    "glm5_next_text": "moesaic.models.glm5next",
+    "nemotron_h": "moesaic.models.nemotron_h",
+    "kimi_linear": "moesaic.models.kimi_linear",
+    "kimi_k3": "moesaic.models.kimi_k3",
+    "deepseek_v4": "moesaic.models.deepseek_v4",
+    "deepseek_v41": "moesaic.models.deepseek_v41",
+}
+
+
+class Model(Protocol):
+    """What a family's `build` returns: a decoder over ForwardBatches with per-sequence state."""
+
+    cfg: object
+    dtype: torch.dtype
+    device: object
+
+    def new_state(self, rollback_window: int = 0) -> SequenceState:
+        """A fresh per-sequence state; `rollback_window` = how many of its last tokens the sequence can
+        forget exactly (speculative decoding)."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits of `batch.logit_rows`; appends every sequence's new tokens to its state."""
+
+
+@runtime_checkable
+class Family(Protocol):
+    """What every family module provides (module-level functions; tests/test_families.py checks each)."""
+
+    MODEL_TYPES: tuple[str, ...]
+
+    def handoff(self, raw: dict) -> str | None:
+        """Another model_type that should read this config (a bare Kimi K3 text config says kimi_linear),
+        or None."""
+
+    def parse_config(self, raw: dict, layout: str = "hf"):
+        """config.json (or Mistral's params.json when layout == "mistral") -> the frozen config dataclass;
+        a ConfigError naming the field for anything that cannot work."""
+
+    def tensor_specs(self, cfg) -> list[TensorSpec]:
+        """The tensor contract: every tensor the model needs, with shapes from the config."""
+
+    def namings(self, cfg, layout: str, store_names) -> Naming:
+        """Where this checkpoint keeps each contract tensor."""
+
+    def build(self, cfg, tensors: Tensors, dtype: torch.dtype, device, folder: Path | None) -> Model:
+        """The model, its weights bound from `tensors` (folder: the checkpoint, for what is not a tensor)."""
+
+    def layer_schedule(self, cfg) -> list[str]:
+        """One "mixer+mlp" string per decoder layer (e.g. "kda+moe")."""
+
+    def state_bytes(self, cfg, dtype_bytes: int, rollback_window: int = 0) -> tuple[int, int]:
+        """(bytes per token, fixed bytes per sequence) a sequence's state holds at most, counting what a
+        rollback window of that many tokens keeps."""
+
+    def max_context(self, cfg) -> int:
+        """The longest sequence the model takes."""
+
+    def facts(self, cfg) -> dict:
+        """Family facts `inspect` reports (expert bytes, table sizes, ...)."""
+
+    def draft_heads(self, cfg) -> tuple[str, ...]:
+        """The speculative methods the config's own draft heads serve ("mtp", "dspark"); () if none."""
+
+
+def family_for(raw: dict, layout: str) -> tuple[ModuleType, dict]:
+    """The family module and the (text) config dict of a checkpoint's config."""
+    if layout == "mistral":
+        # Mistral's native params.json has no model_type; MLA fields mark the Mistral-4 layout.
+        if "kv_lora_rank" in raw or "q_lora_rank" in raw:
+            return importlib.import_module(FAMILIES["mistral4"]), raw
+        raise ConfigError(
+            "params.json: only the MLA (Mistral Small 4) native layout is supported; no kv_lora_rank found"
+        )
+    mt = raw.get("model_type")
+    if mt is None:
+        raise ConfigError("config.json: field 'model_type' is missing")
+    if isinstance(mt, str) and mt in FAMILIES:
+        return _module(mt, raw), raw
+    text = raw.get("text_config")
+    if isinstance(text, dict) and isinstance(text.get("model_type"), str) and text["model_type"] in FAMILIES:
+        return _module(text["model_type"], text), text
+    known = ", ".join(sorted(FAMILIES))
+    raise ConfigError(f"config.json: model_type {mt!r} is not supported (supported: {known})")
+
+
+def _module(model_type: str, raw: dict) -> ModuleType:
+    module = importlib.import_module(FAMILIES[model_type])
+    other = module.handoff(raw)
+    return importlib.import_module(FAMILIES[other]) if other else module
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder opened: its store, family, parsed config and the raw (text) config dict."""
+
+    store: WeightStore
+    family: ModuleType
+    cfg: object
+    raw: dict
+
+    @staticmethod
+    def open(path) -> Checkpoint:
+        store = WeightStore(path)
+        family, raw = family_for(store.config, store.layout)
+        return Checkpoint(store, family, family.parse_config(raw, store.layout), raw)
+
+    def plan(self) -> LoadPlan:
+        naming = self.family.namings(self.cfg, self.store.layout, self.store.names())
+        return plan_load(self.family.tensor_specs(self.cfg), self.store, naming)
+
+    def build(self, dtype="float32", device="cpu", precision: PrecisionSchedule | str | None = None) -> Model:
+        dt = parse_dtype(dtype)
+        if not isinstance(precision, PrecisionSchedule):
+            precision = PrecisionSchedule.parse(precision)
+        plan = self.plan()
+        tensors = Tensors(load_tensors(plan, self.store, dt, device, precision), plan.skipped_optional)
+        model = self.family.build(self.cfg, tensors, dt, device, self.store.folder)
+        tensors.check_all_taken()
+        return model

@@ -96,9 +96,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..cache.batch import ForwardBatch
 from ..cache.state import SequenceState, TailRows, TokenRows
 from ..config import field
-from ..engine.batch import ForwardBatch
 from ..errors import ConfigError
 from ..layers import mhc
 from ..layers.csa import (
@@ -218,21 +218,6 @@ _DEFAULTS = {
     for k, v in RELEASE_TEXT_CONFIG.items()
     if not isinstance(v, list) and not k.startswith(("engram_", "candidate_", "dspark_"))
 }
-
-
-def release_config(text_config: dict, **top) -> dict:
-    """The released top-level layout around a text config (nested `text_config`)."""
-    return {
-        "architectures": ["DeepseekV41ForCausalLM"],
-        "model_type": "deepseek_v41",
-        "text_config": text_config,
-        "vision_config": {"downsample_ratio": 3},
-        "expert_dtype": "fp4",
-        **top,
-    }
-
-
-RELEASE_CONFIG = release_config(RELEASE_TEXT_CONFIG, quantization_config=RELEASE_QUANTIZATION)
 
 
 @dataclass(frozen=True)
@@ -724,16 +709,17 @@ class Model:
             w[c + "kv_proj.weight"], w.get(c + "gate_proj.weight"), ape, w[c + "kv_norm.weight"]
         )
 
-    def bind_checkpoint(self, store) -> None:
-        """Builds Engram's token map from the checkpoint's tokenizer (Checkpoint.build calls this)."""
+    def bind_checkpoint_folder(self, folder) -> None:
+        """Builds Engram's token map from the checkpoint's tokenizer (`build` calls this)."""
         if self.cfg.engram is None or self.hasher is not None:
             return
         from ..tokenizer import load_tokenizer
+        from ..weights.store import WeightStore
 
-        tok = load_tokenizer(store.folder, store.config, self.cfg.eos_token_ids)
+        tok = load_tokenizer(folder, WeightStore(folder).config, self.cfg.eos_token_ids)
         if tok is None:
             raise ConfigError(
-                f"{store.folder}: DeepSeek-V4.1's Engram layers hash compressed token ids, whose map is "
+                f"{folder}: DeepSeek-V4.1's Engram layers hash compressed token ids, whose map is "
                 f"built from the checkpoint's tokenizer, and this folder has none (tokenizer.json)"
             )
         self.hasher = EngramHash(
@@ -1024,130 +1010,16 @@ def facts(cfg: DeepseekV41Config) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- tiny checkpoints (tests, demo list)
-
-# seed_system.md §7's tiny V4.1 fixture, adapted: vocab 259 (moesaic's byte tokenizer, 230 token-map
-# classes), 16 index heads x 16 (no top-k ties), routed width 32 (fp4 groups of 32), rms eps 1e-6.
-TINY_TEXT_CONFIG = {
-    "model_type": "deepseek_v41",
-    "vocab_size": 259,
-    "hidden_size": 64,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "qk_rope_head_dim": 8,
-    "q_lora_rank": 16,
-    "o_lora_rank": 16,
-    "o_groups": 2,
-    "sliding_window": 8,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000,
-    "compress_rope_theta": 40000,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 2,
-        "original_max_position_embeddings": 32,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "compress_ratios": [0, 0, 2, 2, 1, 1, 0],
-    "kv_source_layer_ids": [2, 4],
-    "index_source_layer_ids": [2, 4, 5],
-    "candidate_source_layer_id": 4,
-    "candidate_topk_blocks": 3,
-    "candidate_block_size": 2,
-    "index_n_heads": 16,
-    "index_head_dim": 16,
-    "index_topk": 6,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "n_shared_experts": 1,
-    "route_scale": 1.5,
-    "swiglu_limit": 10.0,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "num_nextn_predict_layers": 1,
-    "engram_layer_ids": [1, 4],
-    "engram_num_embeddings": [462, 630],
-    "engram_max_ngram_size": 4,
-    "engram_n_heads": 2,
-    "engram_head_dim": 32,
-    "engram_vocab_size": 64,
-    "engram_compressed_vocab_size": 230,
-    "engram_pad_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-DEMO_CONFIG = release_config(TINY_TEXT_CONFIG, moesaic_tokenizer="bytes")
-# the release's quantized layout: dense fp8 (E4M3 + UE8M0 32x32 `.scale`), routed experts fp4 (`.weight` I8 +
-# E8M0 `.scale`)
-DENSE_FP8 = r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight"
-EXPERTS_FP4 = r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight"
+def handoff(raw: dict) -> str | None:
+    return None
 
 
-def random_tensors(cfg: DeepseekV41Config, seed: int = 0) -> dict[str, Tensor]:
-    """demo.random_tensors, with the tensors a constant start would hide made live: sinks that take a
-    share of the softmax, a router bias that changes choices, Engram gate weights around 1."""
-    from ..demo import random_tensors as base
-
-    specs = tensor_specs(cfg)
-    out = base(specs, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    for s in specs:
-        if s.name.endswith(("sinks", "e_score_correction_bias")):
-            out[s.name] = torch.randn(s.shape, generator=g) * (1.0 if s.name.endswith("sinks") else 0.3)
-        elif s.name.endswith(("q_weight", "k_weight")):
-            out[s.name] = 1.0 + 0.5 * torch.randn(s.shape, generator=g)
-        elif s.name.endswith("embed.scale"):
-            del out[s.name]  # a float table has no scales; `write_checkpoint(quantized=True)` makes them
-    return out
+def draft_heads(cfg) -> tuple[str, ...]:
+    return ()
 
 
-def quantize_table(weight: Tensor) -> dict[str, Tensor]:
-    """An Engram table in the release's row format: E4M3 codes + one UE8M0 scale per 32 columns of a row."""
-    from ..weights.quant import quantize_fp8_block
-
-    return quantize_fp8_block(weight.float(), (1, 32), "ue8m0", naming="deepseek")
-
-
-def write_checkpoint(
-    path,
-    config: dict | None = None,
-    seed: int = 0,
-    quantized: bool = False,
-    tensors: dict[str, Tensor] | None = None,
-    extra: dict[str, Tensor] | None = None,
-) -> dict[str, Tensor]:
-    """Writes a V4.1 checkpoint in the release naming: `config` (a whole config.json, default the tiny
-    DEMO_CONFIG) and `tensors` (model names, default `random_tensors`) as float32, or with quantized=True in
-    the release's formats: dense weights fp8 E4M3 + UE8M0 32x32 scales, routed experts fp4, Engram tables
-    as fp8 rows + E8M0 scales (quantization_config as released). `extra`: checkpoint tensors written as
-    they are (e.g. ones the release ships and this model ignores). Returns the checkpoint's tensors."""
-    import json
-    from pathlib import Path
-
-    from ..weights.contract import to_checkpoint
-    from ..weights.store import save_safetensors
-    from ..weights.writers import quantize_checkpoint
-
-    path = Path(path)
-    raw = json.loads(json.dumps(config or DEMO_CONFIG))
-    cfg = parse_config(raw)
-    tensors = random_tensors(cfg, seed) if tensors is None else tensors
-    ckpt = to_checkpoint(tensor_specs(cfg), release_naming(cfg), {k: v.float() for k, v in tensors.items()})
-    if quantized:
-        ckpt, qc = quantize_checkpoint(ckpt, DENSE_FP8, "fp8-ue8m0")
-        ckpt, _ = quantize_checkpoint(ckpt, EXPERTS_FP4, "fp4-deepseek")
-        for name in [k for k in ckpt if k.endswith("engram.embed.weight")]:
-            rows = quantize_table(ckpt[name])
-            ckpt[name], ckpt[name[: -len("weight")] + "scale"] = rows["weight"], rows["scale"]
-        raw["quantization_config"] = qc
-    ckpt.update(extra or {})
-    path.mkdir(parents=True, exist_ok=True)
-    save_safetensors(ckpt, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(raw, indent=1))
-    return ckpt
+def build(cfg, tensors, dtype, device, folder):
+    model = Model(cfg, tensors.all(), dtype, device)
+    if folder is not None:
+        model.bind_checkpoint_folder(folder)
+    return model

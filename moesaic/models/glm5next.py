@@ -45,9 +45,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from ..cache.batch import ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import eos_ids, field, positive
-from ..engine.batch import ForwardBatch
 from ..errors import CheckpointError, ConfigError
 from ..layers import dsa, mhc
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
@@ -759,58 +759,13 @@ def facts(cfg: Glm5NextConfig) -> dict:
     }
 
 
-# ---------------------------------------------------------------- demo model
+def handoff(raw: dict) -> str | None:
+    return None
 
-# For `moesaic.demo.DEMOS`: tests/test_glm5next.py's tiny text model (vocab 259 for the byte tokenizer)
-# in the release's config.json layout, the multimodal wrapper (no vision tower is written), with its
-# MTP layer. Widths are multiples of 16, so the experts take NVFP4.
-DEMO_CONFIG = {
-    "architectures": ["Glm5NextForConditionalGeneration"],
-    "model_type": "glm5_next",
-    "text_config": {
-        "model_type": "glm5_next_text",
-        "vocab_size": 259,
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "layer_types": ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-        "indexer_types": ["full", "full", "shared", "full"],
-        "mlp_layer_types": ["dense", "sparse", "sparse", "dense"],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 48,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 0,
-        "v_head_dim": 32,
-        "intermediate_size": 96,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "n_group": 2,
-        "topk_group": 1,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "swiglu_limit": 1.0,
-        "index_topk": 8,
-        "index_n_heads": 16,
-        "index_head_dim": 16,
-        "index_kpool": 4,
-        "linear_num_heads": 4,
-        "linear_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "hc_mult": 4,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
-        "num_nextn_predict_layers": 1,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-    },
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "moesaic_tokenizer": "bytes",
-}
+
+def draft_heads(cfg) -> tuple[str, ...]:
+    return ()
+
+
+def build(cfg, tensors, dtype, device, folder):
+    return Model(cfg, tensors.all(), dtype, device)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..cache.batch import ForwardBatch
 from ..cache.state import SequenceState, TokenRows
 from ..config import eos_ids, field, positive
-from ..engine.batch import ForwardBatch
 from ..errors import ConfigError
 from ..layers import mla
 from ..layers.linear import linear
@@ -583,3 +583,15 @@ def params_json(raw: dict) -> dict:
             "original_max_position_embeddings": rp.get("original_max_position_embeddings", 8192),
         }
     return p
+
+
+def handoff(raw: dict) -> str | None:
+    return None
+
+
+def draft_heads(cfg) -> tuple[str, ...]:
+    return ()
+
+
+def build(cfg, tensors, dtype, device, folder):
+    return Model(cfg, tensors.all(), dtype, device)

@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..cache.batch import ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import eos_ids, field, positive
-from ..engine.batch import ForwardBatch
 from ..errors import CheckpointError, ConfigError
 from ..layers.attention import gqa_attend
 from ..layers.linear import linear
@@ -598,3 +598,15 @@ def facts(cfg: NemotronHConfig) -> dict:
         if cfg.num_nextn_predict_layers
         else [],
     }
+
+
+def handoff(raw: dict) -> str | None:
+    return None
+
+
+def draft_heads(cfg) -> tuple[str, ...]:
+    return ()
+
+
+def build(cfg, tensors, dtype, device, folder):
+    return Model(cfg, tensors.all(), dtype, device)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointError
+from .dtypes import FLOAT_CODES, INTEGER_CODES, NAMES
 from .precision import PrecisionSchedule
 from .quant import (
     COMPANION_SUFFIXES,
@@ -129,17 +130,8 @@ def quantization_config(store: WeightStore) -> dict | None:
     )
 
 
-_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
-_INTEGER_DTYPES = (
-    "I64",
-    "I32",
-    "I16",
-    "I8",
-    "U8",
-    "U16",
-    "U32",
-    "U64",
-) + _FLOAT_DTYPES  # tables saved as floats too
+_FLOAT_DTYPES = FLOAT_CODES
+_INTEGER_DTYPES = INTEGER_CODES + FLOAT_CODES  # tables saved as floats too
 
 
 def _base(name: str) -> str:
@@ -271,9 +263,7 @@ def load_tensors(
 
 
 def _precision_dtype(want: str) -> torch.dtype:
-    from .precision import DTYPES
-
-    return DTYPES[want]
+    return NAMES[want]
 
 
 def _own(q: QuantizedTensor, device) -> QuantizedTensor:

@@ -16,20 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import ConfigError
+from .dtypes import NAMES
 
-DTYPES = {
-    "inherit": None,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp8": "fp8",
-}
+DTYPES = {"inherit": None, **NAMES, "fp8": "fp8"}  # a rule's dtype: a float name, or a format kept packed
 
 
 @dataclass(frozen=True)

@@ -21,27 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, ConfigError
-
-# safetensors dtype strings -> torch dtypes (every kind the target releases use).
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+from .dtypes import SAFETENSORS, SAFETENSORS_CODE
 
 
 @dataclass(frozen=True)
@@ -113,7 +93,7 @@ class WeightStore:
                     )
                 except (KeyError, TypeError, ValueError):
                     raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
-                if info.dtype not in DTYPES:
+                if info.dtype not in SAFETENSORS:
                     raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.dtype}")
                 if not data_start <= info.start <= info.end <= size:
                     raise CheckpointError(
@@ -171,7 +151,7 @@ class WeightStore:
         if count:
             self.bytes_read += info.nbytes
             self.reads[name] = self.reads.get(name, 0) + 1
-        dtype = DTYPES[info.dtype]
+        dtype = SAFETENSORS[info.dtype]
         numel = 1
         for s in info.shape:
             numel *= s
@@ -242,11 +222,11 @@ def save_safetensors(
     blobs = []
     for name, t in tensors.items():
         t = t.detach().contiguous().cpu()
-        if t.dtype not in DTYPE_NAMES:
+        if t.dtype not in SAFETENSORS_CODE:
             raise ValueError(f"{name}: dtype {t.dtype} cannot be written to safetensors")
         data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
         header[name] = {
-            "dtype": DTYPE_NAMES[t.dtype],
+            "dtype": SAFETENSORS_CODE[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + len(data)],
         }

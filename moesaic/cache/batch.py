@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.state import SequenceState
+from .state import SequenceState
 
 
 @dataclass

@@ -1,0 +1,167 @@
+"""The built-in demo models: tiny checkpoints of each family with RANDOM weights from a fixed seed
+and a byte-level tokenizer, written on first use into a cache folder in the family's release
+naming and, for the quantized ones, its release's quantized formats. They exercise the whole engine
+without downloading anything; their text is noise, and they say so. `demo` (the default model) is
+Mistral-Small-4-shaped.
+
+Each family's demos live in `moesaic/demo/<family>.py` (its configs, quantized layouts and writers),
+imported only when one of its demos is used; nothing in the library below the entry points (llm.py,
+cli.py) imports this package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+DEMO_NAME = "demo"
+DEMO_VERSION = 2  # 2: the V4.1 demo in the release layout (fp4 experts, fp8 Engram rows)
+
+
+class Demo(NamedTuple):
+    """A demo: its config.json; what of its release naming is quantized and how, as (regex of release
+    tensor names, writer format) pairs (several where the release mixes formats); and `write(folder,
+    config)`, the family's own checkpoint writer, where the release has a layout the pairs cannot say."""
+
+    config: dict
+    quant: tuple[tuple[str, str], ...] = ()
+    write: Callable | None = None
+
+
+# demo name -> the module of moesaic/demo/ that defines it
+DEMOS: dict[str, str] = {
+    "demo": "mistral4",
+    "demo-mistral4": "mistral4",
+    "demo-mistral4-nvfp4": "mistral4",
+    "demo-nemotron-h": "nemotron_h",
+    "demo-nemotron-h-nvfp4": "nemotron_h",
+    "demo-kimi-k3": "kimi_k3",
+    "demo-kimi-k3-mxfp4": "kimi_k3",
+    "demo-glm5-next-nvfp4": "glm5next",
+    "demo-deepseek-v4": "deepseek_v4",
+    "demo-kimi-linear": "kimi_linear",
+    "demo-deepseek-v41": "deepseek_v41",
+}
+ALIASES = {"demo": "demo-mistral4"}  # the default demo
+
+
+def demo_entry(name: str) -> Demo:
+    """The Demo called `name` (one of DEMOS)."""
+    module = importlib.import_module(f"{__name__}.{DEMOS[name]}")
+    return module.DEMOS[ALIASES.get(name, name)]
+
+
+# The release naming where the one a family reads from a folder without tensors (`namings(cfg, "hf", [])`)
+# is another: GLM-5.3's multimodal `model.language_model.*`, DeepSeek-V4's upstream `embed.weight`,
+# `layers.N.attn.*` (not transformers' `model.layers.N.*`)
+RELEASE_NAMINGS: dict[str, Callable] = {
+    "glm5_next": lambda family, cfg: family.checkpoint_naming(),
+    "deepseek_v4": lambda family, cfg: family.checkpoint_naming(upstream=True),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOESAIC_CACHE", Path.home() / ".cache" / "moesaic"))
+
+
+def demo_path(name: str = DEMO_NAME) -> Path:
+    return cache_dir() / f"{name}-v{DEMO_VERSION}"
+
+
+def is_demo_name(name: str) -> bool:
+    return str(name) in DEMOS
+
+
+def random_tensors(specs, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic random weights for a tensor contract: norms near 1, matrices ~ N(0, 1/fan_in)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for s in specs:
+        if s.role == "norm":
+            out[s.name] = 1.0 + 0.05 * torch.randn(s.shape, generator=g)
+        else:
+            out[s.name] = torch.randn(s.shape, generator=g) * s.shape[-1] ** -0.5
+    return out
+
+
+def hash_table(vocab: int, k: int, experts: int) -> torch.Tensor:
+    """A valid hash routing table [vocab, k] (token -> k distinct experts), int64 as released."""
+    return (torch.arange(vocab)[:, None] * 3 + torch.arange(k)[None, :]) % experts
+
+
+def ensure_demo(name: str = DEMO_NAME) -> Path:
+    """The demo checkpoint folder `name` (one of DEMOS), written (atomically) the first time, in the
+    release naming of its family and, for the quantized ones, the release's quantized formats."""
+    name = ALIASES.get(name, name)
+    path = demo_path(name)
+    if (path / "config.json").exists() or (path / "params.json").exists():
+        return path
+    demo = demo_entry(name)
+    config = dict(
+        demo.config, moesaic_demo={"random_weights": True, "seed": 0, "version": DEMO_VERSION, "name": name}
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".demo-"))
+    if demo.write is not None:
+        demo.write(tmp, config)
+    else:
+        _write(tmp, config, demo.quant)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process wrote it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write(folder: Path, config: dict, quant) -> None:
+    """Random weights (seed 0) in the family's release naming, the `quant` pairs applied in order."""
+    from ..models import FAMILIES
+    from ..weights.contract import to_checkpoint
+    from ..weights.store import save_safetensors
+    from ..weights.writers import quantize_checkpoint
+
+    model_type = config["model_type"]
+    family = importlib.import_module(FAMILIES[model_type])
+    cfg = family.parse_config(config)
+    specs = family.tensor_specs(cfg)
+    native = bool(quant) and model_type == "mistral4"
+    if native:
+        naming = family.native_naming(cfg)
+    elif model_type in RELEASE_NAMINGS:
+        naming = RELEASE_NAMINGS[model_type](family, cfg)
+    else:
+        naming = family.namings(cfg, "hf", [])
+    weights = random_tensors(specs, seed=0)
+    for s in specs:
+        if s.integer:  # DeepSeek-V4's hash routing
+            weights[s.name] = hash_table(*s.shape, cfg.n_routed_experts)
+    tensors = to_checkpoint(specs, naming, weights)
+    for regex, fmt in quant:
+        tensors, qc = quantize_checkpoint(tensors, regex, fmt)
+        config.setdefault(
+            "quantization_config", qc
+        )  # the first pair's; the formats are read from the tensors
+    if native:  # params.json carries what the native layout cannot say (demo marker, byte tokenizer)
+        params = dict(
+            family.params_json(config),
+            quantization_config=config["quantization_config"],
+            moesaic_tokenizer="bytes",
+            moesaic_demo=config["moesaic_demo"],
+        )
+        save_safetensors(tensors, folder / "consolidated.safetensors")
+        (folder / "params.json").write_text(json.dumps(params, indent=1))
+    else:
+        save_safetensors(tensors, folder / "model.safetensors")
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def is_demo(raw_config: dict) -> bool:
+    return bool((raw_config.get("moesaic_demo") or {}).get("random_weights"))
