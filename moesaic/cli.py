@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
 
 def _generate(args) -> int:
-    from .demo import is_demo
+    from .config import is_demo
     from .engine.sampler import SamplingParams
     from .llm import LLM
 
@@ -68,7 +68,8 @@ def _generate(args) -> int:
     t1 = time.perf_counter()
     first = None
     n = 0
-    for tok in llm.stream(prompt, params):
+    stream = llm.stream(prompt, params)
+    for tok in stream:
         first = first or time.perf_counter()
         n += 1
         sys.stdout.write(feed(tok))
@@ -77,7 +78,7 @@ def _generate(args) -> int:
     decode_s = t2 - (first or t2)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     print(
-        f"\n[moesaic] {n} tokens ({llm.last_finish_reason}); load {t1 - t0:.2f}s, "
+        f"\n[moesaic] {n} tokens ({stream.finish_reason}); load {t1 - t0:.2f}s, "
         f"first token {((first or t2) - t1) * 1e3:.0f} ms, decode {rate:.1f} tokens/s",
         file=sys.stderr,
     )

@@ -118,8 +118,9 @@ def _kind(annotation) -> tuple[type, bool]:
     return annotation, False
 
 
-def read_config(cls, raw: dict, where: str, **given):
-    """An instance of config dataclass `cls`: declared fields read from `raw`, the others from `given`."""
+def read_config(cls, raw: dict, where: str, defaults: dict | None = None, **given):
+    """An instance of config dataclass `cls`: declared fields read from `raw` (a family may override a
+    declaration's default in `defaults`), the others from `given`."""
     hints = typing.get_type_hints(cls)
     values = {}
     for f in dataclasses.fields(cls):
@@ -135,7 +136,8 @@ def read_config(cls, raw: dict, where: str, **given):
         if nullable and key in raw and raw[key] is None:
             values[f.name] = None
             continue
-        default = None if nullable and meta["default"] is _MISSING else meta["default"]
+        default = (defaults or {}).get(f.name, meta["default"])
+        default = None if nullable and default is _MISSING else default
         values[f.name] = field(raw, key, kind, default, where=where, check=meta["check"], why=meta["why"])
     return cls(**values)
 
@@ -144,3 +146,9 @@ def require(ok: bool, where: str, key: str, value, why: str) -> None:
     """A check across fields: ConfigError naming the field, its value and why, unless `ok`."""
     if not ok:
         raise ConfigError(f"{where}: field {key!r} has invalid value {value!r} ({why})")
+
+
+def is_demo(raw_config: dict) -> bool:
+    """Whether config.json marks a built-in demo with random weights (its text is noise)."""
+    marker = raw_config.get("moesaic_demo") if isinstance(raw_config, dict) else None
+    return isinstance(marker, dict) and bool(marker.get("random_weights"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .demo import is_demo
+from .config import is_demo
 from .errors import CheckpointError
 from .models import family_for
 from .weights.contract import plan_load, quantization_config

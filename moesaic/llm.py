@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +47,44 @@ def check_device(device) -> str:
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {device!r} is not supported (cpu or cuda)")
     return str(dev)
+
+
+class Stream:
+    """One request's tokens as they are sampled. Other calls on the same LLM (a generate() while this
+    stream is open) may step its sequence too: it yields everything the sequence holds not yet yielded."""
+
+    def __init__(self, engine: Engine, seq: Sequence):
+        self.engine = engine
+        self.seq = seq
+        self.sent = 0
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> int:
+        seq = self.seq
+        try:
+            while self.sent >= len(seq.output_ids):
+                if seq.finished:
+                    raise StopIteration
+                self.engine.step()
+        except BaseException:
+            self.close()
+            raise
+        self.sent += 1
+        return seq.output_ids[self.sent - 1]
+
+    def close(self) -> None:
+        """Aborts the request if it has not finished (frees its state)."""
+        if not self.seq.finished:
+            self.engine.abort(self.seq)
+
+    def __del__(self):
+        self.close()
 
 
 class LLM:
@@ -123,26 +160,12 @@ class LLM:
             for s in seqs
         ]
 
-    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[int]:
-        """Yields the token ids of one prompt as they are sampled. `stream.finish_reason` of the
-        returned generator's sequence is in `last_finish_reason` once it is exhausted."""
+    def stream(self, prompt, params: SamplingParams | None = None) -> Stream:
+        """The token ids of one prompt as they are sampled (an iterator); its `finish_reason` is set once
+        it is exhausted. Dropping or closing it before the end aborts the request."""
         seq = Sequence(self.encode(prompt), params or SamplingParams())
         self.engine.add(seq)
-        sent = 0
-        try:
-            while True:
-                # other calls (a generate() while this stream is open) may have stepped this sequence
-                # too: yield everything it holds that was not yet yielded
-                while sent < len(seq.output_ids):
-                    sent += 1
-                    yield seq.output_ids[sent - 1]
-                if seq.finished:
-                    break
-                self.engine.step()
-        finally:
-            if not seq.finished:
-                self.engine.abort(seq)
-        self.last_finish_reason = seq.finish_reason
+        return Stream(self.engine, seq)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [T, vocab] of one full prefill of `token_ids`."""

@@ -96,3 +96,23 @@ def mixed_batch_err(model, a: list[int], b: list[int]) -> float:
     model.forward(ForwardBatch.build([(sa, a[:-1])]))
     got = model.forward(ForwardBatch.build([(sa, a[-1:]), (sb, b)]))
     return max(max_err(got[0], ref_a[0]), max_err(got[1], ref_b[0]))
+
+
+def weights_of(obj):
+    """Every weight (tensor, packed tensor) reachable from a model's bound layer structures
+    (dataclasses, dicts, lists, tuples), for tests that look at what was loaded."""
+    import dataclasses
+
+    from moesaic.weights.quant import ConcatRows, QuantizedTensor
+
+    if isinstance(obj, (torch.Tensor, QuantizedTensor, ConcatRows)):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from weights_of(getattr(obj, f.name))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from weights_of(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from weights_of(v)

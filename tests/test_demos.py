@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 
 import moesaic
-from moesaic.demo import DEMOS, demo_entry, is_demo
+from moesaic.config import is_demo
+from moesaic.demo import DEMOS, demo_entry
 from moesaic.inspect import inspect_checkpoint
 from moesaic.llm import resolve_model_path
 from moesaic.weights.store import WeightStore

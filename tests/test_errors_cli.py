@@ -238,7 +238,7 @@ def test_stream_yields_every_token_even_when_generate_runs_meanwhile(tmp_path):
         ["xyz"], moesaic.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     )  # steps "abc" too
     got += list(it)
-    assert got == want and llm.last_finish_reason == "length"
+    assert got == want and it.finish_reason == "length"
 
 
 def test_request_values_are_checked_before_any_work(tmp_path):

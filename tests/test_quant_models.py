@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from helpers import max_err
+from helpers import max_err, weights_of
 from torch.profiler import ProfilerActivity, profile
 
 from moesaic.cache.batch import ForwardBatch
@@ -212,7 +212,7 @@ def test_packed_equals_dequantized_dense(case, tmp_path):
 
     # and the packed model really holds packed weights, while the plain model holds none
     def packed(m):
-        return sum(isinstance(v, (QuantizedTensor, ConcatRows)) for layer in m.layers for v in layer.values())
+        return sum(isinstance(v, (QuantizedTensor, ConcatRows)) for v in weights_of(m.layers))
 
     assert packed(packed_model) > 0 and packed(ref_model) == 0
     # quantization changed the model: the dense original differs
@@ -258,7 +258,7 @@ def test_loading_mxfp4_experts_stays_near_the_packed_size(tmp_path):
         4 * torch.Size(s.shape).numel() for s in mistral4.tensor_specs(ckpt.cfg) if s.role == "expert"
     )
     assert experts_fp32 > 2 * packed_bytes and peak < budget + experts_fp32 / 2
-    assert isinstance(model.layers[1]["mlp.experts.gate_up_proj"], ConcatRows)
+    assert isinstance(model.layers[1].mlp.experts_in, ConcatRows)
 
 
 def test_precision_schedule(tmp_path):
@@ -269,17 +269,17 @@ def test_precision_schedule(tmp_path):
     packed = logits(ckpt.build("float32"), ids)
     # experts dequantized to fp32 at load: same numbers, dense tensors
     m = Checkpoint.open(ckpt.store.folder).build("float32", precision="expert=fp32,shared_expert=fp32")
-    assert isinstance(m.layers[1]["mlp.experts.gate_up_proj"], torch.Tensor)
+    assert isinstance(m.layers[1].mlp.experts_in, torch.Tensor)
     assert max_err(logits(m, ids), packed) < 1e-4
     # attention quantized to fp8 at load (a dense weight becomes packed): close, not equal
     m8 = Checkpoint.open(ckpt.store.folder).build("float32", precision="attention=fp8")
-    assert isinstance(m8.layers[0]["self_attn.q_b_proj.weight"], QuantizedTensor)
-    assert isinstance(m8.layers[0]["self_attn.kv_b_proj.weight"], torch.Tensor)  # used as views: stays dense
+    assert isinstance(m8.layers[0].attn.q_b, QuantizedTensor)
+    assert isinstance(m8.layers[0].attn.kv_b, torch.Tensor)  # used as views: stays dense
     err = max_err(logits(m8, ids), packed)
     assert 0 < err < 0.2 * packed.abs().max().item()
     # router kept in bf16 inside an fp32 model still runs
     mb = Checkpoint.open(ckpt.store.folder).build("float32", precision="router=bf16")
-    assert mb.layers[1]["mlp.gate.weight"].dtype == torch.bfloat16
+    assert mb.layers[1].mlp.router.dtype == torch.bfloat16
     assert logits(mb, ids).shape == packed.shape
 
 

@@ -23,6 +23,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [N] int64, absolute positions
     seqs: list[SeqChunk]
     logit_rows: torch.Tensor  # rows of the packed batch whose logits are returned
+    max_position: int = 0  # the largest position in the batch, known on the host (no device sync to ask)
 
     @staticmethod
     def build(
@@ -45,6 +46,7 @@ class ForwardBatch:
             torch.tensor(pos, dtype=torch.long, device=device),
             seqs,
             torch.tensor(rows, dtype=torch.long, device=device),
+            max(pos),
         )
 
     def finish(self) -> None:

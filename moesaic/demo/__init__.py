@@ -161,7 +161,3 @@ def _write(folder: Path, config: dict, quant) -> None:
     else:
         save_safetensors(tensors, folder / "model.safetensors")
         (folder / "config.json").write_text(json.dumps(config, indent=1))
-
-
-def is_demo(raw_config: dict) -> bool:
-    return bool((raw_config.get("moesaic_demo") or {}).get("random_weights"))

@@ -14,12 +14,28 @@ per-head keys and values are `c @ W_kv_b`. Two exact evaluations of the same att
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from ..weights.contract import TensorSpec
 from .linear import linear
 from .norms import rms_norm
+
+
+@dataclass
+class MlaWeights:
+    """One MLA module. q is either one projection (`q`, no q LoRA) or `q_a` -> norm -> `q_b`."""
+
+    kv_a: object  # kv_a_proj_with_mqa [kvr + dr, d]
+    kv_a_norm: torch.Tensor  # [kvr]
+    kv_b: torch.Tensor  # [H (dn + dv), kvr], dense: split into W_uk / W_uv views for absorbed attention
+    o: object  # o_proj [d, H dv]
+    q: object | None = None
+    q_a: object | None = None
+    q_a_norm: torch.Tensor | None = None
+    q_b: object | None = None
+    gate: object | None = None  # an output gate g_proj [H dv, d] (Kimi K3's gated MLA)
 
 
 def causal_mask(n_new: int, total: int, device) -> torch.Tensor | None:
@@ -82,21 +98,18 @@ def expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale
     return out.transpose(0, 1)
 
 
-def mla_project(x: torch.Tensor, w: dict, c, eps: float = 1e-6):
-    """The token-wise half of an MLA module (weights under `self_attn.` in `w`): the per-head
-    query split [n, H, dn] / [n, H, dr], the normalised latent [n, kvr] and the shared key slice
-    [n, dr], both still unrotated. (The q/kv a-norms use their class default eps, not the config's.)"""
+def mla_project(x: torch.Tensor, w: MlaWeights, c, eps: float = 1e-6):
+    """The token-wise half of an MLA module: the per-head query split [n, H, dn] / [n, H, dr], the
+    normalised latent [n, kvr] and the shared key slice [n, dr], both still unrotated. (The q/kv a-norms
+    use their class default eps, not the config's.)"""
     n, H = x.shape[0], c.num_attention_heads
-    if c.q_lora_rank is None:
-        q = linear(x, w["self_attn.q_proj.weight"])
+    if w.q is not None:
+        q = linear(x, w.q)
     else:
-        q = linear(
-            rms_norm(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], eps),
-            w["self_attn.q_b_proj.weight"],
-        )
+        q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
     q = q.view(n, H, c.qk_head_dim)
-    kv = linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])
-    latent = rms_norm(kv[:, : c.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], eps)
+    kv = linear(x, w.kv_a)
+    latent = rms_norm(kv[:, : c.kv_lora_rank], w.kv_a_norm, eps)
     return q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :], latent, kv[:, c.kv_lora_rank :]
 
 
@@ -148,30 +161,3 @@ def mla_batch(
             at += n
         out[rows] = absorb_output(o_lat, w_uv)
     return out
-
-
-def mla_specs(a: str, c, L: int) -> list[TensorSpec]:
-    """The tensor contract of one MLA module under prefix `a` (e.g. "model.layers.3.self_attn."), in
-    transformers' names, for a config with the DeepSeek-V2 MLA fields (q_lora_rank None: plain q_proj)."""
-    d, H = c.hidden_size, c.num_attention_heads
-    specs = [
-        TensorSpec(a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + c.qk_rope_head_dim, d), "attention", L),
-        TensorSpec(a + "kv_a_layernorm.weight", (c.kv_lora_rank,), "norm", L),
-        TensorSpec(
-            a + "kv_b_proj.weight",
-            (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-            "attention",
-            L,
-            dense=True,
-        ),  # split into W_uk / W_uv views for absorbed attention
-        TensorSpec(a + "o_proj.weight", (d, H * c.v_head_dim), "attention", L),
-    ]
-    if c.q_lora_rank is None:
-        specs.append(TensorSpec(a + "q_proj.weight", (H * c.qk_head_dim, d), "attention", L))
-    else:
-        specs += [
-            TensorSpec(a + "q_a_proj.weight", (c.q_lora_rank, d), "attention", L),
-            TensorSpec(a + "q_a_layernorm.weight", (c.q_lora_rank,), "norm", L),
-            TensorSpec(a + "q_b_proj.weight", (H * c.qk_head_dim, c.q_lora_rank), "attention", L),
-        ]
-    return specs

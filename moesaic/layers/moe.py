@@ -1,4 +1,8 @@
-"""Routers, routed experts, gated MLPs and their activations, shared by the MoE families.
+"""The MoE block every family uses, its routers, the routed experts, MLPs and their activations.
+
+`moe(x, w, spec)` is the whole block: route (the router's kind is data, `Router`), the optional latent
+projections around the experts (Kimi K3's LatentMoE, Nemotron-H's latent MoE), the routed experts, the
+shared expert. A family declares its `MoeSpec` once and binds each layer's `MoeWeights`.
 
 Activations come in two shapes. A gated one is written over its two halves, `glu(gate, up)`
 (silu_glu, clamped_silu_glu, situ_glu): that is what `glu_mlp` takes, its halves coming from two
@@ -8,10 +12,14 @@ expert (relu2)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .linear import linear
+from .norms import rms_norm
 
 
 def limit_groups(scores: torch.Tensor, n_group: int, topk_group: int, fill: float) -> torch.Tensor:
@@ -153,3 +161,95 @@ def route_sqrtsoftplus(logits, top_k, bias=None, scale=1.0, ids=None):
         ids = choice.topk(top_k, dim=-1, sorted=False).indices
     w = scores.gather(1, ids)
     return w / (w.sum(-1, keepdim=True) + 1e-20) * scale, ids
+
+
+# ---------------------------------------------------------------- the block
+
+
+@dataclass(frozen=True)
+class Router:
+    """How a layer chooses and weighs its experts. score: "softmax" (Mistral, DeepSeek-V2), "sigmoid"
+    with a selection-only bias (DeepSeek-V3, GLM, Kimi, Nemotron), "sqrtsoftplus" (DeepSeek-V4; a hash
+    layer's experts come from a static token table instead). fp32: the router's logits in fp32 (as the
+    references that keep the router in fp32 do); else in the activations' dtype."""
+
+    score: str
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    normalize: bool = True
+    scale: float = 1.0
+    fp32: bool = False
+
+    def __post_init__(self):
+        if self.score not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            raise ValueError(f"router score {self.score!r}: softmax, sigmoid or sqrtsoftplus")
+
+
+@dataclass
+class Mlp:
+    """A dense MLP or shared expert: down(glu(gate x, up x)), or down(act(up x)) without a gate."""
+
+    up: object
+    down: object
+    gate: object | None = None
+
+    def __call__(self, x: torch.Tensor, glu=silu_glu, act=relu2) -> torch.Tensor:
+        if self.gate is None:
+            return linear(act(linear(x, self.up)), self.down)
+        return linear(glu(linear(x, self.gate), linear(x, self.up)), self.down)
+
+
+@dataclass
+class MoeWeights:
+    """One MoE layer. experts_in [E, 2I, d'] (gate|up fused; [E, I, d'] ungated), experts_out [E, d', I];
+    d' = d, or the latent width when latent_in/latent_out project around the experts."""
+
+    router: torch.Tensor  # [E, d]
+    experts_in: object
+    experts_out: object
+    bias: torch.Tensor | None = None  # [E] selection-only correction bias
+    hash_ids: torch.Tensor | None = None  # [vocab, k] a hash layer's static experts per token
+    shared: Mlp | None = None
+    latent_in: object | None = None  # [d', d]
+    latent_norm: torch.Tensor | None = None  # RMSNorm over the experts' latent output
+    latent_out: object | None = None  # [d, d']
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A family's MoE law: its router, the experts' and shared expert's gated activation `glu(gate, up)`,
+    or for ungated experts (gated=False) `act(up)`; the latent norm's eps."""
+
+    router: Router
+    glu: Callable = silu_glu
+    gated: bool = True
+    act: Callable = relu2
+    eps: float = 1e-6
+
+
+def route(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor | None = None):
+    """(weights [N, k], expert ids [N, k]) of each token."""
+    logits = F.linear(x.float(), w.router.float()) if r.fp32 else linear(x, w.router)
+    if r.score == "softmax":
+        return route_softmax(logits, r.top_k, r.n_group, r.topk_group, r.normalize, r.scale)
+    if r.score == "sigmoid":
+        return route_sigmoid(logits, r.top_k, w.bias, r.n_group, r.topk_group, r.normalize, r.scale)
+    if w.hash_ids is not None:
+        return route_sqrtsoftplus(logits, r.top_k, scale=r.scale, ids=w.hash_ids[token_ids])
+    return route_sqrtsoftplus(logits, r.top_k, w.bias, r.scale)
+
+
+def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE block on packed tokens x [N, d] (token_ids: for a hash layer's table)."""
+    weights, ids = route(x, w, spec.router, token_ids)
+    h = x if w.latent_in is None else linear(x, w.latent_in)
+    act = (lambda gu: spec.glu(*gu.chunk(2, dim=-1))) if spec.gated else spec.act
+    y = run_experts(h, weights, ids, w.experts_in, w.experts_out, act)
+    if w.latent_norm is not None:
+        y = rms_norm(y, w.latent_norm, spec.eps)
+    if w.latent_out is not None:
+        y = linear(y, w.latent_out)
+    if w.shared is not None:
+        y = y + w.shared(x, spec.glu, spec.act)
+    return y

@@ -7,21 +7,24 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import declared, positive
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class RopeConfig:
-    """One rope set. `kind` is "default" or "yarn"; the YaRN fields are ignored for "default"."""
+    """One rope set. `kind` is "default" or "yarn"; the YaRN fields are ignored for "default". The
+    declarations read a config's rope section (`rope_parameters` / `rope_scaling`) by their names there."""
 
     dim: int
-    theta: float = 10000.0
     kind: str = "default"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    truncate: bool = True
+    theta: float = declared(10000.0, key="rope_theta", check=positive)
+    factor: float = declared(1.0, check=positive)
+    original_max_position_embeddings: int = declared(4096, check=positive)
+    beta_fast: float = declared(32.0)
+    beta_slow: float = declared(1.0)
+    mscale: float = declared(1.0)
+    mscale_all_dim: float = declared(0.0)
+    truncate: bool = declared(True)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

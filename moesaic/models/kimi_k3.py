@@ -47,12 +47,12 @@ from ..errors import ConfigError
 from ..layers.attnres import attnres_mix, bank_size, is_block_start
 from ..layers.kda import KdaDims, KdaState, kda_mixer
 from ..layers.linear import linear
-from ..layers.mla import mla_specs
 from ..layers.moe import glu_mlp, run_experts, silu_glu, situ_glu
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
 from ..weights.contract import Naming, Source, TensorSpec
 from . import kimi_linear as kl
+from .parts import mla_specs
 
 MODEL_TYPES = ("kimi_k3",)
 

@@ -44,11 +44,13 @@ from ..config import eos_ids, field, positive
 from ..errors import ConfigError
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer, kda_tensor_shapes
 from ..layers.linear import linear
-from ..layers.mla import mla_batch, mla_project, mla_specs
+from ..layers.mla import mla_batch, mla_project
 from ..layers.moe import glu_mlp, route_sigmoid, run_experts, swiglu
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
+from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
+from .parts import bind_mla, mla_specs
 
 MODEL_TYPES = ("kimi_linear",)
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the RMSNorm class default, as transformers builds them
@@ -497,7 +499,9 @@ def new_state(cfg, dtype: torch.dtype, device, rollback_window: int = 0) -> Sequ
 def mla_heads(L: int, c, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """MLA without rotation up to (not including) o_proj: [N, H * v_head_dim]. Appends each
     sequence's latent and shared key slice to its cache."""
-    q_nope, q_shared, latent, k_shared = mla_project(x, w, c, MLA_NORM_EPS)
+    q_nope, q_shared, latent, k_shared = mla_project(
+        x, bind_mla(Tensors(w).under("self_attn.")), c, MLA_NORM_EPS
+    )  # TODO(#11): bind at build
     out = mla_batch(
         L,
         batch,

@@ -1,6 +1,6 @@
 """Mistral Small 4 (`mistral4`): MLA attention with interleaved YaRN rope + softmax-routed MoE.
 
-Math and pitfalls: shared/reference/mistral4_nemotron.md, Part A. Oracle: transformers `mistral4`.
+Layer schedule, state and proof: docs/families.md. Oracle: transformers `mistral4`.
 
 Checkpoint namings read here:
 * transformers (`config.json`, as `save_pretrained` writes it): `model.layers.L.self_attn.q_a_proj.weight`,
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 
 from ..cache.batch import ForwardBatch
 from ..cache.state import SequenceState, TokenRows
-from ..config import eos_ids, field, positive
+from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
 from ..errors import ConfigError
-from ..layers import mla
 from ..layers.linear import linear
-from ..layers.moe import glu_mlp, route_softmax, run_experts, swiglu
+from ..layers.mla import MlaWeights, mla_batch, mla_project
+from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe
 from ..layers.norms import rms_norm
 from ..layers.rope import (
     RopeConfig,
@@ -39,40 +39,46 @@ from ..layers.rope import (
     rope_interleaved,
     yarn_mscale,
 )
+from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
+from .parts import bind_mla, bind_mlp, bind_moe, mla_specs, mlp_specs, moe_specs
 
 MODEL_TYPES = ("mistral4",)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Mistral4Config:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int
-    first_k_dense_replace: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    rms_norm_eps: float
-    max_position_embeddings: int
+    """Absent fields take transformers' `Mistral4Config` defaults (= the released Small 4 shape)."""
+
+    vocab_size: int = declared(131072, check=positive)
+    hidden_size: int = declared(4096, check=positive)
+    num_hidden_layers: int = declared(36, check=positive)
+    num_attention_heads: int = declared(32, check=positive)
+    q_lora_rank: int | None = declared(1024, check=positive)  # an explicit null selects the plain q_proj
+    kv_lora_rank: int = declared(256, check=positive)
+    qk_nope_head_dim: int = declared(64, check=positive)
+    qk_rope_head_dim: int = declared(
+        64, check=lambda v: v > 0 and v % 2 == 0, why="must be a positive even number"
+    )
+    v_head_dim: int = declared(128, check=positive)
+    intermediate_size: int = declared(12288, check=non_negative)
+    moe_intermediate_size: int = declared(2048, check=positive)
+    n_routed_experts: int = declared(128, check=positive)
+    num_experts_per_tok: int = declared(4, check=positive)
+    n_shared_experts: int = declared(1, check=non_negative)
+    first_k_dense_replace: int = declared(0, check=non_negative)
+    n_group: int = declared(1, check=positive)
+    topk_group: int = declared(1, check=positive)
+    norm_topk_prob: bool = declared(True)
+    routed_scaling_factor: float = declared(1.0)
+    rms_norm_eps: float = declared(1e-6, check=positive)
+    max_position_embeddings: int = declared(1048576, check=positive)
+    rope_interleave: bool = declared(True)
+    tie_word_embeddings: bool = declared(False)
+    bos_token_id: int | None = declared(None)
     rope: RopeConfig
-    rope_interleave: bool
     llama4_beta: float  # llama-4 query scaling; 0 disables it
     llama4_original_max: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     model_type: str = "mistral4"
 
@@ -91,27 +97,41 @@ class Mistral4Config:
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
+    @property
+    def moe_spec(self) -> MoeSpec:
+        return MoeSpec(
+            Router(
+                "softmax",
+                self.num_experts_per_tok,
+                self.n_group,
+                self.topk_group,
+                self.norm_topk_prob,
+                self.routed_scaling_factor,
+            )
+        )
+
+
+_RELEASE_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 128.0,
+    "original_max_position_embeddings": 8192,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+
 
 def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
-    """Absent fields take transformers' `Mistral4Config` defaults (= the released Small 4 shape)."""
     if layout == "mistral":
         raw = _from_params_json(raw)
     w = "config.json" if layout == "hf" else "params.json"
-    rp = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rp = dict(section(raw, "rope_parameters", w) or section(raw, "rope_scaling", w))
     if "rope_theta" not in rp and "rope_theta" in raw:
         rp["rope_theta"] = raw["rope_theta"]
-    if not rp:
-        rp = {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 128.0,
-            "original_max_position_embeddings": 8192,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "llama_4_scaling_beta": 0.1,
-        }
+    rp = rp or _RELEASE_ROPE
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind not in ("default", "yarn"):
         raise ConfigError(f"{w}: rope_parameters.rope_type {kind!r} is not supported (yarn or default)")
@@ -125,93 +145,53 @@ def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
         check=lambda v: v > 0 and v % 2 == 0,
         why="must be a positive even number",
     )
-    rope = RopeConfig(
-        dim=rope_dim,
-        theta=field(rp, "rope_theta", float, 10000.0, where=rw, check=positive),
-        kind=kind,
-        factor=field(rp, "factor", float, 1.0, where=rw, check=positive),
-        original_max_position_embeddings=field(
-            rp, "original_max_position_embeddings", int, 8192, where=rw, check=positive
-        ),
-        beta_fast=field(rp, "beta_fast", float, 32.0, where=rw),
-        beta_slow=field(rp, "beta_slow", float, 1.0, where=rw),
-        mscale=field(rp, "mscale", float, 1.0, where=rw),
-        mscale_all_dim=field(rp, "mscale_all_dim", float, 0.0, where=rw),
-        truncate=field(rp, "truncate", bool, True, where=rw),
+    rope = read_config(
+        RopeConfig, rp, rw, {"original_max_position_embeddings": 8192}, dim=rope_dim, kind=kind
     )
     act = field(raw, "hidden_act", str, "silu", where=w)
-    if act not in ("silu", "swish"):
-        raise ConfigError(
-            f"{w}: field 'hidden_act' has unsupported value {act!r} (Mistral Small 4 uses silu)"
-        )
-    if raw.get("attention_bias"):
-        raise ConfigError(
-            f"{w}: field 'attention_bias' = true is not supported (the released model has no biases)"
-        )
-    if field(raw, "moe_layer_freq", int, 1, where=w) != 1:
-        raise ConfigError(
-            f"{w}: field 'moe_layer_freq' must be 1 (every layer after the dense prefix is MoE)"
-        )
-    heads = field(raw, "num_attention_heads", int, 32, where=w, check=positive)
-    experts = field(raw, "n_routed_experts", int, 128, where=w, check=positive)
-    n_group = field(raw, "n_group", int, 1, where=w, check=positive)
-    if experts % n_group:
-        raise ConfigError(f"{w}: field 'n_group' = {n_group} must divide n_routed_experts = {experts}")
-    q_lora = raw.get("q_lora_rank", 1024)  # an explicit null selects the plain q_proj
-    cfg = Mistral4Config(
-        vocab_size=field(raw, "vocab_size", int, 131072, where=w, check=positive),
-        hidden_size=field(raw, "hidden_size", int, 4096, where=w, check=positive),
-        num_hidden_layers=field(raw, "num_hidden_layers", int, 36, where=w, check=positive),
-        num_attention_heads=heads,
-        q_lora_rank=None
-        if q_lora is None
-        else field({"q_lora_rank": q_lora}, "q_lora_rank", int, where=w, check=positive),
-        kv_lora_rank=field(raw, "kv_lora_rank", int, 256, where=w, check=positive),
-        qk_nope_head_dim=field(raw, "qk_nope_head_dim", int, 64, where=w, check=positive),
-        qk_rope_head_dim=rope_dim,
-        v_head_dim=field(raw, "v_head_dim", int, 128, where=w, check=positive),
-        intermediate_size=field(raw, "intermediate_size", int, 12288, where=w, check=lambda v: v >= 0),
-        moe_intermediate_size=field(raw, "moe_intermediate_size", int, 2048, where=w, check=positive),
-        n_routed_experts=experts,
-        num_experts_per_tok=field(
-            raw,
-            "num_experts_per_tok",
-            int,
-            4,
-            where=w,
-            check=lambda v: 0 < v <= experts,
-            why=f"must be in 1..n_routed_experts={experts}",
-        ),
-        n_shared_experts=field(raw, "n_shared_experts", int, 1, where=w, check=lambda v: v >= 0),
-        first_k_dense_replace=field(raw, "first_k_dense_replace", int, 0, where=w, check=lambda v: v >= 0),
-        n_group=n_group,
-        topk_group=field(
-            raw,
-            "topk_group",
-            int,
-            1,
-            where=w,
-            check=lambda v: 0 < v <= n_group,
-            why=f"must be in 1..n_group={n_group}",
-        ),
-        norm_topk_prob=field(raw, "norm_topk_prob", bool, True, where=w),
-        routed_scaling_factor=field(raw, "routed_scaling_factor", float, 1.0, where=w),
-        rms_norm_eps=field(raw, "rms_norm_eps", float, 1e-6, where=w, check=positive),
-        max_position_embeddings=field(raw, "max_position_embeddings", int, 1048576, where=w, check=positive),
+    require(act in ("silu", "swish"), w, "hidden_act", act, "Mistral Small 4 uses silu")
+    require(
+        not raw.get("attention_bias"),
+        w,
+        "attention_bias",
+        raw.get("attention_bias"),
+        "the released model has no biases",
+    )
+    freq = field(raw, "moe_layer_freq", int, 1, where=w)
+    require(freq == 1, w, "moe_layer_freq", freq, "every layer after the dense prefix is MoE")
+    cfg = read_config(
+        Mistral4Config,
+        raw,
+        w,
         rope=rope,
-        rope_interleave=field(raw, "rope_interleave", bool, True, where=w),
         llama4_beta=field(rp, "llama_4_scaling_beta", float, 0.0, where=rw),
         llama4_original_max=rope.original_max_position_embeddings,
-        tie_word_embeddings=field(raw, "tie_word_embeddings", bool, False, where=w),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids(raw.get("eos_token_id", 2)),
+        eos_token_ids=eos_ids(raw.get("eos_token_id", 2), w),
     )
-    if cfg.first_k_dense_replace > 0 and cfg.intermediate_size <= 0:
-        raise ConfigError(f"{w}: field 'intermediate_size' must be positive when first_k_dense_replace > 0")
-    if cfg.first_k_dense_replace > cfg.num_hidden_layers:
-        raise ConfigError(
-            f"{w}: field 'first_k_dense_replace' = {cfg.first_k_dense_replace} exceeds num_hidden_layers"
-        )
+    E, G = cfg.n_routed_experts, cfg.n_group
+    require(E % G == 0, w, "n_group", G, f"must divide n_routed_experts = {E}")
+    require(
+        cfg.num_experts_per_tok <= E,
+        w,
+        "num_experts_per_tok",
+        cfg.num_experts_per_tok,
+        f"must be in 1..n_routed_experts={E}",
+    )
+    require(cfg.topk_group <= G, w, "topk_group", cfg.topk_group, f"must be in 1..n_group={G}")
+    require(
+        cfg.first_k_dense_replace == 0 or cfg.intermediate_size > 0,
+        w,
+        "intermediate_size",
+        cfg.intermediate_size,
+        "must be positive when first_k_dense_replace > 0",
+    )
+    require(
+        cfg.first_k_dense_replace <= cfg.num_hidden_layers,
+        w,
+        "first_k_dense_replace",
+        cfg.first_k_dense_replace,
+        "exceeds num_hidden_layers",
+    )
     return cfg
 
 
@@ -299,34 +279,18 @@ def tensor_specs(cfg: Mistral4Config) -> list[TensorSpec]:
     specs = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding")]
     for L in range(cfg.num_hidden_layers):
         p = f"model.layers.{L}."
-        a = p + "self_attn."
         specs += [
             TensorSpec(p + "input_layernorm.weight", (d,), "norm", L),
             TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", L),
         ]
-        specs += mla.mla_specs(a, cfg, L)
-        m = p + "mlp."
+        specs += mla_specs(p + "self_attn.", cfg, L)
         if cfg.is_moe(L):
-            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-            specs += [
-                TensorSpec(m + "gate.weight", (E, d), "router", L),
-                TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, d), "expert", L),
-                TensorSpec(m + "experts.down_proj", (E, d, I), "expert", L),
-            ]
-            if cfg.n_shared_experts:
-                S = I * cfg.n_shared_experts
-                specs += [
-                    TensorSpec(m + "shared_experts.gate_proj.weight", (S, d), "shared_expert", L),
-                    TensorSpec(m + "shared_experts.up_proj.weight", (S, d), "shared_expert", L),
-                    TensorSpec(m + "shared_experts.down_proj.weight", (d, S), "shared_expert", L),
-                ]
+            I = cfg.moe_intermediate_size
+            specs += moe_specs(
+                p + "mlp.", cfg.n_routed_experts, I, d, L, bias=False, shared=I * cfg.n_shared_experts
+            )
         else:
-            I = cfg.intermediate_size
-            specs += [
-                TensorSpec(m + "gate_proj.weight", (I, d), "mlp", L),
-                TensorSpec(m + "up_proj.weight", (I, d), "mlp", L),
-                TensorSpec(m + "down_proj.weight", (d, I), "mlp", L),
-            ]
+            specs += mlp_specs(p + "mlp.", cfg.intermediate_size, d, "mlp", L)
     specs.append(TensorSpec("model.norm.weight", (d,), "norm"))
     specs.append(
         TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
@@ -420,21 +384,39 @@ def namings(cfg: Mistral4Config, layout: str, store_names) -> Naming:
 # ---------------------------------------------------------------- model
 
 
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    attn: MlaWeights
+    mlp_norm: torch.Tensor
+    mlp: Mlp | MoeWeights
+
+
 class Model:
     """The Mistral Small 4 decoder over a ForwardBatch."""
 
-    def __init__(self, cfg: Mistral4Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    def __init__(self, cfg: Mistral4Config, t: Tensors, dtype: torch.dtype, device):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        t = tensors
-        self.embed = t["model.embed_tokens.weight"]
-        self.norm = t["model.norm.weight"]
-        self.lm_head = t.get("lm_head.weight", self.embed)
+        self.embed = t("model.embed_tokens.weight")
+        self.norm = t("model.norm.weight")
+        self.lm_head = t.optional("lm_head.weight")
+        if self.lm_head is None:
+            self.lm_head = self.embed
         self.layers = []
         for L in range(cfg.num_hidden_layers):
-            p = f"model.layers.{L}."
-            self.layers.append({k[len(p) :]: v for k, v in t.items() if k.startswith(p)})
+            w = t.under(f"model.layers.{L}.")
+            mlp = bind_moe(w.under("mlp.")) if cfg.is_moe(L) else bind_mlp(w.under("mlp."))
+            self.layers.append(
+                Layer(
+                    w("input_layernorm.weight"),
+                    bind_mla(w.under("self_attn.")),
+                    w("post_attention_layernorm.weight"),
+                    mlp,
+                )
+            )
+        self.moe = cfg.moe_spec
         self.freqs = inv_freq(cfg.rope).to(device)
         self.rope_factor = cos_sin_attention_factor(cfg.rope)
         self.rope_fn = rope_interleaved if cfg.rope_interleave else rope_half
@@ -453,42 +435,19 @@ class Model:
 
     # -- blocks
     def attention(
-        self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch, cos, sin, qscale
+        self, L: int, w: MlaWeights, x: torch.Tensor, batch: ForwardBatch, cos, sin, qscale
     ) -> torch.Tensor:
         c = self.cfg
-        q_nope, q_rope, latent, k_rope = mla.mla_project(x, w, c)
+        q_nope, q_rope, latent, k_rope = mla_project(x, w, c)
         k_rope = self.rope_fn(k_rope[:, None], cos, sin)[:, 0]
         q_rope = self.rope_fn(q_rope, cos, sin)
         if qscale is not None:
             q_nope, q_rope = q_nope * qscale, q_rope * qscale
-        out = mla.mla_batch(
-            L,
-            batch,
-            q_nope,
-            q_rope,
-            latent,
-            k_rope,
-            w["self_attn.kv_b_proj.weight"],
-            c.v_head_dim,
-            c.softmax_scale,
-        )
-        return linear(out.flatten(1), w["self_attn.o_proj.weight"])
+        out = mla_batch(L, batch, q_nope, q_rope, latent, k_rope, w.kv_b, c.v_head_dim, c.softmax_scale)
+        return linear(out.flatten(1), w.o)
 
-    def mlp(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        if not c.is_moe(L):
-            return glu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
-        logits = linear(x, w["mlp.gate.weight"])
-        weights, ids = route_softmax(
-            logits, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor
-        )
-        out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], swiglu)
-        if c.n_shared_experts:
-            s = "mlp.shared_experts."
-            out = out + glu_mlp(
-                x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
-            )
-        return out
+    def mlp(self, w: Mlp | MoeWeights, x: torch.Tensor) -> torch.Tensor:
+        return moe(x, w, self.moe) if isinstance(w, MoeWeights) else w(x)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -497,17 +456,21 @@ class Model:
         h = F.embedding(batch.token_ids, self.embed)
         cos, sin = cos_sin(self.freqs, batch.positions, self.rope_factor)
         qscale = None
-        if c.llama4_beta and int(batch.positions.max()) >= c.llama4_original_max:
+        if c.llama4_beta and batch.max_position >= c.llama4_original_max:
             s = 1 + c.llama4_beta * torch.log1p(torch.floor(batch.positions.float() / c.llama4_original_max))
             qscale = s.to(h.dtype)[:, None, None]
         for L, w in enumerate(self.layers):
             h = h + self.attention(
-                L, w, rms_norm(h, w["input_layernorm.weight"], c.rms_norm_eps), batch, cos, sin, qscale
+                L, w.attn, rms_norm(h, w.attn_norm, c.rms_norm_eps), batch, cos, sin, qscale
             )
-            h = h + self.mlp(L, w, rms_norm(h, w["post_attention_layernorm.weight"], c.rms_norm_eps))
+            h = h + self.mlp(w.mlp, rms_norm(h, w.mlp_norm, c.rms_norm_eps))
         batch.finish()
         h = rms_norm(h[batch.logit_rows], self.norm, c.rms_norm_eps)
         return linear(h, self.lm_head).float()
+
+
+def build(cfg: Mistral4Config, tensors: Tensors, dtype: torch.dtype, device, folder) -> Model:
+    return Model(cfg, tensors, dtype, device)
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
@@ -517,8 +480,9 @@ def layer_schedule(cfg: Mistral4Config) -> list[str]:
     return ["mla+moe" if cfg.is_moe(L) else "mla+mlp" for L in range(cfg.num_hidden_layers)]
 
 
-def state_bytes(cfg: Mistral4Config, dtype_bytes: int) -> tuple[int, int]:
-    """(bytes per token, fixed bytes per sequence): the latent and the shared rope key per layer."""
+def state_bytes(cfg: Mistral4Config, dtype_bytes: int, rollback_window: int = 0) -> tuple[int, int]:
+    """(bytes per token, fixed bytes per sequence): the latent and the shared rope key per layer. Rows
+    roll back for free, so the rollback window adds nothing."""
     return cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes, 0
 
 
@@ -591,7 +555,3 @@ def handoff(raw: dict) -> str | None:
 
 def draft_heads(cfg) -> tuple[str, ...]:
     return ()
-
-
-def build(cfg, tensors, dtype, device, folder):
-    return Model(cfg, tensors.all(), dtype, device)

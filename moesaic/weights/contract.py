@@ -32,22 +32,26 @@ from .store import WeightStore
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """One tensor the model needs. Flags:
+    keep_fp32   kept in fp32 whatever the model dtype (norm gains, routers where the reference does);
+    dense       used other than through `linear` (views, einsums): dequantized at load if stored packed;
+    integer     an integer table (e.g. hash routing), not a float weight;
+    mapped      left in the file: handed over as stored (dtype included), a view of the file's map, never
+                copied or converted (tables read a few rows at a time: V4.1's Engram);
+    shard       the axis tensor parallelism splits it along (None: replicated on every rank);
+    streamable  a routed expert stack, which expert streaming may leave on disk and read on demand."""
+
     name: str  # the model's own name (transformers' in-memory name)
     shape: tuple[int, ...]
     role: str  # embedding | attention | norm | router | expert | shared_expert | mlp | lm_head | ...
     layer: int | None = None
     optional: bool = False
-    keep_fp32: bool = (
-        False  # kept in fp32 whatever the model dtype (norm gains, routers where the reference does)
-    )
-    dense: bool = (
-        False  # used other than through `linear` (views, einsums): dequantized at load if stored packed
-    )
-    integer: bool = False  # an integer table (e.g. hash routing), not a float weight
-    mapped: bool = (
-        False  # left in the file: handed over as stored (dtype included), a view of the file's map,
-    )
-    #                       never copied or converted (tables read a few rows at a time: V4.1's Engram)
+    keep_fp32: bool = False
+    dense: bool = False
+    integer: bool = False
+    mapped: bool = False
+    shard: int | None = None
+    streamable: bool = False
 
 
 def shape_matches(got, want) -> bool:

@@ -1,0 +1,1 @@
+"""`moesaic serve`: the OpenAI- and Anthropic-compatible HTTP server."""
