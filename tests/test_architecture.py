@@ -15,8 +15,14 @@ LINT = Path(sys.executable).parent / "lint-imports"
 def lint(root: Path) -> subprocess.CompletedProcess:
     """lint-imports over the `moesaic` package found under `root`, with the contracts of pyproject.toml."""
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
-    return subprocess.run([str(LINT), "--config", str(root / "pyproject.toml"), "--no-cache"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(LINT), "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_import_contracts_hold():
