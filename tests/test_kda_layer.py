@@ -12,14 +12,14 @@ from moesaic.errors import CheckpointError
 from moesaic.layers.kda import (
     KdaDims,
     KdaState,
-    KdaWeights,
     delta_rule_recurrent,
     kda_attend,
     kda_gate,
     kda_mixer,
-    kda_tensor_shapes,
     l2norm,
 )
+from moesaic.models.parts import bind_kda, kda_shapes
+from moesaic.weights.bind import Tensors
 
 HIDDEN, HEADS, HEAD_DIM, KERNEL = 32, 3, 8, 4
 TOL = 1e-5
@@ -126,7 +126,7 @@ def dims_for(family, **overrides):
 
 
 def ours(module, dims):
-    return KdaWeights.from_tensors(dict(module.named_parameters()), dims)
+    return bind_kda(Tensors(dict(module.named_parameters())), dims)
 
 
 def hf_state(cache):
@@ -224,9 +224,9 @@ def test_k3_layout_full_rank_gate_and_wide_A_log():
         "o_proj.weight": p["o_proj.weight"],
     }
     dims = dims_for("kimi_k3", chunk_size=16)
-    shapes = kda_tensor_shapes(dims, a_log_shape=(HEADS + 5,))
+    shapes = kda_shapes(dims, a_log_shape=(HEADS + 5,))
     assert {n: tuple(t.shape) for n, t in release.items()} == shapes
-    w = KdaWeights.from_tensors(release, dims)
+    w = bind_kda(Tensors(release), dims)
     x = torch.randn(37, HIDDEN)
     ref = module(x[None])[0]
     out, _, _ = kda_mixer(x, w, dims)
@@ -235,9 +235,9 @@ def test_k3_layout_full_rank_gate_and_wide_A_log():
     # a non-zero tail is not an export quirk: refuse it; so is a missing tensor
     bad = {**release, "A_log": torch.cat([p["forget_gate.A_log"], torch.ones(5)])}
     with pytest.raises(CheckpointError, match="A_log"):
-        KdaWeights.from_tensors(bad, dims)
+        bind_kda(Tensors(bad), dims)
     with pytest.raises(CheckpointError, match="g_proj"):
-        KdaWeights.from_tensors({k: v for k, v in release.items() if k != "g_proj.weight"}, dims)
+        bind_kda(Tensors({k: v for k, v in release.items() if k != "g_proj.weight"}), dims)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])

@@ -27,15 +27,13 @@ agree to fp32 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moesaic.errors import CheckpointError
-from moesaic.layers.linear import linear
+from .linear import linear
 
 L2NORM_EPS = 1e-6
 
@@ -111,7 +109,7 @@ class KdaState:
 
 @dataclass
 class KdaWeights:
-    """One KDA layer's tensors, named after the modules of the releases (under `self_attn.`)."""
+    """One KDA layer's tensors (field names after the releases' modules; bound by models/parts.py bind_kda)."""
 
     q_proj: Tensor  # [H*Dk, d]
     k_proj: Tensor
@@ -127,90 +125,6 @@ class KdaWeights:
     g_a_proj: Tensor | None = None  # [Dv, d]        low-rank output gate
     g_b_proj: Tensor | None = None  # [H*Dv, Dv]
     g_proj: Tensor | None = None  # [H*Dv, d]       full-rank output gate (K3)
-
-    @classmethod
-    def from_tensors(cls, tensors: Mapping[str, Tensor], dims: KdaDims) -> KdaWeights:
-        """Build from a layer's tensors with the `self_attn.` prefix removed. Accepts the release
-        names (`q_conv1d.weight`, `f_a_proj.weight`, `A_log`, ...) and transformers' in-memory
-        names (`conv1d.weight` [3C,1,K], `forget_gate.f_a_proj.weight`, `forget_gate.A_log`, ...)."""
-        t = {name.removeprefix("forget_gate."): value for name, value in tensors.items()}
-        H, C, K, d = dims.num_heads, dims.qkv_dim, dims.conv_kernel, dims.hidden_size
-
-        def get(name: str) -> Tensor:
-            if name not in t:
-                raise CheckpointError(f"KDA tensor {name!r} is missing (have: {sorted(t)})")
-            return t[name]
-
-        if "conv1d.weight" in t:
-            conv = get("conv1d.weight").reshape(3 * C, -1)
-        else:
-            conv = torch.cat([get(f"{p}_conv1d.weight").reshape(C, -1) for p in "qkv"])
-        if conv.shape != (3 * C, K):
-            raise CheckpointError(f"KDA conv weight has {conv.shape[-1]} taps, config says {K}")
-
-        a_log = get("A_log").reshape(-1).float()
-        if a_log.numel() < H:
-            raise CheckpointError(f"KDA A_log has {a_log.numel()} entries for {H} heads")
-        if a_log.numel() > H and torch.any(a_log[H:] != 0):
-            raise CheckpointError(
-                f"KDA A_log is stored with {a_log.numel()} entries for {H} heads and its tail is not zero; "
-                "only a zero tail (Kimi K3's export) can be dropped"
-            )
-
-        w = cls(
-            q_proj=get("q_proj.weight"),
-            k_proj=get("k_proj.weight"),
-            v_proj=get("v_proj.weight"),
-            conv=conv.float(),
-            f_a_proj=get("f_a_proj.weight"),
-            f_b_proj=get("f_b_proj.weight"),
-            dt_bias=get("dt_bias").reshape(-1).float(),
-            A_log=a_log[:H].contiguous(),
-            b_proj=get("b_proj.weight"),
-            o_norm=get("o_norm.weight"),
-            o_proj=get("o_proj.weight"),
-        )
-        if dims.full_rank_gate:
-            w.g_proj = get("g_proj.weight")
-        else:
-            w.g_a_proj, w.g_b_proj = get("g_a_proj.weight"), get("g_b_proj.weight")
-
-        for name, shape in kda_tensor_shapes(dims).items():
-            if name == "A_log" or "conv1d" in name:
-                continue
-            got = getattr(w, name.removesuffix(".weight")).shape
-            if tuple(got) != shape:
-                raise CheckpointError(f"KDA tensor {name!r} has shape {tuple(got)}, expected {shape} (d={d})")
-        return w
-
-
-def kda_tensor_shapes(
-    dims: KdaDims, a_log_shape: tuple[int, ...] | None = None
-) -> dict[str, tuple[int, ...]]:
-    """The release names (under `self_attn.`) and shapes of one KDA layer. `a_log_shape` is the
-    stored shape where a family differs: Kimi Linear [1, 1, H, 1], K3 [128] for 96 heads."""
-    d, H, D, C, K = dims.hidden_size, dims.num_heads, dims.head_dim, dims.qkv_dim, dims.conv_kernel
-    shapes = {
-        "q_proj.weight": (C, d),
-        "k_proj.weight": (C, d),
-        "v_proj.weight": (C, d),
-        "q_conv1d.weight": (C, 1, K),
-        "k_conv1d.weight": (C, 1, K),
-        "v_conv1d.weight": (C, 1, K),
-        "f_a_proj.weight": (D, d),
-        "f_b_proj.weight": (C, D),
-        "dt_bias": (C,),
-        "A_log": a_log_shape or (H,),
-        "b_proj.weight": (H, d),
-        "o_norm.weight": (D,),
-        "o_proj.weight": (d, C),
-    }
-    if dims.full_rank_gate:
-        shapes["g_proj.weight"] = (C, d)
-    else:
-        shapes["g_a_proj.weight"] = (D, d)
-        shapes["g_b_proj.weight"] = (C, D)
-    return shapes
 
 
 # ----------------------------------------------------------------------------- pieces

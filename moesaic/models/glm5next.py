@@ -50,12 +50,14 @@ from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import eos_ids, field, positive
 from ..errors import CheckpointError, ConfigError
 from ..layers import dsa, mhc
-from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
+from ..layers.kda import KdaDims, KdaState, kda_mixer
 from ..layers.linear import linear
 from ..layers.moe import clamped_silu_glu, clamped_swiglu, glu_mlp, route_sigmoid, run_experts
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
+from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
+from .parts import bind_kda
 
 MODEL_TYPES = ("glm5_next", "glm5_next_text")
 
@@ -565,7 +567,7 @@ class Model:
             )
             if cfg.layer_types[L] == KDA:
                 sub = {k[len("self_attn.") :]: v for k, v in w.items() if k.startswith("self_attn.")}
-                self.kda[L] = KdaWeights.from_tensors(sub, self.kda_dims)
+                self.kda[L] = bind_kda(Tensors(sub), self.kda_dims)  # TODO(#11): bind at build
         self.mtp = []  # the MTP layer(s)' tensors, for a drafter (spec/); empty when the checkpoint has none
         mtp_specs = [s for s in tensor_specs(cfg) if s.optional and s.layer is not None]
         for j in range(cfg.num_nextn_predict_layers):

@@ -42,7 +42,7 @@ from ..cache.batch import ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import eos_ids, field, positive
 from ..errors import ConfigError
-from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer, kda_tensor_shapes
+from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
 from ..layers.linear import linear
 from ..layers.mla import mla_batch, mla_project
 from ..layers.moe import glu_mlp, route_sigmoid, run_experts, swiglu
@@ -50,7 +50,7 @@ from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
 from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
-from .parts import bind_mla, mla_specs
+from .parts import bind_kda, bind_mla, kda_shapes, mla_specs
 
 MODEL_TYPES = ("kimi_linear",)
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the RMSNorm class default, as transformers builds them
@@ -373,7 +373,7 @@ def parse_config(raw: dict, layout: str = "hf") -> KimiLinearConfig:
 
 
 def kda_specs(p: str, dims: KdaDims, L: int, a_log_shape) -> list[TensorSpec]:
-    """One KDA layer under `p + "self_attn."`: the release names of `kda_tensor_shapes`."""
+    """One KDA layer under `p + "self_attn."`: the release names of `parts.kda_shapes`."""
     return [
         TensorSpec(
             p + "self_attn." + name,
@@ -383,7 +383,7 @@ def kda_specs(p: str, dims: KdaDims, L: int, a_log_shape) -> list[TensorSpec]:
             keep_fp32=name in ("A_log", "dt_bias"),
             dense="conv1d" in name,
         )  # conv taps, never a matmul
-        for name, shape in kda_tensor_shapes(dims, a_log_shape).items()
+        for name, shape in kda_shapes(dims, a_log_shape).items()
     ]
 
 
@@ -536,9 +536,7 @@ def layer_tensors(tensors: dict, L: int) -> dict:
 
 
 def kda_weights(w: dict, dims: KdaDims) -> KdaWeights:
-    return KdaWeights.from_tensors(
-        {k[len("self_attn.") :]: v for k, v in w.items() if k.startswith("self_attn.")}, dims
-    )
+    return bind_kda(Tensors(w).under("self_attn."), dims)  # TODO(#11): bind at build
 
 
 # ---------------------------------------------------------------- model

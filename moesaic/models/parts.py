@@ -5,6 +5,10 @@ names are written once here; `Tensors.check_all_taken` catches a contract and a 
 
 from __future__ import annotations
 
+import torch
+
+from ..errors import CheckpointError
+from ..layers.kda import KdaDims, KdaWeights
 from ..layers.mla import MlaWeights
 from ..layers.moe import Mlp, MoeWeights
 from ..weights.bind import Tensors
@@ -127,4 +131,72 @@ def bind_moe(t: Tensors, **extra) -> MoeWeights:
         experts_out=t("experts.down_proj"),
         shared=bind_mlp(t.under("shared_experts.")) if t.has("shared_experts.up_proj.weight") else None,
         **extra,
+    )
+
+
+# ---------------------------------------------------------------- KDA (the releases' names)
+
+
+def kda_shapes(dims: KdaDims, a_log_shape: tuple[int, ...] | None = None) -> dict[str, tuple[int, ...]]:
+    """The release names (under `self_attn.`) and shapes of one KDA layer. `a_log_shape` is the
+    stored shape where a family differs: Kimi Linear [1, 1, H, 1], K3 [128] for 96 heads."""
+    d, H, D, C, K = dims.hidden_size, dims.num_heads, dims.head_dim, dims.qkv_dim, dims.conv_kernel
+    shapes = {
+        "q_proj.weight": (C, d),
+        "k_proj.weight": (C, d),
+        "v_proj.weight": (C, d),
+        "q_conv1d.weight": (C, 1, K),
+        "k_conv1d.weight": (C, 1, K),
+        "v_conv1d.weight": (C, 1, K),
+        "f_a_proj.weight": (D, d),
+        "f_b_proj.weight": (C, D),
+        "dt_bias": (C,),
+        "A_log": a_log_shape or (H,),
+        "b_proj.weight": (H, d),
+        "o_norm.weight": (D,),
+        "o_proj.weight": (d, C),
+    }
+    if dims.full_rank_gate:
+        shapes["g_proj.weight"] = (C, d)
+    else:
+        shapes["g_a_proj.weight"] = (D, d)
+        shapes["g_b_proj.weight"] = (C, D)
+    return shapes
+
+
+def bind_kda(t: Tensors, dims: KdaDims) -> KdaWeights:
+    """One KDA layer under `t`'s prefix, in the release names (`q_conv1d.weight`, `f_a_proj.weight`,
+    `A_log`, ...) or transformers' (`conv1d.weight` [3C, 1, K], `forget_gate.f_a_proj.weight`, ...)."""
+    H, C, K = dims.num_heads, dims.qkv_dim, dims.conv_kernel
+    gate = t.under("forget_gate.") if t.has("forget_gate.A_log") else t
+    if t.has("conv1d.weight"):
+        conv = t("conv1d.weight").reshape(3 * C, -1)
+    else:
+        conv = torch.cat([t(f"{p}_conv1d.weight").reshape(C, -1) for p in "qkv"])
+    if conv.shape != (3 * C, K):
+        raise CheckpointError(f"KDA conv weight has {conv.shape[-1]} taps, config says {K}")
+    a_log = gate("A_log").reshape(-1).float()
+    if a_log.numel() < H:
+        raise CheckpointError(f"KDA A_log has {a_log.numel()} entries for {H} heads")
+    if a_log.numel() > H and torch.any(a_log[H:] != 0):
+        raise CheckpointError(
+            f"KDA A_log is stored with {a_log.numel()} entries for {H} heads and its tail is not zero; "
+            "only a zero tail (Kimi K3's export) can be dropped"
+        )
+    full = dims.full_rank_gate
+    return KdaWeights(
+        q_proj=t("q_proj.weight"),
+        k_proj=t("k_proj.weight"),
+        v_proj=t("v_proj.weight"),
+        conv=conv.float(),
+        f_a_proj=gate("f_a_proj.weight"),
+        f_b_proj=gate("f_b_proj.weight"),
+        dt_bias=gate("dt_bias").reshape(-1).float(),
+        A_log=a_log[:H].contiguous(),
+        b_proj=t("b_proj.weight"),
+        o_norm=t("o_norm.weight"),
+        o_proj=t("o_proj.weight"),
+        g_proj=t("g_proj.weight") if full else None,
+        g_a_proj=None if full else t("g_a_proj.weight"),
+        g_b_proj=None if full else t("g_b_proj.weight"),
     )
