@@ -293,7 +293,9 @@ class LLM:
         """fp32 logits [T, vocab] of one full prefill of `token_ids` (or of a text's tokens)."""
         if token_ids is None:
             raise RequestError("score needs a prompt (token ids or text), got None")
-        ids = self.encode(token_ids if isinstance(token_ids, (str, list, tuple)) else list(token_ids))
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        ids = self.encode(token_ids)
         check_prompt(ids, self.cfg.vocab_size)
         if len(ids) > self.engine.max_context:
             raise CapacityError(f"{len(ids)} tokens exceed this model's context of {self.engine.max_context}")

@@ -136,8 +136,8 @@ class AsyncEngine:
                 log.exception("moesaic: engine step failed; failing the requests in flight")
                 for req in list(self.requests.values()):
                     self.engine.abort(req.seq)
-                    self._send(req, e)
                     self._forget(req)
+                    self._send(req, e)
             self._publish()
 
     def _take_new(self) -> None:
@@ -146,8 +146,8 @@ class AsyncEngine:
             try:
                 self.engine.add(req.seq)
             except Exception as e:
-                self._send(req, e)
                 self._forget(req)
+                self._send(req, e)
 
     def _take_aborts(self) -> None:
         while self._aborts:
@@ -175,13 +175,9 @@ class AsyncEngine:
                 item = self._delta(req)
             if item is None:
                 continue
-            if item.error is not None:
-                self._send(req, item.error)
+            if item.error is not None or item.finished:  # forgotten first: the consumer may look at once
                 self._forget(req)
-                continue
-            self._send(req, item)
-            if item.finished:
-                self._forget(req)
+            self._send(req, item.error if item.error is not None else item)
 
     def _delta(self, req: _Request) -> RequestOutput | None:
         full = self.engine.output(req.seq)

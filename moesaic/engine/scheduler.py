@@ -12,7 +12,8 @@ Prefix cache: an admitted sequence starts from the longest run of its full block
 (block_manager.py), capped one token short of its tokens (the last one is computed for its logits). For a
 family with state that is not paged, the run ends at the deepest block boundary that also has a state
 snapshot; snapshots are taken at block boundaries of committed tokens: every SNAPSHOT_EVERY-th block, the
-last full block of the prompt, the boundary where the prompt's match with the index ended (so the next
+last full block of the prompt (and the one before it when the prompt fills its last block, where a repeat
+of the prompt starts), the boundary where the prompt's match with the index ended (so the next
 request with that prefix hits), and during decode the latest boundary of each sequence. Prompt chunks are
 cut at those boundaries so that the state is there to snapshot.
 """
@@ -122,16 +123,22 @@ class Scheduler:
 
     def _next_point(self, seq: Sequence, start: int) -> int | None:
         every = SNAPSHOT_EVERY * BLOCK_SIZE
-        points = [(start // every + 1) * every, len(seq.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE]
-        points += seq.snapshot_points
+        points = [(start // every + 1) * every, *self._prompt_points(seq), *seq.snapshot_points]
         later = [p for p in points if p > start]
         return min(later) if later else None
+
+    @staticmethod
+    def _prompt_points(seq: Sequence) -> tuple[int, int]:
+        """The prompt's last full block, and the last one a repeat of the same prompt can start from (one
+        token short of it: they differ when the prompt fills its last block)."""
+        n = len(seq.prompt_ids)
+        return n // BLOCK_SIZE * BLOCK_SIZE, (n - 1) // BLOCK_SIZE * BLOCK_SIZE
 
     def is_point(self, seq: Sequence, at: int) -> bool:
         """Whether `at` (a block boundary) is one of the sequence's permanent snapshot boundaries."""
         return (
             at % (SNAPSHOT_EVERY * BLOCK_SIZE) == 0
-            or at == len(seq.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE
+            or at in self._prompt_points(seq)
             or at in seq.snapshot_points
         )
 
