@@ -499,6 +499,13 @@ def test_config_fields_and_aliases_as_transformers_reads_them(hf_ckpt):
     )
     assert c.mtp_layer_types == tuple(hf.mtp_layers_block_type) == ("full_attention", "moe")
     assert c.moe_latent_size == 16 and c.eos_token_ids == (2, 11)
+    # num_key_value_heads: absent 8 (transformers' default), null one per head (its __post_init__)
+    assert transformers.NemotronHConfig(num_attention_heads=16).num_key_value_heads == 8
+    assert nemotron_h.parse_config(dict(num_attention_heads=16)).num_key_value_heads == 8
+    assert (
+        nemotron_h.parse_config(dict(num_attention_heads=16, num_key_value_heads=None)).num_key_value_heads
+        == 16
+    )
     # the release names in layers_block_type, as transformers remaps them
     rel = dict(raw, layers_block_type=["mamba", "mlp", "attention", "moe", "mamba"])
     assert nemotron_h.parse_config(rel).layer_types == tuple(
@@ -517,6 +524,10 @@ def test_config_fields_and_aliases_as_transformers_reads_them(hf_ckpt):
         ({"n_routed_experts": 8, "n_group": 3}, "'n_group'"),
         ({"num_attention_heads": 6, "num_key_value_heads": 4}, "'num_key_value_heads'"),
         ({"time_step_limit": [0.0]}, "'time_step_limit'"),
+        ({"time_step_limit": [0.0, float("nan")]}, "'time_step_limit'"),
+        ({"mamba_num_heads": 8, "mamba_n_groups": 3}, "'mamba_n_groups'"),
+        ({"routed_scaling_factor": float("inf")}, "'routed_scaling_factor' must be a finite number"),
+        ({"topk_group": 2}, "'topk_group'"),
     ],
 )
 def test_bad_configs_name_the_field(edit, expect):

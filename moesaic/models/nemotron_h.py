@@ -11,38 +11,24 @@ Nemotron-3 Nano 30B-A3B and Super 120B-A12B (LatentMoE, one MTP block).
 
 Config. The layer list is `layers_block_type` (alias `layer_types`; the release names `mamba` and
 `attention` are read as `linear_attention` and `full_attention`, as transformers' remap does) or the
-legacy `hybrid_override_pattern` string (`M` Mamba-2, `E` MoE, `*` attention, `-` MLP). The layer
-count is its length; `num_hidden_layers` is ignored. The legacy `mamba_*` aliases override the
-plain names, as in transformers. MTP fields: `num_nextn_predict_layers` (N blocks) and the block's
-layer list `mtp_layers_block_type` / legacy `mtp_hybrid_override_pattern` (P layers, default `*E`).
+legacy `hybrid_override_pattern` string (`M` Mamba-2, `E` MoE, `*` attention, `-` MLP); its length is
+the layer count (`num_hidden_layers` is ignored). The legacy `mamba_*` keys override the plain names,
+as in transformers. MTP: `num_nextn_predict_layers` blocks (N) of the layers `mtp_layers_block_type` /
+legacy `mtp_hybrid_override_pattern` (P, default `*E`).
 
-MTP. Declared optional (role "mtp", so `inspect` counts it apart from the published totals) and, when
-the checkpoint has it, shape-checked and bound into `Model.mtp` (one `MtpBlock` per block); nothing runs
-it yet (transformers builds no MTP module, so there is no oracle). All of it or none: a partial block is a CheckpointError.
-The checkpoint flattens the N x P layers as `mtp.layers.{k}.` with k = block * P + position, each a
-Nemotron-H layer (`norm.weight`, `mixer.*` named as in the backbone, per-expert
-`mixer.experts.{e}.up_proj.weight`), plus `enorm.weight`, `hnorm.weight` and `eh_proj.weight`
-[d, 2d] on each block's first layer and `final_layernorm.weight` on its last. Sources for the names:
-vLLM `vllm/model_executor/models/nemotron_h_mtp.py` (`NemotronHMTP.load_weights`, which keeps only
-`mtp.*` after stripping a `language_model.` prefix), SGLang `python/sglang/srt/models/nemotron_h_mtp.py`,
-and Megatron-Bridge `src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py` (its flattened HF MTP
-mapping); no released safetensors index was read from here.
+Names. The contract uses transformers' in-memory names (`model.*`, fused experts
+`model.layers.L.mixer.experts.up_proj [E, I, in]`); the releases and `save_pretrained` write
+`backbone.*` with one tensor per expert (`backbone.layers.L.mixer.experts.{e}.up_proj.weight [I, in]`).
+Both are read, chosen per checkpoint. MTP blocks, optional (role "mtp") but all or none, are flattened
+as `mtp.layers.{k}.` (k = block * P + position), each a Nemotron-H layer, with `enorm`, `hnorm`,
+`eh_proj [d, 2d]` on a block's first layer and `final_layernorm` on its last: the names vLLM
+`vllm/model_executor/models/nemotron_h_mtp.py` (`NemotronHMTP.load_weights`), SGLang
+`python/sglang/srt/models/nemotron_h_mtp.py` and Megatron-Bridge
+`src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py` load. They are bound into `Model.mtp` and
+not run yet (transformers builds no MTP module: no oracle).
 
 dt convention. softplus(dt + dt_bias) is clamped below at `time_step_min` in prefill AND decode
-(see moesaic/layers/mamba2.py). transformers clamps in its chunked prefill only, so moesaic equals
-transformers everywhere except decode steps where softplus(dt + dt_bias) < time_step_min; there
-moesaic's decode equals its own (and transformers') prefill. `time_step_limit` is parsed but, as in
-transformers, the bounds used are (time_step_min, inf).
-
-Names. The model's own names are transformers' in-memory ones (`model.*`, fused experts
-`model.layers.L.mixer.experts.up_proj [E, I, in]`). Checkpoints — the releases and what
-transformers' `save_pretrained` writes — use `backbone.*` and one tensor per expert
-(`backbone.layers.L.mixer.experts.{e}.up_proj.weight [I, in]`). Both prefixes and both expert
-layouts are read (chosen per checkpoint from the names it holds).
-
-State per sequence: attention layers keep K and V rows (TokenRows, model dtype); Mamba-2 layers a
-RecurrentState over the fp32 conv tail [conv_dim, K-1] and SSM state [H, P, N], with a rollback
-window of per-token snapshots chosen at `new_state(rollback_window=...)`; MLP and MoE layers none.
+(moesaic/layers/mamba2.py); transformers clamps in its chunked prefill only.
 """
 
 from __future__ import annotations
@@ -216,7 +202,7 @@ def _layer_types(raw: dict, w: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def _time_step_limit(raw: dict, w: str) -> tuple[float, float]:
     """The pair as JSON writes it, infinity included (transformers' {"__float__": "Infinity"}, the string
-    form, or Python's json `Infinity`): the one float a config may hold that is not finite."""
+    form, or Python's json `Infinity`): the one place a config may hold a float that is not finite."""
     key = "mamba_dt_limit" if raw.get("mamba_dt_limit") is not None else "time_step_limit"
     pair = raw.get(key)
     if pair is None:
@@ -228,7 +214,7 @@ def _time_step_limit(raw: dict, w: str) -> tuple[float, float]:
         if isinstance(v, dict) and "__float__" in v:
             v = v["__float__"]
         try:
-            if isinstance(v, bool):
+            if isinstance(v, bool) or math.isnan(float(v)):
                 raise TypeError
             out.append(float(v))
         except (TypeError, ValueError):
