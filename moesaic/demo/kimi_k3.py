@@ -169,7 +169,7 @@ def write_checkpoint(
         k: v.to(torch.float32 if k.endswith(("A_log", "dt_bias")) else dtype) for k, v in tensors.items()
     }
     ckpt = to_checkpoint(tensor_specs(cfg), release_naming(cfg, ()), tensors)
-    width = a_log_width or max(cfg.kda_num_heads, cfg.kda_head_dim)
+    width = a_log_width or max(cfg.linear_attn.num_heads, cfg.linear_attn.head_dim)
     for name in [n for n in ckpt if n.endswith("self_attn.A_log")]:
         a = ckpt[name].reshape(-1)
         ckpt[name] = torch.cat([a, a.new_zeros(width - a.numel())])
