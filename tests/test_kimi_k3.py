@@ -3,9 +3,10 @@
 * the parts K3 shares with an oracle family: its KDA layer (lower-bounded gate, full-rank output
   gate, A_log stored wider than the heads) against transformers' glm5_next KDA module, and its
   MLA with the output gate forced open against transformers' kimi_linear MLA;
-* an independent reference written here from shared/reference/kimi_k3.md (loops for AttnRes
-  and the MoE, plain softmax attention, the KDA recurrence from transformers' glm5_next chunked
-  function), reading the checkpoint's release-named tensors itself;
+* an independent reference written here from the forward pass of docs/families/kimi_k3.md (after
+  Moonshot's remote code in `moonshotai/Kimi-K3` and the AttnRes report arXiv:2603.15031): loops for
+  AttnRes and the MoE, plain softmax attention, the KDA recurrence from transformers' glm5_next
+  chunked function, reading the checkpoint's release-named tensors itself;
 * AttnRes and SiTU against closed forms and invariants;
 * broken twins: each must change K3's logits AND fail the check it targets;
 * consistency: chunked prefill, decode and rollback against one full prefill;
@@ -23,7 +24,15 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import calm_kda_, check_batch_equals_singles, max_err, random_ids, randomize_, run
+from helpers import (
+    calm_kda_,
+    check_batch_equals_singles,
+    check_state_bytes_exact,
+    max_err,
+    random_ids,
+    randomize_,
+    run,
+)
 from safetensors.torch import load_file, save_file
 from transformers.models.glm5_next import modeling_glm5_next as hf_glm
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
@@ -33,7 +42,6 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAtten
 import moesaic
 from moesaic.cache.batch import ForwardBatch
 from moesaic.cli import main as cli_main
-from moesaic.demo import ensure_demo
 from moesaic.demo import kimi_k3 as k3demo
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
@@ -238,7 +246,7 @@ def ref_moe(R, p, x):
 
 
 def ref_forward(R, ids):
-    """Section 3.1 of the reference, literally."""
+    """The forward pass of docs/families/kimi_k3.md, literally."""
     h, bank = R["model.embed_tokens.weight"][ids], []
     kda = set(LAC["kda_layers"])
     for L in range(TC["num_hidden_layers"]):
@@ -576,16 +584,10 @@ def test_state_bytes_are_exact_on_the_demo(dtype, window):
     """The planner's (per token, fixed) bytes are what a sequence of the demo model holds after T
     one-token forwards, T past the rollback window (KDA keeps 1 + window states, MLA one row a token,
     AttnRes nothing across tokens)."""
-    ck = Checkpoint.open(ensure_demo("demo-kimi-k3"))
-    model = ck.build(dtype)
-    st, T = model.new_state(rollback_window=window), 9
-    for t in prompt(T, seed=40):
-        model.forward(ForwardBatch.build([(st, [t])]))
-    per_token, fixed = kimi_k3.state_bytes(ck.cfg, model.dtype.itemsize, rollback_window=window)
-    assert st.num_tokens == T and st.nbytes == per_token * T + fixed
+    per_token, fixed = check_state_bytes_exact("demo-kimi-k3", dtype, window, T=9)
     # 3 KDA layers of 2 x 16 x 16 fp32 states + 3-row conv tails (1 + window of them); 2 MLA layers
     assert fixed == 3 * 4 * (3 * 3 * 32 + 2 * 16 * 16) * (1 + window)
-    assert per_token == 2 * (8 + 4) * model.dtype.itemsize
+    assert per_token == 2 * (8 + 4) * (4 if dtype == "float32" else 2)
 
 
 def test_llm_batch_equals_singles(ckpt):
@@ -697,9 +699,9 @@ def test_demo_entries(monkeypatch):
 
 
 def released_config(quant_in_text: bool = False) -> dict:
-    """config.json of moonshotai/Kimi-K3 as shared/reference/kimi_k3.md section 1 cites it
+    """config.json of moonshotai/Kimi-K3 as docs/families/kimi_k3.md cites it
     (fixture pinned to HF commit f831ab66814297da540d832a5235f8e904f29d06). The file itself was not
-    reachable from here; this is rebuilt field by field from the reference."""
+    reachable from here; this is rebuilt field by field from its published description."""
     quant = {
         "quant_method": "compressed-tensors",
         "format": "mxfp4-pack-quantized",

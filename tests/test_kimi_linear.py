@@ -19,6 +19,7 @@ from helpers import (
     calm_kda_,
     check_batch_equals_singles,
     check_greedy_matches_transformers,
+    check_state_bytes_exact,
     max_err,
     random_ids,
     randomize_,
@@ -26,7 +27,6 @@ from helpers import (
 )
 
 from moesaic.cache.batch import ForwardBatch
-from moesaic.demo import ensure_demo
 from moesaic.errors import ConfigError
 from moesaic.inspect import inspect_checkpoint
 from moesaic.models import Checkpoint, family_for, kimi_linear
@@ -192,16 +192,10 @@ def test_rollback_snapshot_and_state_bytes(ours):
 def test_state_bytes_are_exact_on_the_demo(dtype, window):
     """The planner's (per token, fixed) bytes are what a sequence of the demo model holds after T
     one-token forwards, T past the rollback window (KDA keeps 1 + window states, MLA one row a token)."""
-    ck = Checkpoint.open(ensure_demo("demo-kimi-linear"))
-    model = ck.build(dtype)
-    st, T = model.new_state(rollback_window=window), 9
-    for t in prompt(T, seed=40):
-        model.forward(ForwardBatch.build([(st, [t])]))
-    per_token, fixed = kimi_linear.state_bytes(ck.cfg, model.dtype.itemsize, rollback_window=window)
-    assert st.num_tokens == T and st.nbytes == per_token * T + fixed
+    per_token, fixed = check_state_bytes_exact("demo-kimi-linear", dtype, window, T=9)
     # 3 KDA layers of 2 x 8 x 8 fp32 states + 3-row conv tails (1 + window of them); 1 MLA layer
     assert fixed == 3 * 4 * (3 * 3 * 16 + 2 * 8 * 8) * (1 + window)
-    assert per_token == 1 * (8 + 4) * model.dtype.itemsize
+    assert per_token == 1 * (8 + 4) * (4 if dtype == "float32" else 2)
 
 
 def test_config_reading(tmp_path, hf_ckpt):

@@ -105,9 +105,7 @@ def random_tensors(cfg: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-# A demo model for `moesaic.demo.DEMOS` (byte tokenizer; MXFP4-compatible expert widths):
-#   "demo-kimi-k3": (kimi_k3.DEMO_CONFIG, None),
-#   "demo-kimi-k3-mxfp4": (kimi_k3.DEMO_CONFIG, kimi_k3.MXFP4_EXPERTS)
+# The demos' text config: the tiny model at widths the MXFP4 group (32) divides
 DEMO_TEXT_CONFIG = dict(
     TINY_TEXT_CONFIG,
     hidden_size=64,
