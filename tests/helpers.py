@@ -116,3 +116,20 @@ def weights_of(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from weights_of(v)
+
+
+def check_state_bytes_exact(demo: str, dtype: str, window: int, T: int) -> tuple[int, int]:
+    """The built-in demo `demo` in `dtype`: a sequence with rollback window `window` fed T tokens one
+    per forward, and one fed them in a single prefill, hold exactly the bytes its family's planner says
+    (per_token * T + fixed). Returns the planner's (per_token, fixed) for the caller's own checks."""
+    from moesaic.demo import ensure_demo
+    from moesaic.models import Checkpoint
+
+    ck = Checkpoint.open(ensure_demo(demo))
+    model = ck.build(dtype)
+    ids = random_ids(T, ck.cfg.vocab_size, seed=40)
+    per_token, fixed = ck.family.state_bytes(ck.cfg, model.dtype.itemsize, rollback_window=window)
+    for chunks in ([[t] for t in ids], [ids]):
+        st = run(model, chunks, logits="last", rollback_window=window)[1]
+        assert st.num_tokens == T and st.nbytes == per_token * T + fixed
+    return per_token, fixed
