@@ -573,6 +573,11 @@ def test_inspect_reports_the_release_config(tmp_path):
     assert info["state_bytes_fixed_per_sequence"] == 40 * 127 * 512 * 2 + 3 * 1024 * 2 + 3 * 8
     assert info["state_bytes_per_sequence"] == 3200 * 1048576 + info["state_bytes_fixed_per_sequence"]
     assert info["engram_rows_per_token"] == 48 and info["hash_moe_layers"] == 0
+    # the three MTP stages are the DSpark drafter (not loaded); without them there is no draft head
+    text = v41demo.RELEASE_CONFIG["text_config"]
+    assert v41.draft_heads(v41.parse_config(v41demo.RELEASE_CONFIG)) == ("dspark",)
+    no_stages = dict(text, num_nextn_predict_layers=0, compress_ratios=text["compress_ratios"][:40])
+    assert v41.draft_heads(v41.parse_config(v41demo.release_config(no_stages))) == ()
 
 
 @pytest.mark.parametrize(
@@ -609,3 +614,19 @@ def test_bf16_equals_v4_and_runs(v4_weights, tiny_ckpt):
     rows = (got - ref).abs().amax(-1)
     print(f"deepseek_v41 bf16 vs fp32: median row max err {rows.median():.2e}")
     assert got.dtype == torch.float32 and torch.isfinite(got).all() and rows.median() < 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 4])
+def test_state_bytes_of_the_demo_are_exact(dtype, window):
+    # what a sequence of the demo holds once every window, open group and Engram lookback has filled
+    # (24 tokens fed one per forward, a multiple of the ratios 2 and 1) is the planner's count exactly
+    from moesaic.demo import ensure_demo
+
+    model = Checkpoint.open(ensure_demo("demo-deepseek-v41")).build(dtype)
+    st, T = model.new_state(rollback_window=window), 24
+    for t in prompt(T, seed=14, vocab=259):
+        model.forward(ForwardBatch.build([(st, [t])]))
+    per_token, fixed = v41.state_bytes(model.cfg, dtype.itemsize, window)
+    assert st.num_tokens == T and st.nbytes == per_token * T + fixed
+    assert fixed > v41.state_bytes(model.cfg, dtype.itemsize, 0)[1] or window == 0
