@@ -206,7 +206,13 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
         require(t.get(key) in (None, want), w, key, t.get(key), f"not supported: GLM-5.3 uses {want!r}")
     for key in ("mhc", "mla_use_nope", "index_kpool_compress"):
         require(t.get(key) is not False, w, key, False, "not supported: GLM-5.3 has it on")
-    require(not t.get("attention_bias"), w, "attention_bias", True, "the released model has no biases")
+    require(
+        not t.get("attention_bias"),
+        w,
+        "attention_bias",
+        t.get("attention_bias"),
+        "the released model has no biases",
+    )
     require(
         not ("q_lora_rank" in t and t["q_lora_rank"] is None),
         w,
