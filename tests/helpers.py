@@ -133,3 +133,21 @@ def check_state_bytes_exact(demo: str, dtype: str, window: int, T: int) -> tuple
         st = run(model, chunks, logits="last", rollback_window=window)[1]
         assert st.num_tokens == T and st.nbytes == per_token * T + fixed
     return per_token, fixed
+
+
+def rounding_floor(model, chunks, draws: int = 2) -> torch.Tensor:
+    """Per logit row [rows]: how far the logits of `chunks` (fed as `run` feeds them) move when every
+    embedding entry changes by about one fp32 rounding step (times 1 + 2^-23 N(0, 1); the max over
+    `draws` seeds). That is the model's sensitivity, row by row, to a single rounding of its input on
+    this machine's kernels: two evaluations of one function that round differently (a chunked and a
+    token-by-token pass) differ by a few of these."""
+    ref, _ = run(model, chunks)
+    emb, worst = model.embed, torch.zeros(ref.shape[0])
+    try:
+        for seed in range(draws):
+            noise = torch.randn(emb.shape, generator=torch.Generator().manual_seed(seed))
+            model.embed = emb * (1 + 2.0**-23 * noise)
+            worst = torch.maximum(worst, (run(model, chunks)[0] - ref).abs().amax(-1))
+    finally:
+        model.embed = emb
+    return worst
