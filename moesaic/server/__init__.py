@@ -1,0 +1,2 @@
+"""`moesaic serve`: the pieces of the OpenAI/Anthropic-compatible server. `parsers/` splits a model's
+output into reasoning, content and tool calls; `chat/` renders a conversation into the family's prompt."""
