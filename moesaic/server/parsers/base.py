@@ -244,6 +244,7 @@ class Parser:
         self._calls: list[_Call] = []
         self._memo = None  # (pos, markers, end): no marker of `markers` starts in buf[pos:end - maxlen]
         self._j, self._jkey = "", ""  # the JSON-arguments sub-machine
+        self._pkey, self._phint = "", None  # the parameter being read, and its format's type hint
         self._vstart, self._vhold = True, ""  # newline trimming of a raw string value
         self._reset_out()
 
@@ -652,8 +653,10 @@ class Parser:
         if c == ",":
             self.pos += 1
             return MORE
+        if c == "]":
+            self.pos += 1
+            return DONE
         if c != "{":
-            self.pos += c == "]"
             return DONE
         end = json_value_end(self.buf, self.pos, final)
         if end is None:
