@@ -106,6 +106,10 @@ CASES = [
          f'</think><{DS}tool_calls>\n<{DS}invoke name="get_weather">\n<{DS}parameter name="city" string="true">Rome\n'
          f'<{DS}parameter name="days" string="false">2</{DS}invoke>\n</{DS}tool_calls>',
          "", "", [("get_weather", {"city": "Rome\n", "days": 2})]),
+    Case("ds4-damaged-invoke-close", "deepseek_v4",  # garbage after a parameter is skipped, never read as a JSON body
+         f'Two.</think><{DS}tool_calls>\n<{DS}invoke name="get_weather">\n<{DS}parameter name="city" string="true">Oslo</{DS}parameter>\n'
+         f'</</thSML｜invoke>\n<{DS}invoke name="search">\n{{"query": "x"}}\n</{DS}invoke>\n</{DS}tool_calls>',
+         "Two.", "", [("get_weather", {"city": "Oslo"})]),
     Case("ds4-truncated", "deepseek_v4",
          f'Writing.</think><{DS}tool_calls>\n<{DS}invoke name="write_file">\n<{DS}parameter name="path" string="true">notes.txt</{DS}parameter>\n'
          f'<{DS}parameter name="content" string="true">line one\nline tw',
@@ -148,6 +152,8 @@ CASES = [
          "</think><tool_call>search<arg_key>filters</arg_key><arg_value>{\"a\": [1, 2]}</arg_value><arg_key>exact</arg_key>"
          "<arg_value>true</arg_value><arg_key>score</arg_key><arg_value>1e-3</arg_value><arg_key>query</arg_key><arg_value>42</arg_value></tool_call>",
          "", "", [("search", {"filters": {"a": [1, 2]}, "exact": True, "score": 0.001, "query": "42"})]),
+    Case("glm-damaged-after-name", "glm", '</think><tool_call>get_weather\nxx{"city": "A"}</tool_call>ok', "", "ok",
+         [("get_weather", {})]),
     Case("glm-truncated", "glm",
          "</think><tool_call>write_file<arg_key>path</arg_key><arg_value>big.txt</arg_value><arg_key>content</arg_key><arg_value>" + LONG,
          "", "", [("write_file", {"path": "big.txt", "content": LONG})]),
@@ -182,8 +188,8 @@ CASES = [
          "[TOOL_CALLS]ping[ARGS]{}",
          "Two calls.", "On it.", [("get_weather", {"city": "Café 😀", "days": 1}), ("ping", {})]),
     Case("mistral-call-in-reasoning", "mistral",
-         '[THINK]Call now[TOOL_CALLS]search[ARGS]{"query": "a[b]c", "exact": "false", "filters": {"k": [1, {"v": "}"}]}}',
-         "Call now", "", [("search", {"query": "a[b]c", "exact": False, "filters": {"k": [1, {"v": "}"}]}})]),
+         '[THINK]Call now[TOOL_CALLS]search[ARGS]{"query": "a [/THINK] [ARGS] b", "exact": "false", "filters": {"k": [1, {"v": "}"}]}}',
+         "Call now", "", [("search", {"query": "a [/THINK] [ARGS] b", "exact": False, "filters": {"k": [1, {"v": "}"}]}})]),
     Case("mistral-legacy-list", "mistral",
          'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Nice"}}, {"name": "ping", "arguments": {}}]',
          "", "Sure.", [("get_weather", {"city": "Nice"}), ("ping", {})]),
@@ -311,6 +317,74 @@ def test_random_chunk_boundaries(case, data):
     cuts = data.draw(st.lists(st.integers(1, max(1, len(case.text) - 1)), max_size=40))
     _, msg = stream(case, cuts)
     assert summary(msg) == summary(parse(case.parser, case.text, TOOLS, case.thinking))
+
+
+FAMILIES = ["deepseek_v4", "deepseek_v41", "glm", "kimi_k2", "kimi_k3", "mistral", "nemotron", "plain"]
+NOISE = [
+    "{",
+    "}",
+    '"',
+    "\\",
+    "\\u12",
+    "\\ud83d",
+    ":",
+    ",",
+    "[",
+    "]",
+    " ",
+    "\n",
+    ">",
+    "<",
+    "=",
+    "abc",
+    "12",
+    "true",
+    ' name="get_weather">',
+    ' name="city" string="true">',
+    ' string="false">',
+    "get_weather",
+    "functions.ping:0",
+    '"city"',
+    '"days": 2',
+    'call tool="search" index="1"',
+    'argument key="limit" type="number"',
+    "=city>",
+]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+@pytest.mark.parametrize("name", FAMILIES)
+def test_any_output_streams_like_the_whole(name, data):
+    """Garbage made of the family's markers, their prefixes, JSON punctuation and text: no exception,
+    the stream at random cuts equals the whole parse, and every call's arguments are a JSON object."""
+    markup = make_parser(name).markup
+    frags = [*markup, *(m[:k] for m in markup for k in (1, 2, len(m) // 2)), *NOISE]
+    text = "".join(data.draw(st.lists(st.sampled_from(frags), min_size=1, max_size=30)))
+    thinking = data.draw(st.booleans())
+    cuts = data.draw(st.lists(st.integers(1, max(1, len(text) - 1)), max_size=20))
+    _, msg = stream(Case("fuzz", name, text, thinking=thinking), cuts)
+    assert summary(msg) == summary(parse(name, text, TOOLS, thinking))
+    for call in msg.tool_calls:
+        assert isinstance(json.loads(call.arguments), dict)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+@pytest.mark.parametrize("name", FAMILIES[:-1])
+def test_damaged_outputs_stream_like_the_whole(name, data):
+    """A golden output with a few characters replaced by marker fragments and punctuation."""
+    case = data.draw(st.sampled_from([c for c in CASES if c.parser == name]))
+    markup = make_parser(name).markup
+    frags = [*markup, *(m[:k] for m in markup for k in (1, 2, len(m) // 2)), *NOISE]
+    i = data.draw(st.integers(0, len(case.text)))
+    j = data.draw(st.integers(i, min(len(case.text), i + 8)))
+    text = case.text[:i] + "".join(data.draw(st.lists(st.sampled_from(frags), max_size=3))) + case.text[j:]
+    cuts = data.draw(st.lists(st.integers(1, max(1, len(text) - 1)), max_size=20))
+    _, msg = stream(Case("damaged", name, text, thinking=case.thinking), cuts)
+    assert summary(msg) == summary(parse(name, text, TOOLS, case.thinking))
+    for call in msg.tool_calls:
+        assert isinstance(json.loads(call.arguments), dict)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.calls], ids=[c.id for c in CASES if c.calls])

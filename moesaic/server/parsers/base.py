@@ -132,7 +132,7 @@ def convert_raw(raw: str, t: str | None):
     if t in ("integer", "number"):
         try:
             v = json.loads(s)
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw
         if isinstance(v, bool) or not isinstance(v, int | float):
             return raw
@@ -144,13 +144,13 @@ def convert_raw(raw: str, t: str | None):
     if t in ("object", "array"):
         try:
             v = json.loads(s)
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw
         return v if isinstance(v, dict if t == "object" else list) else raw
     if t is None:
         try:
             return json.loads(s)
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw
     return raw
 
@@ -455,7 +455,7 @@ class Parser:
             try:
                 self._field(key, coerce(json.loads(raw), t, raw))
                 return
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         self._field(key, convert_raw(raw, t))
 
@@ -521,7 +521,12 @@ class Parser:
             end = string_end(buf, self.pos, limit)
             if end is None:
                 return ran_out
-            self._jkey, self.pos, self._j = json.loads(buf[self.pos : end]), end, "colon"
+            try:
+                self._jkey = json.loads(buf[self.pos : end])
+            except (ValueError, RecursionError):  # a bad escape in the key
+                self._j = "skip"
+                return MORE
+            self.pos, self._j = end, "colon"
             return MORE
         if j == "colon":
             if c != ":":
@@ -547,7 +552,7 @@ class Parser:
             raw, self.pos = buf[self.pos : end], end
             try:
                 value = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 value = raw
             self._field(key, coerce(value, t, raw))
             self._j = "sep"
@@ -574,7 +579,7 @@ class Parser:
             raw, self.pos = buf[self.pos : limit], limit
             try:
                 value = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 value = None
             for k, v in (value if isinstance(value, dict) else {}).items():
                 self._field(k, coerce(v, self._ptype(k), json.dumps(v, ensure_ascii=False)))
@@ -609,7 +614,7 @@ class Parser:
                 break
             try:
                 cp = int(buf[i + 2 : i + 6], 16)
-            except ValueError:
+            except (ValueError, RecursionError):
                 out.append("u")
                 i += 2
                 continue
@@ -622,7 +627,7 @@ class Parser:
                     break
                 try:
                     lo = int(buf[i + 8 : i + 12], 16)
-                except ValueError:
+                except (ValueError, RecursionError):
                     lo = -1
                 if 0xDC00 <= lo < 0xE000:
                     out.append(chr(0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)))
@@ -663,7 +668,7 @@ class Parser:
             return WAIT
         try:
             item = json.loads(self.buf[self.pos : end])
-        except ValueError:
+        except (ValueError, RecursionError):
             item = None
         self.pos = end
         if isinstance(item, dict) and isinstance(item.get("name"), str):
@@ -671,7 +676,7 @@ class Parser:
             if isinstance(args, str):
                 try:
                     args = json.loads(args)
-                except ValueError:
+                except (ValueError, RecursionError):
                     args = {}
             self._start_call(item["name"])
             for k, v in (args if isinstance(args, dict) else {}).items():

@@ -71,15 +71,18 @@ class DeepSeekV4Parser(Parser):
             if r is None or r[1] is None:
                 return False
             self._start_call(r[0].strip())
-            self.state = "body"
+            self.state = "body_start"
             return True
-        if s == "body":
+        if s == "body_start":  # a direct JSON body, or parameters
             if not self._skip_ws():
                 return False
             if self.buf[self.pos] == "{":
                 self._json_begin()
                 self.state = "json"
-                return True
+            else:
+                self.state = "body"
+            return True
+        if s == "body":
             m = self._text(None, self.in_body, final)
             if m is None:
                 return False

@@ -60,9 +60,9 @@ class GlmParser(Parser):
             if self.buf[self.pos] == "{":
                 self._json_begin()
                 self.state = "json"
-                return True
-            m = self._text(None, (KEY, CALL_END, CALL), final)
-            return m is not None and self._after(m)
+            else:
+                self.state = "between"
+            return True
         if s == "key":
             r = self._until((KEY_END, VALUE), final)
             if r is None or r[1] is None:
@@ -96,7 +96,7 @@ class GlmParser(Parser):
                 return False
             self._raw_field(self._pkey, r[0], None)
             return self._after(r[1])
-        if s == "between":  # after a value: the next key or the end of the call
+        if s == "between":  # arguments: the next key or the end of the call
             m = self._text(None, (KEY, CALL_END, CALL), final)
             return m is not None and self._after(m)
         if s == "json":
