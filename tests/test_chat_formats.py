@@ -11,7 +11,7 @@ import pytest
 
 from moesaic.errors import ConfigError, RequestError
 from moesaic.server.chat import SPECIAL_TOKENS, JinjaChat, chat_format_for, demo_template, read_chat_template
-from moesaic.server.parsers import make_parser, parser_for_model_type
+from moesaic.server.parsers import make_parser, parser_for_model_type, thinking_for_prompt
 
 WEATHER = {
     "name": "get_weather",
@@ -514,3 +514,21 @@ def test_demo_templates_and_special_tokens():
     assert demo_template("deepseek_v4") is None and demo_template("glm5_next_text") == demo_template(
         "glm5_next"
     )
+
+
+@pytest.mark.parametrize("model_type", ["glm5_next", "deepseek_v4", "deepseek_v41", "kimi_k3", "nemotron_h"])
+def test_the_prompt_tells_the_parser_where_the_output_starts(model_type):
+    fmt, name = chat_format_for(model_type), parser_for_model_type(model_type)
+    assert thinking_for_prompt(name, fmt.render(HISTORY, thinking=True), default=False) is True
+    assert thinking_for_prompt(name, fmt.render(HISTORY, thinking=False), default=True) is False
+
+
+def test_tools_must_name_a_function():
+    for model_type in ("deepseek_v4", "kimi_k3"):
+        with pytest.raises(RequestError, match=r"tools\[0\]"):
+            chat_format_for(model_type).render(HISTORY, tools=["get_weather"])
+
+
+def test_a_prompt_without_reasoning_markers_keeps_the_default():
+    prompt = chat_format_for("mistral4").render(HISTORY, thinking=True)
+    assert [thinking_for_prompt("mistral", prompt, d) for d in (False, True)] == [False, True]

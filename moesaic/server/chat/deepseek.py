@@ -26,7 +26,7 @@ import json
 
 from moesaic.errors import RequestError
 
-from .common import options, read_messages, text_of, thinking_on
+from .common import options, read_messages, text_of, thinking_on, tool_functions
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT, SYSTEM = "<｜User｜>", "<｜Assistant｜>", "<｜System｜>"
@@ -138,7 +138,7 @@ class DeepSeekV4Chat:
         }
 
     def _tools_prompt(self, tools) -> str:
-        schemas = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+        schemas = "\n".join(json.dumps(fn, ensure_ascii=False) for fn in tool_functions(tools))
         return TOOLS_PROMPT.format(schemas=schemas, **self._tags())
 
     def _prepare(self, msgs: list[dict], tools) -> list[dict]:
@@ -197,7 +197,7 @@ class DeepSeekV4Chat:
             return out
         if not is_last and msgs[i + 1]["role"] != "assistant":
             return out
-        if role in ("user", "developer") or role == "system":
+        if role != "assistant":
             out += ASSISTANT + (THINK if thinking and (not drop or i >= last_user) else END_THINK)
         return out
 

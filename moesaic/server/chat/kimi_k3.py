@@ -25,7 +25,7 @@ import json
 
 from moesaic.errors import RequestError
 
-from .common import options, read_messages, text_of, thinking_on
+from .common import options, read_messages, text_of, thinking_on, tool_functions
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 IMAGE = "<|kimi_image_placeholder|>"
@@ -148,6 +148,7 @@ class KimiK3Chat:
         return "".join(out)
 
     def _declare(self, tools, dynamic: bool) -> str:
+        tool_functions(tools)  # checked: each tool names its function
         if dynamic:
             head = (
                 "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"

@@ -9,9 +9,10 @@
 One parser per format family, chosen by model_type (`parser_for_model_type`) or by name (the
 `--tool-call-parser` / `--reasoning-parser` flags). What starts the reasoning section, per family, is
 in each module's docstring; `thinking=False` means the prompt already closed the reasoning (or never
-opened it) and the output starts in content. Tool markup is parsed whether or not the request listed
-tools (without schemas, values are typed only by the format's own hints); what to do with calls the
-request did not allow is the server's decision.
+opened it) and the output starts in content; `thinking_for_prompt` reads that from the rendered
+prompt. Tool markup is parsed whether or not the request listed tools (without schemas, values are
+typed only by the format's own hints); what to do with calls the request did not allow is the
+server's decision.
 """
 
 from __future__ import annotations
@@ -62,11 +63,28 @@ def parser_for_model_type(model_type: str) -> str:
     return MODEL_TYPE_PARSERS[model_type]
 
 
-def make_parser(name: str, tools=None, thinking: bool = True) -> Parser:
-    """A fresh streaming parser for one generation."""
+def _parser_class(name: str) -> type[Parser]:
     if name not in PARSERS:
         raise ConfigError(f"unknown parser {name!r} (known: {', '.join(sorted(PARSERS))})")
-    return PARSERS[name](tools, thinking)
+    return PARSERS[name]
+
+
+def make_parser(name: str, tools=None, thinking: bool = True) -> Parser:
+    """A fresh streaming parser for one generation."""
+    return _parser_class(name)(tools, thinking)
+
+
+def thinking_for_prompt(name: str, prompt: str, default: bool = True) -> bool:
+    """Whether the output of `prompt` starts in the reasoning, read from the prompt's end (a template may
+    open or close the reasoning whatever the request asked): GLM, DeepSeek and Nemotron prompts end in
+    `<think>` or `</think>`, Kimi K3's in its think or response channel. Otherwise `default`."""
+    cls = _parser_class(name)
+    tail = prompt.rstrip()
+    if any(tail.endswith(m) for m in cls.opens_reasoning):
+        return True
+    if any(tail.endswith(m) for m in cls.closes_reasoning):
+        return False
+    return default
 
 
 def parse(name: str, text: str, tools=None, thinking: bool = True) -> Message:
@@ -86,4 +104,5 @@ __all__ = [
     "merge_deltas",
     "parse",
     "parser_for_model_type",
+    "thinking_for_prompt",
 ]

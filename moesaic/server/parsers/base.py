@@ -234,6 +234,10 @@ class Parser:
 
     name = "plain"
     markup: tuple[str, ...] = ()  # the family's marker strings: none may reach content or arguments
+    opens_reasoning: tuple[
+        str, ...
+    ] = ()  # a prompt ending in one of these leaves the output in the reasoning
+    closes_reasoning: tuple[str, ...] = ()  # ... ending in one of these, in content
 
     def __init__(self, tools=None, thinking: bool = True):
         self.types = tool_param_types(tools)

@@ -33,6 +33,7 @@ THINK, END_THINK = "<think>", "</think>"
 
 class DeepSeekV4Parser(Parser):
     name = "deepseek_v4"
+    opens_reasoning, closes_reasoning = (THINK,), (END_THINK,)
     blocks = ("<｜DSML｜tool_calls>", "<｜DSML｜function_calls>")  # V3.2 named the block function_calls
     block_ends = ("</｜DSML｜tool_calls>", "</｜DSML｜function_calls>")
     invoke, invoke_end = '<｜DSML｜invoke name="', "</｜DSML｜invoke>"

@@ -29,6 +29,7 @@ KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</ar
 
 class GlmParser(Parser):
     name = "glm"
+    opens_reasoning, closes_reasoning = (THINK,), (END_THINK,)
     markup = (THINK, END_THINK, CALL, CALL_END, KEY, KEY_END, VALUE, VALUE_END)
 
     def start_state(self) -> str:

@@ -31,6 +31,7 @@ TAGS = (OPEN, CLOSE, EOM)
 
 class KimiK3Parser(Parser):
     name = "kimi_k3"
+    opens_reasoning, closes_reasoning = (OPEN + "think" + SEP,), (OPEN + "response" + SEP,)
     markup = (OPEN, CLOSE, SEP, EOM)
 
     def start_state(self) -> str:

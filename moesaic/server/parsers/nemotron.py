@@ -38,6 +38,7 @@ VALUE_ENDS = (PARAM_END, PARAM, FN_END, CALL_END)
 
 class NemotronParser(Parser):
     name = "nemotron"
+    opens_reasoning, closes_reasoning = (THINK,), (END_THINK,)
     markup = (THINK, END_THINK, CALL, CALL_END, FN, FN_END, PARAM, PARAM_END, JSON_CALLS, JSON_CALLS_END)
 
     def start_state(self) -> str:
