@@ -145,6 +145,8 @@ CASES = [
     Case("glm53-json-variant", "glm",
          '</think>Both.<tool_call>get_weather>{"city": "Oslo", "days": "2"}</tool_call><tool_call>search>{"query": "fjords", "tags": ["x"]}',
          "", "Both.", [("get_weather", {"city": "Oslo", "days": 2}), ("search", {"query": "fjords", "tags": ["x"]})]),
+    Case("glm53-namespaced-name", "glm", '<tool_call>Weather/get_weather>{"city": "Turku"}</tool_call>', "", "",
+         [("get_weather", {"city": "Turku"})], thinking=False),
     Case("glm-missing-arg-value-open", "glm",
          "</think><tool_call>search<arg_key>query</arg_key>dogs</arg_value><arg_key>limit</arg_key>4</arg_value></tool_call>",
          "", "", [("search", {"query": "dogs", "limit": 4})]),
