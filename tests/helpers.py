@@ -3,6 +3,8 @@ and the few steps every family test takes with them."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moesaic.cache.batch import ForwardBatch
@@ -118,15 +120,21 @@ def weights_of(obj):
             yield from weights_of(v)
 
 
-def check_state_bytes_exact(demo: str, dtype: str, window: int, T: int) -> tuple[int, int]:
-    """The built-in demo `demo` in `dtype`: a sequence with rollback window `window` fed T tokens one
-    per forward, and one fed them in a single prefill, hold exactly the bytes its family's planner says
-    (per_token * T + fixed). Returns the planner's (per_token, fixed) for the caller's own checks."""
+@functools.cache
+def demo_model(demo: str, dtype: str):
+    """(Checkpoint, model) of a built-in demo, built once per test session."""
     from moesaic.demo import ensure_demo
     from moesaic.models import Checkpoint
 
     ck = Checkpoint.open(ensure_demo(demo))
-    model = ck.build(dtype)
+    return ck, ck.build(dtype)
+
+
+def check_state_bytes_exact(demo: str, dtype: str, window: int, T: int) -> tuple[int, int]:
+    """The built-in demo `demo` in `dtype`: a sequence with rollback window `window` fed T tokens one
+    per forward, and one fed them in a single prefill, hold exactly the bytes its family's planner says
+    (per_token * T + fixed). Returns the planner's (per_token, fixed) for the caller's own checks."""
+    ck, model = demo_model(demo, dtype)
     ids = random_ids(T, ck.cfg.vocab_size, seed=40)
     per_token, fixed = ck.family.state_bytes(ck.cfg, model.dtype.itemsize, rollback_window=window)
     for chunks in ([[t] for t in ids], [ids]):

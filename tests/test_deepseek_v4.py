@@ -11,6 +11,8 @@ import torch
 from helpers import (
     check_batch_equals_singles,
     check_greedy_matches_transformers,
+    check_state_bytes_exact,
+    demo_model,
     max_err,
     mixed_batch_err,
     randomize_,
@@ -447,17 +449,11 @@ def test_bf16_model_runs_and_stays_close(hf_ckpt, ours):
     assert rows.median() < 0.2 and (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("window", [0, 4])
 def test_state_bytes_of_the_demo_are_exact(dtype, window):
     # the planner's (per token, fixed) bytes are what a sequence holds once every window, tail and
-    # compressor group has filled: 48 tokens fed one per forward, a multiple of both ratios (4, 8)
-    from moesaic.demo import ensure_demo
-
-    model = Checkpoint.open(ensure_demo("demo-deepseek-v4")).build(dtype)
-    st, T = model.new_state(rollback_window=window), 48
-    for t in prompt(T, seed=13):
-        model.forward(ForwardBatch.build([(st, [t])]))
-    per_token, fixed = deepseek_v4.state_bytes(model.cfg, dtype.itemsize, window)
-    assert st.num_tokens == T and st.nbytes == per_token * T + fixed
-    assert fixed > deepseek_v4.state_bytes(model.cfg, dtype.itemsize, 0)[1] or window == 0
+    # compressor group has filled: 48 tokens, a multiple of both ratios (4, 8)
+    per_token, fixed = check_state_bytes_exact("demo-deepseek-v4", dtype, window, T=48)
+    cfg = demo_model("demo-deepseek-v4", dtype)[0].cfg
+    assert fixed > deepseek_v4.state_bytes(cfg, getattr(torch, dtype).itemsize, 0)[1] or window == 0

@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import check_batch_equals_singles, max_err
+from helpers import check_batch_equals_singles, check_state_bytes_exact, demo_model, max_err
 
 from moesaic.cache.batch import ForwardBatch
 from moesaic.demo import deepseek_v41 as v41demo
@@ -616,17 +616,11 @@ def test_bf16_equals_v4_and_runs(v4_weights, tiny_ckpt):
     assert got.dtype == torch.float32 and torch.isfinite(got).all() and rows.median() < 0.5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("window", [0, 4])
 def test_state_bytes_of_the_demo_are_exact(dtype, window):
     # what a sequence of the demo holds once every window, open group and Engram lookback has filled
-    # (24 tokens fed one per forward, a multiple of the ratios 2 and 1) is the planner's count exactly
-    from moesaic.demo import ensure_demo
-
-    model = Checkpoint.open(ensure_demo("demo-deepseek-v41")).build(dtype)
-    st, T = model.new_state(rollback_window=window), 24
-    for t in prompt(T, seed=14, vocab=259):
-        model.forward(ForwardBatch.build([(st, [t])]))
-    per_token, fixed = v41.state_bytes(model.cfg, dtype.itemsize, window)
-    assert st.num_tokens == T and st.nbytes == per_token * T + fixed
-    assert fixed > v41.state_bytes(model.cfg, dtype.itemsize, 0)[1] or window == 0
+    # (24 tokens, a multiple of the ratios 2 and 1) is the planner's count exactly
+    per_token, fixed = check_state_bytes_exact("demo-deepseek-v41", dtype, window, T=24)
+    cfg = demo_model("demo-deepseek-v41", dtype)[0].cfg
+    assert fixed > v41.state_bytes(cfg, getattr(torch, dtype).itemsize, 0)[1] or window == 0

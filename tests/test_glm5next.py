@@ -13,6 +13,7 @@ import transformers
 from helpers import (
     check_batch_equals_singles,
     check_greedy_matches_transformers,
+    check_state_bytes_exact,
     max_err,
     mixed_batch_err,
     random_ids,
@@ -369,12 +370,7 @@ def test_state_bytes_are_exact_on_the_demo(demo_models, dtype, window):
     """The planner's (per token, fixed) is what a sequence holds after T tokens fed one per forward, with
     T past the rollback window, the k-pool (4) and the KDA conv tail (3)."""
     model = demo_models[dtype]
-    st = model.new_state(rollback_window=window)
-    T = 13
-    for t in prompt(T, seed=23):
-        model.forward(ForwardBatch.build([(st, [t])]))
-    per_token, fixed = glm5next.state_bytes(model.cfg, model.dtype.itemsize, window)
-    assert st.num_tokens == T and st.nbytes == per_token * T + fixed
+    per_token, fixed = check_state_bytes_exact("demo-glm5-next-nvfp4", dtype, window, T=13)
     assert fixed == (1 + window) * glm5next.state_bytes(model.cfg, model.dtype.itemsize)[1] > 0
 
 
