@@ -3,9 +3,10 @@
 * the parts K3 shares with an oracle family: its KDA layer (lower-bounded gate, full-rank output
   gate, A_log stored wider than the heads) against transformers' glm5_next KDA module, and its
   MLA with the output gate forced open against transformers' kimi_linear MLA;
-* an independent reference written here from shared/reference/kimi_k3.md (loops for AttnRes
-  and the MoE, plain softmax attention, the KDA recurrence from transformers' glm5_next chunked
-  function), reading the checkpoint's release-named tensors itself;
+* an independent reference written here from the forward pass of docs/families/kimi_k3.md (after
+  Moonshot's remote code in `moonshotai/Kimi-K3` and the AttnRes report arXiv:2603.15031): loops for
+  AttnRes and the MoE, plain softmax attention, the KDA recurrence from transformers' glm5_next
+  chunked function, reading the checkpoint's release-named tensors itself;
 * AttnRes and SiTU against closed forms and invariants;
 * broken twins: each must change K3's logits AND fail the check it targets;
 * consistency: chunked prefill, decode and rollback against one full prefill;
@@ -16,13 +17,22 @@ vision tensors present). Max abs errors are printed (-s)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import calm_kda_, check_batch_equals_singles, max_err, random_ids, randomize_, run
+from helpers import (
+    calm_kda_,
+    check_batch_equals_singles,
+    check_state_bytes_exact,
+    max_err,
+    random_ids,
+    randomize_,
+    run,
+)
 from safetensors.torch import load_file, save_file
 from transformers.models.glm5_next import modeling_glm5_next as hf_glm
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
@@ -36,6 +46,7 @@ from moesaic.demo import kimi_k3 as k3demo
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
 from moesaic.layers.attnres import attnres_mix
+from moesaic.layers.moe import MoeWeights
 from moesaic.layers.norms import rms_norm
 from moesaic.models import Checkpoint, family_for, kimi_k3
 
@@ -235,7 +246,7 @@ def ref_moe(R, p, x):
 
 
 def ref_forward(R, ids):
-    """Section 3.1 of the reference, literally."""
+    """The forward pass of docs/families/kimi_k3.md, literally."""
     h, bank = R["model.embed_tokens.weight"][ids], []
     kda = set(LAC["kda_layers"])
     for L in range(TC["num_hidden_layers"]):
@@ -290,7 +301,7 @@ def check_situ(glu) -> float:
 def check_latent_moe(m, release, L=1) -> float:
     x = rms_norm(torch.randn(23, D, generator=torch.Generator().manual_seed(4)), torch.ones(D), EPS)
     with torch.no_grad():
-        return max_err(m.latent_moe(m.layers[L], x), ref_moe(release, f"model.layers.{L}.", x))
+        return max_err(m.ffn(m.layers[L], x), ref_moe(release, f"model.layers.{L}.", x))
 
 
 def check_kda(m, module, L=0) -> float:
@@ -321,7 +332,7 @@ def test_checkpoint_is_in_release_naming(ckpt, release, model):
     ]:
         assert n in names, n
     assert release["model.layers.0.self_attn.A_log"].shape == (A_LOG_WIDTH,)
-    assert model.kda[0].A_log.shape == (H_KDA,)
+    assert model.layers[0].attn.A_log.shape == (H_KDA,)
     assert model.cfg.layer_kinds == ("kda", "kda", "kda", "mla", "mla")  # 1-based [1,2,3] / [4,5]
     assert kimi_k3.layer_schedule(model.cfg) == ["kda+mlp", "kda+moe", "kda+moe", "mla+moe", "mla+moe"]
 
@@ -384,17 +395,26 @@ def test_mla_with_gate_open_matches_kimi_linear_mla(model):
     cfg._attn_implementation = "eager"
     hf = KimiLinearAttention(cfg, 0).eval()
     w = model.layers[L]
+    bound = {  # transformers' parameter -> the bound MlaWeights field
+        "q_a_proj.weight": "q_a",
+        "q_a_layernorm.weight": "q_a_norm",
+        "q_b_proj.weight": "q_b",
+        "kv_a_proj_with_mqa.weight": "kv_a",
+        "kv_a_layernorm.weight": "kv_a_norm",
+        "kv_b_proj.weight": "kv_b",
+        "o_proj.weight": "o",
+    }
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            p.copy_(w["self_attn." + name])
+            p.copy_(getattr(w.attn, bound[name]))
     T = 29
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(6))
     mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
     with torch.no_grad():
         ref = hf(x[None], attention_mask=mask)[0][0]
-    opened = dict(w)
-    opened["self_attn.g_proj.weight"] = torch.zeros_like(w["self_attn.g_proj.weight"])
-    opened["self_attn.o_proj.weight"] = 2 * w["self_attn.o_proj.weight"]
+    opened = dataclasses.replace(
+        w, attn=dataclasses.replace(w.attn, gate=torch.zeros_like(w.attn.gate), o=2 * w.attn.o)
+    )
     got = model.mixer(L, opened, x, fresh_batch(model, T))
     gated = model.mixer(L, w, x, fresh_batch(model, T))
     err = max_err(got, ref)
@@ -487,28 +507,29 @@ def test_twin_output_mix_left_out(ckpt, release, real_logits):
     assert_twin("output mix left out", logits, real_logits, check_forward(logits, release), TOL_REF)
 
 
-def test_twin_swiglu_instead_of_situ(monkeypatch, model, real_logits):
-    monkeypatch.setattr(kimi_k3, "situ_glu", lambda g, u, b1=4.0, b2=25.0: F.silu(g.float()) * u.float())
-    assert_twin("SwiGLU for SiTU", run(model, [IDS])[0], real_logits, check_situ(kimi_k3.situ_glu), 1e-6)
-
-
-def test_twin_latent_norm_left_out(monkeypatch, model, release, real_logits):
-    latent_norms = {
-        id(w["mlp.routed_expert_norm.weight"]) for w in model.layers if "mlp.routed_expert_norm.weight" in w
-    }
-    real_norm = kimi_k3.rms_norm
+def test_twin_swiglu_instead_of_situ(monkeypatch, ckpt, real_logits):
     monkeypatch.setattr(
-        kimi_k3, "rms_norm", lambda x, w, eps: x if id(w) in latent_norms else real_norm(x, w, eps)
+        kimi_k3, "situ_glu", lambda g, u, beta=4.0, linear_beta=25.0: F.silu(g.float()) * u.float()
     )
+    twin = Checkpoint.open(ckpt).build("float32")  # the activation is bound at build
+    assert_twin("SwiGLU for SiTU", run(twin, [IDS])[0], real_logits, check_situ(kimi_k3.situ_glu), 1e-6)
+
+
+def test_twin_latent_norm_left_out(ckpt, release, real_logits):
+    twin = Checkpoint.open(ckpt).build("float32")
+    moe_layers = [w.mlp for w in twin.layers if isinstance(w.mlp, MoeWeights)]
+    assert moe_layers and all(m.latent_norm is not None for m in moe_layers)
+    for m in moe_layers:
+        m.latent_norm = None
     assert_twin(
-        "latent norm left out", run(model, [IDS])[0], real_logits, check_latent_moe(model, release), TOL
+        "latent norm left out", run(twin, [IDS])[0], real_logits, check_latent_moe(twin, release), TOL
     )
 
 
 def test_twin_wrong_a_log_slice(ckpt, release, glm_kda, real_logits):
     twin = Checkpoint.open(ckpt).build("float32")
     stored = release["model.layers.0.self_attn.A_log"]
-    twin.kda[0].A_log = stored[A_LOG_WIDTH - H_KDA :].clone()  # the zero tail read as the heads
+    twin.layers[0].attn.A_log = stored[A_LOG_WIDTH - H_KDA :].clone()  # the zero tail read as the heads
     assert_twin("wrong A_log slice", run(twin, [IDS])[0], real_logits, check_kda(twin, glm_kda), TOL)
 
 
@@ -555,6 +576,18 @@ def test_snapshot_restore_and_state_bytes(model):
     win = model.new_state(rollback_window=3)
     model.forward(ForwardBatch.build([(win, IDS)]))
     assert win.nbytes <= 37 * per_token + kimi_k3.state_bytes(model.cfg, 4, rollback_window=3)[1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_state_bytes_are_exact_on_the_demo(dtype, window):
+    """The planner's (per token, fixed) bytes are what a sequence of the demo model holds after T
+    one-token forwards, T past the rollback window (KDA keeps 1 + window states, MLA one row a token,
+    AttnRes nothing across tokens)."""
+    per_token, fixed = check_state_bytes_exact("demo-kimi-k3", dtype, window, T=9)
+    # 3 KDA layers of 2 x 16 x 16 fp32 states + 3-row conv tails (1 + window of them); 2 MLA layers
+    assert fixed == 3 * 4 * (3 * 3 * 32 + 2 * 16 * 16) * (1 + window)
+    assert per_token == 2 * (8 + 4) * (4 if dtype == "float32" else 2)
 
 
 def test_llm_batch_equals_singles(ckpt):
@@ -637,12 +670,12 @@ def test_mxfp4_experts_stay_packed_and_match_their_dequantized_model(tmp_path, m
         == 3 * (32 * 16 + 32 * 1)
     )
     packed = ck.build("float32")
-    assert isinstance(packed.layers[2]["mlp.experts.down_proj"], QuantizedTensor)
+    assert isinstance(packed.layers[2].mlp.experts_out, QuantizedTensor)
     dense = Checkpoint.open(tmp_path).build("float32")
     for w in dense.layers:
-        for k in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
-            if k in w:
-                w[k] = w[k].dequantize(torch.float32)
+        if isinstance(w.mlp, MoeWeights):
+            w.mlp.experts_in = w.mlp.experts_in.dequantize(torch.float32)
+            w.mlp.experts_out = w.mlp.experts_out.dequantize(torch.float32)
     ids = prompt(21, seed=30)
     err = max_err(run(packed, [ids])[0], run(dense, [ids])[0])
     print(f"kimi_k3 MXFP4 experts packed vs dequantized: {err:.2e}")
@@ -666,9 +699,9 @@ def test_demo_entries(monkeypatch):
 
 
 def released_config(quant_in_text: bool = False) -> dict:
-    """config.json of moonshotai/Kimi-K3 as shared/reference/kimi_k3.md section 1 cites it
+    """config.json of moonshotai/Kimi-K3 as docs/families/kimi_k3.md cites it
     (fixture pinned to HF commit f831ab66814297da540d832a5235f8e904f29d06). The file itself was not
-    reachable from here; this is rebuilt field by field from the reference."""
+    reachable from here; this is rebuilt field by field from its published description."""
     quant = {
         "quant_method": "compressed-tensors",
         "format": "mxfp4-pack-quantized",

@@ -19,6 +19,7 @@ from helpers import (
     calm_kda_,
     check_batch_equals_singles,
     check_greedy_matches_transformers,
+    check_state_bytes_exact,
     max_err,
     random_ids,
     randomize_,
@@ -184,6 +185,17 @@ def test_rollback_snapshot_and_state_bytes(ours):
     assert plain.nbytes == 13 * per_token + fixed
     assert per_token == 1 * (8 + 4) * 4 and fixed == 3 * 4 * (3 * 3 * 16 + 2 * 8 * 8)
     assert st.nbytes <= 33 * per_token + kimi_linear.state_bytes(ours.cfg, 4, rollback_window=4)[1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_state_bytes_are_exact_on_the_demo(dtype, window):
+    """The planner's (per token, fixed) bytes are what a sequence of the demo model holds after T
+    one-token forwards, T past the rollback window (KDA keeps 1 + window states, MLA one row a token)."""
+    per_token, fixed = check_state_bytes_exact("demo-kimi-linear", dtype, window, T=9)
+    # 3 KDA layers of 2 x 8 x 8 fp32 states + 3-row conv tails (1 + window of them); 1 MLA layer
+    assert fixed == 3 * 4 * (3 * 3 * 16 + 2 * 8 * 8) * (1 + window)
+    assert per_token == 1 * (8 + 4) * (4 if dtype == "float32" else 2)
 
 
 def test_config_reading(tmp_path, hf_ckpt):

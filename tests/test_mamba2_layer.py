@@ -6,11 +6,13 @@ import math
 
 import pytest
 import torch
-from transformers import NemotronHConfig
+from test_nemotron_h import tiny_config as nemotron_tiny_config
 from transformers.cache_utils import DynamicCache
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
-from moesaic.layers.mamba2 import Mamba2Dims, Mamba2State, Mamba2Weights, mamba2_mixer
+from moesaic.layers.mamba2 import Mamba2State, Mamba2Weights, mamba2_mixer
+from moesaic.models import nemotron_h
+from moesaic.weights.bind import Tensors
 
 TOL = 1e-5
 
@@ -24,31 +26,15 @@ def torch_path_only():
         )
 
 
-def tiny_config(**kw):
-    return NemotronHConfig(
-        vocab_size=128,
-        hidden_size=64,
-        layers_block_type=["linear_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=16,
-        conv_kernel=4,
-        chunk_size=8,
-        n_routed_experts=8,
-        moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=48,
-        layer_norm_epsilon=1e-5,
-        **kw,
-    )
+def tiny_config():
+    """test_nemotron_h's tiny shape (8 Mamba heads x 16, 2 groups, state 16, conv 4, chunk 8), one
+    Mamba-2 layer."""
+    return nemotron_tiny_config(layers_block_type=["linear_attention"])
 
 
 def build(seed=0, dt_bias=None):
-    """A HF mixer with every tensor random, and the same layer as moesaic weights + dims."""
+    """A HF mixer with every tensor random, and the same layer as moesaic weights + dims (bound and
+    parsed as the Nemotron-H family does: its names, its config reader)."""
     cfg = tiny_config()
     torch.manual_seed(seed)
     m = hf.NemotronHMamba2Mixer(cfg, layer_idx=0).float().eval()
@@ -67,8 +53,10 @@ def build(seed=0, dt_bias=None):
             m.dt_bias.fill_(dt_bias)
         m.norm.weight.copy_(1 + 0.2 * torch.randn(H * cfg.mamba_head_dim))
         m.out_proj.weight.normal_(0, 0.1)
-    w = Mamba2Weights.from_state_dict({k: v.detach().clone() for k, v in m.state_dict().items()})
-    return cfg, m, w, Mamba2Dims.from_config(cfg)
+    t = Tensors({k: v.detach().clone() for k, v in m.state_dict().items()})
+    w = nemotron_h.bind_mamba2(t)
+    t.check_all_taken()
+    return cfg, m, w, nemotron_h.parse_config(cfg.to_dict()).mamba_dims
 
 
 def tokens(n, seed=1):

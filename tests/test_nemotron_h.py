@@ -5,6 +5,7 @@ checkpoints that transformers itself saves; plus the dt convention, rollback, na
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import math
@@ -16,6 +17,7 @@ import transformers
 from helpers import (
     check_batch_equals_singles,
     check_greedy_matches_transformers,
+    check_state_bytes_exact,
     max_err,
     mixed_batch_err,
     random_ids,
@@ -25,6 +27,7 @@ from helpers import (
 
 from moesaic.cache.batch import ForwardBatch
 from moesaic.cli import main as cli_main
+from moesaic.demo import ensure_demo
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
 from moesaic.models import Checkpoint, nemotron_h
@@ -291,6 +294,25 @@ def test_state_bytes_match_the_planner(ours):
     W = 3  # a rollback window holds W more Mamba states per layer
     _, st = run(ours, [prompt(13)] + [[5]] * W, state=ours.new_state(rollback_window=W))
     assert st.nbytes == (13 + W) * per_token + fixed * (1 + W)
+    assert nemotron_h.state_bytes(c, 4, rollback_window=W) == (per_token, fixed * (1 + W))
+
+
+@functools.cache
+def demo_model(dtype: str):
+    return Checkpoint.open(ensure_demo("demo-nemotron-h")).build(dtype)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_state_bytes_are_exact_on_the_demo(dtype, window):
+    """The planner's (per token, fixed) is what a sequence of the demo model holds: fed one token per
+    forward past its rollback window, and after a prefill longer than the window."""
+    per_token, fixed = check_state_bytes_exact("demo-nemotron-h", dtype, window, T=2 * window + 7)
+    assert fixed > 0 and per_token > 0
+    model = demo_model(dtype)
+    ids = random_ids(2 * window + 7, model.cfg.vocab_size, seed=31)
+    _, st = run(model, [ids[:-2], ids[-2:-1], ids[-1:]], rollback_window=window)
+    assert st.nbytes == per_token * len(ids) + fixed
 
 
 # ---------------------------------------------------------------- names, config
@@ -375,13 +397,22 @@ def test_mtp_block_loads_when_present(hf_ckpt, ours, tmp_path, naming):
     assert ("mtp.layers.1.mixer.fc1_latent_proj.weight" in extra) == (x == 32)
     assert not any(n.startswith("mtp.layers.2.") for n in extra)
     model = Checkpoint.open(tmp_path).build("float32")
-    assert len(model.mtp) == 2
-    assert model.mtp[0]["eh_proj.weight"].shape == (64, 128) and "final_layernorm.weight" not in model.mtp[0]
-    assert model.mtp[1]["mixer.experts.up_proj"].shape == (8, 32, x) and "eh_proj.weight" not in model.mtp[1]
-    assert torch.equal(
-        model.mtp[1]["mixer.experts.down_proj"][7], extra["mtp.layers.1.mixer.experts.7.down_proj.weight"]
+    # one block of two layers; its input (enorm, hnorm, eh_proj) bound from the first layer's names,
+    # final_layernorm from the last's
+    assert len(model.mtp) == 1 and [w.kind for w in model.mtp[0].layers] == ["full_attention", "moe"]
+    block, (attn, moe) = model.mtp[0], model.mtp[0].layers
+    assert block.eh_proj.shape == (64, 128) and torch.equal(
+        block.eh_proj, extra["mtp.layers.0.eh_proj.weight"]
     )
-    assert torch.equal(model.mtp[1]["final_layernorm.weight"], extra["mtp.layers.1.final_layernorm.weight"])
+    assert torch.equal(block.enorm, extra["mtp.layers.0.enorm.weight"])
+    assert torch.equal(block.hnorm, extra["mtp.layers.0.hnorm.weight"])
+    assert torch.equal(attn.mixer.k, extra["mtp.layers.0.mixer.k_proj.weight"])
+    assert moe.mixer.experts_in.shape == (8, 32, x)
+    assert torch.equal(moe.mixer.experts_out[7], extra["mtp.layers.1.mixer.experts.7.down_proj.weight"])
+    assert torch.equal(moe.norm, extra["mtp.layers.1.norm.weight"])
+    assert torch.equal(block.final_norm, extra["mtp.layers.1.final_layernorm.weight"])
+    assert (moe.mixer.latent_in is not None) == (x == 32)
+    assert nemotron_h.draft_heads(model.cfg) == ("mtp",) and nemotron_h.draft_heads(ours.cfg) == ()
     ids = prompt(12, seed=24)
     assert torch.equal(run(model, [ids])[0], run(ours, [ids])[0])
     # inspect counts the block apart (role "mtp"), every tensor of it
@@ -466,6 +497,13 @@ def test_config_fields_and_aliases_as_transformers_reads_them(hf_ckpt):
     )
     assert c.mtp_layer_types == tuple(hf.mtp_layers_block_type) == ("full_attention", "moe")
     assert c.moe_latent_size == 16 and c.eos_token_ids == (2, 11)
+    # num_key_value_heads: absent 8 (transformers' default), null one per head (its __post_init__)
+    assert transformers.NemotronHConfig(num_attention_heads=16).num_key_value_heads == 8
+    assert nemotron_h.parse_config(dict(num_attention_heads=16)).num_key_value_heads == 8
+    assert (
+        nemotron_h.parse_config(dict(num_attention_heads=16, num_key_value_heads=None)).num_key_value_heads
+        == 16
+    )
     # the release names in layers_block_type, as transformers remaps them
     rel = dict(raw, layers_block_type=["mamba", "mlp", "attention", "moe", "mamba"])
     assert nemotron_h.parse_config(rel).layer_types == tuple(
@@ -484,6 +522,10 @@ def test_config_fields_and_aliases_as_transformers_reads_them(hf_ckpt):
         ({"n_routed_experts": 8, "n_group": 3}, "'n_group'"),
         ({"num_attention_heads": 6, "num_key_value_heads": 4}, "'num_key_value_heads'"),
         ({"time_step_limit": [0.0]}, "'time_step_limit'"),
+        ({"time_step_limit": [0.0, float("nan")]}, "'time_step_limit'"),
+        ({"mamba_num_heads": 8, "mamba_n_groups": 3}, "'mamba_n_groups'"),
+        ({"routed_scaling_factor": float("inf")}, "'routed_scaling_factor' must be a finite number"),
+        ({"topk_group": 2}, "'topk_group'"),
     ],
 )
 def test_bad_configs_name_the_field(edit, expect):

@@ -105,9 +105,7 @@ def random_tensors(cfg: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-# A demo model for `moesaic.demo.DEMOS` (byte tokenizer; MXFP4-compatible expert widths):
-#   "demo-kimi-k3": (kimi_k3.DEMO_CONFIG, None),
-#   "demo-kimi-k3-mxfp4": (kimi_k3.DEMO_CONFIG, kimi_k3.MXFP4_EXPERTS)
+# The demos' text config: the tiny model at widths the MXFP4 group (32) divides
 DEMO_TEXT_CONFIG = dict(
     TINY_TEXT_CONFIG,
     hidden_size=64,
@@ -169,7 +167,7 @@ def write_checkpoint(
         k: v.to(torch.float32 if k.endswith(("A_log", "dt_bias")) else dtype) for k, v in tensors.items()
     }
     ckpt = to_checkpoint(tensor_specs(cfg), release_naming(cfg, ()), tensors)
-    width = a_log_width or max(cfg.kda_num_heads, cfg.kda_head_dim)
+    width = a_log_width or max(cfg.linear_attn.num_heads, cfg.linear_attn.head_dim)
     for name in [n for n in ckpt if n.endswith("self_attn.A_log")]:
         a = ckpt[name].reshape(-1)
         ckpt[name] = torch.cat([a, a.new_zeros(width - a.numel())])

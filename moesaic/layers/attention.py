@@ -1,4 +1,4 @@
-"""Plain grouped-query attention of one sequence's new queries over its cached keys and values.
+"""Plain grouped-query attention of each sequence's new queries over its cached keys and values.
 
     s   = (q k^T) * scale          per query head; head h reads KV head h // (Hq / Hkv)
     p   = softmax(s) in fp32       causal: new query i sees keys 0 .. past + i
@@ -30,3 +30,18 @@ def gqa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     p = torch.softmax(s, dim=-1).to(v.dtype)
     out = torch.matmul(p, v.permute(1, 0, 2)[:, None])  # [Hkv, g, n, Dv]
     return out.permute(2, 0, 1, 3).reshape(n, Hq, -1)
+
+
+def gqa_batch(L: int, batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """GQA for every sequence of a ForwardBatch: appends each one's new k [n, Hkv, D] and v [n, Hkv, Dv]
+    rows to its layer-L cache (TokenRows with fields "k" and "v"), then attends its queries over all
+    of them. q [N, Hq, D] -> [N, Hq, Dv]."""
+    N, Hq, _ = q.shape
+    Hkv = k.shape[1]
+    out = q.new_empty(N, Hq, v.shape[-1])
+    for s in batch.seqs:
+        rows = slice(s.start, s.start + s.n)
+        cache = s.state.layers[L].append(k=k[rows].flatten(1), v=v[rows].flatten(1))
+        T = cache["k"].shape[0]
+        out[rows] = gqa_attend(q[rows], cache["k"].view(T, Hkv, -1), cache["v"].view(T, Hkv, -1), scale)
+    return out

@@ -16,7 +16,9 @@ the embedding. The bank lives only inside one forward (per token, across depth):
 no state across tokens. Everything here is fp32, as in the released reference: the logits of
 the candidates sit close together, so the mix amplifies rounding noise.
 
-Source: shared/reference/kimi_k3.md section 3.1.
+Sources: the Attention Residuals report (Kimi Team, arXiv:2603.15031, "Block AttnRes") and Moonshot's
+remote code `modeling_kimi_linear.py` in the Hugging Face repository `moonshotai/Kimi-K3`; the model's
+use of it: docs/families/kimi_k3.md.
 """
 
 from __future__ import annotations

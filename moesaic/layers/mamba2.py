@@ -16,9 +16,9 @@ so a prompt fed in pieces continues exactly). One token, and every token that mu
 snapshot, runs the recurrent step. Both agree to about 1e-6 in fp32.
 
 dt clamp convention. moesaic clamps softplus(dt + dt_bias) to [dt_min, dt_max] in BOTH the
-chunked scan and the recurrent step; `Mamba2Dims.from_config` sets the bounds to
-(time_step_min, inf), the bounds transformers' mixer hard-codes (it ignores
-`config.time_step_limit`). transformers clamps only in its chunked (prefill) path; its decode
+chunked scan and the recurrent step; Nemotron-H sets the bounds to (time_step_min, inf)
+(`NemotronHConfig.mamba_dims` in moesaic/models/nemotron_h.py), the bounds transformers' mixer
+hard-codes (it ignores `config.time_step_limit`). transformers clamps only in its chunked (prefill) path; its decode
 step (and mamba_ssm's `selective_state_update` as it calls it) uses the unclamped softplus. So
 moesaic prefill equals transformers prefill, and moesaic decode equals transformers decode
 except at heads/tokens where softplus(dt + dt_bias) < time_step_min, where moesaic decode
@@ -38,15 +38,13 @@ model dtype. `mamba2_mixer` never mutates the state passed in; it returns a new 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moesaic.errors import CheckpointError
-from moesaic.layers.linear import linear
+from .linear import linear
 
 
 @dataclass(frozen=True)
@@ -68,22 +66,6 @@ class Mamba2Dims:
         if self.conv_kernel < 1 or self.chunk_size < 1:
             raise ValueError(f"conv_kernel {self.conv_kernel} and chunk_size {self.chunk_size} must be >= 1")
 
-    @classmethod
-    def from_config(cls, cfg: Any) -> Mamba2Dims:
-        """From an object with transformers' NemotronHConfig attribute names."""
-        return cls(
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.mamba_num_heads,
-            head_dim=cfg.mamba_head_dim,
-            n_groups=cfg.n_groups,
-            state_size=cfg.ssm_state_size,
-            conv_kernel=cfg.conv_kernel,
-            chunk_size=cfg.chunk_size,
-            eps=cfg.layer_norm_epsilon,
-            dt_min=cfg.time_step_min,
-            dt_max=math.inf,
-        )
-
     @property
     def inner(self) -> int:  # H*P
         return self.num_heads * self.head_dim
@@ -104,7 +86,7 @@ class Mamba2Dims:
 
 @dataclass
 class Mamba2Weights:
-    """One layer's tensors; names follow the checkpoint's `mixer.*` suffixes."""
+    """One layer's tensors (a family binds them from its checkpoint names)."""
 
     in_proj: Tensor  # [2HP + 2GN + H, d]
     conv_weight: Tensor  # [conv_dim, 1, K] (or [conv_dim, K])
@@ -116,36 +98,6 @@ class Mamba2Weights:
     out_proj: Tensor  # [d, HP]
     in_proj_bias: Tensor | None = None
     out_proj_bias: Tensor | None = None
-
-    NAMES = {
-        "in_proj": "in_proj.weight",
-        "conv_weight": "conv1d.weight",
-        "conv_bias": "conv1d.bias",
-        "dt_bias": "dt_bias",
-        "A_log": "A_log",
-        "D": "D",
-        "norm_weight": "norm.weight",
-        "out_proj": "out_proj.weight",
-        "in_proj_bias": "in_proj.bias",
-        "out_proj_bias": "out_proj.bias",
-    }
-
-    @classmethod
-    def from_state_dict(cls, sd: dict[str, Tensor], prefix: str = "") -> Mamba2Weights:
-        """From checkpoint names (`in_proj.weight`, `conv1d.weight`, ...) under `prefix`, or from
-        a dict already keyed by this class's field names."""
-        kw = {}
-        for f in fields(cls):
-            name = cls.NAMES[f.name]
-            kw[f.name] = sd.get(prefix + name, sd.get(f.name))
-        missing = [
-            cls.NAMES[k]
-            for k in ("in_proj", "conv_weight", "dt_bias", "A_log", "D", "norm_weight", "out_proj")
-            if kw[k] is None
-        ]
-        if missing:
-            raise CheckpointError(f"Mamba-2 layer is missing tensors {[prefix + m for m in missing]}")
-        return cls(**kw)
 
 
 @dataclass
@@ -237,7 +189,7 @@ def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, groups: int, eps: float)
 
 def mamba2_mixer(
     x: Tensor,
-    w: Mamba2Weights | dict[str, Tensor],
+    w: Mamba2Weights,
     dims: Mamba2Dims,
     state: Mamba2State,
     snapshot_last: int = 0,
@@ -249,8 +201,6 @@ def mamba2_mixer(
     new state and forgetting the last r < snapshot_last tokens restores `snapshots[-1 - r]`
     (r == snapshot_last: the state passed in). Tokens that leave a snapshot, and a lone token,
     run the recurrent step; the rest run the chunked scan."""
-    if isinstance(w, dict):
-        w = Mamba2Weights.from_state_dict(w)
     n = x.shape[0]
     if not 0 <= snapshot_last <= n:
         raise ValueError(f"snapshot_last={snapshot_last} must be within [0, n={n}]")

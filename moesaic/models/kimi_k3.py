@@ -1,7 +1,10 @@
 """Kimi K3 (`kimi_k3`, text config `kimi_linear`): Kimi Linear's KDA + MLA hybrid with five
-additions. Math, names and traps: shared/reference/kimi_k3.md. No transformers oracle exists;
-the shared parts are checked against transformers `kimi_linear` / `glm5_next`, the rest against
-an independent reference in tests/test_kimi_k3.py.
+additions. Sources: Moonshot's remote code `modeling_kimi_linear.py` in the Hugging Face repository
+`moonshotai/Kimi-K3` (K3's reference; transformers' `kimi_linear` has none of the five), the
+Attention Residuals report (arXiv:2603.15031) and the Kimi Linear report (arXiv:2510.26692). No
+transformers oracle exists; the shared parts are checked against transformers `kimi_linear` /
+`glm5_next`, the rest against an independent reference in tests/test_kimi_k3.py. Layer schedule,
+state and proof: docs/families/kimi_k3.md.
 
     partial, bank = embed(ids), []                          AttnRes stream, fp32 (layers/attnres.py)
     for L:
@@ -14,10 +17,10 @@ an independent reference in tests/test_kimi_k3.py.
         partial += ffn(RMSNorm(x))         layer 0: SiTU-GLU MLP; then LatentMoE
     logits = lm_head(RMSNorm(mix(partial, bank)))   the model-level output mix
 
-LatentMoE: the sigmoid router reads the full hidden state; the routed experts run in a latent
-space (`routed_expert_down_proj` d -> r, SiTU-GLU experts r -> I -> r, weighted sum, RMSNorm
-`routed_expert_norm`, `routed_expert_up_proj` r -> d); the shared experts (one MLP of width
-num_shared_experts * I) read the full hidden state.
+LatentMoE (layers/moe.py `moe` with latent projections): the sigmoid router reads the full hidden
+state; the routed experts run in a latent space (`routed_expert_down_proj` d -> r, SiTU-GLU experts
+r -> I -> r, weighted sum, RMSNorm `routed_expert_norm`, `routed_expert_up_proj` r -> d); the shared
+experts (one MLP of width num_shared_experts * I) read the full hidden state.
 
 SiTU-GLU(g, u) = [b1 tanh(g / b1) sigmoid(g)] * [b2 tanh(u / b2)], b1 = 4, b2 = 25, in fp32, in
 the experts, the shared experts and the dense MLP. The KDA short convolution stays SiLU.
@@ -32,60 +35,48 @@ release (`quantization_config`, `experts.E.w1|w3|w2.weight_packed` + `.weight_sc
 keeps them packed (`weights/quant.py`) and the experts run through their packed matmul. Dense
 exports (`experts.E.w1|w3|w2.weight`, bf16 or fp32) load the same way. `inspect` reports the
 bytes per expert that the config implies.
+
+Everything K3 shares with Kimi Linear comes from models/kimi_linear.py: the config reader, layer
+kinds, contract pieces, release naming, layer binder, state, mixers and MLP/MoE blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from ..cache.batch import ForwardBatch
-from ..config import field, positive
+from ..config import declared, field, positive, require
 from ..errors import ConfigError
 from ..layers.attnres import attnres_mix, bank_size, is_block_start
-from ..layers.kda import KdaDims, KdaState, kda_mixer
 from ..layers.linear import linear
-from ..layers.moe import glu_mlp, run_experts, silu_glu, situ_glu
+from ..layers.moe import silu_glu, situ_glu
 from ..layers.norms import rms_norm
-from ..layers.recurrent import run_recurrent
+from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec
 from . import kimi_linear as kl
-from .parts import mla_specs
+from .parts import mlp_specs, moe_specs
 
 MODEL_TYPES = ("kimi_k3",)
 
-# the released text config (shared/reference/kimi_k3.md section 1): absent fields take these
+# The released text config where it differs from Kimi Linear's defaults (field names); absent fields
+# take these
 DEFAULTS = dict(
-    kl.DEFAULTS,
-    vocab_size=163840,
     hidden_size=7168,
     num_hidden_layers=93,
     num_attention_heads=96,
     q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
     intermediate_size=33792,
     moe_intermediate_size=3072,
     num_experts=896,
     num_experts_per_token=16,
     num_shared_experts=2,
-    n_group=1,
-    topk_group=1,
-    moe_renormalize=True,
     routed_scaling_factor=1.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=1048576,
-    kda_num_heads=96,
-    kda_head_dim=128,
-    conv_kernel=4,
-    first_k_dense_replace=1,
-    bos_token_id=163584,
-    eos_token_id=163586,
 )
+KDA_DEFAULTS = dict(num_heads=96)
 VISION = [
     r"(language_model\.)?(model\.)?vision_tower\..*",
     r"(language_model\.)?(model\.)?mm_projector\..*",
@@ -95,33 +86,31 @@ VISION = [
 
 @dataclass(frozen=True, kw_only=True)
 class K3Config(kl.KimiLinearConfig):
-    """Kimi Linear's fields and what K3 adds."""
+    """Kimi Linear's fields and what K3 adds. Absent switches are off, as in the Kimi Linear code that
+    K3's remote code extends (the release sets them all)."""
 
-    attn_res_block_size: int
-    routed_expert_hidden_size: int
-    latent_moe_use_norm: bool
-    mla_use_output_gate: bool
-    gate_lower_bound: float | None  # None: Kimi Linear's unbounded gate law (the 0.40B twin)
-    use_full_rank_gate: bool
+    attn_res_block_size: int = declared(check=positive)
+    routed_expert_hidden_size: int = declared(check=positive)
+    latent_moe_use_norm: bool = declared(False)
+    mla_use_output_gate: bool = declared(False)
+    situ_beta: float = declared(4.0, key="activation_situ_beta", check=positive)
+    situ_linear_beta: float = declared(25.0, key="activation_situ_linear_beta", check=positive)
     hidden_act: str  # "situ" (the release) | "silu"
-    situ_beta: float
-    situ_linear_beta: float
     expert_format: str  # "bf16" | "mxfp4" (as the config declares the routed experts)
     expert_group_size: int  # MXFP4 scale group
     model_type: str = "kimi_k3"
 
     @property
-    def kda_dims(self) -> KdaDims:
-        return KdaDims.for_variant(
-            "kimi_k3",
-            self.hidden_size,
-            self.kda_num_heads,
-            self.kda_head_dim,
-            conv_kernel=self.conv_kernel,
-            norm_eps=self.rms_norm_eps,
-            lower_bound=self.gate_lower_bound,
-            full_rank_gate=self.use_full_rank_gate,
-        )
+    def kda_gate(self) -> tuple[float | None, bool]:
+        """`gate_lower_bound` (None: Kimi Linear's unbounded law, as K3's 0.40B twin has it; -5 in the
+        release) and `use_full_rank_gate`, from `linear_attn_config`."""
+        return self.linear_attn.gate_lower_bound, self.linear_attn.use_full_rank_gate
+
+    @property
+    def glu(self):
+        if self.hidden_act == "situ":
+            return partial(situ_glu, beta=self.situ_beta, linear_beta=self.situ_linear_beta)
+        return silu_glu
 
 
 def _quantization(top: dict, text: dict, w: str) -> tuple[str, int]:
@@ -144,121 +133,90 @@ def _quantization(top: dict, text: dict, w: str) -> tuple[str, int]:
 def parse_config(raw: dict, layout: str = "hf") -> K3Config:
     """The released layout (top-level `kimi_k3` + `text_config`) or a bare K3 text config. Absent
     sizes take the release's values; absent switches (`gate_lower_bound`, `use_full_rank_gate`,
-    `mla_use_output_gate`, `latent_moe_use_norm`) are off, as in the Kimi Linear code that K3's
-    remote code extends (the release sets all four; its 0.40B twin has no gate lower bound, and
-    forcing -5 on it is a known-bad mutant). The 1-based layer lists are required."""
+    `mla_use_output_gate`, `latent_moe_use_norm`) are off (the release sets all four; its 0.40B twin
+    has no gate lower bound, and forcing -5 on it is a known-bad mutant). The 1-based layer lists
+    are required."""
     wrapped = isinstance(raw.get("text_config"), dict)
     text = raw["text_config"] if wrapped else raw
     w = "config.json text_config" if wrapped else "config.json"
     ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if wrapped and raw.get(k) is not None}
-    common = kl.parse_common({**text, **ids}, w, DEFAULTS, default_schedule=False)
-    lac = text.get("linear_attn_config") or {}
-    lw = f"{w} linear_attn_config"
     act = field(text, "hidden_act", str, "situ", where=w)
-    if act not in ("situ", "silu", "swish"):
-        raise ConfigError(f"{w}: field 'hidden_act' has unsupported value {act!r} (Kimi K3 uses situ)")
-    if not field(text, "mla_use_nope", bool, True, where=w):
-        raise ConfigError(
-            f"{w}: field 'mla_use_nope' = false is not supported (Kimi K3's MLA has no rotary "
-            "embedding; its config carries no rope_theta)"
-        )
+    require(act in ("situ", "silu", "swish"), w, "hidden_act", act, "Kimi K3 uses situ")
+    nope = field(text, "mla_use_nope", bool, True, where=w)
+    require(
+        nope, w, "mla_use_nope", nope, "Kimi K3's MLA has no rotary embedding; its config has no rope_theta"
+    )
     router = field(text, "moe_router_activation_func", str, "sigmoid", where=w)
-    if router != "sigmoid":
-        raise ConfigError(f"{w}: field 'moe_router_activation_func' = {router!r} is not supported (sigmoid)")
+    require(router == "sigmoid", w, "moe_router_activation_func", router, "Kimi K3's router is sigmoid")
     fmt, group = _quantization(raw, text, w)
-    d = common["hidden_size"]
-    cfg = K3Config(
-        **common,
-        attn_res_block_size=field(text, "attn_res_block_size", int, where=w, check=positive),
-        routed_expert_hidden_size=field(
-            text,
-            "routed_expert_hidden_size",
-            int,
-            where=w,
-            check=lambda v: 0 < v <= d,
-            why=f"must be in 1..hidden_size={d}",
-        ),
-        latent_moe_use_norm=field(text, "latent_moe_use_norm", bool, False, where=w),
-        mla_use_output_gate=field(text, "mla_use_output_gate", bool, False, where=w),
-        gate_lower_bound=None
-        if lac.get("gate_lower_bound") is None
-        else field(lac, "gate_lower_bound", float, where=lw, check=lambda v: v < 0, why="must be negative"),
-        use_full_rank_gate=field(lac, "use_full_rank_gate", bool, False, where=lw),
+    cfg = kl.read_kimi_config(
+        K3Config,
+        {**text, **ids},
+        w,
+        DEFAULTS,
+        KDA_DEFAULTS,
+        default_schedule=False,
         hidden_act="situ" if act == "situ" else "silu",
-        situ_beta=field(text, "activation_situ_beta", float, 4.0, where=w, check=positive),
-        situ_linear_beta=field(text, "activation_situ_linear_beta", float, 25.0, where=w, check=positive),
         expert_format=fmt,
         expert_group_size=group,
     )
+    d, r = cfg.hidden_size, cfg.routed_expert_hidden_size
+    require(r <= d, w, "routed_expert_hidden_size", r, f"must be in 1..hidden_size={d}")
     if fmt == "mxfp4":
         for name, width in (
-            ("routed_expert_hidden_size", cfg.routed_expert_hidden_size),
+            ("routed_expert_hidden_size", r),
             ("moe_intermediate_size", cfg.moe_intermediate_size),
         ):
-            if width % group:
-                raise ConfigError(
-                    f"{w}: field {name!r} = {width} is not a multiple of the MXFP4 group {group}"
-                )
+            require(width % group == 0, w, name, width, f"not a multiple of the MXFP4 group {group}")
     return cfg
 
 
 # ---------------------------------------------------------------- tensor contract
 
 
+def attnres_specs(site: str, d: int, L: int | None = None) -> list[TensorSpec]:
+    """One AttnRes read under `site` (e.g. "model.layers.3.mlp_res"): its norm and pseudo-query, fp32."""
+    return [
+        TensorSpec(site + "_norm.weight", (d,), "attnres", L, keep_fp32=True),
+        TensorSpec(site + "_proj.weight", (1, d), "attnres", L, keep_fp32=True),
+    ]
+
+
+def latent_moe_specs(c: K3Config, m: str, L: int) -> list[TensorSpec]:
+    """The LatentMoE under `m`, in the release's order (the demo's random weights follow it): router,
+    latent down projection, expert stacks over the latent width, latent norm + up projection, shared
+    experts on the full width."""
+    d, r, E, I = c.hidden_size, c.routed_expert_hidden_size, c.num_experts, c.moe_intermediate_size
+    routed = moe_specs(m, E, I, d, L, expert_width=r, router_fp32=True)  # router, its bias, 2 expert stacks
+    specs = routed[:2] + [TensorSpec(m + "routed_expert_down_proj.weight", (r, d), "latent_moe", L)]
+    specs += routed[2:] + [TensorSpec(m + "routed_expert_up_proj.weight", (d, r), "latent_moe", L)]
+    if c.latent_moe_use_norm:
+        specs.append(TensorSpec(m + "routed_expert_norm.weight", (r,), "latent_moe", L))
+    if c.num_shared_experts:
+        specs += mlp_specs(m + "shared_experts.", I * c.num_shared_experts, d, "shared_expert", L)
+    return specs
+
+
 def tensor_specs(cfg: K3Config) -> list[TensorSpec]:
-    c, d, r = cfg, cfg.hidden_size, cfg.routed_expert_hidden_size
-
-    def attnres(name, L=None):
-        return [
-            TensorSpec(name + "_norm.weight", (d,), "attnres", L, keep_fp32=True),
-            TensorSpec(name + "_proj.weight", (1, d), "attnres", L, keep_fp32=True),
-        ]
-
+    c, d = cfg, cfg.hidden_size
     specs = [TensorSpec("model.embed_tokens.weight", (c.vocab_size, d), "embedding")]
     for L in range(c.num_hidden_layers):
         p = f"model.layers.{L}."
-        specs += [
-            TensorSpec(p + "input_layernorm.weight", (d,), "norm", L),
-            TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", L),
-        ]
-        specs += attnres(p + "self_attention_res", L) + attnres(p + "mlp_res", L)
-        if c.layer_kinds[L] == "kda":
-            specs += kl.kda_specs(p, c.kda_dims, L, (c.kda_num_heads,))
-        else:
-            specs += mla_specs(p + "self_attn.", c, L)
-            if c.mla_use_output_gate:
-                specs.append(
-                    TensorSpec(
-                        p + "self_attn.g_proj.weight",
-                        (c.num_attention_heads * c.v_head_dim, d),
-                        "attention",
-                        L,
-                    )
-                )
-        m = p + "mlp."
+        specs += kl.norm_specs(p, d, L) + attnres_specs(p + "self_attention_res", d, L)
+        specs += attnres_specs(p + "mlp_res", d, L)
+        specs += kl.mixer_specs(c, p, L, (c.linear_attn.num_heads,))
         if c.mlp_kinds[L] == "dense":
-            specs += kl.glu_specs(m, c.intermediate_size, d, "mlp", L)
-            continue
-        E, I = c.num_experts, c.moe_intermediate_size
-        specs += kl.router_specs(m, c, L)
-        specs += [
-            TensorSpec(m + "routed_expert_down_proj.weight", (r, d), "latent_moe", L),
-            TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, r), "expert", L),
-            TensorSpec(m + "experts.down_proj", (E, r, I), "expert", L),
-            TensorSpec(m + "routed_expert_up_proj.weight", (d, r), "latent_moe", L),
-        ]
-        if c.latent_moe_use_norm:
-            specs.append(TensorSpec(m + "routed_expert_norm.weight", (r,), "latent_moe", L))
-        if c.num_shared_experts:
-            specs += kl.glu_specs(m + "shared_experts.", I * c.num_shared_experts, d, "shared_expert", L)
-    specs += [TensorSpec("model.norm.weight", (d,), "norm")] + attnres("model.output_attn_res")
+            specs += mlp_specs(p + "mlp.", c.intermediate_size, d, "mlp", L)
+        else:
+            specs += latent_moe_specs(c, p + "mlp.", L)
+    specs += [TensorSpec("model.norm.weight", (d,), "norm")] + attnres_specs("model.output_attn_res", d)
     specs.append(TensorSpec("lm_head.weight", (c.vocab_size, d), "lm_head", optional=c.tie_word_embeddings))
     return specs
 
 
 def release_naming(cfg: K3Config, store_names, prefix: str = "language_model.") -> Naming:
     def override(spec: TensorSpec, where):
-        # A_log is stored wider than the heads ([128] for 96): read as stored; KdaWeights keeps the
+        # A_log is stored wider than the heads ([128] for 96): read as stored; bind_kda keeps the
         # first H and refuses a non-zero tail
         if spec.name.endswith("self_attn.A_log"):
             return Source([(where(spec.name), (-1,))])
@@ -277,77 +235,56 @@ def namings(cfg: K3Config, layout: str, store_names) -> Naming:
     return release_naming(cfg, names, prefix)
 
 
-# ---------------------------------------------------------------- blocks
+# ---------------------------------------------------------------- model
 
 
-class Model:
-    """The Kimi K3 text decoder over a ForwardBatch."""
+@dataclass
+class Site:
+    """One AttnRes read: its pseudo-query `proj` [1, d] and its `norm` [d], fp32."""
 
-    def __init__(self, cfg: K3Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device):
-        self.cfg, self.dtype, self.device = cfg, dtype, device
-        t = tensors
-        self.embed = t["model.embed_tokens.weight"]
-        self.norm = t["model.norm.weight"]
-        self.lm_head = t.get("lm_head.weight", self.embed)
-        self.out_res_norm = t["model.output_attn_res_norm.weight"]
-        self.out_res_proj = t["model.output_attn_res_proj.weight"]
-        self.layers = [kl.layer_tensors(t, L) for L in range(cfg.num_hidden_layers)]
-        self.kda = {
-            L: kl.kda_weights(w, cfg.kda_dims)
-            for L, w in enumerate(self.layers)
-            if cfg.layer_kinds[L] == "kda"
-        }
+    proj: torch.Tensor
+    norm: torch.Tensor
 
-    def new_state(self, rollback_window: int = 0):
-        """Per-sequence state; `rollback_window` > 0 keeps the KDA states of the last tokens so
-        that `state.rollback(n)` for n <= window is exact (speculative decoding)."""
-        return kl.new_state(self.cfg, self.dtype, self.device, rollback_window)
 
-    # -- blocks
-    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        if c.hidden_act == "situ":
-            return situ_glu(gate, up, c.situ_beta, c.situ_linear_beta)
-        return silu_glu(gate, up)
+def bind_site(t: Tensors, site: str) -> Site:
+    return Site(t(site + "_proj.weight"), t(site + "_norm.weight"))
 
-    def mlp(self, w: dict, m: str, x: torch.Tensor) -> torch.Tensor:
-        return glu_mlp(
-            x, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"], self.glu
+
+@dataclass
+class Layer(kl.Layer):
+    """A Kimi Linear layer and its two AttnRes reads (before the mixer, before the FFN)."""
+
+    attn_res: Site
+    mlp_res: Site
+
+
+class Model(kl.Model):
+    """The Kimi K3 text decoder over a ForwardBatch: Kimi Linear's blocks on the AttnRes stream."""
+
+    def __init__(self, cfg: K3Config, t: Tensors, dtype: torch.dtype, device):
+        super().__init__(cfg, t, dtype, device)
+        self.out_res = bind_site(t, "model.output_attn_res")
+
+    def bind(self, w: Tensors, L: int) -> Layer:
+        """Layer L: Kimi Linear's binder with the LatentMoE's projections, plus the AttnRes reads."""
+        latent = {}
+        if self.cfg.mlp_kinds[L] == "moe":
+            m = w.under("mlp.")
+            latent = dict(
+                latent_in=m("routed_expert_down_proj.weight"),
+                latent_norm=m.optional("routed_expert_norm.weight"),
+                latent_out=m("routed_expert_up_proj.weight"),
+            )
+        base = kl.bind_layer(w, self.cfg, L, **latent)
+        return Layer(
+            **vars(base), attn_res=bind_site(w, "self_attention_res"), mlp_res=bind_site(w, "mlp_res")
         )
 
-    def mixer(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        c = self.cfg
-        if c.layer_kinds[L] == "kda":
-            return run_recurrent(kda_mixer, self.kda[L], c.kda_dims, L, x, batch)
-        o = kl.mla_heads(L, c, w, x, batch)
-        if c.mla_use_output_gate:
-            o = (o.float() * torch.sigmoid(linear(x, w["self_attn.g_proj.weight"]).float())).to(o.dtype)
-        return linear(o, w["self_attn.o_proj.weight"])
-
-    def latent_moe(self, w: dict, x: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        weights, ids = kl.route(c, w, x)
-        h = linear(x, w["mlp.routed_expert_down_proj.weight"])
-        y = run_experts(
-            h,
-            weights,
-            ids,
-            w["mlp.experts.gate_up_proj"],
-            w["mlp.experts.down_proj"],
-            lambda gu: self.glu(*gu.chunk(2, dim=-1)),
-        )
-        if c.latent_moe_use_norm:
-            y = rms_norm(y, w["mlp.routed_expert_norm.weight"], c.rms_norm_eps)
-        y = linear(y, w["mlp.routed_expert_up_proj.weight"])
-        if c.num_shared_experts:
-            y = y + self.mlp(w, "mlp.shared_experts.", x)
-        return y
-
-    def ffn(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(w, "mlp.", x) if self.cfg.mlp_kinds[L] == "dense" else self.latent_moe(w, x)
+    def mix(self, partial: torch.Tensor, bank: list[torch.Tensor], site: Site) -> torch.Tensor:
+        return attnres_mix(partial, bank, site.proj, site.norm, self.cfg.rms_norm_eps)
 
     def output_mix(self, partial: torch.Tensor, bank: list[torch.Tensor]) -> torch.Tensor:
-        return attnres_mix(partial, bank, self.out_res_proj, self.out_res_norm, self.cfg.rms_norm_eps)
+        return self.mix(partial, bank, self.out_res)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x.to(self.dtype), weight, self.cfg.rms_norm_eps)
@@ -356,38 +293,32 @@ class Model:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state.
         The AttnRes stream (bank and partial sums) is fp32; the blocks run in the model dtype."""
-        c, eps = self.cfg, self.cfg.rms_norm_eps
+        block = self.cfg.attn_res_block_size
         partial = F.embedding(batch.token_ids, self.embed).float()
         bank: list[torch.Tensor] = []
         for L, w in enumerate(self.layers):
-            x = (
-                attnres_mix(
-                    partial,
-                    bank,
-                    w["self_attention_res_proj.weight"],
-                    w["self_attention_res_norm.weight"],
-                    eps,
-                )
-                if bank
-                else partial
-            )
-            if is_block_start(L, c.attn_res_block_size):
+            x = self.mix(partial, bank, w.attn_res) if bank else partial
+            if is_block_start(L, block):
                 bank.append(partial)
                 partial = None
-            a = self.mixer(L, w, self._norm(x, w["input_layernorm.weight"]), batch).float()
+            a = self.mixer(L, w, self._norm(x, w.attn_norm), batch).float()
             partial = a if partial is None else partial + a
-            x = attnres_mix(partial, bank, w["mlp_res_proj.weight"], w["mlp_res_norm.weight"], eps)
-            partial = partial + self.ffn(L, w, self._norm(x, w["post_attention_layernorm.weight"])).float()
+            x = self.mix(partial, bank, w.mlp_res)
+            partial = partial + self.ffn(w, self._norm(x, w.mlp_norm)).float()
         batch.finish()
         rows = batch.logit_rows
         h = self.output_mix(partial[rows], [b[rows] for b in bank])
         return linear(self._norm(h, self.norm), self.lm_head).float()
 
 
+def build(cfg: K3Config, tensors: Tensors, dtype: torch.dtype, device, folder) -> Model:
+    return Model(cfg, tensors, dtype, device)
+
+
 # ---------------------------------------------------------------- facts for inspect and the planner
 
 layer_schedule = kl.layer_schedule
-state_bytes = kl.state_bytes
+state_bytes = kl.state_bytes  # AttnRes keeps nothing across tokens
 max_context = kl.max_context
 
 
@@ -403,17 +334,12 @@ def expert_bytes(cfg: K3Config) -> int:
 
 def facts(cfg: K3Config) -> dict:
     r, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    banked = bank_size(cfg.num_hidden_layers, cfg.attn_res_block_size)
     return {
-        "kda_layers": [L for L, k in enumerate(cfg.layer_kinds) if k == "kda"],
-        "mla_layers": [L for L, k in enumerate(cfg.layer_kinds) if k == "mla"],
-        "kda_state_bytes_per_layer": KdaState.nbytes_for(cfg.kda_dims),
+        **kl.facts(cfg),
         "attn_res_block_size": cfg.attn_res_block_size,
-        "attn_res_bank_entries": bank_size(cfg.num_hidden_layers, cfg.attn_res_block_size),
-        "attn_res_activation_bytes_per_token": (bank_size(cfg.num_hidden_layers, cfg.attn_res_block_size) + 1)
-        * cfg.hidden_size
-        * 4,
-        "experts": cfg.num_experts,
-        "experts_per_token": cfg.num_experts_per_token,
+        "attn_res_bank_entries": banked,
+        "attn_res_activation_bytes_per_token": (banked + 1) * cfg.hidden_size * 4,
         "routed_expert_hidden_size": r,
         "expert_params": 3 * r * I,
         "expert_format": cfg.expert_format,
@@ -427,8 +353,6 @@ def handoff(raw: dict) -> str | None:
 
 
 def draft_heads(cfg) -> tuple[str, ...]:
+    """Kimi K3 ships no draft head (num_nextn_predict_layers 0): speculative decoding needs an
+    external drafter."""
     return ()
-
-
-def build(cfg, tensors, dtype, device, folder):
-    return Model(cfg, tensors.all(), dtype, device)

@@ -1,7 +1,8 @@
 """Kimi Linear 48B (`kimi_linear`): a KDA + MLA hybrid with a sigmoid-routed MoE; the Kimi K3 ancestor.
 
-Math and pitfalls: shared/reference/kimi_k3.md section 8 (3.2 and 3.3 for the shared blocks).
-Oracle: transformers `kimi_linear`.
+Sources: the Kimi Linear report (arXiv:2510.26692) and transformers'
+`src/transformers/models/kimi_linear/modeling_kimi_linear.py` (the oracle of tests/test_kimi_linear.py).
+Layer schedule, state and proof: docs/families/kimi_linear.md.
 
     h += mixer(RMSNorm(h))     KDA (gate -exp(A_log) softplus(z + dt_bias), low-rank output gate)
                                or MLA
@@ -27,8 +28,8 @@ Checkpoint names are the release names, which transformers also writes on `save_
 `mlp.` for every FFN and the experts fused (`mlp.experts.gate_up_proj [E, 2I, d]`,
 `mlp.experts.down_proj [E, d, I]`).
 
-K3's config class extends `KimiLinearConfig`; the other pieces K3 shares with this family (config
-fields, layer kinds, MLA block, router, states, names) are module-level functions here.
+Kimi K3 (models/kimi_k3.py) extends this module: its config class, `Layer` and `Model` subclass the
+ones here, and it reuses the config reader, layer kinds, contract pieces, naming, binders and blocks.
 """
 
 from __future__ import annotations
@@ -40,93 +41,80 @@ import torch.nn.functional as F
 
 from ..cache.batch import ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
-from ..config import eos_ids, field, positive
+from ..config import declared, eos_ids, field, non_negative, positive, read_config, require
 from ..errors import ConfigError
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
 from ..layers.linear import linear
-from ..layers.mla import mla_batch, mla_project
-from ..layers.moe import glu_mlp, route_sigmoid, run_experts, swiglu
+from ..layers.mla import MlaWeights, mla_batch, mla_project
+from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe, silu_glu
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
 from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
-from .parts import bind_kda, bind_mla, kda_shapes, mla_specs
+from .parts import bind_kda, bind_mla, bind_mlp, bind_moe, kda_shapes, mla_specs, mlp_specs, moe_specs
 
 MODEL_TYPES = ("kimi_linear",)
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the RMSNorm class default, as transformers builds them
 
-# transformers' KimiLinearConfig defaults (= the released 48B shape)
-DEFAULTS = dict(
-    vocab_size=163840,
-    hidden_size=2304,
-    num_hidden_layers=27,
-    num_attention_heads=32,
-    q_lora_rank=None,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    intermediate_size=9216,
-    moe_intermediate_size=1024,
-    num_experts=256,
-    num_experts_per_token=8,
-    num_shared_experts=1,
-    n_group=1,
-    topk_group=1,
-    moe_renormalize=True,
-    routed_scaling_factor=2.446,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=1048576,
-    tie_word_embeddings=False,
-    bos_token_id=163584,
-    eos_token_id=163586,
-    kda_num_heads=32,
-    kda_head_dim=128,
-    conv_kernel=4,
-    first_k_dense_replace=1,
-)
 
-# config.json spellings: the first is the name transformers writes, the others its aliases
-ALIASES = {
-    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
-    "num_experts_per_token": ("num_experts_per_token", "num_experts_per_tok"),
-    "num_shared_experts": ("num_shared_experts", "n_shared_experts"),
-    "n_group": ("num_expert_group", "n_group"),
-    "moe_renormalize": ("moe_renormalize", "norm_topk_prob"),
-    "max_position_embeddings": ("model_max_length", "max_position_embeddings"),
-}
+# ---------------------------------------------------------------- config
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class LinearAttnConfig:
+    """`linear_attn_config`: the KDA sizes (older exports also spell them at the top level as
+    linear_num_heads, linear_head_dim, linear_conv_kernel_dim) and Kimi K3's gate switches. Absent
+    fields take transformers' defaults; K3's switches are off unless set."""
+
+    num_heads: int = declared(32, aliases=("linear_num_heads",), check=positive)
+    head_dim: int = declared(128, aliases=("linear_head_dim",), check=positive)
+    short_conv_kernel_size: int = declared(
+        4,
+        aliases=("linear_conv_kernel_dim",),
+        check=lambda v: v >= 2,
+        why="the short convolution needs at least 2 taps",
+    )
+    gate_lower_bound: float | None = declared(None, check=lambda v: v < 0, why="must be negative")
+    use_full_rank_gate: bool = declared(False)
+
+
+_TOP_LEVEL_KDA = ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")
+
+
+@dataclass(frozen=True, kw_only=True)
 class KimiLinearConfig:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
+    """Absent fields take transformers' `KimiLinearConfig` defaults (= the released 48B shape); the
+    aliases are the spellings transformers accepts."""
+
+    vocab_size: int = declared(163840, check=positive)
+    hidden_size: int = declared(2304, check=positive)
+    num_hidden_layers: int = declared(27, check=positive)
+    num_attention_heads: int = declared(32, check=positive)
+    q_lora_rank: int | None = declared(None, check=positive)  # None: a plain q_proj
+    kv_lora_rank: int = declared(512, check=positive)
+    qk_nope_head_dim: int = declared(128, check=positive)
+    qk_rope_head_dim: int = declared(64, check=non_negative)
+    v_head_dim: int = declared(128, check=positive)
+    intermediate_size: int = declared(9216)  # checked against the dense layers in `read_kimi_config`
+    moe_intermediate_size: int = declared(1024, check=positive)
+    num_experts: int = declared(256, aliases=("num_local_experts", "n_routed_experts"), check=positive)
+    num_experts_per_token: int = declared(8, aliases=("num_experts_per_tok",))
+    num_shared_experts: int = declared(1, aliases=("n_shared_experts",), check=non_negative)
+    n_group: int = declared(1, key="num_expert_group", aliases=("n_group",), check=positive)
+    topk_group: int = declared(1)
+    moe_renormalize: bool = declared(True, aliases=("norm_topk_prob",))
+    routed_scaling_factor: float = declared(2.446)
+    rms_norm_eps: float = declared(1e-5, check=positive)
+    max_position_embeddings: int = declared(
+        1048576, key="model_max_length", aliases=("max_position_embeddings",), check=positive
+    )
+    tie_word_embeddings: bool = declared(False)
+    bos_token_id: int | None = declared(163584)
+    linear_attn: LinearAttnConfig
     layer_kinds: tuple[str, ...]  # per layer: "kda" | "mla"
     mlp_kinds: tuple[str, ...]  # per layer: "dense" | "moe"
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    kda_num_heads: int
-    kda_head_dim: int
-    conv_kernel: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_experts: int
-    num_experts_per_token: int
-    num_shared_experts: int
-    n_group: int
-    topk_group: int
-    moe_renormalize: bool
-    routed_scaling_factor: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    mla_use_output_gate: bool = False  # Kimi K3's gated MLA (read there; a Kimi Linear config has none)
     model_type: str = "kimi_linear"
 
     @property
@@ -138,18 +126,42 @@ class KimiLinearConfig:
         return self.qk_head_dim**-0.5
 
     @property
+    def kda_gate(self) -> tuple[float | None, bool]:
+        """(gate lower bound, full-rank output gate): Kimi Linear's unbounded law and low-rank gate
+        (Kimi K3 reads both from its config)."""
+        return None, False
+
+    @property
     def kda_dims(self) -> KdaDims:
-        return KdaDims.for_variant(
-            "kimi_linear",
+        la, (lower_bound, full_rank) = self.linear_attn, self.kda_gate
+        return KdaDims(
             self.hidden_size,
-            self.kda_num_heads,
-            self.kda_head_dim,
-            conv_kernel=self.conv_kernel,
+            la.num_heads,
+            la.head_dim,
+            conv_kernel=la.short_conv_kernel_size,
+            lower_bound=lower_bound,
+            full_rank_gate=full_rank,
             norm_eps=self.rms_norm_eps,
         )
 
+    @property
+    def glu(self):
+        """The gated activation of the experts, shared experts and dense MLPs."""
+        return silu_glu
 
-# ---------------------------------------------------------------- config
+    @property
+    def moe_spec(self) -> MoeSpec:
+        """The sigmoid router in fp32 on the full hidden state, with its selection-only bias."""
+        r = Router(
+            "sigmoid",
+            self.num_experts_per_token,
+            self.n_group,
+            self.topk_group,
+            self.moe_renormalize,
+            self.routed_scaling_factor,
+            fp32=True,
+        )
+        return MoeSpec(r, glu=self.glu, eps=self.rms_norm_eps)
 
 
 def handoff(raw: dict) -> str | None:
@@ -159,12 +171,6 @@ def handoff(raw: dict) -> str | None:
     if any(raw.get(k) not in (None, False) for k in k3) or raw.get("hidden_act") == "situ":
         return "kimi_k3"
     return None
-
-
-def _get(raw: dict, key: str, kind, default, w: str, **kw):
-    names = ALIASES.get(key, (key,))
-    present = [n for n in names if raw.get(n) is not None]
-    return field(raw, present[0] if present else names[0], kind, default, where=w, **kw)
 
 
 def layer_kinds(raw: dict, n: int, w: str, default_schedule: bool) -> tuple[str, ...]:
@@ -219,11 +225,10 @@ def layer_kinds(raw: dict, n: int, w: str, default_schedule: bool) -> tuple[str,
     return tuple("mla" if L and L % 4 == 0 else "kda" for L in range(n))
 
 
-def mlp_kinds(raw: dict, n: int, w: str, first_dense_default: int) -> tuple[str, ...]:
-    if _get(raw, "moe_layer_freq", int, 1, w) != 1:
-        raise ConfigError(
-            f"{w}: field 'moe_layer_freq' must be 1 (every layer after the dense prefix is MoE)"
-        )
+def mlp_kinds(raw: dict, n: int, w: str) -> tuple[str, ...]:
+    """ "dense" / "moe" per layer: `mlp_layer_types`, or the dense prefix `first_k_dense_replace`."""
+    freq = field(raw, "moe_layer_freq", int, 1, where=w)
+    require(freq == 1, w, "moe_layer_freq", freq, "must be 1: every layer after the dense prefix is MoE")
     explicit = raw.get("mlp_layer_types")
     if explicit is not None:
         if (
@@ -239,7 +244,7 @@ def mlp_kinds(raw: dict, n: int, w: str, first_dense_default: int) -> tuple[str,
         raw,
         "first_k_dense_replace",
         int,
-        first_dense_default,
+        1,
         where=w,
         check=lambda v: 0 <= v <= n,
         why=f"must be within 0..num_hidden_layers={n}",
@@ -247,126 +252,75 @@ def mlp_kinds(raw: dict, n: int, w: str, first_dense_default: int) -> tuple[str,
     return tuple("dense" if L < k else "moe" for L in range(n))
 
 
-def parse_common(raw: dict, w: str, defaults: dict, default_schedule: bool) -> dict:
-    """The fields Kimi Linear and Kimi K3 share, as keyword arguments of their config classes."""
-    d = defaults
-    if raw.get("attention_bias"):
-        raise ConfigError(
-            f"{w}: field 'attention_bias' = true is not supported (the released models have no biases)"
-        )
-    n = _get(raw, "num_hidden_layers", int, d["num_hidden_layers"], w, check=positive)
-    heads = _get(raw, "num_attention_heads", int, d["num_attention_heads"], w, check=positive)
-    kv_heads = raw.get("num_key_value_heads")
-    if kv_heads is not None and kv_heads != heads:
-        raise ConfigError(
-            f"{w}: field 'num_key_value_heads' = {kv_heads!r} must equal num_attention_heads = {heads} "
-            "(MLA expands per-head keys from the latent)"
-        )
-    experts = _get(raw, "num_experts", int, d["num_experts"], w, check=positive)
-    n_group = _get(raw, "n_group", int, d["n_group"], w, check=positive)
-    if experts % n_group:
-        raise ConfigError(f"{w}: field 'num_expert_group' = {n_group} must divide num_experts = {experts}")
-    lac = raw.get("linear_attn_config") or {}
-    lw = f"{w} linear_attn_config"
-    q_lora = raw.get("q_lora_rank", d["q_lora_rank"])
-    kinds = mlp_kinds(raw, n, w, d["first_k_dense_replace"])
-    out = dict(
-        vocab_size=_get(raw, "vocab_size", int, d["vocab_size"], w, check=positive),
-        hidden_size=_get(raw, "hidden_size", int, d["hidden_size"], w, check=positive),
-        num_hidden_layers=n,
-        layer_kinds=layer_kinds(raw, n, w, default_schedule),
-        mlp_kinds=kinds,
-        num_attention_heads=heads,
-        q_lora_rank=None
-        if q_lora is None
-        else field({"q_lora_rank": q_lora}, "q_lora_rank", int, where=w, check=positive),
-        kv_lora_rank=_get(raw, "kv_lora_rank", int, d["kv_lora_rank"], w, check=positive),
-        qk_nope_head_dim=_get(raw, "qk_nope_head_dim", int, d["qk_nope_head_dim"], w, check=positive),
-        qk_rope_head_dim=_get(raw, "qk_rope_head_dim", int, d["qk_rope_head_dim"], w, check=lambda v: v >= 0),
-        v_head_dim=_get(raw, "v_head_dim", int, d["v_head_dim"], w, check=positive),
-        kda_num_heads=field(
-            lac,
-            "num_heads",
-            int,
-            _get(raw, "linear_num_heads", int, d["kda_num_heads"], w),
-            where=lw,
-            check=positive,
-        ),
-        kda_head_dim=field(
-            lac,
-            "head_dim",
-            int,
-            _get(raw, "linear_head_dim", int, d["kda_head_dim"], w),
-            where=lw,
-            check=positive,
-        ),
-        conv_kernel=field(
-            lac,
-            "short_conv_kernel_size",
-            int,
-            _get(raw, "linear_conv_kernel_dim", int, d["conv_kernel"], w),
-            where=lw,
-            check=lambda v: v >= 2,
-            why="the short convolution needs at least 2 taps",
-        ),
-        intermediate_size=_get(
-            raw,
-            "intermediate_size",
-            int,
-            d["intermediate_size"],
-            w,
-            check=lambda v: v > 0 or "dense" not in kinds,
-            why="the dense layers need it",
-        ),
-        moe_intermediate_size=_get(
-            raw, "moe_intermediate_size", int, d["moe_intermediate_size"], w, check=positive
-        ),
-        num_experts=experts,
-        num_experts_per_token=_get(
-            raw,
-            "num_experts_per_token",
-            int,
-            d["num_experts_per_token"],
-            w,
-            check=lambda v: 0 < v <= experts,
-            why=f"must be in 1..num_experts={experts}",
-        ),
-        num_shared_experts=_get(
-            raw, "num_shared_experts", int, d["num_shared_experts"], w, check=lambda v: v >= 0
-        ),
-        n_group=n_group,
-        topk_group=_get(
-            raw,
-            "topk_group",
-            int,
-            d["topk_group"],
-            w,
-            check=lambda v: 0 < v <= n_group,
-            why=f"must be in 1..num_expert_group={n_group}",
-        ),
-        moe_renormalize=_get(raw, "moe_renormalize", bool, d["moe_renormalize"], w),
-        routed_scaling_factor=_get(raw, "routed_scaling_factor", float, d["routed_scaling_factor"], w),
-        rms_norm_eps=_get(raw, "rms_norm_eps", float, d["rms_norm_eps"], w, check=positive),
-        max_position_embeddings=_get(
-            raw, "max_position_embeddings", int, d["max_position_embeddings"], w, check=positive
-        ),
-        tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, d["tie_word_embeddings"], w),
-        bos_token_id=raw.get("bos_token_id", d["bos_token_id"]),
-        eos_token_ids=eos_ids(raw.get("eos_token_id", d["eos_token_id"])),
+def read_kimi_config(
+    cls, raw: dict, w: str, defaults: dict, kda_defaults: dict, default_schedule: bool, **given
+):
+    """A config of class `cls` (KimiLinearConfig or Kimi K3's subclass): the declared fields (with a
+    family's `defaults`), the `linear_attn_config` section, the layer kinds and the cross-field checks
+    the two families share; `given` holds the fields the family computes itself."""
+    require(
+        not raw.get("attention_bias"),
+        w,
+        "attention_bias",
+        raw.get("attention_bias"),
+        "not supported: the released models have no biases",
     )
-    return out
+    n = field(
+        raw,
+        "num_hidden_layers",
+        int,
+        defaults.get("num_hidden_layers", cls.num_hidden_layers),
+        where=w,
+        check=positive,
+    )
+    lac = raw.get("linear_attn_config") or {}
+    top = {k: raw[k] for k in _TOP_LEVEL_KDA if k in raw}
+    linear_attn = read_config(LinearAttnConfig, {**top, **lac}, f"{w} linear_attn_config", kda_defaults)
+    cfg = read_config(
+        cls,
+        raw,
+        w,
+        defaults,
+        linear_attn=linear_attn,
+        layer_kinds=layer_kinds(raw, n, w, default_schedule),
+        mlp_kinds=mlp_kinds(raw, n, w),
+        eos_token_ids=eos_ids(raw.get("eos_token_id", 163586), w),
+        **given,
+    )
+    H, E, G = cfg.num_attention_heads, cfg.num_experts, cfg.n_group
+    kv_heads = raw.get("num_key_value_heads")
+    require(
+        kv_heads is None or kv_heads == H,
+        w,
+        "num_key_value_heads",
+        kv_heads,
+        f"must equal num_attention_heads = {H}: MLA expands per-head keys from the latent",
+    )
+    require(E % G == 0, w, "num_expert_group", G, f"must divide num_experts = {E}")
+    k = cfg.num_experts_per_token
+    require(0 < k <= E, w, "num_experts_per_token", k, f"must be in 1..num_experts={E}")
+    require(0 < cfg.topk_group <= G, w, "topk_group", cfg.topk_group, f"must be in 1..num_expert_group={G}")
+    require(
+        cfg.intermediate_size > 0 or "dense" not in cfg.mlp_kinds,
+        w,
+        "intermediate_size",
+        cfg.intermediate_size,
+        "the dense layers need it",
+    )
+    return cfg
 
 
 def parse_config(raw: dict, layout: str = "hf") -> KimiLinearConfig:
-    """Absent fields take transformers' `KimiLinearConfig` defaults (= the released 48B shape)."""
     w = "config.json"
     act = field(raw, "hidden_act", str, "silu", where=w)
-    if act not in ("silu", "swish"):
-        raise ConfigError(
-            f"{w}: field 'hidden_act' has unsupported value {act!r} (Kimi Linear uses silu, "
-            "which also activates the KDA short convolution)"
-        )
-    return KimiLinearConfig(**parse_common(raw, w, DEFAULTS, default_schedule=True))
+    require(
+        act in ("silu", "swish"),
+        w,
+        "hidden_act",
+        act,
+        "Kimi Linear uses silu, which also activates the KDA short convolution",
+    )
+    return read_kimi_config(KimiLinearConfig, raw, w, {}, {}, default_schedule=True)
 
 
 # ---------------------------------------------------------------- tensor contract
@@ -381,53 +335,42 @@ def kda_specs(p: str, dims: KdaDims, L: int, a_log_shape) -> list[TensorSpec]:
             "norm" if name == "o_norm.weight" else "attention",
             L,
             keep_fp32=name in ("A_log", "dt_bias"),
-            dense="conv1d" in name,
-        )  # conv taps, never a matmul
+            dense="conv1d" in name,  # conv taps, never a matmul
+        )
         for name, shape in kda_shapes(dims, a_log_shape).items()
     ]
 
 
-def glu_specs(m: str, inner: int, d: int, role: str, L: int) -> list[TensorSpec]:
+def norm_specs(p: str, d: int, L: int) -> list[TensorSpec]:
+    """The two pre-norms of decoder layer L under `p` (= "model.layers.L.")."""
     return [
-        TensorSpec(m + "gate_proj.weight", (inner, d), role, L),
-        TensorSpec(m + "up_proj.weight", (inner, d), role, L),
-        TensorSpec(m + "down_proj.weight", (d, inner), role, L),
+        TensorSpec(p + "input_layernorm.weight", (d,), "norm", L),
+        TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", L),
     ]
 
 
-def router_specs(m: str, c, L: int) -> list[TensorSpec]:
-    E, d = c.num_experts, c.hidden_size
-    return [
-        TensorSpec(m + "gate.weight", (E, d), "router", L, keep_fp32=True),
-        TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", L, keep_fp32=True),
-    ]
+def mixer_specs(c, p: str, L: int, a_log_shape) -> list[TensorSpec]:
+    """Layer L's KDA (A_log stored as `a_log_shape`) or MLA (+ Kimi K3's output gate g_proj)."""
+    if c.layer_kinds[L] == "kda":
+        return kda_specs(p, c.kda_dims, L, a_log_shape)
+    specs = mla_specs(p + "self_attn.", c, L)
+    if c.mla_use_output_gate:
+        H, dv = c.num_attention_heads, c.v_head_dim
+        specs.append(TensorSpec(p + "self_attn.g_proj.weight", (H * dv, c.hidden_size), "attention", L))
+    return specs
 
 
 def tensor_specs(cfg: KimiLinearConfig) -> list[TensorSpec]:
     c, d = cfg, cfg.hidden_size
     specs = [TensorSpec("model.embed_tokens.weight", (c.vocab_size, d), "embedding")]
     for L in range(c.num_hidden_layers):
-        p = f"model.layers.{L}."
-        specs += [
-            TensorSpec(p + "input_layernorm.weight", (d,), "norm", L),
-            TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", L),
-        ]
-        if c.layer_kinds[L] == "kda":
-            specs += kda_specs(p, c.kda_dims, L, (1, 1, c.kda_num_heads, 1))
-        else:
-            specs += mla_specs(p + "self_attn.", c, L)
+        p, I = f"model.layers.{L}.", c.moe_intermediate_size
+        specs += norm_specs(p, d, L) + mixer_specs(c, p, L, (1, 1, c.linear_attn.num_heads, 1))
         m = p + "mlp."
         if c.mlp_kinds[L] == "dense":
-            specs += glu_specs(m, c.intermediate_size, d, "mlp", L)
-            continue
-        E, I = c.num_experts, c.moe_intermediate_size
-        specs += router_specs(m, c, L)
-        specs += [
-            TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, d), "expert", L),
-            TensorSpec(m + "experts.down_proj", (E, d, I), "expert", L),
-        ]
-        if c.num_shared_experts:
-            specs += glu_specs(m + "shared_experts.", I * c.num_shared_experts, d, "shared_expert", L)
+            specs += mlp_specs(m, c.intermediate_size, d, "mlp", L)
+        else:
+            specs += moe_specs(m, c.num_experts, I, d, L, router_fp32=True, shared=I * c.num_shared_experts)
     specs.append(TensorSpec("model.norm.weight", (d,), "norm"))
     specs.append(TensorSpec("lm_head.weight", (c.vocab_size, d), "lm_head", optional=c.tie_word_embeddings))
     return specs
@@ -474,107 +417,73 @@ def namings(cfg: KimiLinearConfig, layout: str, store_names) -> Naming:
     return release_naming("Kimi Linear release / transformers", store_names)
 
 
-# ---------------------------------------------------------------- blocks shared with Kimi K3
-
-
-def new_state(cfg, dtype: torch.dtype, device, rollback_window: int = 0) -> SequenceState:
-    """Per layer: the MLA latent rows, or the KDA recurrent state + conv tail keeping the states
-    after each of the last `rollback_window` tokens (exact `rollback(n)` for n <= window)."""
-    layers = []
-    for kind in cfg.layer_kinds:
-        if kind == "kda":
-            layers.append(RecurrentState(KdaState.zeros(cfg.kda_dims, device=device), rollback_window))
-        else:
-            layers.append(
-                TokenRows(
-                    {"latent": cfg.kv_lora_rank, "k_rope": cfg.qk_rope_head_dim},
-                    dtype,
-                    device,
-                    cfg.max_position_embeddings,
-                )
-            )
-    return SequenceState(layers)
-
-
-def mla_heads(L: int, c, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """MLA without rotation up to (not including) o_proj: [N, H * v_head_dim]. Appends each
-    sequence's latent and shared key slice to its cache."""
-    q_nope, q_shared, latent, k_shared = mla_project(
-        x, bind_mla(Tensors(w).under("self_attn.")), c, MLA_NORM_EPS
-    )  # TODO(#11): bind at build
-    out = mla_batch(
-        L,
-        batch,
-        q_nope,
-        q_shared,
-        latent,
-        k_shared,
-        w["self_attn.kv_b_proj.weight"],
-        c.v_head_dim,
-        c.softmax_scale,
-    )
-    return out.flatten(1)
-
-
-def route(c, w: dict, x: torch.Tensor):
-    """Sigmoid router on the full hidden state, in fp32: (weights [N, k] fp32, expert ids)."""
-    logits = F.linear(x.float(), w["mlp.gate.weight"].float())
-    return route_sigmoid(
-        logits,
-        c.num_experts_per_token,
-        w["mlp.gate.e_score_correction_bias"],
-        c.n_group,
-        c.topk_group,
-        c.moe_renormalize,
-        c.routed_scaling_factor,
-    )
-
-
-def layer_tensors(tensors: dict, L: int) -> dict:
-    p = f"model.layers.{L}."
-    return {k[len(p) :]: v for k, v in tensors.items() if k.startswith(p)}
-
-
-def kda_weights(w: dict, dims: KdaDims) -> KdaWeights:
-    return bind_kda(Tensors(w).under("self_attn."), dims)  # TODO(#11): bind at build
-
-
 # ---------------------------------------------------------------- model
 
 
-class Model:
-    """The Kimi Linear decoder over a ForwardBatch."""
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    attn: KdaWeights | MlaWeights
+    mlp_norm: torch.Tensor
+    mlp: Mlp | MoeWeights
 
-    def __init__(self, cfg: KimiLinearConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device):
+
+def bind_layer(w: Tensors, c, L: int, **latent) -> Layer:
+    """Layer L under `w` (= "model.layers.L."); `latent`: Kimi K3's latent projections of its MoE."""
+    a, m = w.under("self_attn."), w.under("mlp.")
+    return Layer(
+        w("input_layernorm.weight"),
+        bind_kda(a, c.kda_dims) if c.layer_kinds[L] == "kda" else bind_mla(a),
+        w("post_attention_layernorm.weight"),
+        bind_mlp(m) if c.mlp_kinds[L] == "dense" else bind_moe(m, **latent),
+    )
+
+
+class Model:
+    """The Kimi Linear decoder over a ForwardBatch (Kimi K3's Model extends it)."""
+
+    def __init__(self, cfg: KimiLinearConfig, t: Tensors, dtype: torch.dtype, device):
         self.cfg, self.dtype, self.device = cfg, dtype, device
-        self.embed = tensors["model.embed_tokens.weight"]
-        self.norm = tensors["model.norm.weight"]
-        self.lm_head = tensors.get("lm_head.weight", self.embed)
-        self.layers = [layer_tensors(tensors, L) for L in range(cfg.num_hidden_layers)]
-        self.kda = {
-            L: kda_weights(w, cfg.kda_dims) for L, w in enumerate(self.layers) if cfg.layer_kinds[L] == "kda"
-        }
+        self.embed = t("model.embed_tokens.weight")
+        self.norm = t("model.norm.weight")
+        lm_head = t.optional("lm_head.weight")
+        self.lm_head = self.embed if lm_head is None else lm_head
+        self.moe = cfg.moe_spec
+        self.layers = [self.bind(t.under(f"model.layers.{L}."), L) for L in range(cfg.num_hidden_layers)]
+
+    def bind(self, w: Tensors, L: int) -> Layer:
+        """Layer L from its tensors `w` (= "model.layers.L.")."""
+        return bind_layer(w, self.cfg, L)
 
     def new_state(self, rollback_window: int = 0) -> SequenceState:
-        return new_state(self.cfg, self.dtype, self.device, rollback_window)
+        """Per layer: the MLA latent rows (exact rollback at any depth), or the KDA recurrent state +
+        conv tail keeping the states after each of the last `rollback_window` tokens (exact
+        `rollback(n)` for n <= window)."""
+        c, layers = self.cfg, []
+        for kind in c.layer_kinds:
+            if kind == "kda":
+                layers.append(RecurrentState(KdaState.zeros(c.kda_dims, device=self.device), rollback_window))
+            else:
+                widths = {"latent": c.kv_lora_rank, "k_rope": c.qk_rope_head_dim}
+                layers.append(TokenRows(widths, self.dtype, self.device, c.max_position_embeddings))
+        return SequenceState(layers)
 
-    def mixer(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if self.cfg.layer_kinds[L] == "kda":
-            return run_recurrent(kda_mixer, self.kda[L], self.cfg.kda_dims, L, x, batch)
-        return linear(mla_heads(L, self.cfg, w, x, batch), w["self_attn.o_proj.weight"])
+    # -- blocks
+    def mixer(self, L: int, w: Layer, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """KDA, or MLA without rotation (with Kimi K3's output gate where bound: o_proj(o * sigmoid(g_proj
+        x))). Appends each sequence's new tokens to its layer-L state."""
+        c, a = self.cfg, w.attn
+        if isinstance(a, KdaWeights):
+            return run_recurrent(kda_mixer, a, c.kda_dims, L, x, batch)
+        q_nope, q_shared, latent, k_shared = mla_project(x, a, c, MLA_NORM_EPS)
+        o = mla_batch(L, batch, q_nope, q_shared, latent, k_shared, a.kv_b, c.v_head_dim, c.softmax_scale)
+        o = o.flatten(1)
+        if a.gate is not None:
+            o = (o.float() * torch.sigmoid(linear(x, a.gate).float())).to(o.dtype)
+        return linear(o, a.o)
 
-    def ffn(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        if c.mlp_kinds[L] == "dense":
-            return glu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
-        weights, ids = route(c, w, x)
-        out = run_experts(x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], swiglu)
-        if c.num_shared_experts:
-            s = "mlp.shared_experts."
-            out = out + glu_mlp(
-                x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
-            )
-        return out
+    def ffn(self, w: Layer, x: torch.Tensor) -> torch.Tensor:
+        return moe(x, w.mlp, self.moe) if isinstance(w.mlp, MoeWeights) else w.mlp(x, self.moe.glu)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -582,11 +491,15 @@ class Model:
         eps = self.cfg.rms_norm_eps
         h = F.embedding(batch.token_ids, self.embed)
         for L, w in enumerate(self.layers):
-            h = h + self.mixer(L, w, rms_norm(h, w["input_layernorm.weight"], eps), batch)
-            h = h + self.ffn(L, w, rms_norm(h, w["post_attention_layernorm.weight"], eps))
+            h = h + self.mixer(L, w, rms_norm(h, w.attn_norm, eps), batch)
+            h = h + self.ffn(w, rms_norm(h, w.mlp_norm, eps))
         batch.finish()
         h = rms_norm(h[batch.logit_rows], self.norm, eps)
         return linear(h, self.lm_head).float()
+
+
+def build(cfg: KimiLinearConfig, tensors: Tensors, dtype: torch.dtype, device, folder) -> Model:
+    return Model(cfg, tensors, dtype, device)
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
@@ -598,8 +511,8 @@ def layer_schedule(cfg) -> list[str]:
 
 def state_bytes(cfg, dtype_bytes: int, rollback_window: int = 0) -> tuple[int, int]:
     """(bytes per token, fixed bytes per sequence): the MLA latent + shared key slice per MLA layer
-    in the model dtype; per KDA layer one fp32 recurrent state + conv tail, times (1 + window)
-    while snapshots for rollback are kept."""
+    in the model dtype (rows roll back for free); per KDA layer one fp32 recurrent state + conv tail,
+    times (1 + window) for the states a rollback window keeps."""
     mla = cfg.layer_kinds.count("mla")
     kda = cfg.layer_kinds.count("kda")
     per_token = mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
@@ -610,7 +523,7 @@ def max_context(cfg) -> int:
     return cfg.max_position_embeddings
 
 
-def facts(cfg: KimiLinearConfig) -> dict:
+def facts(cfg) -> dict:
     d, I = cfg.hidden_size, cfg.moe_intermediate_size
     return {
         "kda_layers": [L for L, k in enumerate(cfg.layer_kinds) if k == "kda"],
@@ -624,8 +537,5 @@ def facts(cfg: KimiLinearConfig) -> dict:
 
 
 def draft_heads(cfg) -> tuple[str, ...]:
+    """Kimi Linear has no draft head."""
     return ()
-
-
-def build(cfg, tensors, dtype, device, folder):
-    return Model(cfg, tensors.all(), dtype, device)

@@ -5,43 +5,30 @@ attention, a relu² MLP, or a relu² MoE with a sigmoid router and optional late
     for each layer:  h = h + mixer(RMSNorm(h))          # no second sub-block inside a layer
     logits = lm_head(RMSNorm_f(h)).float()
 
-Math and pitfalls: shared/reference/mistral4_nemotron.md, Part B. Oracle: transformers `nemotron_h`
-(5.23). Released shapes: Nemotron-3 Nano 30B-A3B and Super 120B-A12B (LatentMoE, one MTP block).
+Layer schedule, state kinds, namings and proof: docs/families/nemotron_h.md. Oracle: transformers
+`nemotron_h` (5.23, `src/transformers/models/nemotron_h/modeling_nemotron_h.py`). Released shapes:
+Nemotron-3 Nano 30B-A3B and Super 120B-A12B (LatentMoE, one MTP block).
 
 Config. The layer list is `layers_block_type` (alias `layer_types`; the release names `mamba` and
 `attention` are read as `linear_attention` and `full_attention`, as transformers' remap does) or the
-legacy `hybrid_override_pattern` string (`M` Mamba-2, `E` MoE, `*` attention, `-` MLP). The layer
-count is its length; `num_hidden_layers` is ignored. The legacy `mamba_*` aliases override the
-plain names, as in transformers. MTP fields: `num_nextn_predict_layers` (N blocks) and the block's
-layer list `mtp_layers_block_type` / legacy `mtp_hybrid_override_pattern` (P layers, default `*E`).
+legacy `hybrid_override_pattern` string (`M` Mamba-2, `E` MoE, `*` attention, `-` MLP); its length is
+the layer count (`num_hidden_layers` is ignored). The legacy `mamba_*` keys override the plain names,
+as in transformers. MTP: `num_nextn_predict_layers` blocks (N) of the layers `mtp_layers_block_type` /
+legacy `mtp_hybrid_override_pattern` (P, default `*E`).
 
-MTP. Declared optional (role "mtp", so `inspect` counts it apart from the published totals) and, when
-the checkpoint has it, shape-checked and loaded into `Model.mtp`; nothing runs it yet (transformers
-builds no MTP module, so there is no oracle). All of it or none: a partial block is a CheckpointError.
-The checkpoint flattens the N x P layers as `mtp.layers.{k}.` with k = block * P + position, each a
-Nemotron-H layer (`norm.weight`, `mixer.*` named as in the backbone, per-expert
-`mixer.experts.{e}.up_proj.weight`), plus `enorm.weight`, `hnorm.weight` and `eh_proj.weight`
-[d, 2d] on each block's first layer and `final_layernorm.weight` on its last. Sources for the names:
-vLLM `vllm/model_executor/models/nemotron_h_mtp.py` (`NemotronHMTP.load_weights`, which keeps only
-`mtp.*` after stripping a `language_model.` prefix), SGLang `python/sglang/srt/models/nemotron_h_mtp.py`,
-and Megatron-Bridge `src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py` (its flattened HF MTP
-mapping); no released safetensors index was read from here.
+Names. The contract uses transformers' in-memory names (`model.*`, fused experts
+`model.layers.L.mixer.experts.up_proj [E, I, in]`); the releases and `save_pretrained` write
+`backbone.*` with one tensor per expert (`backbone.layers.L.mixer.experts.{e}.up_proj.weight [I, in]`).
+Both are read, chosen per checkpoint. MTP blocks, optional (role "mtp") but all or none, are flattened
+as `mtp.layers.{k}.` (k = block * P + position), each a Nemotron-H layer, with `enorm`, `hnorm`,
+`eh_proj [d, 2d]` on a block's first layer and `final_layernorm` on its last: the names vLLM
+`vllm/model_executor/models/nemotron_h_mtp.py` (`NemotronHMTP.load_weights`), SGLang
+`python/sglang/srt/models/nemotron_h_mtp.py` and Megatron-Bridge
+`src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py` load. They are bound into `Model.mtp` and
+not run yet (transformers builds no MTP module: no oracle).
 
 dt convention. softplus(dt + dt_bias) is clamped below at `time_step_min` in prefill AND decode
-(see moesaic/layers/mamba2.py). transformers clamps in its chunked prefill only, so moesaic equals
-transformers everywhere except decode steps where softplus(dt + dt_bias) < time_step_min; there
-moesaic's decode equals its own (and transformers') prefill. `time_step_limit` is parsed but, as in
-transformers, the bounds used are (time_step_min, inf).
-
-Names. The model's own names are transformers' in-memory ones (`model.*`, fused experts
-`model.layers.L.mixer.experts.up_proj [E, I, in]`). Checkpoints — the releases and what
-transformers' `save_pretrained` writes — use `backbone.*` and one tensor per expert
-(`backbone.layers.L.mixer.experts.{e}.up_proj.weight [I, in]`). Both prefixes and both expert
-layouts are read (chosen per checkpoint from the names it holds).
-
-State per sequence: attention layers keep K and V rows (TokenRows, model dtype); Mamba-2 layers a
-RecurrentState over the fp32 conv tail [conv_dim, K-1] and SSM state [H, P, N], with a rollback
-window of per-token snapshots chosen at `new_state(rollback_window=...)`; MLP and MoE layers none.
+(moesaic/layers/mamba2.py); transformers clamps in its chunked prefill only.
 """
 
 from __future__ import annotations
@@ -55,15 +42,17 @@ import torch.nn.functional as F
 
 from ..cache.batch import ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
-from ..config import eos_ids, field, positive
+from ..config import declared, eos_ids, field, non_negative, positive, read_config, require
 from ..errors import CheckpointError, ConfigError
-from ..layers.attention import gqa_attend
+from ..layers.attention import gqa_batch
 from ..layers.linear import linear
 from ..layers.mamba2 import Mamba2Dims, Mamba2State, Mamba2Weights, mamba2_mixer
-from ..layers.moe import relu2, route_sigmoid, run_experts
+from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe, relu2
 from ..layers.norms import rms_norm_fp32_weight
 from ..layers.recurrent import run_recurrent
+from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked
+from .parts import bind_mlp, bind_moe, mlp_specs, moe_specs
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -73,48 +62,51 @@ _LEGACY = {"mamba": MAMBA, "attention": ATTENTION}
 _SCHEDULE = {MAMBA: "mamba2", ATTENTION: "attention", MLP: "mlp", MOE: "moe"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NemotronHConfig:
-    vocab_size: int
-    hidden_size: int
+    """Absent fields take transformers' `NemotronHConfig` defaults. Where a field has a legacy `mamba_*`
+    key, that key is declared first: it overrides the plain name, as transformers' `__post_init__` does."""
+
+    vocab_size: int = declared(131072, check=positive)
+    hidden_size: int = declared(4096, check=positive)
     layer_types: tuple[str, ...]  # linear_attention | full_attention | mlp | moe, one per layer
     # attention (NoPE GQA)
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
+    num_attention_heads: int = declared(32, check=positive)
+    num_key_value_heads: int = declared(8, check=positive)  # an explicit null: one per head
+    head_dim: int = declared(128, aliases=("attention_head_dim",), check=positive)
+    max_position_embeddings: int = declared(4096, check=positive)
     # dense relu² MLP
-    intermediate_size: int
+    intermediate_size: int = declared(21504)
     # Mamba-2
-    mamba_num_heads: int
-    mamba_head_dim: int
-    n_groups: int
-    ssm_state_size: int
-    conv_kernel: int
-    use_conv_bias: bool
-    use_bias: bool  # Mamba in/out projection biases
-    chunk_size: int
-    time_step_min: float
-    time_step_max: float
-    time_step_limit: tuple[float, float]
-    time_step_floor: float
-    mamba_ssm_cache_dtype: str
+    mamba_num_heads: int = declared(128, check=positive)
+    mamba_head_dim: int = declared(64, check=positive)
+    n_groups: int = declared(8, key="mamba_n_groups", aliases=("n_groups",), check=positive)
+    ssm_state_size: int = declared(128, check=positive)
+    conv_kernel: int = declared(4, key="mamba_d_conv", aliases=("conv_kernel",), check=positive)
+    use_conv_bias: bool = declared(True, key="mamba_conv_bias", aliases=("use_conv_bias",))
+    use_bias: bool = declared(False)  # Mamba in/out projection biases
+    chunk_size: int = declared(128, key="mamba_chunk_size", aliases=("chunk_size",), check=positive)
+    time_step_min: float = declared(1e-3, key="mamba_dt_min", aliases=("time_step_min",), check=non_negative)
+    time_step_max: float = declared(0.1, key="mamba_dt_max", aliases=("time_step_max",))
+    time_step_limit: tuple[float, float]  # parsed, not used: transformers' mixer uses (time_step_min, inf)
+    time_step_floor: float = declared(1e-4, key="mamba_dt_init_floor", aliases=("time_step_floor",))
+    mamba_ssm_cache_dtype: str = declared("float32")
     # MoE
-    n_routed_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    moe_shared_expert_intermediate_size: int
-    moe_latent_size: int | None
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
+    n_routed_experts: int = declared(8, check=positive)
+    num_experts_per_tok: int = declared(2)
+    moe_intermediate_size: int = declared(7688, check=positive)
+    moe_shared_expert_intermediate_size: int = declared(7688, check=positive)
+    moe_latent_size: int | None = declared(None, check=positive)
+    n_group: int = declared(1)
+    topk_group: int = declared(1)
+    norm_topk_prob: bool = declared(True)
+    routed_scaling_factor: float = declared(1.0)
     # the rest
-    layer_norm_epsilon: float
-    tie_word_embeddings: bool
-    num_nextn_predict_layers: int
-    mtp_layer_types: tuple[str, ...]
-    bos_token_id: int | None
+    layer_norm_epsilon: float = declared(1e-5, check=positive)
+    tie_word_embeddings: bool = declared(False)
+    num_nextn_predict_layers: int = declared(0, check=non_negative)
+    mtp_layer_types: tuple[str, ...]  # the layers of one MTP block
+    bos_token_id: int | None = declared(1)
     eos_token_ids: tuple[int, ...]
     model_type: str = "nemotron_h"
 
@@ -124,6 +116,7 @@ class NemotronHConfig:
 
     @property
     def mamba_dims(self) -> Mamba2Dims:
+        """The mixer's dims; the dt clamp is (time_step_min, inf), the bounds transformers' mixer uses."""
         return Mamba2Dims(
             hidden_size=self.hidden_size,
             num_heads=self.mamba_num_heads,
@@ -136,6 +129,20 @@ class NemotronHConfig:
             dt_min=self.time_step_min,
             dt_max=math.inf,
         )
+
+    @property
+    def moe_spec(self) -> MoeSpec:
+        """Sigmoid router over fp32 logits with a selection bias; ungated relu² experts and shared expert."""
+        router = Router(
+            "sigmoid",
+            self.num_experts_per_tok,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+            fp32=True,
+        )
+        return MoeSpec(router, gated=False, act=relu2)
 
     @property
     def expert_in(self) -> int:
@@ -175,29 +182,8 @@ def _pattern(value, key: str, w: str) -> tuple[str, ...]:
     return tuple(_PATTERN[c] for c in value)
 
 
-def _float_or_inf(v, key: str, w: str) -> float:
-    """A float as JSON writes it, including transformers' {"__float__": "Infinity"} and the string form."""
-    if isinstance(v, dict) and "__float__" in v:
-        v = v["__float__"]
-    try:
-        if isinstance(v, bool):
-            raise TypeError
-        return float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{w}: field {key!r} has a non-numeric bound {v!r}") from None
-
-
-def _key(raw: dict, plain: str, legacy: str) -> str:
-    """The key to read: transformers lets the legacy `mamba_*` name override the plain one."""
-    return legacy if raw.get(legacy) is not None else plain
-
-
-def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
-    """Absent fields take transformers' `NemotronHConfig` defaults."""
-    w = "config.json"
-    if layout != "hf":
-        raise ConfigError(f"nemotron_h checkpoints are read from config.json, not the {layout!r} layout")
-
+def _layer_types(raw: dict, w: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the decoder's layer list, one MTP block's), from the lists or the legacy pattern strings."""
     if raw.get("layers_block_type") is not None:
         layers = _layer_list(raw["layers_block_type"], "layers_block_type", w)
     elif raw.get("layer_types") is not None:
@@ -211,148 +197,96 @@ def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
         mtp = _layer_list(raw["mtp_layers_block_type"], "mtp_layers_block_type", w)
     if mtp == (ATTENTION, MOE) and raw.get("mtp_hybrid_override_pattern") is not None:
         mtp = _pattern(raw["mtp_hybrid_override_pattern"], "mtp_hybrid_override_pattern", w)
+    return layers, mtp
 
+
+def _time_step_limit(raw: dict, w: str) -> tuple[float, float]:
+    """The pair as JSON writes it, infinity included (transformers' {"__float__": "Infinity"}, the string
+    form, or Python's json `Infinity`): the one place a config may hold a float that is not finite."""
+    key = "mamba_dt_limit" if raw.get("mamba_dt_limit") is not None else "time_step_limit"
+    pair = raw.get(key)
+    if pair is None:
+        return 0.0, math.inf
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+        raise ConfigError(f"{w}: field {key!r} must be a pair [low, high], got {pair!r}")
+    out = []
+    for v in pair:
+        if isinstance(v, dict) and "__float__" in v:
+            v = v["__float__"]
+        try:
+            if isinstance(v, bool) or math.isnan(float(v)):
+                raise TypeError
+            out.append(float(v))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{w}: field {key!r} has a non-numeric bound {v!r}") from None
+    return out[0], out[1]
+
+
+def parse_config(raw: dict, layout: str = "hf") -> NemotronHConfig:
+    w = "config.json"
+    if layout != "hf":
+        raise ConfigError(f"nemotron_h checkpoints are read from config.json, not the {layout!r} layout")
+    layers, mtp = _layer_types(raw, w)
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         got = field(raw, key, str, want, where=w)
-        if got != want:
-            raise ConfigError(f"{w}: field {key!r} = {got!r} is not supported (Nemotron-H uses {want})")
-    if raw.get("mlp_bias"):
-        raise ConfigError(
-            f"{w}: field 'mlp_bias' = true is not supported (the released models have no MLP biases)"
-        )
-
-    heads = field(raw, "num_attention_heads", int, 32, where=w, check=positive)
-    kv_raw = {
-        "num_key_value_heads": raw.get("num_key_value_heads", 8)
-    }  # transformers: absent 8, null = heads
-    kv = field(
-        kv_raw,
-        "num_key_value_heads",
-        int,
-        heads,
-        where=w,
-        check=lambda v: v > 0 and heads % v == 0,
-        why=f"must divide num_attention_heads={heads}",
+        require(got == want, w, key, got, f"Nemotron-H uses {want}")
+    require(
+        not raw.get("mlp_bias"), w, "mlp_bias", raw.get("mlp_bias"), "the released models have no MLP biases"
     )
-    head_dim = field(
-        raw, "head_dim", int, field(raw, "attention_head_dim", int, 128, where=w), where=w, check=positive
-    )
-    m_heads = field(raw, "mamba_num_heads", int, 128, where=w, check=positive)
-    n_groups = field(
+    cfg = read_config(
+        NemotronHConfig,
         raw,
-        _key(raw, "n_groups", "mamba_n_groups"),
-        int,
-        8,
-        where=w,
-        check=lambda v: v > 0 and m_heads % v == 0,
-        why=f"must divide mamba_num_heads={m_heads}",
-    )
-    experts = field(raw, "n_routed_experts", int, 8, where=w, check=positive)
-    n_group = field(
-        raw,
-        "n_group",
-        int,
-        1,
-        where=w,
-        check=lambda v: v > 0 and experts % v == 0,
-        why=f"must divide n_routed_experts={experts}",
-    )
-    topk_group = field(
-        raw,
-        "topk_group",
-        int,
-        1,
-        where=w,
-        check=lambda v: 0 < v <= n_group,
-        why=f"must be in 1..n_group={n_group}",
-    )
-    top_k = field(
-        raw,
-        "num_experts_per_tok",
-        int,
-        2,
-        where=w,
-        check=lambda v: 0 < v <= topk_group * (experts // n_group),
-        why=f"must be in 1..{topk_group * (experts // n_group)} (the experts of topk_group groups)",
-    )
-    latent = raw.get("moe_latent_size")
-    if latent is not None:
-        latent = field(raw, "moe_latent_size", int, where=w, check=positive)
-
-    lim_key = _key(raw, "time_step_limit", "mamba_dt_limit")
-    lim_raw = raw.get(lim_key) if raw.get(lim_key) is not None else [0.0, math.inf]
-    if not isinstance(lim_raw, (list, tuple)) or len(lim_raw) != 2:
-        raise ConfigError(f"{w}: field {lim_key!r} must be a pair [low, high], got {lim_raw!r}")
-    limit = (_float_or_inf(lim_raw[0], lim_key, w), _float_or_inf(lim_raw[1], lim_key, w))
-
-    return NemotronHConfig(
-        vocab_size=field(raw, "vocab_size", int, 131072, where=w, check=positive),
-        hidden_size=field(raw, "hidden_size", int, 4096, where=w, check=positive),
+        w,
         layer_types=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        max_position_embeddings=field(raw, "max_position_embeddings", int, 4096, where=w, check=positive),
-        intermediate_size=field(
-            raw,
-            "intermediate_size",
-            int,
-            21504,
-            where=w,
-            check=lambda v: v > 0 or MLP not in layers,
-            why="an MLP layer needs it",
-        ),
-        mamba_num_heads=m_heads,
-        mamba_head_dim=field(raw, "mamba_head_dim", int, 64, where=w, check=positive),
-        n_groups=n_groups,
-        ssm_state_size=field(raw, "ssm_state_size", int, 128, where=w, check=positive),
-        conv_kernel=field(raw, _key(raw, "conv_kernel", "mamba_d_conv"), int, 4, where=w, check=positive),
-        use_conv_bias=field(raw, _key(raw, "use_conv_bias", "mamba_conv_bias"), bool, True, where=w),
-        use_bias=field(raw, "use_bias", bool, False, where=w),
-        chunk_size=field(raw, _key(raw, "chunk_size", "mamba_chunk_size"), int, 128, where=w, check=positive),
-        time_step_min=field(
-            raw, _key(raw, "time_step_min", "mamba_dt_min"), float, 1e-3, where=w, check=lambda v: v >= 0
-        ),
-        time_step_max=field(raw, _key(raw, "time_step_max", "mamba_dt_max"), float, 0.1, where=w),
-        time_step_limit=limit,
-        time_step_floor=field(raw, _key(raw, "time_step_floor", "mamba_dt_init_floor"), float, 1e-4, where=w),
-        mamba_ssm_cache_dtype=field(raw, "mamba_ssm_cache_dtype", str, "float32", where=w),
-        n_routed_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=field(raw, "moe_intermediate_size", int, 7688, where=w, check=positive),
-        moe_shared_expert_intermediate_size=field(
-            raw, "moe_shared_expert_intermediate_size", int, 7688, where=w, check=positive
-        ),
-        moe_latent_size=latent,
-        n_group=n_group,
-        topk_group=topk_group,
-        norm_topk_prob=field(raw, "norm_topk_prob", bool, True, where=w),
-        routed_scaling_factor=field(raw, "routed_scaling_factor", float, 1.0, where=w),
-        layer_norm_epsilon=field(raw, "layer_norm_epsilon", float, 1e-5, where=w, check=positive),
-        tie_word_embeddings=field(raw, "tie_word_embeddings", bool, False, where=w),
-        num_nextn_predict_layers=field(
-            raw, "num_nextn_predict_layers", int, 0, where=w, check=lambda v: v >= 0
-        ),
         mtp_layer_types=mtp,
-        bos_token_id=raw.get("bos_token_id", 1),
-        eos_token_ids=eos_ids(raw.get("eos_token_id", 2)),
+        time_step_limit=_time_step_limit(raw, w),
+        eos_token_ids=eos_ids(raw.get("eos_token_id", 2), w),
     )
+    if "num_key_value_heads" in raw and raw["num_key_value_heads"] is None:  # transformers: null = MHA
+        cfg = dataclasses.replace(cfg, num_key_value_heads=cfg.num_attention_heads)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    require(heads % kv == 0, w, "num_key_value_heads", kv, f"must divide num_attention_heads={heads}")
+    groups_key = "mamba_n_groups" if raw.get("mamba_n_groups") is not None else "n_groups"
+    require(
+        cfg.mamba_num_heads % cfg.n_groups == 0,
+        w,
+        groups_key,
+        cfg.n_groups,
+        f"must divide mamba_num_heads={cfg.mamba_num_heads}",
+    )
+    E, G, kg = cfg.n_routed_experts, cfg.n_group, cfg.topk_group
+    require(G > 0 and E % G == 0, w, "n_group", G, f"must divide n_routed_experts={E}")
+    require(0 < kg <= G, w, "topk_group", kg, f"must be in 1..n_group={G}")
+    most = kg * (E // G)
+    require(
+        0 < cfg.num_experts_per_tok <= most,
+        w,
+        "num_experts_per_tok",
+        cfg.num_experts_per_tok,
+        f"must be in 1..{most} (the experts of topk_group groups)",
+    )
+    require(
+        cfg.intermediate_size > 0 or MLP not in layers,
+        w,
+        "intermediate_size",
+        cfg.intermediate_size,
+        "an MLP layer needs it",
+    )
+    return cfg
 
 
 # ---------------------------------------------------------------- tensor contract
 
 
-def _layer_specs(cfg: NemotronHConfig, kind: str, p: str, L: int) -> list[TensorSpec]:
-    """One layer's tensors under prefix `p`: its norm and its mixer."""
+def _mixer_specs(cfg: NemotronHConfig, kind: str, m: str, L: int) -> list[TensorSpec]:
+    """One layer's mixer under prefix `m` (`...layers.L.mixer.`)."""
     d = cfg.hidden_size
-    m = p + "mixer."
-    specs = [TensorSpec(p + "norm.weight", (d,), "norm", L)]
     if kind == MAMBA:
         dims = cfg.mamba_dims
-        H, HP = cfg.mamba_num_heads, dims.inner
-        specs += [
+        H, HP, C = cfg.mamba_num_heads, dims.inner, dims.conv_dim
+        specs = [
             TensorSpec(m + "in_proj.weight", (dims.in_proj_dim, d), "mamba", L),
-            TensorSpec(m + "conv1d.weight", (dims.conv_dim, 1, cfg.conv_kernel), "mamba", L, dense=True),
+            TensorSpec(m + "conv1d.weight", (C, 1, cfg.conv_kernel), "mamba", L, dense=True),
             TensorSpec(m + "dt_bias", (H,), "mamba", L),
             TensorSpec(m + "A_log", (H,), "mamba", L),
             TensorSpec(m + "D", (H,), "mamba", L),
@@ -360,47 +294,47 @@ def _layer_specs(cfg: NemotronHConfig, kind: str, p: str, L: int) -> list[Tensor
             TensorSpec(m + "out_proj.weight", (d, HP), "mamba", L),
         ]
         if cfg.use_conv_bias:
-            specs.append(TensorSpec(m + "conv1d.bias", (dims.conv_dim,), "mamba", L))
+            specs.append(TensorSpec(m + "conv1d.bias", (C,), "mamba", L))
         if cfg.use_bias:
             specs += [
                 TensorSpec(m + "in_proj.bias", (dims.in_proj_dim,), "mamba", L),
                 TensorSpec(m + "out_proj.bias", (d,), "mamba", L),
             ]
-    elif kind == ATTENTION:
+        return specs
+    if kind == ATTENTION:
         q, k = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        specs += [
+        return [
             TensorSpec(m + "q_proj.weight", (q, d), "attention", L),
             TensorSpec(m + "k_proj.weight", (k, d), "attention", L),
             TensorSpec(m + "v_proj.weight", (k, d), "attention", L),
             TensorSpec(m + "o_proj.weight", (d, q), "attention", L),
         ]
-    elif kind == MLP:
-        I = cfg.intermediate_size
+    if kind == MLP:
+        return mlp_specs(m, cfg.intermediate_size, d, "mlp", L, gated=False)
+    x = cfg.expert_in
+    specs = moe_specs(
+        m,
+        cfg.n_routed_experts,
+        cfg.moe_intermediate_size,
+        d,
+        L,
+        expert_width=x,
+        shared=cfg.moe_shared_expert_intermediate_size,
+        gated=False,
+    )
+    if cfg.moe_latent_size:
         specs += [
-            TensorSpec(m + "up_proj.weight", (I, d), "mlp", L),
-            TensorSpec(m + "down_proj.weight", (d, I), "mlp", L),
+            TensorSpec(m + "fc1_latent_proj.weight", (x, d), "expert_latent_proj", L),
+            TensorSpec(m + "fc2_latent_proj.weight", (d, x), "expert_latent_proj", L),
         ]
-    else:
-        E, I, S, x = (
-            cfg.n_routed_experts,
-            cfg.moe_intermediate_size,
-            cfg.moe_shared_expert_intermediate_size,
-            cfg.expert_in,
-        )
-        specs += [
-            TensorSpec(m + "gate.weight", (E, d), "router", L),
-            TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", L, keep_fp32=True),
-            TensorSpec(m + "experts.up_proj", (E, I, x), "expert", L),
-            TensorSpec(m + "experts.down_proj", (E, x, I), "expert", L),
-            TensorSpec(m + "shared_experts.up_proj.weight", (S, d), "shared_expert", L),
-            TensorSpec(m + "shared_experts.down_proj.weight", (d, S), "shared_expert", L),
-        ]
-        if cfg.moe_latent_size:
-            specs += [
-                TensorSpec(m + "fc1_latent_proj.weight", (x, d), "expert_latent_proj", L),
-                TensorSpec(m + "fc2_latent_proj.weight", (d, x), "expert_latent_proj", L),
-            ]
     return specs
+
+
+def _layer_specs(cfg: NemotronHConfig, kind: str, p: str, L: int) -> list[TensorSpec]:
+    """One layer's tensors under prefix `p`: its norm and its mixer."""
+    return [TensorSpec(p + "norm.weight", (cfg.hidden_size,), "norm", L)] + _mixer_specs(
+        cfg, kind, p + "mixer.", L
+    )
 
 
 def mtp_specs(cfg: NemotronHConfig) -> list[TensorSpec]:
@@ -411,9 +345,7 @@ def mtp_specs(cfg: NemotronHConfig) -> list[TensorSpec]:
             k = j * P + i
             p, L = f"mtp.layers.{k}.", cfg.num_hidden_layers + k
             layer = _layer_specs(cfg, kind, p, L)
-            if (
-                i == 0
-            ):  # the block's input: RMSNorm'd embeddings and hidden states, concatenated and projected
+            if i == 0:  # the block's input: RMSNorm'd embeddings and hidden states, concatenated, projected
                 layer += [
                     TensorSpec(p + "enorm.weight", (d,), "norm", L),
                     TensorSpec(p + "hnorm.weight", (d,), "norm", L),
@@ -453,45 +385,130 @@ def namings(cfg: NemotronHConfig, layout: str, store_names) -> Naming:
     return Naming(f"Nemotron-H ({prefix}*)", source)
 
 
+# ---------------------------------------------------------------- bound weights
+
+
+@dataclass
+class Attention:
+    """A NoPE GQA mixer: q_proj [Hq D, d], k_proj and v_proj [Hkv D, d], o_proj [d, Hq D]."""
+
+    q: object
+    k: object
+    v: object
+    o: object
+
+
+@dataclass
+class Layer:
+    """One decoder layer: its kind, its pre-norm and its one mixer."""
+
+    kind: str  # MAMBA | ATTENTION | MLP | MOE
+    norm: torch.Tensor
+    mixer: Mamba2Weights | Attention | Mlp | MoeWeights
+
+
+@dataclass
+class MtpBlock:
+    """One MTP block, to be run as a draft head: its input (enorm over the next tokens' embeddings, hnorm
+    over the hidden states, eh_proj [d, 2d] over the two concatenated), its Nemotron-H layers and
+    final_layernorm. The checkpoint keeps the input on the block's first layer, the norm on its last."""
+
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: object
+    layers: list[Layer]
+    final_norm: torch.Tensor
+
+
+def bind_mamba2(t: Tensors) -> Mamba2Weights:
+    """One Mamba-2 mixer under `t`'s prefix (transformers' `NemotronHMamba2Mixer` names)."""
+    return Mamba2Weights(
+        in_proj=t("in_proj.weight"),
+        conv_weight=t("conv1d.weight"),
+        conv_bias=t.optional("conv1d.bias"),
+        dt_bias=t("dt_bias"),
+        A_log=t("A_log"),
+        D=t("D"),
+        norm_weight=t("norm.weight"),
+        out_proj=t("out_proj.weight"),
+        in_proj_bias=t.optional("in_proj.bias"),
+        out_proj_bias=t.optional("out_proj.bias"),
+    )
+
+
+def bind_layer(kind: str, t: Tensors) -> Layer:
+    """The layer under `t`'s prefix (`model.layers.L.` or `mtp.layers.k.`), names as `_layer_specs`."""
+    m = t.under("mixer.")
+    if kind == MAMBA:
+        mixer = bind_mamba2(m)
+    elif kind == ATTENTION:
+        mixer = Attention(m("q_proj.weight"), m("k_proj.weight"), m("v_proj.weight"), m("o_proj.weight"))
+    elif kind == MLP:
+        mixer = bind_mlp(m)
+    else:
+        mixer = bind_moe(
+            m, latent_in=m.optional("fc1_latent_proj.weight"), latent_out=m.optional("fc2_latent_proj.weight")
+        )
+    return Layer(kind, t("norm.weight"), mixer)
+
+
+def bind_mtp(cfg: NemotronHConfig, t: Tensors) -> list[MtpBlock]:
+    """The MTP blocks when the checkpoint has them (all their tensors: a partial block is refused),
+    else []."""
+    specs = mtp_specs(cfg)
+    missing = [s.name for s in specs if not t.has(s.name)]
+    if len(missing) == len(specs):
+        return []
+    if missing:
+        raise CheckpointError(
+            f"the MTP block is incomplete: {len(missing)} of its {len(specs)} tensor(s) missing, "
+            f"e.g. {missing[:3]} (ship all of it or none)"
+        )
+    P, blocks = len(cfg.mtp_layer_types), []
+    for j in range(cfg.num_nextn_predict_layers):
+        layers = [
+            bind_layer(kind, t.under(f"mtp.layers.{j * P + i}."))
+            for i, kind in enumerate(cfg.mtp_layer_types)
+        ]
+        first, last = t.under(f"mtp.layers.{j * P}."), t.under(f"mtp.layers.{j * P + P - 1}.")
+        blocks.append(
+            MtpBlock(
+                first("enorm.weight"),
+                first("hnorm.weight"),
+                first("eh_proj.weight"),
+                layers,
+                last("final_layernorm.weight"),
+            )
+        )
+    return blocks
+
+
 # ---------------------------------------------------------------- model
 
 
 class Model:
     """The Nemotron-H decoder over a ForwardBatch."""
 
-    def __init__(self, cfg: NemotronHConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    def __init__(self, cfg: NemotronHConfig, t: Tensors, dtype: torch.dtype, device):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.dims = cfg.mamba_dims
-        t = tensors
-        self.embed = t["model.embeddings.weight"]
-        self.norm_f = t["model.norm_f.weight"]
-        self.lm_head = t.get("lm_head.weight", self.embed)
-        self.layers = []
-        for L, kind in enumerate(cfg.layer_types):
-            p = f"model.layers.{L}."
-            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
-            if kind == MAMBA:
-                w["mamba"] = Mamba2Weights.from_state_dict(w, "mixer.")
-            self.layers.append(w)
-        # the MTP layers' tensors (flat, as the checkpoint numbers them), for a drafter; empty without MTP
-        mtp = mtp_specs(cfg)
-        missing = [s.name for s in mtp if s.name not in t]
-        if len(missing) not in (0, len(mtp)):
-            raise CheckpointError(
-                f"the MTP block is incomplete: {len(missing)} of its {len(mtp)} tensor(s) missing, "
-                f"e.g. {missing[:3]} (ship all of it or none)"
-            )
-        self.mtp = []
-        for k in range(0 if missing else cfg.num_nextn_predict_layers * len(cfg.mtp_layer_types)):
-            p = f"mtp.layers.{k}."
-            self.mtp.append({n[len(p) :]: v for n, v in t.items() if n.startswith(p)})
+        self.moe = cfg.moe_spec
+        self.embed = t("model.embeddings.weight")
+        self.norm_f = t("model.norm_f.weight")
+        self.lm_head = t.optional("lm_head.weight")
+        if self.lm_head is None:
+            self.lm_head = self.embed
+        self.layers = [
+            bind_layer(kind, t.under(f"model.layers.{L}.")) for L, kind in enumerate(cfg.layer_types)
+        ]
+        self.mtp = bind_mtp(cfg, t)  # for the MTP drafter; [] when the checkpoint has none
 
     # -- state
     def new_state(self, rollback_window: int = 0) -> SequenceState:
-        """`rollback_window`: how many of its last tokens a sequence can forget exactly
-        (Mamba-2 layers keep one state snapshot per token of it)."""
+        """K and V rows per attention layer; a Mamba-2 state per Mamba layer, keeping one snapshot per
+        token of `rollback_window` (the last tokens it can forget exactly); nothing for MLP/MoE layers."""
         c = self.cfg
         kv = c.num_key_value_heads * c.head_dim
         layers = []
@@ -507,60 +524,37 @@ class Model:
         return SequenceState(layers)
 
     # -- mixers
-    def attention(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def attention(self, L: int, w: Attention, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         c = self.cfg
         N, D = x.shape[0], c.head_dim
-        q = linear(x, w["mixer.q_proj.weight"]).view(N, c.num_attention_heads, D)
-        k = linear(x, w["mixer.k_proj.weight"])
-        v = linear(x, w["mixer.v_proj.weight"])
-        out = x.new_empty(N, c.num_attention_heads, D)
-        for s in batch.seqs:
-            rows = slice(s.start, s.start + s.n)
-            cache = s.state.layers[L].append(k=k[rows], v=v[rows])
-            T = cache["k"].shape[0]
-            out[rows] = gqa_attend(q[rows], cache["k"].view(T, -1, D), cache["v"].view(T, -1, D), D**-0.5)
-        return linear(out.reshape(N, -1), w["mixer.o_proj.weight"])
+        q = linear(x, w.q).view(N, c.num_attention_heads, D)
+        k = linear(x, w.k).view(N, c.num_key_value_heads, D)
+        v = linear(x, w.v).view(N, c.num_key_value_heads, D)
+        return linear(gqa_batch(L, batch, q, k, v, D**-0.5).reshape(N, -1), w.o)
 
-    def mlp(self, w: dict, x: torch.Tensor, prefix: str = "mixer.") -> torch.Tensor:
-        return linear(relu2(linear(x, w[prefix + "up_proj.weight"])), w[prefix + "down_proj.weight"])
-
-    def moe(self, w: dict, x: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        logits = F.linear(x.float(), w["mixer.gate.weight"].float())
-        weights, ids = route_sigmoid(
-            logits,
-            c.num_experts_per_tok,
-            w["mixer.gate.e_score_correction_bias"],
-            c.n_group,
-            c.topk_group,
-            c.norm_topk_prob,
-            c.routed_scaling_factor,
-        )
-        xl = linear(x, w["mixer.fc1_latent_proj.weight"]) if c.moe_latent_size else x
-        y = run_experts(xl, weights, ids, w["mixer.experts.up_proj"], w["mixer.experts.down_proj"], relu2)
-        if c.moe_latent_size:
-            y = linear(y, w["mixer.fc2_latent_proj.weight"])
-        return y + self.mlp(w, x, "mixer.shared_experts.")
+    def mixer(self, L: int, w: Layer, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if w.kind == MAMBA:
+            return run_recurrent(mamba2_mixer, w.mixer, self.dims, L, x, batch)
+        if w.kind == ATTENTION:
+            return self.attention(L, w.mixer, x, batch)
+        if w.kind == MLP:
+            return w.mixer(x, act=relu2)
+        return moe(x, w.mixer, self.moe)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
-        c = self.cfg
+        eps = self.cfg.layer_norm_epsilon
         h = F.embedding(batch.token_ids, self.embed)
-        for L, (kind, w) in enumerate(zip(c.layer_types, self.layers)):
-            x = rms_norm_fp32_weight(h, w["norm.weight"], c.layer_norm_epsilon)
-            if kind == MAMBA:
-                y = run_recurrent(mamba2_mixer, w["mamba"], self.dims, L, x, batch)
-            elif kind == ATTENTION:
-                y = self.attention(L, w, x, batch)
-            elif kind == MLP:
-                y = self.mlp(w, x)
-            else:
-                y = self.moe(w, x)
-            h = h + y
+        for L, w in enumerate(self.layers):
+            h = h + self.mixer(L, w, rms_norm_fp32_weight(h, w.norm, eps), batch)
         batch.finish()
-        h = rms_norm_fp32_weight(h[batch.logit_rows], self.norm_f, c.layer_norm_epsilon)
+        h = rms_norm_fp32_weight(h[batch.logit_rows], self.norm_f, eps)
         return linear(h, self.lm_head).float()
+
+
+def build(cfg: NemotronHConfig, tensors: Tensors, dtype: torch.dtype, device, folder) -> Model:
+    return Model(cfg, tensors, dtype, device)
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
@@ -570,12 +564,12 @@ def layer_schedule(cfg: NemotronHConfig) -> list[str]:
     return [_SCHEDULE[t] for t in cfg.layer_types]
 
 
-def state_bytes(cfg: NemotronHConfig, dtype_bytes: int) -> tuple[int, int]:
-    """(bytes per token, fixed bytes per sequence): K and V of every attention layer per token; the
-    fp32 conv tail and SSM state of every Mamba-2 layer per sequence (rollback window not included:
-    each token of it adds one more Mamba state per layer)."""
+def state_bytes(cfg: NemotronHConfig, dtype_bytes: int, rollback_window: int = 0) -> tuple[int, int]:
+    """(bytes per token, fixed bytes per sequence): K and V of every attention layer per token (model
+    dtype); per Mamba-2 layer its fp32 conv tail and SSM state, plus one more of them per token of the
+    rollback window (the snapshots that make rollback exact). Token rows roll back for free."""
     per_token = cfg.count(ATTENTION) * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-    return per_token, cfg.count(MAMBA) * cfg.mamba_dims.state_nbytes
+    return per_token, cfg.count(MAMBA) * cfg.mamba_dims.state_nbytes * (1 + rollback_window)
 
 
 def max_context(cfg: NemotronHConfig) -> int:
@@ -604,9 +598,6 @@ def handoff(raw: dict) -> str | None:
     return None
 
 
-def draft_heads(cfg) -> tuple[str, ...]:
-    return ()
-
-
-def build(cfg, tensors, dtype, device, folder):
-    return Model(cfg, tensors.all(), dtype, device)
+def draft_heads(cfg: NemotronHConfig) -> tuple[str, ...]:
+    """The config's MTP blocks serve MTP drafting (whether this checkpoint ships their tensors or not)."""
+    return ("mtp",) if cfg.num_nextn_predict_layers else ()
