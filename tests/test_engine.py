@@ -135,6 +135,14 @@ def test_budget_and_seq_limits_are_respected():
     assert max(t for t, _ in seen) == 16 and max(k for _, k in seen) == 2 and min(k for _, k in seen) >= 1
 
 
+def test_a_step_without_progress_raises_instead_of_spinning(monkeypatch):
+    llm_ = moesaic.LLM("demo", dtype="float32")
+    monkeypatch.setattr(llm_.engine.scheduler, "schedule", lambda: [])  # a scheduler bug
+    with pytest.raises(RuntimeError, match="nothing could be scheduled"):
+        llm_.generate(["abc"], greedy(2))
+    assert not llm_.engine.has_work()
+
+
 def test_old_keyword_max_batch_tokens_is_an_alias():
     a = moesaic.LLM("demo", dtype="float32", max_batch_tokens=13)
     assert a.engine.max_num_batched_tokens == 13
