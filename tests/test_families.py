@@ -63,3 +63,32 @@ def test_state_planner_is_exact_with_the_rollback_window(module_name, dtype):
     assert per0 == per4 > 0
     assert (fixed4 > fixed0) == (module_name in WINDOWED)
     assert torch.tensor([fixed0, fixed4]).ge(0).all()
+
+
+@pytest.mark.parametrize("module_name", sorted(DEMO_OF))
+def test_taps_give_every_rows_hidden_and_change_nothing(module_name):
+    """A forward asked for taps (the first and last decoder layer, FINAL) leaves [N, hidden] for every row
+    of the batch and the same logits as a forward without; a sequence's taps do not depend on its batch."""
+    from helpers import demo_model, random_ids
+
+    from moesaic.cache.batch import FINAL, ForwardBatch
+
+    ck, model = demo_model(DEMO_OF[module_name], "float32")
+    layers = len(ck.family.layer_schedule(ck.cfg))
+    taps = (0, layers - 1, FINAL)
+    a, b = random_ids(7, ck.cfg.vocab_size, seed=1), random_ids(5, ck.cfg.vocab_size, seed=2)
+
+    def forward(items, taps):
+        batch = ForwardBatch.build([(model.new_state(), ids) for ids in items], logits="all")
+        batch.taps = taps
+        return model.forward(batch), batch.tapped
+
+    plain, none = forward([a, b], ())
+    logits, tapped = forward([a, b], taps)
+    assert none == {} and torch.equal(plain, logits)
+    assert set(tapped) == set(taps)
+    for t in tapped.values():
+        assert t.shape == (12, ck.cfg.hidden_size) and torch.isfinite(t).all()
+    _, alone = forward([b], taps)
+    for k in taps:
+        assert (tapped[k][7:] - alone[k]).abs().max() < 1e-5

@@ -1,12 +1,20 @@
-"""ForwardBatch: the tokens of several sequences packed along one axis."""
+"""ForwardBatch: the tokens of several sequences packed along one axis.
+
+Draft heads read the target's hidden states ("taps"): `taps` names the layers wanted (decoder layer i's
+output, or FINAL = the hidden the final norm reads), and the model leaves `tapped[layer]` = [N, d] for every
+row of the batch. For models whose residual is several streams (mHC) a layer's tap is their mean, the FINAL
+tap the model's own collapse of them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from .state import SequenceState
+
+FINAL = -1  # the tap of the hidden state the final norm reads (what MTP heads take)
 
 
 @dataclass
@@ -24,6 +32,10 @@ class ForwardBatch:
     seqs: list[SeqChunk]
     logit_rows: torch.Tensor  # rows of the packed batch whose logits are returned
     max_position: int = 0  # the largest position in the batch, known on the host (no device sync to ask)
+    taps: tuple[
+        int, ...
+    ] = ()  # layers whose hidden states a draft head reads (FINAL: the final norm's input)
+    tapped: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def build(
@@ -48,6 +60,12 @@ class ForwardBatch:
             torch.tensor(rows, dtype=torch.long, device=device),
             max(pos),
         )
+
+    def tap(self, layer: int, hidden: torch.Tensor, collapse: Callable | None = None) -> None:
+        """Keeps `hidden` (through `collapse`, e.g. the mean of mHC streams) as layer `layer`'s tap [N, d]
+        when a draft head asked for it; nothing is computed otherwise."""
+        if layer in self.taps:
+            self.tapped[layer] = hidden if collapse is None else collapse(hidden)
 
     def finish(self) -> None:
         """Advances every sequence's token count once all layers have appended their state."""

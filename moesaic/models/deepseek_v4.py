@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..cache.batch import ForwardBatch
+from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import SequenceState
 from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
 from ..errors import CheckpointError, ConfigError
@@ -816,10 +816,11 @@ class Model:
             x, post, comb = mhc.site_input(h, w.mlp_hc, self.hc)
             y = moe(rms_norm_cast_once(x, w.mlp_norm, eps), w.mlp, self.moe, batch.token_ids)
             h = mhc.update(h, y, post, comb)
+            batch.tap(L, h, mhc.head_mean)
         batch.finish()
-        h = mhc.head_weighted(
-            h[batch.logit_rows], self.hc_head.fn, self.hc_head.base, self.hc_head.scale, self.hc
-        )
+        head = self.hc_head
+        batch.tap(FINAL, h, lambda s: mhc.head_weighted(s, head.fn, head.base, head.scale, self.hc))
+        h = mhc.head_weighted(h[batch.logit_rows], head.fn, head.base, head.scale, self.hc)
         return linear(rms_norm_cast_once(h, self.norm, eps), self.lm_head).float()
 
 

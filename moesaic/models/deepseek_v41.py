@@ -100,7 +100,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..cache.batch import ForwardBatch
+from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import SequenceState, TailRows, TokenRows
 from ..config import declared, field, positive, read_config
 from ..errors import ConfigError
@@ -753,6 +753,12 @@ class Model:
         )
 
     @torch.inference_mode()
+    def final_hidden(self, h: Tensor, pre: Tensor | None) -> Tensor:
+        """The final norm's input: the streams collapsed by the delayed pre map, or V4's weighted head."""
+        if self.cfg.delayed_pre:
+            return mhc.collapse(h, pre)
+        return mhc.head_weighted(h, self.hc_head.fn, self.hc_head.base, self.hc_head.scale, self.hc)
+
     def forward(self, batch: ForwardBatch) -> Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         c = self.cfg
@@ -780,12 +786,11 @@ class Model:
                     else moe(x, w.mlp, self.moe)
                 )
                 h = mhc.update(h, y, post, comb)
+            batch.tap(L, h, mhc.head_mean)
         batch.finish()
-        h = h[batch.logit_rows]
-        if c.delayed_pre:
-            out = mhc.collapse(h, pre[batch.logit_rows])
-        else:
-            out = mhc.head_weighted(h, self.hc_head.fn, self.hc_head.base, self.hc_head.scale, self.hc)
+        batch.tap(FINAL, h, lambda s: self.final_hidden(s, pre))
+        rows = batch.logit_rows
+        out = self.final_hidden(h[rows], None if pre is None else pre[rows])
         return linear(rms_norm_cast_once(out, self.norm, eps), self.lm_head).float()
 
 

@@ -42,7 +42,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..cache.batch import ForwardBatch
+from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
 from ..errors import CheckpointError, ConfigError
@@ -691,7 +691,9 @@ class Model:
             h = mhc.update(h, y, post, comb)
             x, post, comb = mhc.site_input(h, w.ffn_site, self.hc)
             h = mhc.update(h, self.mlp(w.mlp, rms_norm(x, w.mlp_norm, c.rms_norm_eps)), post, comb)
+            batch.tap(L, h, mhc.head_mean)
         batch.finish()
+        batch.tap(FINAL, h, mhc.head_mean)
         h = rms_norm(mhc.head_mean(h[batch.logit_rows]), self.norm, c.rms_norm_eps)
         return linear(h, self.lm_head).float()
 

@@ -48,7 +48,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..cache.batch import ForwardBatch
+from ..cache.batch import FINAL, ForwardBatch
 from ..config import declared, field, positive, require
 from ..errors import ConfigError
 from ..layers.attnres import attnres_mix, bank_size, is_block_start
@@ -305,7 +305,9 @@ class Model(kl.Model):
             partial = a if partial is None else partial + a
             x = self.mix(partial, bank, w.mlp_res)
             partial = partial + self.ffn(w, self._norm(x, w.mlp_norm)).float()
+            batch.tap(L, partial, lambda p: p.to(self.dtype))
         batch.finish()
+        batch.tap(FINAL, partial, lambda p: self.output_mix(p, bank))
         rows = batch.logit_rows
         h = self.output_mix(partial[rows], [b[rows] for b in bank])
         return linear(self._norm(h, self.norm), self.lm_head).float()

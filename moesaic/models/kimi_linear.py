@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache.batch import ForwardBatch
+from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import declared, eos_ids, field, non_negative, positive, read_config, require
 from ..errors import ConfigError
@@ -493,7 +493,9 @@ class Model:
         for L, w in enumerate(self.layers):
             h = h + self.mixer(L, w, rms_norm(h, w.attn_norm, eps), batch)
             h = h + self.ffn(w, rms_norm(h, w.mlp_norm, eps))
+            batch.tap(L, h)
         batch.finish()
+        batch.tap(FINAL, h)
         h = rms_norm(h[batch.logit_rows], self.norm, eps)
         return linear(h, self.lm_head).float()
 

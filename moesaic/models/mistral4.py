@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache.batch import ForwardBatch
+from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import SequenceState, TokenRows
 from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
 from ..errors import ConfigError
@@ -464,7 +464,9 @@ class Model:
                 L, w.attn, rms_norm(h, w.attn_norm, c.rms_norm_eps), batch, cos, sin, qscale
             )
             h = h + self.mlp(w.mlp, rms_norm(h, w.mlp_norm, c.rms_norm_eps))
+            batch.tap(L, h)
         batch.finish()
+        batch.tap(FINAL, h)
         h = rms_norm(h[batch.logit_rows], self.norm, c.rms_norm_eps)
         return linear(h, self.lm_head).float()
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache.batch import ForwardBatch
+from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import declared, eos_ids, field, non_negative, positive, read_config, require
 from ..errors import CheckpointError, ConfigError
@@ -548,7 +548,9 @@ class Model:
         h = F.embedding(batch.token_ids, self.embed)
         for L, w in enumerate(self.layers):
             h = h + self.mixer(L, w, rms_norm_fp32_weight(h, w.norm, eps), batch)
+            batch.tap(L, h)
         batch.finish()
+        batch.tap(FINAL, h)
         h = rms_norm_fp32_weight(h[batch.logit_rows], self.norm_f, eps)
         return linear(h, self.lm_head).float()
 
