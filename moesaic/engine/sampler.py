@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..errors import RequestError
+from ..spec.verify import inverse_cdf
 
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
@@ -151,23 +152,23 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids, ou
     return x
 
 
-def sample(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    prompt_ids=(),
-    output_ids=(),
-    banned=(),
-) -> int:
-    """One token from one row of fp32 logits; `banned` ids (EOS before min_tokens) are never drawn."""
+def adjusted(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids=(), output_ids=(), banned=()
+) -> torch.Tensor:
+    """One row of logits after the penalties, with the `banned` ids (EOS before min_tokens) at -inf: what
+    greedy decoding takes the argmax of."""
     x = logits
     if params.penalized:
         x = apply_penalties(x, params, prompt_ids, output_ids)
     if banned:
         x = x.float().clone()
         x[torch.tensor(list(banned), dtype=torch.long, device=x.device)] = float("-inf")
-    if params.greedy:
-        return int(x.argmax())
+    return x
+
+
+def distribution(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The probabilities a (non-greedy) sample draws from: `adjusted` logits through temperature, top-k
+    and top-p."""
     x = x.float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = x.topk(params.top_k).values[-1]
@@ -179,8 +180,30 @@ def sample(
         drop = probs.cumsum(-1) - probs >= params.top_p
         drop[0] = False
         x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = x.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return x.softmax(-1)
+
+
+def uniform(generator: torch.Generator | None, device="cpu") -> float:
+    """One uniform in [0, 1) from a request's random stream: every sampled token takes exactly one, drawn
+    or not with speculative decoding (spec/verify.py), so a seeded request gives the same tokens either way."""
+    dev = generator.device if generator is not None else device
+    return float(torch.rand((), generator=generator, device=dev, dtype=torch.float64))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt_ids=(),
+    output_ids=(),
+    banned=(),
+) -> int:
+    """One token from one row of fp32 logits; `banned` ids (EOS before min_tokens) are never drawn. A
+    sample is the inverse CDF of the distribution at one uniform of the request's stream."""
+    x = adjusted(logits, params, prompt_ids, output_ids, banned)
+    if params.greedy:
+        return int(x.argmax())
+    return inverse_cdf(distribution(x, params), uniform(generator, x.device))
 
 
 def top_logprobs(logits: torch.Tensor, k: int, token: int) -> dict[int, float]:
