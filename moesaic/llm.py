@@ -19,6 +19,7 @@ from .engine.sampler import SamplingParams
 from .engine.sequence import Sequence
 from .errors import CapacityError, CheckpointError, ConfigError, RequestError
 from .models import Checkpoint
+from .spec import build_proposer, parse_speculative_config
 from .tokenizer import load_tokenizer
 from .weights.dtypes import parse_dtype
 
@@ -160,11 +161,15 @@ class LLM:
         max_cache_bytes: int | None = None,
         max_snapshot_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        speculative_config: dict | str | None = None,
     ):
         """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py).
         max_num_batched_tokens (old name max_batch_tokens): the tokens one step computes; max_cache_bytes:
         the paged cache and fixed state (default: a fraction of free memory, logged); max_state_bytes: an
-        optional cap on the planner's worst case of the running requests (each reserved at admission)."""
+        optional cap on the planner's worst case of the running requests (each reserved at admission).
+        speculative_config: drafting, off by default; {"method": "ngram" | "mtp" | "dspark" | "dflash",
+        "num_speculative_tokens": k, "model": drafter folder (dflash, external dspark), "adaptive": true}
+        or the same as a JSON string (moesaic/spec/__init__.py)."""
         # everything a caller can get wrong is checked before the checkpoint is read
         tokens = max_num_batched_tokens if max_num_batched_tokens is not None else max_batch_tokens
         EngineLimits(
@@ -176,6 +181,7 @@ class LLM:
             enable_prefix_caching,
         ).validate()
         parse_dtype(dtype)
+        spec = parse_speculative_config(speculative_config)
         if precision is not None and not isinstance(precision, str):
             raise ConfigError(f"precision must be a string like 'router=bf16,expert=fp8', got {precision!r}")
         device = check_device(device)
@@ -186,6 +192,8 @@ class LLM:
         self.dtype, self.device = self.model.dtype, device
         self.tokenizer = load_tokenizer(self.path, ckpt.store.config, self.cfg.eos_token_ids)
         eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
+        proposer = None if spec is None else build_proposer(self.family, self.model, self.cfg, spec)
+        window = 0 if spec is None else spec.k + 1  # the rows a verify round may roll back, and one more
         self.engine = Engine(
             self.model,
             eos,
@@ -197,8 +205,10 @@ class LLM:
             max_snapshot_bytes=max_snapshot_bytes,
             enable_prefix_caching=enable_prefix_caching,
             max_context=self.family.max_context(self.cfg),
-            state_bytes=self.family.state_bytes(self.cfg, self.model.dtype.itemsize),
+            state_bytes=self.family.state_bytes(self.cfg, self.model.dtype.itemsize, window),
             tokenizer=self.tokenizer,
+            proposer=proposer,
+            spec=spec,
         )
         self._lock = threading.RLock()  # generate / stream calls from several threads take turns
 
@@ -303,7 +313,8 @@ class LLM:
         return self.model.forward(ForwardBatch.build([(state, ids)], logits="all", device=self.device))
 
     def stats(self) -> dict:
-        """The engine's counters (requests, tokens, prefix cache, preemptions, blocks, step times)."""
+        """The engine's counters (requests, tokens, prefix cache, preemptions, blocks, step times, and
+        `speculative`: drafted, accepted, per-position acceptance, tau, target forwards; None when off)."""
         return self.engine.stats()
 
 
