@@ -25,6 +25,12 @@ def main(argv=None) -> int:
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--device", default="cpu")
     g.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        '(methods: ngram, mtp, dspark, dflash with "model": a drafter folder)',
+    )
     i = sub.add_parser("inspect", help="describe a checkpoint (config.json alone is enough)")
     i.add_argument("model")
     i.add_argument("--json", action="store_true")
@@ -45,7 +51,13 @@ def _generate(args) -> int:
     from .llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, precision=args.precision)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        precision=args.precision,
+        speculative_config=args.speculative_config,
+    )
     if is_demo(llm.raw_config):
         print(
             f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
@@ -77,9 +89,15 @@ def _generate(args) -> int:
     t2 = time.perf_counter()
     decode_s = t2 - (first or t2)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    spec = llm.stats()["speculative"]
+    drafted = (
+        f"; drafting ({spec['method']}): acceptance {spec['acceptance']:.0%}, tau {spec['tau']:.2f}"
+        if spec is not None
+        else ""
+    )
     print(
         f"\n[moesaic] {n} tokens ({stream.finish_reason}); load {t1 - t0:.2f}s, "
-        f"first token {((first or t2) - t1) * 1e3:.0f} ms, decode {rate:.1f} tokens/s",
+        f"first token {((first or t2) - t1) * 1e3:.0f} ms, decode {rate:.1f} tokens/s{drafted}",
         file=sys.stderr,
     )
     return 0

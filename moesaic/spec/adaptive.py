@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRIOR_RATE = 0.6  # the acceptance a sequence is assumed to have before it is measured
-PRIOR_WEIGHT = 2.0  # ... worth this many drafts
+PRIOR_WEIGHT = 1.0  # ... worth this many drafts
 DECAY = 0.9  # weight of the past per measured round (an exponential moving average of the counts)
 OFF_DECAY = 0.95  # per round spent not drafting: the record fades, so drafting is tried again
 TIME_DECAY = 0.98  # weight of the past forwards in the time model

@@ -272,8 +272,13 @@ class DFlashProposer:
             rows[f"k{i}"], rows[f"v{i}"] = self._keys(w, ctx, positions)
         self.context[seq_id].append(**rows)
 
-    @torch.inference_mode()
     def propose(self, requests: list[tuple[int, int, int]]) -> list[Draft]:
+        drafts = self.block_logits(requests).argmax(-1)  # [S, B - 1]
+        return [Draft(drafts[j, :k].tolist()) for j, (_, _, k) in enumerate(requests)]
+
+    @torch.inference_mode()
+    def block_logits(self, requests: list[tuple[int, int, int]]) -> torch.Tensor:
+        """fp32 logits [S, B - 1, vocab] of block rows 1 .. B - 1 for each (seq, last token, k)."""
         c, B = self.cfg, self.cfg.block_size
         S = len(requests)
         ids = torch.full((S, B), c.mask_token_id, dtype=torch.long, device=self.device)
@@ -300,8 +305,7 @@ class DFlashProposer:
             h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
             x = x + linear(F.silu(linear(h, w.gate)) * linear(h, w.up), w.down)
         x = x.view(S, B, -1)[:, 1:]  # row 0 is the anchor
-        drafts = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).argmax(-1)  # [S, B - 1]
-        return [Draft(drafts[j, :k].tolist()) for j, (_, _, k) in enumerate(requests)]
+        return linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
 
     def finish(self, seq_id: int) -> None:
         self.context.pop(seq_id, None)

@@ -1,5 +1,5 @@
-"""Two drafters for tests, which know the target's greedy continuation in advance (`reference`: prompt
-ids -> prompt + the tokens plain greedy decoding gives): forced acceptance proposes the continuation
+"""Two drafters for tests, which know the target's continuation in advance (`references`: full token lists,
+prompt + the tokens plain decoding gives; a sequence follows the one its tokens so far start): forced acceptance proposes the continuation
 itself (every draft is accepted, the longest rounds), forced rejection proposes `accept` right tokens
 and then wrong ones (`accept` = 0: the first draft is always rejected, and each round rolls back k rows).
 Outputs with either must equal plain decoding's: the engine's verification and rollback are what is
@@ -15,8 +15,8 @@ from .base import Draft
 class ForcedProposer:
     method = "forced"
 
-    def __init__(self, reference: dict[tuple, list[int]], vocab: int, accept=None, max_k: int = 15, taps=()):
-        self.reference = reference
+    def __init__(self, references: list[list[int]], vocab: int, accept=None, max_k: int = 15, taps=()):
+        self.references = [list(r) for r in references]
         self.vocab = vocab
         self.accept = accept  # None: all right
         self.max_k = max_k
@@ -39,14 +39,7 @@ class ForcedProposer:
         toks.extend(tokens)
 
     def _continuation(self, toks: list[int]) -> list[int] | None:
-        for prompt, full in self.reference.items():
-            if (
-                len(toks) >= len(prompt)
-                and tuple(toks[: len(prompt)]) == prompt
-                and full[: len(toks)] == toks
-            ):
-                return full
-        return None
+        return next((full for full in self.references if full[: len(toks)] == toks), None)
 
     def propose(self, requests: list[tuple[int, int, int]]) -> list[Draft]:
         out = []
