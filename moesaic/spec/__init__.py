@@ -20,6 +20,7 @@ work (e.g. `mtp` on a checkpoint whose MTP weights are absent).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,10 +132,15 @@ def parse_speculative_config(value) -> SpecConfig | None:
     return SpecConfig(method, k, folder, adaptive, lo, hi, proposer)
 
 
+def _has_proposer(method: str) -> bool:
+    return importlib.util.find_spec(PROPOSERS[method].partition(":")[0]) is not None
+
+
 def available_methods(family, cfg) -> list[str]:
     """What this checkpoint can draft with: its own heads, n-gram, and the external drafters (with a folder)."""
-    own = list(family.draft_heads(cfg))
-    return own + ["ngram"] + [f"{m} (with a drafter folder 'model')" for m in EXTERNAL if m not in own]
+    own = [m for m in family.draft_heads(cfg) if _has_proposer(m)]
+    external = [f"{m} (with a drafter folder 'model')" for m in EXTERNAL if m not in own and _has_proposer(m)]
+    return own + ["ngram"] + external
 
 
 def build_proposer(family, model, cfg, spec: SpecConfig) -> DraftProposer:
