@@ -452,6 +452,38 @@ def case_run_experts_with_separately_quantized_gate_and_up():
     close(got, moe.run_experts(x, weights, ids, w_in, w_out, moe.swiglu), 1e-5)
 
 
+# ------------------------------------------------------------------------------------------ no host syncs
+
+
+def case_decode_kernels_never_read_device_values_on_the_host(monkeypatch):
+    """The decode-step wrappers size everything from shapes: no .item() / .tolist() / int() / bool() of a
+    tensor (each would be a device-to-host sync on a GPU, and rules out CUDA graphs)."""
+    gen = torch.Generator().manual_seed(23)
+    (lat, rope), table = _paged(LENS, (32, 16), 2, torch.float32, gen)
+    qs, lens = torch.tensor([0, 1, 4, 6], dtype=torch.int32), torch.tensor(LENS, dtype=torch.int32)
+    q_lat, q_rope = torch.randn(4, 6, 32, generator=gen), torch.randn(6, 4, 16, generator=gen)
+    sel = torch.randint(0, 3, (6, 5), generator=gen)
+    logits = torch.randn(6, 16, generator=gen)
+    w_in, w_out = _stack("mxfp4", 16, 64, 64, gen), _stack("mxfp4", 16, 64, 32, gen)
+    x = torch.randn(6, 64, generator=gen)
+    kda_in = _kda_inputs(2, 1, 16, 16, -5.0, gen, lead=(3,))
+    site = mhc.MhcSite(
+        torch.randn(24, 64, generator=gen), torch.randn(24, generator=gen), torch.randn(3, generator=gen)
+    )
+
+    def sync(*_):
+        raise AssertionError("a device value read on the host")
+
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    T["mla"].paged_latent_attention(q_lat, q_rope, lat, rope, 1, table, lens, qs, 0.1)
+    T["mla"].paged_sparse_latent_attention(q_lat, lat, 0, table, lens, qs, 0.1, sel)
+    weights, ids = T["router"].route_sigmoid(logits, 4, None, 4, 2)
+    T["quant"].run_experts(x, weights, ids, w_in, w_out, moe.swiglu)
+    T["kda"].delta_rule_recurrent(*kda_in)
+    T["mhc"].site_maps(torch.randn(6, 4, 16, generator=gen), site, mhc.MhcDims(4))
+
+
 # ------------------------------------------------------------------------------------------ this process
 
 CASES = sorted(name for name in list(globals()) if name.startswith("case_"))
