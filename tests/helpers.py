@@ -3,6 +3,8 @@ and the few steps every family test takes with them."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moesaic.cache.batch import ForwardBatch
@@ -118,18 +120,42 @@ def weights_of(obj):
             yield from weights_of(v)
 
 
-def check_state_bytes_exact(demo: str, dtype: str, window: int, T: int) -> tuple[int, int]:
-    """The built-in demo `demo` in `dtype`: a sequence with rollback window `window` fed T tokens one
-    per forward, and one fed them in a single prefill, hold exactly the bytes its family's planner says
-    (per_token * T + fixed). Returns the planner's (per_token, fixed) for the caller's own checks."""
+@functools.cache
+def demo_model(demo: str, dtype: str):
+    """(Checkpoint, model) of a built-in demo, built once per test session."""
     from moesaic.demo import ensure_demo
     from moesaic.models import Checkpoint
 
     ck = Checkpoint.open(ensure_demo(demo))
-    model = ck.build(dtype)
+    return ck, ck.build(dtype)
+
+
+def check_state_bytes_exact(demo: str, dtype: str, window: int, T: int) -> tuple[int, int]:
+    """The built-in demo `demo` in `dtype`: a sequence with rollback window `window` fed T tokens one
+    per forward, and one fed them in a single prefill, hold exactly the bytes its family's planner says
+    (per_token * T + fixed). Returns the planner's (per_token, fixed) for the caller's own checks."""
+    ck, model = demo_model(demo, dtype)
     ids = random_ids(T, ck.cfg.vocab_size, seed=40)
     per_token, fixed = ck.family.state_bytes(ck.cfg, model.dtype.itemsize, rollback_window=window)
     for chunks in ([[t] for t in ids], [ids]):
         st = run(model, chunks, logits="last", rollback_window=window)[1]
         assert st.num_tokens == T and st.nbytes == per_token * T + fixed
     return per_token, fixed
+
+
+def rounding_floor(model, chunks, draws: int = 2) -> torch.Tensor:
+    """Per logit row [rows]: how far the logits of `chunks` (fed as `run` feeds them) move when every
+    embedding entry changes by about one fp32 rounding step (times 1 + 2^-23 N(0, 1); the max over
+    `draws` seeds). That is the model's sensitivity, row by row, to a single rounding of its input on
+    this machine's kernels: two evaluations of one function that round differently (a chunked and a
+    token-by-token pass) differ by a few of these."""
+    ref, _ = run(model, chunks)
+    emb, worst = model.embed, torch.zeros(ref.shape[0])
+    try:
+        for seed in range(draws):
+            noise = torch.randn(emb.shape, generator=torch.Generator().manual_seed(seed))
+            model.embed = emb * (1 + 2.0**-23 * noise)
+            worst = torch.maximum(worst, (run(model, chunks)[0] - ref).abs().amax(-1))
+    finally:
+        model.embed = emb
+    return worst

@@ -11,6 +11,8 @@ import torch
 from helpers import (
     check_batch_equals_singles,
     check_greedy_matches_transformers,
+    check_state_bytes_exact,
+    demo_model,
     max_err,
     mixed_batch_err,
     randomize_,
@@ -291,7 +293,10 @@ def test_upstream_names_load_to_the_same_logits(hf_ckpt, ours, tmp_path):
     theirs = Checkpoint.open(tmp_path / "up")
     assert theirs.cfg == ours.cfg
     model = theirs.build("float32")
-    assert len(model.mtp) == 1 and "e_proj.weight" in model.mtp[0]
+    assert len(model.mtp) == 1 and isinstance(model.mtp[0].e_proj, torch.Tensor)
+    # the MTP block is bound like a decoder layer: a sliding-window attention and a routed MoE
+    mtp = model.mtp[0].layer
+    assert mtp.attn.compressor is None and mtp.mlp.bias is not None and mtp.mlp.hash_ids is None
     ids = prompt(40, seed=11)
     assert torch.equal(run(ours, [ids])[0], run(model, [ids])[0])
 
@@ -386,6 +391,9 @@ def test_inspect_reports_the_released_flash_config(tmp_path):
         and cfg.rope_main.theta == 10000
     )
     assert cfg.rope_compress.dim == cfg.rope_main.dim == 64 and cfg.rope_compress_factor == 1.0
+    # the MTP layer serves MTP drafting; a config without one has no draft head
+    assert deepseek_v4.draft_heads(cfg) == ("mtp",)
+    assert deepseek_v4.draft_heads(deepseek_v4.parse_config({**FLASH, "num_nextn_predict_layers": 0})) == ()
 
 
 def test_saved_config_round_trips(hf_ckpt, ours):
@@ -439,3 +447,13 @@ def test_bf16_model_runs_and_stays_close(hf_ckpt, ours):
     rows = (got - ref).abs().amax(-1)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert rows.median() < 0.2 and (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_state_bytes_of_the_demo_are_exact(dtype, window):
+    # the planner's (per token, fixed) bytes are what a sequence holds once every window, tail and
+    # compressor group has filled: 48 tokens, a multiple of both ratios (4, 8)
+    per_token, fixed = check_state_bytes_exact("demo-deepseek-v4", dtype, window, T=48)
+    cfg = demo_model("demo-deepseek-v4", dtype)[0].cfg
+    assert fixed > deepseek_v4.state_bytes(cfg, getattr(torch, dtype).itemsize, 0)[1] or window == 0

@@ -4,9 +4,10 @@
   the V4 model (itself proven against transformers in test_deepseek_v4.py) on the same weights;
 * each V4.1 feature switched on changes the logits, and each switched off on the release-shaped
   tiny model changes them too (no feature silently ignored);
-* a plain token-by-token reference written here from shared/reference/deepseek_v4.md §3 (pooling by
-  ratio, index keys from the latent, shared entries and selections, candidate blocks, delayed pre,
-  no q norm, Engram before the attention site) gives the same logits as the model;
+* a plain token-by-token reference written here from the description of the release
+  (docs/families/deepseek_v41.md: pooling by ratio, index keys from the latent, shared entries and
+  selections, candidate blocks, delayed pre, no q norm, Engram before the attention site) gives the
+  same logits as the model;
 * chunked prefill, decode, rollback, snapshot/restore and batches agree with one full prefill;
 * the release's quantized layout (fp8 E4M3 + UE8M0 32x32 dense, fp4 experts, fp8 table rows) gives
   the logits of its dequantized weights, kept packed;
@@ -21,7 +22,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import check_batch_equals_singles, max_err
+from helpers import check_batch_equals_singles, check_state_bytes_exact, demo_model, max_err
 
 from moesaic.cache.batch import ForwardBatch
 from moesaic.demo import deepseek_v41 as v41demo
@@ -31,9 +32,11 @@ from moesaic.inspect import inspect_checkpoint
 from moesaic.layers import mhc
 from moesaic.layers.csa import CSA, HCA, SLIDING, grouped_out
 from moesaic.layers.engram import EngramState, build_token_map, engram_forward, table_rows
+from moesaic.layers.moe import moe
 from moesaic.models import Checkpoint, deepseek_v4
 from moesaic.models import deepseek_v41 as v41
 from moesaic.tokenizer import ByteTokenizer
+from moesaic.weights.bind import Tensors
 from moesaic.weights.quant import (
     QuantizedTensor,
     e4m3_to_float,
@@ -132,7 +135,7 @@ def v4_weights():
 
 
 def v41_model(raw, tensors, token_map=None):
-    return v41.Model(v41.parse_config(raw), tensors, torch.float32, "cpu", token_map=token_map)
+    return v41.Model(v41.parse_config(raw), Tensors(tensors), torch.float32, "cpu", token_map=token_map)
 
 
 # ---------------------------------------------------------------- V4.1 with its features off is V4
@@ -140,7 +143,7 @@ def v41_model(raw, tensors, token_map=None):
 
 def test_v41_with_its_features_off_equals_v4(v4_weights):
     cfg4, tensors = v4_weights
-    ours4 = deepseek_v4.Model(cfg4, tensors, torch.float32, "cpu")
+    ours4 = deepseek_v4.Model(cfg4, Tensors(tensors), torch.float32, "cpu")
     ours41 = v41_model(V41_AS_V4, tensors)
     assert ours41.cfg.kv_source_layer_ids == (1, 2, 3) and ours41.cfg.index_source_layer_ids == (1, 3)
     ids = prompt(45)  # 11 CSA entries (top-3 kept), 5 HCA entries
@@ -261,7 +264,8 @@ def test_each_v41_feature_switched_off_changes_the_logits(tiny, superset, twin):
 
 
 def reference_logits(model, ids):
-    """One full prefill written from reference §3, token by token, on the model's weights. Shared with
+    """One full prefill written from the description of the release, token by token, on the model's
+    weights (read through the bound layers' attributes). Shared with
     the model (and proven through V4): rope sets, the mHC maps, the MoE block, grouped_out, the Engram
     layer (layers/engram.py, tested on its own)."""
     c = model.cfg
@@ -276,31 +280,28 @@ def reference_logits(model, ids):
     entries, keys, selected, candidates = {}, {}, {}, {}
 
     def attention(L, w, x):
-        r, rope = c.compress_ratios[L], model.rope[L]
-        qr = rms(x @ w["self_attn.q_a_proj.weight"].T, w["self_attn.q_a_norm.weight"])
-        q = rope((qr @ w["self_attn.q_b_proj.weight"].T).view(T, H, D), pos)  # no per-head RMS
-        kv = rope(rms(x @ w["self_attn.kv_proj.weight"].T, w["self_attn.kv_norm.weight"]), pos)
+        r, rope, a = c.compress_ratios[L], model.rope[L], w.attn
+        qr = rms(x @ a.q_a.T, a.q_a_norm)
+        q = rope((qr @ a.q_b.T).view(T, H, D), pos)  # no per-head RMS
+        kv = rope(rms(x @ a.kv.T, a.kv_norm), pos)
         if L in c.kv_source_layer_ids:  # groups of r tokens: per-channel softmax of the gate over members
-            a = "self_attn.compressor."
+            comp = a.compressor
             ent, ks = [], []
             for g in range(T // r):
                 xs = x[g * r : (g + 1) * r]
-                k = xs @ w[a + "kv_proj.weight"].T
-                s = xs @ w[a + "gate_proj.weight"].T if r > 1 else torch.zeros_like(k)
-                latent = rms((s.softmax(0) * k).sum(0), w[a + "kv_norm.weight"])
+                k = xs @ comp.wkv.T
+                s = xs @ comp.wgate.T if r > 1 else torch.zeros_like(k)
+                latent = rms((s.softmax(0) * k).sum(0), comp.norm)
                 at = torch.tensor([g * r])
                 ent.append(rope(latent[None], at)[0])
                 if c.index_keys[L]:  # keys from the latent before its rope
-                    ik = rms(
-                        latent @ w["self_attn.indexer.wk.weight"].T, w["self_attn.indexer.k_norm.weight"]
-                    )
+                    ik = rms(latent @ w.key_proj.T, w.key_norm)
                     ks.append(rope(ik[None], at)[0])
             entries[L], keys[L] = torch.stack(ent), torch.stack(ks) if ks else None
         src = c.kv_from[L]
         if L in c.index_source_layer_ids:
-            i = "self_attn.compressor.indexer."
-            qi = rope((qr @ w[i + "q_b_proj.weight"].T).view(T, nI, cI), pos)
-            wts = (x @ w[i + "scorer.weights_proj.weight"].T) * nI**-0.5
+            qi = rope((qr @ a.index.q_b.T).view(T, nI, cI), pos)
+            wts = (x @ a.index.weights.T) * nI**-0.5
             selected[L] = []
             for t in range(T):
                 score = {
@@ -328,27 +329,24 @@ def reference_logits(model, ids):
                 )
                 keys_t = torch.cat([keys_t, entries[src][chosen]])
             logits = (keys_t @ q[t].T).T * D**-0.5  # [H, keys]
-            m = torch.maximum(logits.max(-1).values, w["self_attn.sinks"])
+            m = torch.maximum(logits.max(-1).values, a.sinks)
             p = (logits - m[:, None]).exp()
-            p = p / (p.sum(-1) + (w["self_attn.sinks"] - m).exp())[:, None]
+            p = p / (p.sum(-1) + (a.sinks - m).exp())[:, None]
             out[t] = p @ keys_t
         out = rope(out, pos, inverse=True).reshape(T, H * D)
-        return grouped_out(out, w["self_attn.o_a_proj.weight"], w["self_attn.o_b_proj.weight"], c.o_groups)
+        return grouped_out(out, a.o_a, a.o_b, c.o_groups)
 
     h = model.embed[tok][:, None, :].repeat(1, n, 1)
     pre = torch.zeros(T, n)
     pre[:, 0] = 1.0
     for L, w in enumerate(model.layers):
         if L in c.engram_layers:
-            h = engram_forward(h, rows[:, c.engram.layer_ids.index(L)], model.engram[L], c.engram)
-        for site, norm, block in (
-            (0, "input_layernorm.weight", "attention"),
-            (1, "post_attention_layernorm.weight", "moe"),
-        ):
-            next_pre, post, comb = mhc.site_maps(h, model.sites[L][site], model.hc)
-            x = rms((pre[..., None] * h).sum(1), w[norm])  # the previous site's pre
+            h = engram_forward(h, rows[:, c.engram.layer_ids.index(L)], w.engram, c.engram)
+        for site, norm, block in ((w.attn_hc, w.attn_norm, "attention"), (w.mlp_hc, w.mlp_norm, "moe")):
+            next_pre, post, comb = mhc.site_maps(h, site, model.hc)
+            x = rms((pre[..., None] * h).sum(1), norm)  # the previous site's pre
             pre = next_pre
-            y = attention(L, w, x) if block == "attention" else model.moe(w, x)
+            y = attention(L, w, x) if block == "attention" else moe(x, w.mlp, c.moe_spec)
             h = post[..., None] * y[:, None, :] + torch.einsum("tjk,tjd->tkd", comb, h)
     return rms((pre[..., None] * h).sum(1), model.norm) @ model.lm_head.T
 
@@ -481,11 +479,13 @@ def test_quantized_release_layout_equals_its_dequantized_weights(tmp_path):
     packed = Checkpoint.open(tmp_path / "q").build("float32")
     dense = Checkpoint.open(tmp_path / "d").build("float32")
     w = packed.layers[2]
-    assert isinstance(w["self_attn.q_a_proj.weight"], QuantizedTensor) and isinstance(
-        packed.engram[1].wkv, QuantizedTensor
+    assert isinstance(w.attn.q_a, QuantizedTensor) and isinstance(
+        packed.layers[1].engram.wkv, QuantizedTensor
     )
-    assert not isinstance(w["mlp.experts.gate_up_proj"], torch.Tensor)  # fp4 experts stay packed
-    assert packed.engram[1].table.weight.dtype == torch.float8_e4m3fn  # rows read from the file, as fp8
+    assert not isinstance(w.mlp.experts_in, torch.Tensor)  # fp4 experts stay packed
+    assert (
+        packed.layers[1].engram.table.weight.dtype == torch.float8_e4m3fn
+    )  # rows read from the file, as fp8
     ids = prompt(30, seed=9, vocab=259)
     a, _ = run(packed, [ids])
     b, _ = run(dense, [ids])
@@ -529,7 +529,7 @@ def test_token_map_comes_from_the_checkpoints_tokenizer(tiny_ckpt, tmp_path):
 
 
 def test_inspect_reports_the_release_config(tmp_path):
-    # the release config.json, built from the values the reference publishes (§1.2); the file alone
+    # the release config.json, built from its published values (RELEASE_TEXT_CONFIG); the file alone
     (tmp_path / "config.json").write_text(json.dumps(v41demo.RELEASE_CONFIG))
     info = inspect_checkpoint(tmp_path)
     assert (
@@ -549,7 +549,7 @@ def test_inspect_reports_the_release_config(tmp_path):
         info["params_total"] - info["params_by_role"]["engram_table"] - info["params_by_role"]["engram_scale"]
     )
     assert 551e9 < backbone < 553e9  # "≈552B backbone"
-    assert info["expert_bytes_fp4"] == 18_800_640  # reference §5
+    assert info["expert_bytes_fp4"] == 18_800_640  # 3 x (2304 x 5120 / 2 nibble bytes + 1 E8M0 byte per 32)
     assert round(info["routed_expert_code_bytes_fp4"] / GIB, 1) == 253.1  # "routed experts 253.1 GiB" (codes)
     sched = info["layer_schedule"]
     assert (
@@ -573,6 +573,11 @@ def test_inspect_reports_the_release_config(tmp_path):
     assert info["state_bytes_fixed_per_sequence"] == 40 * 127 * 512 * 2 + 3 * 1024 * 2 + 3 * 8
     assert info["state_bytes_per_sequence"] == 3200 * 1048576 + info["state_bytes_fixed_per_sequence"]
     assert info["engram_rows_per_token"] == 48 and info["hash_moe_layers"] == 0
+    # the three MTP stages are the DSpark drafter (not loaded); without them there is no draft head
+    text = v41demo.RELEASE_CONFIG["text_config"]
+    assert v41.draft_heads(v41.parse_config(v41demo.RELEASE_CONFIG)) == ("dspark",)
+    no_stages = dict(text, num_nextn_predict_layers=0, compress_ratios=text["compress_ratios"][:40])
+    assert v41.draft_heads(v41.parse_config(v41demo.release_config(no_stages))) == ()
 
 
 @pytest.mark.parametrize(
@@ -599,8 +604,8 @@ def test_bf16_equals_v4_and_runs(v4_weights, tiny_ckpt):
     keep = {s.name for s in deepseek_v4.tensor_specs(cfg4) if s.keep_fp32}
     t16 = {k: v if k in keep else v.to(torch.bfloat16) for k, v in tensors.items()}
     ids = prompt(45)
-    a, _ = run(deepseek_v4.Model(cfg4, t16, torch.bfloat16, "cpu"), [ids])
-    b, _ = run(v41.Model(v41.parse_config(V41_AS_V4), t16, torch.bfloat16, "cpu"), [ids])
+    a, _ = run(deepseek_v4.Model(cfg4, Tensors(t16), torch.bfloat16, "cpu"), [ids])
+    b, _ = run(v41.Model(v41.parse_config(V41_AS_V4), Tensors(t16), torch.bfloat16, "cpu"), [ids])
     assert torch.equal(a, b)
     # the release-shaped model loads and runs in bf16 (random weights: a top-k flip moves a row by ~1)
     ids = prompt(30, seed=12, vocab=259)
@@ -609,3 +614,13 @@ def test_bf16_equals_v4_and_runs(v4_weights, tiny_ckpt):
     rows = (got - ref).abs().amax(-1)
     print(f"deepseek_v41 bf16 vs fp32: median row max err {rows.median():.2e}")
     assert got.dtype == torch.float32 and torch.isfinite(got).all() and rows.median() < 0.5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_state_bytes_of_the_demo_are_exact(dtype, window):
+    # what a sequence of the demo holds once every window, open group and Engram lookback has filled
+    # (24 tokens, a multiple of the ratios 2 and 1) is the planner's count exactly
+    per_token, fixed = check_state_bytes_exact("demo-deepseek-v41", dtype, window, T=24)
+    cfg = demo_model("demo-deepseek-v41", dtype)[0].cfg
+    assert fixed > v41.state_bytes(cfg, getattr(torch, dtype).itemsize, 0)[1] or window == 0

@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 Engram memory (moesaic/layers/engram.py) without an oracle: published constants,
-small independent references written here from reference/deepseek_v4.md §3.3, and broken twins
-that each check must reject."""
+small independent references written here from the description of the release's
+`inference/engram.py` (docs/families/deepseek_v41.md), and broken twins that each check must reject."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from moesaic.errors import ConfigError
 from moesaic.layers.engram import (
     BLOCKED,
     FROZEN_MULTIPLIERS,
-    RELEASE,
     EngramConfig,
     EngramHash,
     EngramState,
@@ -25,18 +24,18 @@ from moesaic.layers.engram import (
     EngramWeights,
     build_token_map,
     derive_multipliers,
-    engram_bytes,
     engram_forward,
     engram_layouts,
-    engram_tensor_shapes,
     layer_primes,
     ngram_rows,
     table_rows,
 )
+from moesaic.models.deepseek_v41 import RELEASE_TEXT_CONFIG as RELEASE
+from moesaic.models.deepseek_v41 import engram_bytes, engram_table, engram_tensor_shapes
 from moesaic.weights.quant import QuantizedTensor, quantize_fp8_block
 from moesaic.weights.store import WeightStore, save_safetensors
 
-# the tiny V4.1 golden fixture (seed_system.md §7): Engram layers (1, 4), 2 heads, 64-id identity map
+# a tiny V4.1 fixture: Engram layers (1, 4), 2 heads, 64-id identity map
 TINY = {
     "engram_layer_ids": [1, 4],
     "engram_num_embeddings": [462, 630],
@@ -64,7 +63,7 @@ def _is_prime_trial(n: int) -> bool:
 
 
 def _twin_primes(start: int, layers: int, sizes: int, heads: int, exclude_used=True, per_layer_used=False):
-    """The reference procedure (and its broken variants), by trial division."""
+    """The release's prime procedure (and its broken variants), by trial division."""
     used, out = set(), []
     for _ in range(layers):
         layer = []
@@ -139,7 +138,7 @@ def test_engram_bytes_and_shapes_of_the_release():
 # multipliers
 # ---------------------------------------------------------------------------------------------
 
-PUBLISHED_MULTIPLIERS = {  # reference/deepseek_v4.md §3.3 (numpy 2.4.6)
+PUBLISHED_MULTIPLIERS = {  # the release's derivation run with numpy 2.4.6
     1: (76632096046245, 4839876093313, 35959672319349, 73987337458391),
     14: (67716810739261, 51510806800915, 30921347202721, 82619226485591),
 }
@@ -292,7 +291,7 @@ def test_token_map_on_a_byte_level_tokenizer():
 
 def _twin_rows(seq, primes, mults, pad, latch=True, start=0):
     """Rows of positions start.. of a whole sequence of compressed ids (-1 = blocked), per the
-    reference's description, position by position in Python ints."""
+    release's description, position by position in Python ints."""
     S, H = len(mults), len(primes[0])
     flat = [p for row in primes for p in row]
     offsets = [sum(flat[:i]) for i in range(len(flat))]
@@ -465,7 +464,13 @@ def test_gather_from_an_mmapped_fp8_table(tmp_path):
     dense = _dense_reference(codes, exps)
     rows = torch.tensor([[0, 776, 5], [5, 123, 400]])
     via_get = EngramTable(store.get("layers.1.engram.embed.weight"), store.get("layers.1.engram.embed.scale"))
-    via_map = EngramTable.from_store(store, "layers.1.engram.embed")
+    # the one way a model maps a table: the load hands a mapped spec over as a view of the file's map
+    # (store.get(count=False)), which the V4.1 binder turns into the table
+    via_map = engram_table(
+        store.get("layers.1.engram.embed.weight", count=False),
+        store.get("layers.1.engram.embed.scale", count=False),
+        "layers.1.engram.embed",
+    )
     for table in (via_get, via_map):
         out = table.gather(rows)
         assert out.shape == (2, 3, 64) and out.dtype == torch.float32
@@ -564,7 +569,9 @@ def test_gather_reads_only_the_touched_rows(sparse_dir):
     )
     store = WeightStore(folder)
     before = _rss()
-    table = EngramTable.from_store(store, "embed")
+    table = engram_table(
+        store.get("embed.weight", count=False), store.get("embed.scale", count=False), "embed"
+    )
     assert table.rows == 384_006_168 and table.block == 32
     out = table.gather(rows)  # [3, 24, 256]
     assert _rss() - before < 64 * 2**20
@@ -590,7 +597,8 @@ def _reference_engram(
     signed_sqrt=True,
     per_stream=True,
 ):
-    """reference/deepseek_v4.md §3.3 steps 5-7 token by token, stream by stream, in float64."""
+    """Gather, keys-first projection and per-stream gate (the module docstring's last three lines)
+    token by token, stream by stream, in float64."""
     N, hc, d = h.shape
     out = h.double().clone()
     for t in range(N):

@@ -13,19 +13,24 @@ import transformers
 from helpers import (
     check_batch_equals_singles,
     check_greedy_matches_transformers,
+    check_state_bytes_exact,
     max_err,
     mixed_batch_err,
     random_ids,
     randomize_,
+    rounding_floor,
     run,
+    weights_of,
 )
 from transformers import DynamicCache
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
 from moesaic.cache.batch import ForwardBatch
+from moesaic.demo import ensure_demo
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
 from moesaic.layers import dsa
+from moesaic.layers.moe import MoeWeights
 from moesaic.models import Checkpoint, glm5next
 from moesaic.weights.contract import load_tensors, to_checkpoint
 from moesaic.weights.store import save_safetensors
@@ -159,8 +164,8 @@ def test_checkpoint_is_release_named_and_selection_is_sparse(hf_ckpt, ours, monk
     assert ck.plan().skipped_optional  # the MTP layer (index 4) is optional and absent here
     # perturbed constants: ape, gate and correction bias are not their init values
     w = ours.layers[1]
-    assert w["self_attn.indexer.index_kpool_compress_ape"].abs().sum() > 0
-    assert w["mlp.gate.e_score_correction_bias"].abs().sum() > 0
+    assert w.mixer.indexer.ape.abs().sum() > 0
+    assert w.mlp.bias.abs().sum() > 0
     # a 150-token prompt: each query attends to at most TOPK + KPOOL - 1 = 11 of the 150 keys
     seen = []
     attend = dsa.sparse_mla_attend
@@ -352,6 +357,41 @@ def test_snapshot_restore_and_state_bytes(ours):
     assert win.nbytes == 30 * per_token + glm5next.state_bytes(ours.cfg, 4, rollback_window=3)[1]
 
 
+@pytest.fixture(scope="module")
+def demo_models():
+    """The GLM demo (moesaic.demo: the release layout with its MTP layer, NVFP4 experts) in fp32 and bf16."""
+    path = ensure_demo("demo-glm5-next-nvfp4")
+    return {dt: Checkpoint.open(path).build(dt) for dt in ("float32", "bfloat16")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_state_bytes_are_exact_on_the_demo(demo_models, dtype, window):
+    """The planner's (per token, fixed) is what a sequence holds after T tokens fed one per forward, with
+    T past the rollback window, the k-pool (4) and the KDA conv tail (3)."""
+    model = demo_models[dtype]
+    per_token, fixed = check_state_bytes_exact("demo-glm5-next-nvfp4", dtype, window, T=13)
+    assert fixed == (1 + window) * glm5next.state_bytes(model.cfg, model.dtype.itemsize)[1] > 0
+
+
+def test_demo_binds_its_mtp_layer_and_serves_mtp(demo_models):
+    """The demo ships the MTP layer: it is bound into typed structures (one weight per contract tensor of
+    that layer; the build's check_all_taken has seen every loaded tensor bound), and the config's draft
+    heads say "mtp"; a config without MTP layers has none."""
+    model = demo_models["float32"]
+    cfg, L = model.cfg, model.cfg.num_hidden_layers
+    assert len(model.mtp) == 1
+    mtp = model.mtp[0]
+    assert isinstance(mtp, glm5next.MtpLayer) and isinstance(mtp.mlp, MoeWeights)
+    assert mtp.attn.indexer is not None and mtp.eh_proj.shape == (cfg.hidden_size, 2 * cfg.hidden_size)
+    specs = [s for s in glm5next.tensor_specs(cfg) if s.layer == L]
+    assert specs and all(s.optional for s in specs)
+    assert len(list(weights_of(mtp))) == len(specs)
+    assert glm5next.draft_heads(cfg) == ("mtp",)
+    assert glm5next.draft_heads(dataclasses.replace(cfg, num_nextn_predict_layers=0)) == ()
+    assert glm5next.draft_heads(glm5next.parse_config({"model_type": "glm5_next", **TINY})) == ("mtp",)
+
+
 # ---------------------------------------------------------------- the indexer and DSA pieces
 
 
@@ -374,18 +414,11 @@ def test_selection_matches_transformers_indexer(hf_ckpt, ours):
     x, qr = torch.randn(1, T, 64, generator=g), torch.randn(1, T, 48, generator=g)
     with torch.no_grad():
         ref = idx(x, qr, torch.ones(1, T, dtype=torch.bool), None)[0].long()
-    w = ours.layers[1]
-    i = "self_attn.indexer."
-    k, z = dsa.indexer_keys(
-        x[0],
-        w[i + "wk.weight"],
-        w[i + "k_norm.weight"],
-        w[i + "k_norm.bias"],
-        w[i + "index_kpool_compress_gate"],
-    )
-    q = torch.nn.functional.linear(qr[0], w[i + "wq_b.weight"]).view(T, 16, 16)
-    wts = torch.nn.functional.linear(x[0], w[i + "weights_proj.weight"]).float() * 16**-0.5
-    got = dsa.kpool_select(q, wts, k, z, w[i + "index_kpool_compress_ape"], torch.arange(T), TOPK)
+    w = ours.layers[1].mixer.indexer
+    k, z = dsa.indexer_keys(x[0], w)
+    q, wts = dsa.indexer_queries(qr[0], x[0], w, 16)
+    assert q.shape == (T, 16, 16)
+    got = dsa.kpool_select(q, wts, k, z, w.ape, torch.arange(T), TOPK)
     assert got.shape == ref.shape == (T, TOPK + KPOOL - 1)
     assert [set(r.tolist()) - {-1} for r in got] == [set(r.tolist()) - {-1} for r in ref]
 
@@ -644,7 +677,7 @@ def test_mtp_layer_loads_when_present(hf_ckpt, ours, tmp_path):
     save_safetensors({**tensors, **extra}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     with_mtp = Checkpoint.open(tmp_path).build("float32")
-    assert len(with_mtp.mtp) == 1 and with_mtp.mtp[0]["eh_proj.weight"].shape == (64, 128)
+    assert len(with_mtp.mtp) == 1 and with_mtp.mtp[0].eh_proj.shape == (64, 128)
     ids = prompt(12, seed=20)
     assert torch.equal(run(with_mtp, [ids])[0], run(ours, [ids])[0])
     extra.pop("model.language_model.layers.4.enorm.weight")
@@ -653,15 +686,35 @@ def test_mtp_layer_loads_when_present(hf_ckpt, ours, tmp_path):
         Checkpoint.open(tmp_path).build("float32")
 
 
-def test_recurrent_decode_equals_chunked_prefill(ours):
+def test_recurrent_decode_equals_chunked_prefill(hf_ckpt, ours):
     """One token at a time from the first (KDA recurrence, gathered latent attention) against one
-    prefill (KDA chunked WY form)."""
+    prefill (KDA chunked WY form), row by row within 3x the row's fp32 rounding floor measured in this
+    run (`rounding_floor`: how far the row moves when the embeddings change by one rounding step).
+
+    Why not a fixed constant: this model is ill-conditioned at some rows. At row 37 of this prompt a
+    head of the last KDA layer has outputs ~1e-3 (rms) where its inputs are O(1), and its per-head
+    RMSNorm scales them ~500x, so fp32 rounding anywhere upstream moves that logit by ~4e-5 (its
+    floor here). Against a float64 evaluation of the same weights the token-by-token pass is off by
+    1.0e-5 and the prefill by 3.8e-5 (transformers' prefill 1.3e-5, its decode 1.8e-5), and which
+    fp32 kernels run decides the rest: with `ATEN_CPU_CAPABILITY=default` the same code on the same
+    machine gives 1.4e-5 instead of 4.8e-5; an AVX-512 Xeon gave < 3e-5, an AVX2 EPYC 4.8e-5.
+    Over 20 prompts the worst row was at 1.6x its floor, so 3x holds a margin; a real difference
+    between the two paths (a 1% change of an eps) is off by 1e-2 or more."""
+    hf, _ = hf_ckpt
     ids = prompt(40, seed=21)
-    full, _ = run(ours, [ids])
-    steps, _ = run(ours, [[t] for t in ids])
-    err = max_err(steps, full)
-    print(f"glm5next token-by-token vs prefill max abs err {err:.2e}")
-    assert err < TOL
+    chunks_full, chunks_steps = [ids], [[t] for t in ids]
+    full, _ = run(ours, chunks_full)
+    steps, _ = run(ours, chunks_steps)
+    rows = (steps - full).abs().amax(-1)
+    floor = torch.maximum(rounding_floor(ours, chunks_full), rounding_floor(ours, chunks_steps))
+    ratio = rows / floor
+    hf_self = max_err(hf_chunks(hf, chunks_steps), hf_logits(hf, ids))
+    print(
+        f"glm5next token-by-token vs prefill max abs err {rows.max():.2e} (row {int(rows.argmax())}, whose "
+        f"fp32 rounding floor is {floor[rows.argmax()]:.2e}); worst row {ratio.max():.2f}x its floor; "
+        f"transformers' own token-by-token vs prefill {hf_self:.2e}"
+    )
+    assert ratio.max() < 3 and floor.max() < 1e-4  # and the model is not chaotic: one rounding moves < 1e-4
 
 
 def test_bf16_model_tracks_transformers_in_bf16(hf_ckpt, ours):

@@ -17,6 +17,7 @@ import transformers
 from helpers import (
     check_batch_equals_singles,
     check_greedy_matches_transformers,
+    check_state_bytes_exact,
     max_err,
     mixed_batch_err,
     random_ids,
@@ -306,15 +307,12 @@ def demo_model(dtype: str):
 def test_state_bytes_are_exact_on_the_demo(dtype, window):
     """The planner's (per token, fixed) is what a sequence of the demo model holds: fed one token per
     forward past its rollback window, and after a prefill longer than the window."""
-    model = demo_model(dtype)
-    per_token, fixed = nemotron_h.state_bytes(model.cfg, model.dtype.itemsize, window)
+    per_token, fixed = check_state_bytes_exact("demo-nemotron-h", dtype, window, T=2 * window + 7)
     assert fixed > 0 and per_token > 0
-    T = 2 * window + 7
-    ids = random_ids(T, model.cfg.vocab_size, seed=31)
-    _, st = run(model, [[t] for t in ids], rollback_window=window)
-    assert st.nbytes == per_token * T + fixed
+    model = demo_model(dtype)
+    ids = random_ids(2 * window + 7, model.cfg.vocab_size, seed=31)
     _, st = run(model, [ids[:-2], ids[-2:-1], ids[-1:]], rollback_window=window)
-    assert st.nbytes == per_token * T + fixed
+    assert st.nbytes == per_token * len(ids) + fixed
 
 
 # ---------------------------------------------------------------- names, config

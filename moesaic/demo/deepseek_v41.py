@@ -40,7 +40,7 @@ def release_config(text_config: dict, **top) -> dict:
 RELEASE_CONFIG = release_config(RELEASE_TEXT_CONFIG, quantization_config=RELEASE_QUANTIZATION)
 
 
-# seed_system.md §7's tiny V4.1 fixture, adapted: vocab 259 (moesaic's byte tokenizer, 230 token-map
+# A tiny release-shaped V4.1 model: vocab 259 (moesaic's byte tokenizer, 230 token-map
 # classes), 16 index heads x 16 (no top-k ties), routed width 32 (fp4 groups of 32), rms eps 1e-6.
 TINY_TEXT_CONFIG = {
     "model_type": "deepseek_v41",

@@ -1,7 +1,10 @@
 """DeepSeek-V4 compressed attention: the sliding window with a per-head sink, the HCA and CSA
 compressors, the lightning indexer, the grouped output projection, and the state one such
-attention layer keeps per sequence (reference/deepseek_v4.md §2.2-2.6, §6; oracle: transformers
-5.23 `models/deepseek_v4`).
+attention layer keeps per sequence (oracle: transformers 5.23
+`src/transformers/models/deepseek_v4/modeling_deepseek_v4.py`; docs/families/deepseek_v4.md).
+DeepSeek-V4.1 reuses every piece: its ratio-1 compressors have no gate, its indexer may be limited
+to candidate blocks (`indexer_select`), and its index keys are made from the entries before rope
+(`compressor_update` returns them).
 
 Every layer attends with one shared 512-wide key (= value) per token, roped on its trailing
 `rope_dim` channels, over the last `window` tokens (itself included) plus, on compressed layers,
@@ -34,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache.state import TailRows, TokenRows, can_rollback
@@ -106,10 +110,16 @@ class CompressorDims:
 
 @dataclass(frozen=True)
 class CompressorWeights:
-    wkv: Tensor  # [proj_width, d]
-    wgate: Tensor  # [proj_width, d]
-    ape: Tensor  # [ratio, proj_width] position bias on the gate (fp32)
+    wkv: object  # [proj_width, d]
+    wgate: object | None  # [proj_width, d]; None: a one-token group (V4.1's ratio 1), every weight 1
+    ape: Tensor  # [ratio, proj_width] position bias on the gate (fp32; zeros where a model has none)
     norm: Tensor  # [width] RMSNorm gain of the pooled entry
+
+
+def compressor_inputs(x: Tensor, w: CompressorWeights) -> tuple[Tensor, Tensor]:
+    """(kv, gate) [N, proj_width] projections of the packed layer input that `compressor_update` takes."""
+    kv = linear(x, w.wkv)
+    return kv, torch.zeros_like(kv) if w.wgate is None else linear(x, w.wgate)
 
 
 class CompressorState:
@@ -136,6 +146,10 @@ class CompressorState:
     def restore(self, snap) -> None:
         self.raw.restore(snap[0])
         self.entries.restore(snap[1])
+
+    def held_entries(self) -> Tensor:
+        """The closed entries [E, width]."""
+        return self.entries.bufs["entry"][: self.entries.length]
 
     @property
     def nbytes(self) -> int:
@@ -177,24 +191,25 @@ def pool_windows(kv: Tensor, gate: Tensor, ape: Tensor, dims: CompressorDims, ha
 
 def compressor_update(
     state: CompressorState, kv: Tensor, gate: Tensor, w: CompressorWeights, eps: float, rope: RopeTail
-) -> Tensor:
-    """Appends n new tokens' raw projections (kv/gate [n, proj_width], the compressor's wkv / wgate
-    of the layer input), closes every window they complete into an entry (pooled, RMSNorm-ed,
-    roped at its first token's position) and returns all entries so far [E, width]."""
+) -> tuple[Tensor, Tensor, int]:
+    """Appends n new tokens' raw projections (kv/gate [n, proj_width], `compressor_inputs` of the
+    layer input), closes every window they complete into an entry (pooled, RMSNorm-ed, roped at its
+    first token's position). Returns (all entries so far [E, width], the new entries before rope
+    [E1 − E0, width], E0 = the index of the first new one)."""
     d, m = state.dims, state.dims.ratio
     T0, n = state.raw.length, kv.shape[0]
     held = state.raw.held
     raw = state.raw.append(kv=kv, gate=gate)
     E0, E1 = T0 // m, (T0 + n) // m
     if E1 == E0:
-        return state.entries.bufs["entry"][: state.entries.length]
+        return state.held_entries(), kv.new_empty(0, d.width), E0
     has_prev = d.overlap and E0 > 0
     first = (E0 - 1 if has_prev else E0) * m
     a, b = first - (T0 - held), E1 * m - (T0 - held)
     pooled = pool_windows(raw["kv"][a:b], raw["gate"][a:b], w.ape, d, has_prev)
-    new = rms_norm_cast_once(pooled.to(kv.dtype), w.norm, eps)
-    new = rope(new, torch.arange(E0, E1, device=kv.device) * m)
-    return state.entries.append(entry=new)["entry"]
+    latent = rms_norm_cast_once(pooled.to(kv.dtype), w.norm, eps)
+    new = rope(latent, torch.arange(E0, E1, device=kv.device) * m)
+    return state.entries.append(entry=new)["entry"], latent, E0
 
 
 # ---------------------------------------------------------------- the lightning indexer
@@ -220,19 +235,42 @@ def index_score_blocks(q: Tensor, weights: Tensor, keys: Tensor, positions: Tens
 
 
 def indexer_select(
-    q: Tensor, weights: Tensor, keys: Tensor, positions: Tensor, ratio: int, topk: int
-) -> Tensor:
-    """Top-k visible entries per query (arguments as `index_score_blocks`). Returns
-    [n, min(topk, E)] entry indices, -1 where fewer entries are visible."""
-    n = q.shape[0]
-    k = min(topk, keys.shape[0])
-    out = torch.empty(n, k, dtype=torch.long, device=q.device)
-    if k == 0:
-        return out
+    q: Tensor,
+    weights: Tensor,
+    keys: Tensor,
+    positions: Tensor,
+    ratio: int,
+    topk: int,
+    block: int = 1,
+    topk_blocks: int = 0,
+    allowed: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Top-k visible entries per query (arguments as `index_score_blocks`). Returns (sel [n, min(topk, E)]
+    entry indices, -1 where nothing is selected; None, or with topk_blocks > 0 (V4.1's candidate
+    source) the candidate blocks [n, ceil(E / block)] bool: the topk_blocks blocks of `block` entries
+    with the highest max score, the block of the newest visible entry pinned). `allowed` [n, nb]
+    (another layer's candidate blocks) sets the scores outside them to −inf."""
+    n, E = q.shape[0], keys.shape[0]
+    k = min(topk, E)
+    nb = -(-E // block)
+    sel = torch.full((n, k), -1, dtype=torch.long, device=q.device)
+    keep = torch.zeros(n, nb, dtype=torch.bool, device=q.device) if topk_blocks else None
+    if E == 0:
+        return sel, keep
+    entry = torch.arange(E, device=q.device)
     for i, j, s, vis in index_score_blocks(q, weights, keys, positions, ratio):
-        idx = s.topk(k, dim=-1).indices
-        out[i:j] = torch.where(idx >= vis, -1, idx)
-    return out
+        if topk_blocks:
+            bs = F.pad(s, (0, nb * block - E), value=float("-inf")).view(j - i, nb, block).amax(-1)
+            newest = vis - 1  # [j - i, 1]; -1: no entry visible yet (then every block is -inf already)
+            col = newest.clamp(min=0) // block
+            bs.scatter_(1, col, torch.where(newest >= 0, float("inf"), bs.gather(1, col)))
+            val, idx = bs.topk(min(topk_blocks, nb), dim=-1)
+            keep[i:j].scatter_(1, idx, val > float("-inf"))
+        if allowed is not None:
+            s = s.masked_fill(~allowed[i:j][:, entry // block], float("-inf"))
+        val, idx = s.topk(k, dim=-1)
+        sel[i:j] = torch.where(val == float("-inf"), -1, idx)
+    return sel, keep
 
 
 # ---------------------------------------------------------------- attention with a sink
@@ -241,6 +279,7 @@ def indexer_select(
 def sink_attention(
     q: Tensor,
     positions: Tensor,
+    first: int,
     win: Tensor,
     win_start: int,
     window: int,
@@ -250,14 +289,15 @@ def sink_attention(
     comp_sel: Tensor | None = None,
     comp_ratio: int = 0,
 ) -> Tensor:
-    """One sequence's queries q [n, H, D] at consecutive positions over
+    """One sequence's queries q [n, H, D] at consecutive positions (`first` = positions[0], known on
+    the host) over
     * the window keys win [L, D] (positions win_start …; a query sees the last `window` including itself),
     * compressed entries comp [E, D]: with comp_sel [n, k] (-1 = none) the selected ones (CSA), else
       every entry w < (t+1) // comp_ratio (HCA),
     with one extra logit per head, sink [H], in the softmax denominator. K = V. Returns [n, H, D]."""
     n, H, D = q.shape
     dt = q.dtype
-    p0 = int(positions[0])
+    p0 = first
     E = 0 if comp is None else (comp_sel.shape[1] if comp_sel is not None else comp.shape[0])
     # a block of b queries scores b·H·(window + b + E) logits and gathers b·E·D entry values (CSA)
     step = max(1, min(128, _SCORE_BUDGET // (H * (window + 128 + E)), _SCORE_BUDGET // max(1, E * D)))

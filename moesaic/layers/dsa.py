@@ -1,6 +1,9 @@
 """DeepSeek Sparse Attention with GLM-5.3's k-pool lightning indexer, over a NoPE MLA latent cache.
 
-reference/glm5next.md §5. Per sequence, with P = index_kpool and tokens at positions 0..T-1:
+DSA is DeepSeek-V3.2's (arXiv:2512.02556, the lightning indexer); the k-pool compression and the tail
+follow transformers' `Glm5NextTextIndexer` and `Glm5NextTextAttention` in
+`src/transformers/models/glm5_next/modeling_glm5_next.py`. Per sequence, with P = index_kpool and
+tokens at positions 0..T-1:
 
 Indexer (on "full" layers; "shared" layers reuse the previous full layer's selection):
     k_j    = LayerNorm(x_j W_kᵀ; weight, bias, eps 1e-6)        cached per token (model dtype)
@@ -24,23 +27,45 @@ receive, and what a GPU kernel gathers by.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .linear import linear
+
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
+
+
+@dataclass
+class IndexerWeights:
+    """One full layer's indexer (field names after transformers' `Glm5NextTextIndexer`)."""
+
+    wq_b: object  # [n_I * c_I, q_lora_rank]
+    wk: object  # [c_I, d]
+    k_norm: Tensor  # [c_I] LayerNorm weight
+    k_norm_bias: Tensor  # [c_I]
+    weights_proj: object  # [n_I, d]
+    ape: Tensor  # [P, c_I] index_kpool_compress_ape: the pool slots' position bias
+    gate: object  # [c_I, d] index_kpool_compress_gate
+
+
+def indexer_queries(qr: Tensor, x: Tensor, w: IndexerWeights, n_heads: int) -> tuple[Tensor, Tensor]:
+    """(q [n, n_I, c_I] = qr W_q_bᵀ, head weights [n, n_I] fp32 = (x W_wᵀ) · n_I^-0.5) of the queries
+    with q latent qr [n, q_lora_rank] and layer input x [n, d]."""
+    q = linear(qr, w.wq_b).view(qr.shape[0], n_heads, -1)
+    return q, linear(x, w.weights_proj).float() * n_heads**-0.5
 
 
 def selection_width(index_topk: int, kpool: int, always_select_tail: bool) -> int:
     return index_topk + (kpool - 1 if always_select_tail else 0)
 
 
-def indexer_keys(
-    x: Tensor, wk: Tensor, k_norm_weight: Tensor, k_norm_bias: Tensor, gate: Tensor
-) -> tuple[Tensor, Tensor]:
+def indexer_keys(x: Tensor, w: IndexerWeights) -> tuple[Tensor, Tensor]:
     """The per-token indexer cache rows of x [n, d]: (k [n, c_I], z [n, c_I]) in x's dtype."""
-    k = F.layer_norm(F.linear(x, wk), (wk.shape[0],), k_norm_weight, k_norm_bias, INDEXER_NORM_EPS)
-    return k, F.linear(x, gate)
+    k = F.layer_norm(linear(x, w.wk), (w.k_norm.shape[0],), w.k_norm, w.k_norm_bias, INDEXER_NORM_EPS)
+    return k, linear(x, w.gate)
 
 
 def pool_keys(k: Tensor, z: Tensor, ape: Tensor) -> Tensor:

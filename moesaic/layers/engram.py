@@ -1,4 +1,5 @@
-"""Engram n-gram memory of DeepSeek-V4.1-Flash (reference/deepseek_v4.md §3.3).
+"""Engram n-gram memory of DeepSeek-V4.1-Flash (DeepSeek's `inference/engram.py` of
+deepseek-ai/DeepSeek-V4.1-Flash; the project's write-up: docs/families/deepseek_v41.md).
 
 At each Engram layer (1 and 14 in the release), before the layer's attention site, every token
 looks up rows of a huge hashed table with the n-grams (n = 2..max_ngram_size) that end at it, and
@@ -19,8 +20,8 @@ What the V4.1 model does with this module (all of it token-wise except the lookb
     ecfg   = EngramConfig.from_config(text_config)            # None when the model has no Engram
     hasher = EngramHash(ecfg, build_token_map(tokenizer, ecfg.compressed_vocab_size))
     state  = EngramState.for_config(ecfg, window=spec_window) # one per sequence, next to its KV state
-    weights[j] = EngramWeights(EngramTable.from_store(store, f"layers.{L}.engram.embed"),
-                               wkv, q_weight, k_weight)       # L = ecfg.layer_ids[j]
+    weights[j] = EngramWeights(EngramTable(rows, scales), wkv, q_weight, k_weight)
+                                                              # bound by the model from its checkpoint
     # per forward, per sequence (prefill chunk, decode step or speculative block):
     rows = hasher.rows(token_ids, state, image_mask)          # [T, len(layer_ids), n_hash] int64;
                                                               #   appends the T tokens to state
@@ -30,10 +31,9 @@ What the V4.1 model does with this module (all of it token-wise except the lookb
 `rows` depends only on token ids, so a whole prompt's rows are known (and can be prefetched)
 before any layer runs. `rollback(n)` of the sequence state rolls `state` back with the rest.
 
-The table stays on disk: `EngramTable` reads only the pages of the rows it gathers (264 bytes a
-row in the release), never the 94 GiB table. `EngramTable.from_store` maps the shard read-only
-itself: WeightStore.get's private writable map of a file larger than RAM + swap is refused by
-Linux's default overcommit heuristic (ENOMEM), and the release's table shard is such a file.
+The table stays on disk: the model hands `EngramTable` views of the checkpoint file's map (its
+contract marks the table `mapped`), and `gather` reads only the pages of the rows it gathers (264
+bytes a row in the release), never the 94 GiB table.
 
 What is exact and how it is known (tests/test_engram.py): the primes reproduce the published table
 sizes 384,006,168 and 384,016,682 from the release's config values; the multipliers are frozen
@@ -48,17 +48,15 @@ before `wkv`; here the projection is weight-only (`linear`), like moesaic's othe
 
 from __future__ import annotations
 
-import math
-import mmap
-import warnings
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
-from ..weights.quant import e4m3_to_float, e8m0_to_float
+from ..config import declared, field, non_negative, positive, read_config, require
+from ..errors import CheckpointError, ConfigError
 from .linear import linear
 
 __all__ = [
@@ -80,9 +78,6 @@ __all__ = [
     "EngramTable",
     "EngramWeights",
     "engram_forward",
-    "engram_tensor_shapes",
-    "engram_bytes",
-    "RELEASE",
     "BLOCKED",
     "SCALE_BLOCK",
 ]
@@ -90,79 +85,40 @@ __all__ = [
 BLOCKED = -1  # a compressed id that blocks the n-grams reaching it: before the start, image, unmapped
 SCALE_BLOCK = 32  # columns per E8M0 scale in the release's table rows (and the 32x32 wkv blocks)
 
-# The release's Engram fields (text_config of deepseek-ai/DeepSeek-V4.1-Flash, reference §1.2).
-RELEASE = {
-    "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [384006168, 384016682],
-    "engram_max_ngram_size": 4,
-    "engram_n_heads": 8,
-    "engram_head_dim": 256,
-    "engram_vocab_size": 16000000,
-    "engram_compressed_vocab_size": 99092,
-    "engram_pad_id": 2,
-    "hidden_size": 5120,
-    "hc_mult": 4,
-    "rms_norm_eps": 1e-6,
-    "num_hidden_layers": 40,
-    "vocab_size": 129280,
-}
-
-
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
 
 
-def _int(raw: Mapping, key: str, default=None, *, where: str, check=None, why: str = "") -> int:
-    v = raw.get(key, default)
-    if v is None:
-        raise ConfigError(f"{where}: required field {key!r} is missing (Engram needs it)")
-    if (
-        isinstance(v, bool)
-        or not isinstance(v, (int, float))
-        or (isinstance(v, float) and not v.is_integer())
-    ):
-        raise ConfigError(f"{where}: field {key!r} must be an integer, got {v!r}")
-    v = int(v)
-    if check is not None and not check(v):
-        raise ConfigError(f"{where}: field {key!r} has invalid value {v!r} ({why})")
-    return v
-
-
-def _int_list(
-    raw: Mapping, key: str, *, where: str, length: int | None = None, why: str = ""
-) -> tuple[int, ...]:
+def _ints(raw: Mapping, key: str, where: str) -> tuple[int, ...]:
+    """A list of integers (or one integer), each read by `config.field`."""
     v = raw.get(key)
-    if v is None:
-        raise ConfigError(f"{where}: required field {key!r} is missing (Engram needs it)")
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        v = [v]
-    if (
-        not isinstance(v, (list, tuple))
-        or not v
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-    ):
-        raise ConfigError(f"{where}: field {key!r} must be a non-empty list of integers, got {v!r}")
-    if length is not None and len(v) != length:
-        raise ConfigError(f"{where}: field {key!r} has {len(v)} entries, expected {length} ({why})")
-    return tuple(int(x) for x in v)
+    items = v if isinstance(v, (list, tuple)) else [v]
+    require(len(items) > 0, where, key, v, "must be a non-empty list of integers")
+    return tuple(field({key: x}, key, int, where=where) for x in items)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngramConfig:
     """The Engram fields of a V4.1 text_config, plus the model dims the gate needs."""
 
     layer_ids: tuple[int, ...]  # engram_layer_ids: decoder layers with an Engram (in table order)
     num_embeddings: tuple[int, ...]  # engram_num_embeddings: rows of each layer's table
-    max_ngram_size: int  # S: n-grams of n = 2..S (S - 1 sizes)
-    n_heads: int  # engram_n_heads: hash heads (primes) per n-gram size
-    head_dim: int  # engram_head_dim: width of one table row
+    max_ngram_size: int = declared(
+        key="engram_max_ngram_size", check=lambda v: v >= 2, why="n-grams need n >= 2"
+    )
+    n_heads: int = declared(key="engram_n_heads", check=positive, why="must be positive")  # primes per size
+    head_dim: int = declared(key="engram_head_dim", check=positive, why="must be positive")  # row width
     vocab_size: tuple[int, ...]  # engram_vocab_size per n-gram size: the prime search starts here
-    compressed_vocab_size: int  # classes of the compressed token map
-    pad_id: int  # engram_pad_id: a token id; blocked lookbacks hash as cmap[pad_id]
-    hidden_size: int  # d
-    hc_mult: int  # hyper-connection streams
-    norm_eps: float  # rms_norm_eps, the eps of the gate's two RMS factors
+    compressed_vocab_size: int = declared(
+        key="engram_compressed_vocab_size", check=lambda v: 0 < v < 2**31, why="must be in 1 .. 2^31 - 1"
+    )
+    pad_id: int = declared(
+        key="engram_pad_id", check=non_negative, why="a token id"
+    )  # blocked -> cmap[pad_id]
+    hidden_size: int = declared(check=positive)  # d
+    hc_mult: int = declared(4, check=positive)  # hyper-connection streams
+    norm_eps: float = declared(1e-6, key="rms_norm_eps", check=non_negative)  # the gate's two RMS factors
 
     @property
     def n_hash(self) -> int:
@@ -183,69 +139,65 @@ class EngramConfig:
             raw, where = raw["text_config"], f"{where}: text_config"
         if not raw.get("engram_layer_ids"):
             return None
-        layer_ids = _int_list(raw, "engram_layer_ids", where=where)
+        raw = dict(raw)
+        layer_ids = _ints(raw, "engram_layer_ids", where)
         n_layers = raw.get("num_hidden_layers")
         for lid in layer_ids:
-            if lid < 0 or (isinstance(n_layers, int) and lid >= n_layers):
-                raise ConfigError(
-                    f"{where}: field 'engram_layer_ids' has layer {lid}, outside the "
-                    f"model's {n_layers} layers"
-                )
-        if len(set(layer_ids)) != len(layer_ids):
-            raise ConfigError(f"{where}: field 'engram_layer_ids' repeats a layer: {list(layer_ids)}")
-        num_embeddings = _int_list(
-            raw, "engram_num_embeddings", where=where, length=len(layer_ids), why="one table per Engram layer"
-        )
-        S = _int(raw, "engram_max_ngram_size", where=where, check=lambda v: v >= 2, why="n-grams need n >= 2")
-        n_heads = _int(raw, "engram_n_heads", where=where, check=lambda v: v > 0, why="must be positive")
-        head_dim = _int(raw, "engram_head_dim", where=where, check=lambda v: v > 0, why="must be positive")
-        vocab = _int_list(raw, "engram_vocab_size", where=where)
-        if len(vocab) == 1:
-            vocab = vocab * (S - 1)
-        if len(vocab) != S - 1 or min(vocab) < 2:
-            raise ConfigError(
-                f"{where}: field 'engram_vocab_size' must be one integer >= 2 or one per n-gram "
-                f"size ({S - 1}), got {raw.get('engram_vocab_size')!r}"
+            inside = lid >= 0 and not (isinstance(n_layers, int) and lid >= n_layers)
+            require(
+                inside,
+                where,
+                "engram_layer_ids",
+                list(layer_ids),
+                f"layer {lid} is outside the model's {n_layers} layers",
             )
-        cvs = _int(
-            raw,
-            "engram_compressed_vocab_size",
-            where=where,
-            check=lambda v: 0 < v < 2**31,
-            why="must be in 1 .. 2^31 - 1",
+        require(
+            len(set(layer_ids)) == len(layer_ids),
+            where,
+            "engram_layer_ids",
+            list(layer_ids),
+            "repeats a layer",
         )
-        pad_id = _int(raw, "engram_pad_id", where=where, check=lambda v: v >= 0, why="a token id")
+        num_embeddings = _ints(raw, "engram_num_embeddings", where)
+        require(
+            len(num_embeddings) == len(layer_ids),
+            where,
+            "engram_num_embeddings",
+            list(num_embeddings),
+            f"one table per Engram layer: expected {len(layer_ids)} entries",
+        )
+        vocab = _ints(raw, "engram_vocab_size", where)
+        cfg = read_config(
+            cls, raw, where, layer_ids=layer_ids, num_embeddings=num_embeddings, vocab_size=vocab
+        )
+        S = cfg.max_ngram_size
+        vocab = vocab * (S - 1) if len(vocab) == 1 else vocab
+        require(
+            len(vocab) == S - 1 and min(vocab) >= 2,
+            where,
+            "engram_vocab_size",
+            raw.get("engram_vocab_size"),
+            f"must be one integer >= 2 or one per n-gram size ({S - 1})",
+        )
         vocab_size = raw.get("vocab_size")
-        if isinstance(vocab_size, int) and pad_id >= vocab_size:
-            raise ConfigError(
-                f"{where}: field 'engram_pad_id' is {pad_id}, not a token id of the "
-                f"{vocab_size}-token vocabulary"
-            )
-        eps = raw.get("rms_norm_eps", 1e-6)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-            raise ConfigError(f"{where}: field 'rms_norm_eps' must be a non-negative number, got {eps!r}")
-        cfg = cls(
-            layer_ids,
-            num_embeddings,
-            S,
-            n_heads,
-            head_dim,
-            vocab,
-            cvs,
-            pad_id,
-            _int(raw, "hidden_size", where=where, check=lambda v: v > 0, why="must be positive"),
-            _int(raw, "hc_mult", 4, where=where, check=lambda v: v > 0, why="must be positive"),
-            float(eps),
+        require(
+            not isinstance(vocab_size, int) or cfg.pad_id < vocab_size,
+            where,
+            "engram_pad_id",
+            cfg.pad_id,
+            f"not a token id of the {vocab_size}-token vocabulary",
         )
-        rows = table_rows(vocab, len(layer_ids), S, n_heads)
-        if rows != num_embeddings:
-            raise ConfigError(
-                f"{where}: field 'engram_num_embeddings' is {list(num_embeddings)}, but the tables' "
-                f"primes (from engram_vocab_size {list(vocab)}, engram_max_ngram_size {S}, engram_n_heads "
-                f"{n_heads}, {len(layer_ids)} layers) sum to {list(rows)}; the checkpoint's tables would be "
-                f"addressed wrongly"
-            )
-        return cfg
+        rows = table_rows(vocab, len(layer_ids), S, cfg.n_heads)
+        require(
+            rows == num_embeddings,
+            where,
+            "engram_num_embeddings",
+            list(num_embeddings),
+            f"the tables' primes (from engram_vocab_size {list(vocab)}, engram_max_ngram_size {S}, "
+            f"engram_n_heads {cfg.n_heads}, {len(layer_ids)} layers) sum to {list(rows)}; the checkpoint's "
+            f"tables would be addressed wrongly",
+        )
+        return dataclasses.replace(cfg, vocab_size=vocab)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +233,7 @@ def _normalizer():
 def normalize_token(text: str) -> str:
     """NFKC -> NFD -> strip accents -> lowercase -> runs of [ \\t\\r\\n] to one space -> a lone
     space kept -> strip -> the class key (an empty result falls back to `text`, as the Engram
-    reference's `normalize_str(text) or text`)."""
+    release's `normalize_str(text) or text`)."""
     return _normalizer().normalize_str(text) or text
 
 
@@ -407,16 +359,16 @@ def table_rows(
 # --------------------------------------------------------------------------------------------
 
 # FROZEN_MULTIPLIERS[(compressed_vocab_size, layer_id, max_ngram_size)] = (m_0, .., m_{S-1}).
-# Derivation (the Engram reference): rng = numpy.random.default_rng(10007 * layer_id);
+# Derivation (the release's `inference/engram.py`): rng = numpy.random.default_rng(10007 * layer_id);
 #   m = rng.integers(0, bound, size=S, dtype=int64) * 2 + 1,  bound = max(1, (2^63 - 1) // cvs // 2),
 # so that tok · m < 2^63 for every tok < cvs. numpy does not promise a stable stream, so the values
 # are frozen here; `derive_multipliers` recomputes them without numpy (PCG64 + SeedSequence + Lemire,
 # transcribed below) and the tests check both, and numpy 2.4.6, against these literals.
 FROZEN_MULTIPLIERS: dict[tuple[int, int, int], tuple[int, ...]] = {
-    # the release, bound = 46,539,438,283,891 (values < 2^47); reference §3.3 lists the same
+    # the release, bound = 46,539,438,283,891 (values < 2^47)
     (99092, 1, 4): (76632096046245, 4839876093313, 35959672319349, 73987337458391),
     (99092, 14, 4): (67716810739261, 51510806800915, 30921347202721, 82619226485591),
-    # the tiny V4.1 golden fixture (seed_system.md §7: identity map over 64 ids, Engram layers 1 and 4),
+    # the tiny V4.1 fixture of tests/test_engram.py (identity map over 64 ids, Engram layers 1 and 4),
     # bound = 72,057,594,037,927,935
     (64, 1, 4): (118650432209603643, 7493640653728489, 55676810147952557, 114555519428547269),
     (64, 4, 4): (127364524771245009, 7800076361716407, 114038564133282483, 29348051253447937),
@@ -694,34 +646,25 @@ class EngramHash:
 _E8M0_LIKE = (torch.uint8, torch.int8, torch.float8_e8m0fnu)
 
 
-def _map_readonly(info) -> Tensor:
-    """A tensor over a read-only shared mapping of its bytes in the checkpoint file (no copy, no
-    commit charge: a private writable mapping of a 100 GB shard is refused by the kernel's
-    overcommit heuristic on a machine with less memory)."""
-    from ..weights.dtypes import SAFETENSORS as DTYPES
+def _e4m3(codes: Tensor) -> Tensor:
+    """FP8 E4M3 codes (float8_e4m3fn or their bytes) -> float32, by torch's own conversion."""
+    return codes.view(torch.float8_e4m3fn).float()
 
-    dtype = DTYPES[info.dtype]
-    numel = math.prod(info.shape)
-    if numel == 0:
-        return torch.empty(info.shape, dtype=dtype)
-    with open(info.file, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if info.start % dtype.itemsize:  # unaligned (a small float table): copy it
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.start).clone()
-        return raw.view(dtype).reshape(info.shape)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "buffer is not writable": nothing writes to it
-        return torch.frombuffer(mm, dtype=dtype, count=numel, offset=info.start).reshape(info.shape)
+
+def _e8m0(exps: Tensor) -> Tensor:
+    """E8M0 exponent bytes -> float32 2^(e - 127) (e = 255 -> NaN), by torch's own conversion."""
+    return exps.view(torch.float8_e8m0fnu).float()
 
 
 class EngramTable:
     """One layer's table, [rows, head_dim]: fp8 E4M3 codes with one scale per `block` columns
     (E8M0 bytes as released, or float multipliers), or a plain float table (tiny tests).
-    The tensors may be file-backed (mmap): `gather` reads only the rows it is asked for."""
+    The tensors may be views of the checkpoint file's map: `gather` reads only the rows it is asked
+    for."""
 
     def __init__(self, weight: Tensor, scale: Tensor | None = None, name: str = "engram.embed"):
         if weight.ndim != 2:
-            raise ValueError(f"{name}.weight: expected [rows, head_dim], got {list(weight.shape)}")
+            raise CheckpointError(f"{name}.weight: expected [rows, head_dim], got {list(weight.shape)}")
         self.name = name
         self.weight = weight
         self.scale = scale
@@ -734,23 +677,16 @@ class EngramTable:
                 or scale.shape[1] == 0
                 or weight.shape[1] % scale.shape[1]
             ):
-                raise ValueError(
+                raise CheckpointError(
                     f"{name}: fp8 rows {list(weight.shape)} need a scale [rows, head_dim / block], "
                     f"got {None if scale is None else list(scale.shape)}"
                 )
             self.block = weight.shape[1] // scale.shape[1]
         elif not weight.is_floating_point() or scale is not None:
-            raise ValueError(
+            raise CheckpointError(
                 f"{name}: a table is fp8 codes + scale or a float tensor, got {weight.dtype}"
                 f"{' with a scale' if scale is not None else ''}"
             )
-
-    @classmethod
-    def from_store(cls, store, prefix: str) -> EngramTable:
-        """`prefix`.weight (+ `prefix`.scale when present) of a WeightStore, mapped read-only."""
-        weight = _map_readonly(store.info(prefix + ".weight"))
-        scale = _map_readonly(store.info(prefix + ".scale")) if prefix + ".scale" in store else None
-        return cls(weight, scale, prefix)
 
     @property
     def rows(self) -> int:
@@ -773,12 +709,10 @@ class EngramTable:
         else:
             codes = self.weight.view(torch.uint8)[idx]  # touches only these rows' pages
             if self.scale.dtype in _E8M0_LIKE:
-                s = e8m0_to_float(self.scale.view(torch.uint8)[idx])
+                s = _e8m0(self.scale.view(torch.uint8)[idx])
             else:
                 s = self.scale[idx].to(torch.float32)
-            vals = (e4m3_to_float(codes).view(-1, s.shape[1], self.block) * s[..., None]).view(
-                -1, self.head_dim
-            )
+            vals = (_e4m3(codes).view(-1, s.shape[1], self.block) * s[..., None]).view(-1, self.head_dim)
         return vals.view(*rows.shape, self.head_dim)
 
 
@@ -789,10 +723,10 @@ class EngramTable:
 
 @dataclass
 class EngramWeights:
-    """One Engram layer's tensors (release names under `layers.L.engram.`):
-    table      embed.weight F8_E4M3 [rows, head_dim] + embed.scale F8_E8M0 [rows, head_dim / 32]
-    wkv        wkv.weight (+ .scale, 32x32 E8M0) [(hc + 1)·d, n_hash·head_dim]: a dense tensor or a
-               QuantizedTensor; rows c·d .. (c+1)·d - 1 are stream c's key, the last d the value
+    """One Engram layer's weights (as the release stores them):
+    table      fp8 E4M3 rows [rows, head_dim] + E8M0 scales [rows, head_dim / 32]
+    wkv        [(hc + 1)·d, n_hash·head_dim] (fp8, 32x32 E8M0 blocks): a dense tensor or a packed one
+               with its own matmul; rows c·d .. (c+1)·d - 1 are stream c's key, the last d the value
     q_weight   [hc, d] (BF16); k_weight [hc, d] (BF16); only their product is used"""
 
     table: EngramTable
@@ -812,7 +746,7 @@ def engram_forward(
     returns    [N, hc, d] in h's dtype: h_c + gate_c · value for each stream c.
 
     The gathered rows are cast to h's dtype for the projection (bf16 in a bf16 run, as the
-    reference's embedding output); the gate is computed in fp32."""
+    release's embedding output); the gate is computed in fp32."""
     N, hc, d = h.shape
     if hc != cfg.hc_mult or d != cfg.hidden_size:
         raise ValueError(
@@ -837,48 +771,3 @@ def engram_forward(
     if image_mask is not None:
         gate = gate.masked_fill(torch.as_tensor(image_mask, dtype=torch.bool).reshape(N, 1), 0.0)
     return (x + gate[..., None] * value[:, None, :]).to(h.dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# 7. Sizes (tensor contract, inspect)
-# --------------------------------------------------------------------------------------------
-
-
-def engram_tensor_shapes(
-    cfg: EngramConfig, block: int = SCALE_BLOCK
-) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, safetensors dtype) of every Engram tensor in the release's naming."""
-    d, hc, hd = cfg.hidden_size, cfg.hc_mult, cfg.head_dim
-    k, n = cfg.n_hash * hd, (hc + 1) * d
-    out = {}
-    for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
-        p = f"layers.{lid}.engram."
-        out[p + "embed.weight"] = ((rows, hd), "F8_E4M3")
-        out[p + "embed.scale"] = ((rows, -(-hd // block)), "F8_E8M0")
-        out[p + "wkv.weight"] = ((n, k), "F8_E4M3")
-        out[p + "wkv.scale"] = ((-(-n // block), -(-k // block)), "F8_E8M0")
-        out[p + "q_weight"] = ((hc, d), "BF16")
-        out[p + "k_weight"] = ((hc, d), "BF16")
-    return out
-
-
-def engram_bytes(cfg: EngramConfig, block: int = SCALE_BLOCK) -> list[dict]:
-    """Per Engram layer: its table's rows, bytes per row (fp8 codes + E8M0 scales: 264 in the
-    release), table bytes (on disk, read by row) and the bytes of its projection and gate weights."""
-    shapes = engram_tensor_shapes(cfg, block)
-    size = {"F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2}
-    out = []
-    for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
-        p = f"layers.{lid}.engram."
-        nbytes = {k[len(p) :]: math.prod(s) * size[dt] for k, (s, dt) in shapes.items() if k.startswith(p)}
-        row_bytes = (nbytes["embed.weight"] + nbytes["embed.scale"]) // rows
-        out.append(
-            {
-                "layer": lid,
-                "rows": rows,
-                "row_bytes": row_bytes,
-                "table_bytes": rows * row_bytes,
-                "dense_bytes": sum(v for k, v in nbytes.items() if not k.startswith("embed.")),
-            }
-        )
-    return out

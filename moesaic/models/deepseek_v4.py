@@ -13,9 +13,10 @@ inside mHC residual streams, with a sqrt-softplus MoE (hash-routed on the first 
     MoE:        s = sqrt(softplus(x Wg)); experts = topk(s + bias) | tid2eid[id]; w = 1.5 s/Σs
                 clamped SwiGLU experts + one shared expert
 
-Math, names and pitfalls: shared/reference/deepseek_v4.md. Oracle: transformers 5.23 `deepseek_v4`.
-Shared math: layers/csa.py (window + sink, compressors, indexer, grouped o-proj, the layer state),
-layers/mhc.py, layers/moe.py (`route_sqrtsoftplus`, `clamped_swiglu`), layers/rope.py (`rope_pairs`).
+Layer schedule, state kinds, namings and proof: docs/families/deepseek_v4.md. Oracle: transformers
+5.23 `src/transformers/models/deepseek_v4/modeling_deepseek_v4.py`. Shared math: layers/csa.py
+(window + sink, compressors, indexer, grouped o-proj, the layer state), layers/mhc.py, layers/moe.py
+(the MoE block with the sqrt-softplus router and a hash layer's static table), layers/rope.py.
 
 Config. Field names and defaults are transformers' `DeepseekV4Config`, with its legacy keys:
 `layer_types` (sliding / CSA / HCA), else the release's per-layer `compress_ratios` (0 / 4 / 128,
@@ -39,21 +40,17 @@ checkpoint namings are read: those module names (a `state_dict()` dump); what tr
 `ffn.experts.E.w1.weight`, `head.weight`); and the upstream release names (`embed.weight`,
 `layers.L.attn.wq_a.weight`, `attn.kv_norm.weight`, `attn.attn_sink`, `hc_head_fn`, `mtp.0.*`).
 The MTP layer (`mtp.J.*`: e_proj, h_proj, enorm, hnorm, norm, hc_head_*, and one sliding-window
-block) is declared optional and kept in `Model.mtp` for a drafter; nothing runs it yet (no oracle).
-FP8 / FP4 weights (`.scale` companions) are refused with a CheckpointError until the quantization
-issue lands; bf16 / fp32 checkpoints load.
+block) is declared optional and bound into `Model.mtp` (`MtpBlock`) for a drafter; nothing runs it
+yet (no oracle). Quantized weights (fp8 / fp4 with `.scale` companions) stay packed.
 
-State per sequence: one `csa.AttentionState` per layer — the window's key rows, and on CSA/HCA layers
-the compressor's open-window raw rows and closed entries (plus the indexer's on CSA layers);
-rollback(n) is exact for n <= the `rollback_window` given to `new_state`. MoE, mHC: none.
-
-Where the reference and the oracle disagree, moesaic follows the oracle:
-* Softmax dtype (reference §2.3: "the eager softmax runs in the compute dtype"). transformers
-  concatenates the fp32 sink parameter onto the logits, which promotes them: the softmax runs in
-  fp32 even in a bf16 run (the logits q·k·scale are rounded to bf16 first). moesaic does the same.
-* Layer schedule (reference §1.1, §6: "20 CSA + 23 HCA", 3,292 elements per token). That is
-  transformers' default `layer_types`; the release's `compress_ratios` give 2 sliding + 21 CSA +
-  20 HCA: 21·(512+128)/4 + 20·512/128 = 3,440 elements per token.
+Where DeepSeek's own inference code (`inference/model.py` of the release) and the oracle disagree,
+moesaic follows the oracle:
+* Softmax dtype: the release's eager softmax runs in the compute dtype; transformers concatenates
+  the fp32 sink parameter onto the logits, which promotes them: the softmax runs in fp32 even in a
+  bf16 run (the logits q·k·scale are rounded to bf16 first). moesaic does the same.
+* Layer schedule: transformers' default `layer_types` is "20 CSA + 23 HCA" (3,292 elements per
+  token); the release's `compress_ratios` give 2 sliding + 21 CSA + 20 HCA: 21·(512+128)/4 +
+  20·512/128 = 3,440 elements per token.
 * `norm_topk_prob` and `n_shared_experts`: transformers always renormalises the routed weights and
   builds exactly one shared expert of width moe_intermediate_size; moesaic requires
   n_shared_experts = 1 and ignores norm_topk_prob.
@@ -66,22 +63,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..cache.batch import ForwardBatch
 from ..cache.state import SequenceState
-from ..config import field, positive
+from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
 from ..errors import CheckpointError, ConfigError
 from ..layers import mhc
 from ..layers.csa import (
     CSA,
     HCA,
     SLIDING,
+    CompressorDims,
     CompressorWeights,
     RopeTail,
     attention_state_bytes,
+    compressor_inputs,
     compressor_update,
     grouped_out,
     head_rms,
@@ -91,10 +92,12 @@ from ..layers.csa import (
     sink_attention,
 )
 from ..layers.linear import linear
-from ..layers.moe import clamped_swiglu, route_sqrtsoftplus, run_experts
+from ..layers.moe import MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
 from ..layers.norms import rms_norm_cast_once
 from ..layers.rope import RopeConfig, cos_sin_attention_factor, inv_freq
+from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
+from .parts import bind_moe, moe_specs
 
 MODEL_TYPES = ("deepseek_v4",)
 
@@ -103,41 +106,44 @@ _RATIO_KIND = {0: SLIDING, 4: CSA, 128: HCA}  # transformers' map of the legacy 
 _SHORT = {SLIDING: "swa", CSA: "csa", HCA: "hca"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeepseekV4Config:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    sliding_window: int
+    """Absent fields take transformers' `DeepseekV4Config` defaults (= the released Flash shape, except
+    `layer_types`: the release states `compress_ratios`)."""
+
+    vocab_size: int = declared(129280, check=positive)
+    hidden_size: int = declared(4096, check=positive)
+    num_hidden_layers: int = declared(43, check=positive)
+    num_attention_heads: int = declared(64, check=positive)
+    head_dim: int = declared(512, check=positive)
+    q_lora_rank: int = declared(1024, check=positive)
+    o_groups: int = declared(8, check=positive)
+    o_lora_rank: int = declared(1024, check=positive)
+    sliding_window: int = declared(128, check=positive)
     layer_types: tuple[str, ...]  # csa.SLIDING | csa.CSA | csa.HCA
     csa_ratio: int
     hca_ratio: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
+    index_n_heads: int = declared(64, check=positive)
+    index_head_dim: int = declared(128, check=positive)
+    index_topk: int = declared(512, check=positive)
     mlp_layer_types: tuple[str, ...]  # "hash_moe" | "moe"
-    n_routed_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    routed_scaling_factor: float
-    swiglu_limit: float
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    rms_norm_eps: float
+    n_routed_experts: int = declared(256, check=positive)
+    num_experts_per_tok: int = declared(6, check=positive)
+    moe_intermediate_size: int = declared(2048, check=positive)
+    routed_scaling_factor: float = declared(1.5)
+    swiglu_limit: float = declared(10.0, check=positive)
+    hc_mult: int = declared(4, check=positive)
+    hc_sinkhorn_iters: int = declared(20, check=positive)
+    hc_eps: float = declared(1e-6, check=non_negative)
+    rms_norm_eps: float = declared(1e-6, check=positive)
     rope_main: RopeConfig
     rope_main_factor: float  # cos/sin factor (YaRN attention factor; 1 for the plain set)
     rope_compress: RopeConfig
     rope_compress_factor: float
-    max_position_embeddings: int
-    num_nextn_predict_layers: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
+    max_position_embeddings: int = declared(1048576, check=positive)
+    num_nextn_predict_layers: int = declared(1, check=non_negative)
+    tie_word_embeddings: bool = declared(False)
+    bos_token_id: int | None = declared(0)
     eos_token_ids: tuple[int, ...]
     model_type: str = "deepseek_v4"
 
@@ -151,17 +157,19 @@ class DeepseekV4Config:
             self.layer_types[layer], self.head_dim, self.index_head_dim, self.csa_ratio, self.hca_ratio
         )
 
+    @property
+    def moe_spec(self) -> MoeSpec:
+        """sqrt-softplus routing (a hash layer's experts from its table), clamped SwiGLU experts."""
+        return MoeSpec(
+            Router("sqrtsoftplus", self.num_experts_per_tok, scale=self.routed_scaling_factor),
+            glu=partial(clamped_silu_glu, limit=self.swiglu_limit),
+        )
+
 
 # ---------------------------------------------------------------- config
 
 
-def _eos(v) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    return tuple(int(x) for x in v) if isinstance(v, list) else (int(v),)
-
-
-def _kinds(raw: dict, key: str, allowed, n: int, w: str) -> list:
+def read_kinds(raw: dict, key: str, allowed, n: int, w: str) -> list:
     v = raw[key]
     if not isinstance(v, list) or len(v) < n or any(x not in allowed for x in v[:n]):
         raise ConfigError(
@@ -171,93 +179,46 @@ def _kinds(raw: dict, key: str, allowed, n: int, w: str) -> list:
     return list(v[:n])
 
 
-def _rope(d: dict, head_dim: int, partial: float, where: str) -> tuple[RopeConfig, float]:
+def _rope(d: dict, head_dim: int, partial_factor: float, where: str) -> tuple[RopeConfig, float]:
+    """One rope set: its RopeConfig and its cos/sin factor."""
     kind = d.get("rope_type", d.get("type", "default"))
     if kind not in ("default", "yarn"):
         raise ConfigError(f"{where}: rope_type {kind!r} is not supported (default or yarn)")
-    partial = field(d, "partial_rotary_factor", float, partial, where=where, check=lambda v: 0 < v <= 1)
-    dim = int(head_dim * partial)
+    factor = field(d, "partial_rotary_factor", float, partial_factor, where=where, check=lambda v: 0 < v <= 1)
+    dim = int(head_dim * factor)
     if dim <= 0 or dim % 2:
         raise ConfigError(
             f"{where}: the rotated width head_dim·partial_rotary_factor = {dim} must be a positive even number"
         )
-    rope = RopeConfig(
-        dim=dim,
-        theta=field(d, "rope_theta", float, 10000.0, where=where, check=positive),
-        kind=kind,
-        factor=field(d, "factor", float, 1.0, where=where, check=positive),
-        original_max_position_embeddings=field(
-            d, "original_max_position_embeddings", int, 4096, where=where, check=positive
-        ),
-        beta_fast=field(d, "beta_fast", float, 32.0, where=where) or 32.0,
-        beta_slow=field(d, "beta_slow", float, 1.0, where=where) or 1.0,
-        mscale=field(d, "mscale", float, 0.0, where=where),
-        mscale_all_dim=field(d, "mscale_all_dim", float, 0.0, where=where),
-        truncate=True,  # transformers reads `truncate` from the top level, where V4 has none
-    )
     if kind == "yarn" and "factor" not in d:
         raise ConfigError(f"{where}: field 'factor' is missing (YaRN needs it)")
-    factor = 1.0
-    if kind == "yarn":
-        factor = field(
-            d, "attention_factor", float, cos_sin_attention_factor(rope), where=where, check=positive
-        )
-    return rope, factor
-
-
-def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
-    """Absent fields take transformers' `DeepseekV4Config` defaults (= the released Flash shape, except
-    `layer_types`: the release states `compress_ratios`)."""
-    if layout != "hf":
-        raise ConfigError(f"DeepSeek-V4 checkpoints come with a config.json, not a {layout} layout")
-    w = "config.json"
-    n = field(raw, "num_hidden_layers", int, 43, where=w, check=positive)
-    heads = field(raw, "num_attention_heads", int, 64, where=w, check=positive)
-    head_dim = field(raw, "head_dim", int, 512, where=w, check=positive)
-    if field(raw, "num_key_value_heads", int, 1, where=w) != 1:
-        raise ConfigError(f"{w}: field 'num_key_value_heads' must be 1 (DeepSeek-V4 shares one KV head)")
-    if field(raw, "hidden_act", str, "silu", where=w) != "silu":
-        raise ConfigError(
-            f"{w}: field 'hidden_act' = {raw['hidden_act']!r} is not supported (DeepSeek-V4 uses silu)"
-        )
-    if field(raw, "scoring_func", str, "sqrtsoftplus", where=w) != "sqrtsoftplus":
-        raise ConfigError(
-            f"{w}: field 'scoring_func' = {raw['scoring_func']!r} is not supported (sqrtsoftplus)"
-        )
-    for key in ("attention_bias", "mlp_bias"):
-        if raw.get(key):
-            raise ConfigError(
-                f"{w}: field {key!r} = true is not supported (the released model has no biases)"
-            )
-    if field(raw, "n_shared_experts", int, 1, where=w) != 1:
-        raise ConfigError(
-            f"{w}: field 'n_shared_experts' must be 1 (DeepSeek-V4 has one shared expert of "
-            f"width moe_intermediate_size)"
-        )
-    o_groups = field(
-        raw,
-        "o_groups",
-        int,
-        8,
-        where=w,
-        check=lambda v: v > 0 and heads % v == 0,
-        why=f"must divide num_attention_heads = {heads} (groups are whole heads)",
+    # transformers: `beta_fast or 32`, `beta_slow or 1`; `truncate` is read from the top level, where
+    # V4 has none (always truncated)
+    d = {k: v for k, v in d.items() if k not in ("beta_fast", "beta_slow") or v}
+    rope = read_config(RopeConfig, d, where, {"mscale": 0.0}, dim=dim, kind=kind, truncate=True)
+    if kind != "yarn":
+        return rope, 1.0
+    return rope, field(
+        d, "attention_factor", float, cos_sin_attention_factor(rope), where=where, check=positive
     )
-    experts = field(raw, "n_routed_experts", int, 256, where=w, check=positive)
 
-    rates = dict(raw.get("compress_rates") or {})
-    if not isinstance(raw.get("compress_rates") or {}, dict):
-        raise ConfigError(f"{w}: field 'compress_rates' must be an object, got {raw['compress_rates']!r}")
+
+def _compress_rates(raw: dict, w: str) -> tuple[int, int]:
+    rates = dict(section(raw, "compress_rates", w))
     if raw.get("compress_rate_csa") is not None:
         rates[CSA] = raw["compress_rate_csa"]
     if raw.get("compress_rate_hca") is not None:
         rates[HCA] = raw["compress_rate_hca"]
-    csa_ratio = field(rates, CSA, int, 4, where=f"{w} compress_rates", check=positive)
-    hca_ratio = field(rates, HCA, int, 128, where=f"{w} compress_rates", check=positive)
+    rw = f"{w} compress_rates"
+    return field(rates, CSA, int, 4, where=rw, check=positive), field(
+        rates, HCA, int, 128, where=rw, check=positive
+    )
 
+
+def _layer_types(raw: dict, n: int, csa_ratio: int, hca_ratio: int, w: str) -> list[str]:
     if raw.get("layer_types") is not None:
-        layer_types = _kinds(raw, "layer_types", {SLIDING, CSA, HCA}, n, w)
-    elif raw.get("compress_ratios") is not None:
+        return read_kinds(raw, "layer_types", {SLIDING, CSA, HCA}, n, w)
+    if raw.get("compress_ratios") is not None:
         ratios = raw["compress_ratios"]
         known = {0: SLIDING, **_RATIO_KIND, csa_ratio: CSA, hca_ratio: HCA}
         if not isinstance(ratios, list) or len(ratios) < n or any(r not in known for r in ratios[:n]):
@@ -265,22 +226,17 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
                 f"{w}: field 'compress_ratios' must list at least num_hidden_layers = {n} values from "
                 f"{sorted(known)}, got {ratios!r}"
             )
-        layer_types = [known[r] for r in ratios[:n]]
-    else:
-        layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-    if raw.get("mlp_layer_types") is not None:
-        mlp_types = _kinds(raw, "mlp_layer_types", {HASH_MOE, MOE}, n, w)
-    else:
-        n_hash = field(raw, "num_hash_layers", int, 3, where=w, check=lambda v: v >= 0)
-        mlp_types = [HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash)
+        return [known[r] for r in ratios[:n]]
+    return [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
 
-    # rope: main (sliding layers) and compress (CSA/HCA layers, compressors, indexer)
-    rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(rp, dict):
-        raise ConfigError(f"{w}: field 'rope_parameters' must be an object, got {rp!r}")
-    partial = raw.get("partial_rotary_factor")
-    if partial is None:
-        partial = field(raw, "qk_rope_head_dim", int, 64, where=w, check=positive) / head_dim
+
+def _ropes(raw: dict, head_dim: int, w: str) -> dict:
+    """rope_main / rope_compress (and their factors): main on sliding layers, compress on CSA/HCA
+    layers, their compressors and the indexer."""
+    rp = section(raw, "rope_parameters", w) or section(raw, "rope_scaling", w)
+    partial_factor = raw.get("partial_rotary_factor")
+    if partial_factor is None:
+        partial_factor = field(raw, "qk_rope_head_dim", int, 64, where=w, check=positive) / head_dim
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         main_d, comp_d = rp["main"], rp["compress"]
     else:
@@ -289,62 +245,72 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
         comp_d = {**yarn, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
         if comp_d.get("rope_type", comp_d.get("type")) == "yarn":
             comp_d.setdefault("attention_factor", 1.0)  # transformers: V4 does not scale cos/sin
-    rope_main, main_factor = _rope(main_d, head_dim, partial, f"{w} rope_parameters.main")
-    rope_comp, comp_factor = _rope(comp_d, head_dim, partial, f"{w} rope_parameters.compress")
-    index_head_dim = field(raw, "index_head_dim", int, 128, where=w, check=positive)
-    if rope_comp.dim > index_head_dim:
-        raise ConfigError(
-            f"{w}: field 'index_head_dim' = {index_head_dim} is narrower than the rotated width "
-            f"{rope_comp.dim} the indexer ropes"
-        )
+    main, main_factor = _rope(main_d, head_dim, partial_factor, f"{w} rope_parameters.main")
+    comp, comp_factor = _rope(comp_d, head_dim, partial_factor, f"{w} rope_parameters.compress")
+    return dict(
+        rope_main=main, rope_main_factor=main_factor, rope_compress=comp, rope_compress_factor=comp_factor
+    )
 
-    eos = raw.get("eos_token_id", 1)
-    return DeepseekV4Config(
-        vocab_size=field(raw, "vocab_size", int, 129280, where=w, check=positive),
-        hidden_size=field(raw, "hidden_size", int, 4096, where=w, check=positive),
-        num_hidden_layers=n,
-        num_attention_heads=heads,
-        head_dim=head_dim,
-        q_lora_rank=field(raw, "q_lora_rank", int, 1024, where=w, check=positive),
-        o_groups=o_groups,
-        o_lora_rank=field(raw, "o_lora_rank", int, 1024, where=w, check=positive),
-        sliding_window=field(raw, "sliding_window", int, 128, where=w, check=positive),
-        layer_types=tuple(layer_types),
+
+def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
+    if layout != "hf":
+        raise ConfigError(f"DeepSeek-V4 checkpoints come with a config.json, not a {layout} layout")
+    w = "config.json"
+    n = field(raw, "num_hidden_layers", int, 43, where=w, check=positive)
+    head_dim = field(raw, "head_dim", int, 512, where=w, check=positive)
+    kv_heads = field(raw, "num_key_value_heads", int, 1, where=w)
+    require(kv_heads == 1, w, "num_key_value_heads", kv_heads, "must be 1: DeepSeek-V4 shares one KV head")
+    for key, want, why in (
+        ("hidden_act", "silu", "uses silu"),
+        ("scoring_func", "sqrtsoftplus", "routes by sqrtsoftplus"),
+    ):
+        got = field(raw, key, str, want, where=w)
+        require(got == want, w, key, got, f"not supported: DeepSeek-V4 {why}")
+    for key in ("attention_bias", "mlp_bias"):
+        require(not raw.get(key), w, key, raw.get(key), "not supported: the released model has no biases")
+    shared = field(raw, "n_shared_experts", int, 1, where=w)
+    require(
+        shared == 1,
+        w,
+        "n_shared_experts",
+        shared,
+        "must be 1: DeepSeek-V4 has one shared expert of width moe_intermediate_size",
+    )
+    csa_ratio, hca_ratio = _compress_rates(raw, w)
+    if raw.get("mlp_layer_types") is not None:
+        mlp_types = read_kinds(raw, "mlp_layer_types", {HASH_MOE, MOE}, n, w)
+    else:
+        n_hash = field(raw, "num_hash_layers", int, 3, where=w, check=non_negative)
+        mlp_types = [HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash)
+    cfg = read_config(
+        DeepseekV4Config,
+        raw,
+        w,
+        layer_types=tuple(_layer_types(raw, n, csa_ratio, hca_ratio, w)),
         csa_ratio=csa_ratio,
         hca_ratio=hca_ratio,
-        index_n_heads=field(raw, "index_n_heads", int, 64, where=w, check=positive),
-        index_head_dim=index_head_dim,
-        index_topk=field(raw, "index_topk", int, 512, where=w, check=positive),
         mlp_layer_types=tuple(mlp_types),
-        n_routed_experts=experts,
-        num_experts_per_tok=field(
-            raw,
-            "num_experts_per_tok",
-            int,
-            6,
-            where=w,
-            check=lambda v: 0 < v <= experts,
-            why=f"must be in 1..n_routed_experts={experts}",
-        ),
-        moe_intermediate_size=field(raw, "moe_intermediate_size", int, 2048, where=w, check=positive),
-        routed_scaling_factor=field(raw, "routed_scaling_factor", float, 1.5, where=w),
-        swiglu_limit=field(raw, "swiglu_limit", float, 10.0, where=w, check=positive),
-        hc_mult=field(raw, "hc_mult", int, 4, where=w, check=positive),
-        hc_sinkhorn_iters=field(raw, "hc_sinkhorn_iters", int, 20, where=w, check=positive),
-        hc_eps=field(raw, "hc_eps", float, 1e-6, where=w, check=lambda v: v >= 0),
-        rms_norm_eps=field(raw, "rms_norm_eps", float, 1e-6, where=w, check=positive),
-        rope_main=rope_main,
-        rope_main_factor=main_factor,
-        rope_compress=rope_comp,
-        rope_compress_factor=comp_factor,
-        max_position_embeddings=field(raw, "max_position_embeddings", int, 1048576, where=w, check=positive),
-        num_nextn_predict_layers=field(
-            raw, "num_nextn_predict_layers", int, 1, where=w, check=lambda v: v >= 0
-        ),
-        tie_word_embeddings=field(raw, "tie_word_embeddings", bool, False, where=w),
-        bos_token_id=raw.get("bos_token_id", 0),
-        eos_token_ids=_eos(eos),
+        eos_token_ids=eos_ids(raw.get("eos_token_id", 1), w),
+        **_ropes(raw, head_dim, w),
     )
+    H, E = cfg.num_attention_heads, cfg.n_routed_experts
+    require(
+        H % cfg.o_groups == 0,
+        w,
+        "o_groups",
+        cfg.o_groups,
+        f"must divide num_attention_heads = {H} (groups are whole heads)",
+    )
+    k = cfg.num_experts_per_tok
+    require(k <= E, w, "num_experts_per_tok", k, f"must be in 1..n_routed_experts={E}")
+    require(
+        cfg.rope_compress.dim <= cfg.index_head_dim,
+        w,
+        "index_head_dim",
+        cfg.index_head_dim,
+        f"narrower than the rotated width {cfg.rope_compress.dim} the indexer ropes",
+    )
+    return cfg
 
 
 # ---------------------------------------------------------------- tensor contract
@@ -382,58 +348,62 @@ def attention_block_specs(cfg, p: str, L: int, optional: bool = False) -> list[T
     return specs
 
 
+def compressor_specs(
+    c: str, dims: CompressorDims, d: int, role: str, L: int, optional=False, gate=True, ape=True
+) -> list[TensorSpec]:
+    """A compressor under `c`: wkv, its gate (V4.1's ratio 1 has none), the gate's position bias (V4
+    only) and the entry norm."""
+    opt = dict(layer=L, optional=optional)
+    specs = [TensorSpec(c + "kv_proj.weight", (dims.proj_width, d), role, **opt)]
+    if gate:
+        specs.append(TensorSpec(c + "gate_proj.weight", (dims.proj_width, d), role, **opt))
+    if ape:
+        specs.append(
+            TensorSpec(c + "position_bias", (dims.ratio, dims.proj_width), role, keep_fp32=True, **opt)
+        )
+    return specs + [TensorSpec(c + "kv_norm.weight", (dims.width,), "norm", keep_fp32=True, **opt)]
+
+
+def index_query_specs(cfg, a: str, L: int, optional: bool = False) -> list[TensorSpec]:
+    """The indexer's query side under `a` (= "…self_attn."): its q from qr and its head weights."""
+    i, opt = a + "compressor.indexer.", dict(layer=L, optional=optional)
+    return [
+        TensorSpec(
+            i + "q_b_proj.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "indexer", **opt
+        ),
+        TensorSpec(i + "scorer.weights_proj.weight", (cfg.index_n_heads, cfg.hidden_size), "indexer", **opt),
+    ]
+
+
+def moe_layer_specs(cfg, m: str, L: int, hashed: bool, optional: bool = False) -> list[TensorSpec]:
+    """The MoE under `m`: parts.moe_specs with one shared expert; a hash layer has its tid2eid table
+    (int64 in checkpoints; fp32 holds expert ids exactly) where the others have the selection bias."""
+    E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+    specs = moe_specs(m, E, I, cfg.hidden_size, L, bias=not hashed, shared=I, optional=optional)
+    if hashed:
+        table = (cfg.vocab_size, cfg.num_experts_per_tok)
+        t = TensorSpec(m + "gate.tid2eid", table, "router", L, optional, keep_fp32=True, integer=True)
+        specs.insert(1, t)
+    return specs
+
+
 def _layer_specs(
     cfg: DeepseekV4Config, p: str, kind: str, mlp: str, L: int, optional: bool
 ) -> list[TensorSpec]:
     """One decoder block's tensors; an MTP block (optional=True) reports every tensor under role "mtp"."""
-    d, D = cfg.hidden_size, cfg.head_dim
-    opt = dict(layer=L, optional=optional)
-    f32 = dict(keep_fp32=True, **opt)
+    d, a = cfg.hidden_size, p + "self_attn."
     specs = attention_block_specs(cfg, p, L, optional)
-    a = p + "self_attn."
-    comp, idx = layer_compressors(kind, D, cfg.index_head_dim, cfg.csa_ratio, cfg.hca_ratio)
-    for dims, c in ((comp, a + "compressor."), (idx, a + "compressor.indexer.")):
-        if dims is None:
-            continue
-        role = "compressor" if dims is comp else "indexer"
-        specs += [
-            TensorSpec(c + "kv_proj.weight", (dims.proj_width, d), role, **opt),
-            TensorSpec(c + "gate_proj.weight", (dims.proj_width, d), role, **opt),
-            TensorSpec(c + "position_bias", (dims.ratio, dims.proj_width), role, **f32),
-            TensorSpec(c + "kv_norm.weight", (dims.width,), "norm", **f32),
-        ]
+    comp, idx = layer_compressors(kind, cfg.head_dim, cfg.index_head_dim, cfg.csa_ratio, cfg.hca_ratio)
+    if comp is not None:
+        specs += compressor_specs(a + "compressor.", comp, d, "compressor", L, optional)
     if idx is not None:
-        i = a + "compressor.indexer."
-        specs += [
-            TensorSpec(
-                i + "q_b_proj.weight",
-                (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-                "indexer",
-                **opt,
-            ),
-            TensorSpec(i + "scorer.weights_proj.weight", (cfg.index_n_heads, d), "indexer", **opt),
-        ]
-    m, E, I = p + "mlp.", cfg.n_routed_experts, cfg.moe_intermediate_size
-    specs.append(TensorSpec(m + "gate.weight", (E, d), "router", **opt))
-    if mlp == HASH_MOE:  # int64 in checkpoints; fp32 holds expert ids exactly
-        specs.append(
-            TensorSpec(
-                m + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "router", integer=True, **f32
-            )
-        )
-    else:
-        specs.append(TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", **f32))
-    specs += [
-        TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, d), "expert", **opt),
-        TensorSpec(m + "experts.down_proj", (E, d, I), "expert", **opt),
-        TensorSpec(m + "shared_experts.gate_proj.weight", (I, d), "shared_expert", **opt),
-        TensorSpec(m + "shared_experts.up_proj.weight", (I, d), "shared_expert", **opt),
-        TensorSpec(m + "shared_experts.down_proj.weight", (d, I), "shared_expert", **opt),
-    ]
+        specs += compressor_specs(a + "compressor.indexer.", idx, d, "indexer", L, optional)
+        specs += index_query_specs(cfg, a, L, optional)
+    specs += moe_layer_specs(cfg, p + "mlp.", L, mlp == HASH_MOE, optional)
     return [dataclasses.replace(s, role="mtp") for s in specs] if optional else specs
 
 
-def _hc_head_specs(cfg: DeepseekV4Config, p: str, role: str, optional: bool) -> list[TensorSpec]:
+def hc_head_specs(cfg: DeepseekV4Config, p: str, role: str, optional: bool) -> list[TensorSpec]:
     n, d = cfg.hc_mult, cfg.hidden_size
     return [
         TensorSpec(p + "hc_head.hc_fn", (n, n * d), role, keep_fp32=True, optional=optional),
@@ -448,7 +418,7 @@ def tensor_specs(cfg: DeepseekV4Config) -> list[TensorSpec]:
     for L in range(cfg.num_hidden_layers):
         specs += _layer_specs(cfg, f"model.layers.{L}.", cfg.layer_types[L], cfg.mlp_layer_types[L], L, False)
     specs.append(TensorSpec("model.norm.weight", (d,), "norm", keep_fp32=True))
-    specs += _hc_head_specs(cfg, "model.", "mhc", False)
+    specs += hc_head_specs(cfg, "model.", "mhc", False)
     specs.append(
         TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
     )
@@ -462,7 +432,7 @@ def tensor_specs(cfg: DeepseekV4Config) -> list[TensorSpec]:
             TensorSpec(p + "hnorm.weight", (d,), "mtp", L, optional=True, keep_fp32=True),
             TensorSpec(p + "norm.weight", (d,), "mtp", L, optional=True, keep_fp32=True),
         ]
-        specs += _hc_head_specs(cfg, p, "mtp", True)
+        specs += hc_head_specs(cfg, p, "mtp", True)
     return specs
 
 
@@ -565,68 +535,210 @@ def namings(cfg: DeepseekV4Config, layout: str, store_names) -> Naming:
     return checkpoint_naming(upstream=False)
 
 
+# ---------------------------------------------------------------- bound weights
+
+
+@dataclass
+class IndexQuery:
+    """The lightning indexer's query side: q_b [n_I·c_I, q_lora_rank] (from qr), weights [n_I, d]."""
+
+    q_b: object
+    weights: object
+
+
+@dataclass
+class Attention:
+    """One attention layer: the core every layer has, and the compressor (CSA/HCA), the indexer's own
+    compressor and its query side (CSA) where the layer has them."""
+
+    q_a: object
+    q_a_norm: Tensor
+    q_b: object
+    kv: object
+    kv_norm: Tensor
+    o_a: Tensor  # [groups·r, H·D / groups], read per group as a view
+    o_b: object
+    sinks: Tensor
+    compressor: CompressorWeights | None = None
+    index_compressor: CompressorWeights | None = None
+    index: IndexQuery | None = None
+
+
+@dataclass
+class Layer:
+    attn_norm: Tensor
+    attn_hc: mhc.MhcSite
+    attn: Attention
+    mlp_norm: Tensor
+    mlp_hc: mhc.MhcSite
+    mlp: MoeWeights
+
+
+@dataclass
+class MtpBlock:
+    """One MTP layer (`mtp.J.*`), kept for a drafter: h' = block(e_proj(enorm(embed(t+1))) +
+    h_proj(hnorm(h))) over the main model's streams, then its own hyper head and norm."""
+
+    e_proj: object
+    h_proj: object
+    enorm: Tensor
+    hnorm: Tensor
+    norm: Tensor
+    hc_head: mhc.MhcSite
+    layer: Layer
+
+
+def bind_site(t: Tensors, p: str) -> mhc.MhcSite:
+    """An mHC site's weights `p`fn, `p`base, `p`scale (the hyper head's: p = "hc_head.hc_")."""
+    return mhc.MhcSite(t(p + "fn"), t(p + "base"), t(p + "scale"))
+
+
+def bind_compressor(t: Tensors, dims: CompressorDims, device) -> CompressorWeights:
+    """A compressor under `t`'s prefix; no gate (V4.1's ratio 1) and no position bias (V4.1) read as
+    gate weight 1 and a zero bias."""
+    ape = t.optional("position_bias")
+    return CompressorWeights(
+        t("kv_proj.weight"),
+        t.optional("gate_proj.weight"),
+        torch.zeros(dims.ratio, dims.proj_width, device=device) if ape is None else ape,
+        t("kv_norm.weight"),
+    )
+
+
+def bind_attention(
+    t: Tensors, comp: CompressorDims | None, index_comp: CompressorDims | None, query: bool, device
+) -> Attention:
+    """The attention under `t`'s prefix (`…self_attn.`): its compressor (comp), the indexer's
+    compressor (index_comp) and the indexer's query side (query) where the layer has them."""
+    return Attention(
+        q_a=t("q_a_proj.weight"),
+        q_a_norm=t("q_a_norm.weight"),
+        q_b=t("q_b_proj.weight"),
+        kv=t("kv_proj.weight"),
+        kv_norm=t("kv_norm.weight"),
+        o_a=t("o_a_proj.weight"),
+        o_b=t("o_b_proj.weight"),
+        sinks=t("sinks"),
+        compressor=None if comp is None else bind_compressor(t.under("compressor."), comp, device),
+        index_compressor=None
+        if index_comp is None
+        else bind_compressor(t.under("compressor.indexer."), index_comp, device),
+        index=IndexQuery(
+            t("compressor.indexer.q_b_proj.weight"), t("compressor.indexer.scorer.weights_proj.weight")
+        )
+        if query
+        else None,
+    )
+
+
+def bind_hash_table(t: Tensors, experts: int) -> Tensor:
+    """A hash layer's tid2eid [vocab, k] (under `…mlp.`) as int64 expert ids, checked."""
+    table = t("gate.tid2eid")
+    if table.min() < 0 or table.max() >= experts or not torch.equal(table, table.round()):
+        raise CheckpointError(f"{t.prefix}gate.tid2eid holds expert ids outside 0..{experts - 1}")
+    return table.long()
+
+
+def bind_layer(t: Tensors, attn: Attention, mlp: MoeWeights, cls=Layer, **extra) -> Layer:
+    """A decoder block under `t`'s prefix around its bound attention and MoE (`cls`, `extra`: a
+    family's Layer that adds fields, V4.1's)."""
+    return cls(
+        attn_norm=t("input_layernorm.weight"),
+        attn_hc=bind_site(t, "attn_hc."),
+        attn=attn,
+        mlp_norm=t("post_attention_layernorm.weight"),
+        mlp_hc=bind_site(t, "ffn_hc."),
+        mlp=mlp,
+        **extra,
+    )
+
+
+def bind_v4_layer(t: Tensors, cfg: DeepseekV4Config, kind: str, mlp: str, device) -> Layer:
+    comp, idx = layer_compressors(kind, cfg.head_dim, cfg.index_head_dim, cfg.csa_ratio, cfg.hca_ratio)
+    m = t.under("mlp.")
+    table = bind_hash_table(m, cfg.n_routed_experts) if mlp == HASH_MOE else None
+    return bind_layer(
+        t,
+        bind_attention(t.under("self_attn."), comp, idx, idx is not None, device),
+        bind_moe(m, hash_ids=table),
+    )
+
+
+def bind_mtp(t: Tensors, cfg: DeepseekV4Config, device) -> MtpBlock:
+    return MtpBlock(
+        e_proj=t("e_proj.weight"),
+        h_proj=t("h_proj.weight"),
+        enorm=t("enorm.weight"),
+        hnorm=t("hnorm.weight"),
+        norm=t("norm.weight"),
+        hc_head=bind_site(t, "hc_head.hc_"),
+        layer=bind_v4_layer(t, cfg, SLIDING, MOE, device),
+    )
+
+
+# ---------------------------------------------------------------- attention pieces (V4.1 uses them too)
+
+
+def attention_inputs(
+    w: Attention, x: Tensor, cfg, rope: RopeTail, positions: Tensor, q_head_norm: bool = True
+):
+    """(qr, q [N, H, D] roped, kv [N, D] roped) of the packed layer input: qr = RMSNorm(x Wq_a),
+    q = rope(headRMS(qr Wq_b)) (V4.1: no head RMS), kv = rope(RMSNorm(x Wkv))."""
+    eps, N = cfg.rms_norm_eps, x.shape[0]
+    qr = rms_norm_cast_once(linear(x, w.q_a), w.q_a_norm, eps)
+    q = linear(qr, w.q_b).view(N, cfg.num_attention_heads, cfg.head_dim)
+    q = rope(head_rms(q, eps) if q_head_norm else q, positions)
+    kv = rope(rms_norm_cast_once(linear(x, w.kv), w.kv_norm, eps), positions)
+    return qr, q, kv
+
+
+def index_query(w: IndexQuery, qr: Tensor, x: Tensor, cfg, rope: RopeTail, positions: Tensor):
+    """(q_I [N, n_I, c_I] roped, head weights [N, n_I] fp32 scaled by n_I^-1/2) of the indexer."""
+    nI = cfg.index_n_heads
+    qi = rope(linear(qr, w.q_b).view(x.shape[0], nI, cfg.index_head_dim), positions)
+    return qi, linear(x, w.weights).float() * nI**-0.5
+
+
+def attention_output(w: Attention, o: Tensor, cfg, rope: RopeTail, positions: Tensor) -> Tensor:
+    """Wo_b · grouped Wo_a(rope⁻¹(o)) for o [N, H, D]."""
+    o = rope(o, positions, inverse=True)
+    return grouped_out(o.reshape(o.shape[0], -1), w.o_a, w.o_b, cfg.o_groups)
+
+
 # ---------------------------------------------------------------- model
 
 
 class Model:
     """The DeepSeek-V4 decoder over a ForwardBatch."""
 
-    def __init__(self, cfg: DeepseekV4Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    def __init__(self, cfg: DeepseekV4Config, t: Tensors, dtype: torch.dtype, device):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.hc = cfg.mhc_dims
-        self.act = clamped_swiglu(cfg.swiglu_limit)
+        self.moe = cfg.moe_spec
         self.rope = {SLIDING: RopeTail(inv_freq(cfg.rope_main).to(device), cfg.rope_main_factor)}
         self.rope[CSA] = self.rope[HCA] = RopeTail(
             inv_freq(cfg.rope_compress).to(device), cfg.rope_compress_factor
         )
-        t = tensors
-        self.embed = t["model.embed_tokens.weight"]
-        self.norm = t["model.norm.weight"]
-        self.lm_head = t.get("lm_head.weight", self.embed)
-        self.hc_head = [t[f"model.hc_head.hc_{k}"] for k in ("fn", "base", "scale")]
-        self.layers, self.sites, self.compressors, self.tid2eid = [], [], [], {}
-        for L in range(cfg.num_hidden_layers):
-            p = f"model.layers.{L}."
-            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
-            self.layers.append(w)
-            self.sites.append(
-                tuple(
-                    mhc.MhcSite(w[f"{s}.fn"], w[f"{s}.base"], w[f"{s}.scale"]) for s in ("attn_hc", "ffn_hc")
-                )
+        self.embed = t("model.embed_tokens.weight")
+        self.norm = t("model.norm.weight")
+        self.lm_head = t.optional("lm_head.weight")
+        if self.lm_head is None:
+            self.lm_head = self.embed
+        self.hc_head = bind_site(t, "model.hc_head.hc_")
+        self.layers = [
+            bind_v4_layer(
+                t.under(f"model.layers.{L}."), cfg, cfg.layer_types[L], cfg.mlp_layer_types[L], device
             )
-            comp, idx = cfg.compressors(L)
-            self.compressors.append(
-                tuple(
-                    None
-                    if dims is None
-                    else CompressorWeights(
-                        w[c + "kv_proj.weight"],
-                        w[c + "gate_proj.weight"],
-                        w[c + "position_bias"],
-                        w[c + "kv_norm.weight"],
-                    )
-                    for dims, c in ((comp, "self_attn.compressor."), (idx, "self_attn.compressor.indexer."))
-                )
-            )
-            if cfg.mlp_layer_types[L] == HASH_MOE:
-                table = w["mlp.gate.tid2eid"]
-                if (
-                    table.min() < 0
-                    or table.max() >= cfg.n_routed_experts
-                    or not torch.equal(table, table.round())
-                ):
-                    raise CheckpointError(
-                        f"layer {L}: mlp.gate.tid2eid holds expert ids outside 0..{cfg.n_routed_experts - 1}"
-                    )
-                self.tid2eid[L] = table.long()
-        self.mtp = []  # the MTP layer(s)' tensors, for a drafter (spec/); empty when the checkpoint has none
-        for j in range(cfg.num_nextn_predict_layers):
-            p = f"mtp.{j}."
-            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
-            if w:
-                self.mtp.append(w)
+            for L in range(cfg.num_hidden_layers)
+        ]
+        # the MTP layer(s), for a drafter (spec/); empty when the checkpoint has none
+        self.mtp = [
+            bind_mtp(t.under(f"mtp.{j}."), cfg, device)
+            for j in range(cfg.num_nextn_predict_layers)
+            if t.any_under(f"mtp.{j}.")
+        ]
 
     # -- state
     def new_state(self, rollback_window: int = 0) -> SequenceState:
@@ -652,27 +764,17 @@ class Model:
         )
 
     # -- blocks
-    def attention(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def attention(self, L: int, w: Attention, x: Tensor, batch: ForwardBatch) -> Tensor:
         c = self.cfg
         kind, eps = c.layer_types[L], c.rms_norm_eps
-        N, H, D = x.shape[0], c.num_attention_heads, c.head_dim
         rope, pos = self.rope[kind], batch.positions
-        qr = rms_norm_cast_once(
-            linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_norm.weight"], eps
-        )
-        q = rope(head_rms(linear(qr, w["self_attn.q_b_proj.weight"]).view(N, H, D), eps), pos)
-        kv = rope(
-            rms_norm_cast_once(linear(x, w["self_attn.kv_proj.weight"]), w["self_attn.kv_norm.weight"], eps),
-            pos,
-        )
-        comp, idx = self.compressors[L]
+        qr, q, kv = attention_inputs(w, x, c, rope, pos)
+        comp, idx = w.compressor, w.index_compressor
         if comp is not None:
-            ckv, cgate = linear(x, comp.wkv), linear(x, comp.wgate)
+            ckv, cgate = compressor_inputs(x, comp)
         if idx is not None:
-            ikv, igate = linear(x, idx.wkv), linear(x, idx.wgate)
-            i = "self_attn.compressor.indexer."
-            qi = rope(linear(qr, w[i + "q_b_proj.weight"]).view(N, c.index_n_heads, c.index_head_dim), pos)
-            wts = linear(x, w[i + "scorer.weights_proj.weight"]).float() * c.index_n_heads**-0.5
+            ikv, igate = compressor_inputs(x, idx)
+            qi, wts = index_query(w.index, qr, x, c, rope, pos)
         out = torch.empty_like(q)
         for s in batch.seqs:
             r = slice(s.start, s.start + s.n)
@@ -681,69 +783,48 @@ class Model:
             win = st.window.append(kv=kv[r])["kv"]
             entries = sel = None
             if comp is not None:
-                entries = compressor_update(st.compressor, ckv[r], cgate[r], comp, eps, rope)
+                entries = compressor_update(st.compressor, ckv[r], cgate[r], comp, eps, rope)[0]
             if idx is not None:
-                keys = compressor_update(st.indexer, ikv[r], igate[r], idx, eps, rope)
-                sel = indexer_select(qi[r], wts[r], keys, pos[r], c.csa_ratio, c.index_topk)
+                keys = compressor_update(st.indexer, ikv[r], igate[r], idx, eps, rope)[0]
+                sel = indexer_select(qi[r], wts[r], keys, pos[r], c.csa_ratio, c.index_topk)[0]
+            ratio = c.hca_ratio if kind == HCA else c.csa_ratio
             out[r] = sink_attention(
                 q[r],
                 pos[r],
+                s.past,
                 win,
                 win_start,
                 c.sliding_window,
-                w["self_attn.sinks"],
-                D**-0.5,
+                w.sinks,
+                c.head_dim**-0.5,
                 entries,
                 sel,
-                c.hca_ratio if kind == HCA else c.csa_ratio,
+                ratio,
             )
-        out = rope(out, pos, inverse=True)
-        return grouped_out(
-            out.reshape(N, H * D), w["self_attn.o_a_proj.weight"], w["self_attn.o_b_proj.weight"], c.o_groups
-        )
-
-    def moe(self, L: int, w: dict, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        logits = linear(x, w["mlp.gate.weight"])
-        if c.mlp_layer_types[L] == HASH_MOE:
-            weights, ids = route_sqrtsoftplus(
-                logits, c.num_experts_per_tok, scale=c.routed_scaling_factor, ids=self.tid2eid[L][token_ids]
-            )
-        else:
-            weights, ids = route_sqrtsoftplus(
-                logits, c.num_experts_per_tok, w["mlp.gate.e_score_correction_bias"], c.routed_scaling_factor
-            )
-        out = run_experts(
-            x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act
-        )
-        sh = torch.cat(
-            [
-                linear(x, w["mlp.shared_experts.gate_proj.weight"]),
-                linear(x, w["mlp.shared_experts.up_proj.weight"]),
-            ],
-            dim=-1,
-        )
-        return out + linear(self.act(sh), w["mlp.shared_experts.down_proj.weight"])
+        return attention_output(w, out, c, rope, pos)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         c = self.cfg
         eps = c.rms_norm_eps
         h = mhc.expand(F.embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
         for L, w in enumerate(self.layers):
-            attn_site, ffn_site = self.sites[L]
-            x, post, comb = mhc.site_input(h, attn_site, self.hc)
-            y = self.attention(L, w, rms_norm_cast_once(x, w["input_layernorm.weight"], eps), batch)
+            x, post, comb = mhc.site_input(h, w.attn_hc, self.hc)
+            y = self.attention(L, w.attn, rms_norm_cast_once(x, w.attn_norm, eps), batch)
             h = mhc.update(h, y, post, comb)
-            x, post, comb = mhc.site_input(h, ffn_site, self.hc)
-            y = self.moe(
-                L, w, rms_norm_cast_once(x, w["post_attention_layernorm.weight"], eps), batch.token_ids
-            )
+            x, post, comb = mhc.site_input(h, w.mlp_hc, self.hc)
+            y = moe(rms_norm_cast_once(x, w.mlp_norm, eps), w.mlp, self.moe, batch.token_ids)
             h = mhc.update(h, y, post, comb)
         batch.finish()
-        h = mhc.head_weighted(h[batch.logit_rows], *self.hc_head, self.hc)
+        h = mhc.head_weighted(
+            h[batch.logit_rows], self.hc_head.fn, self.hc_head.base, self.hc_head.scale, self.hc
+        )
         return linear(rms_norm_cast_once(h, self.norm, eps), self.lm_head).float()
+
+
+def build(cfg: DeepseekV4Config, tensors: Tensors, dtype: torch.dtype, device, folder) -> Model:
+    return Model(cfg, tensors, dtype, device)
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
@@ -801,9 +882,6 @@ def handoff(raw: dict) -> str | None:
     return None
 
 
-def draft_heads(cfg) -> tuple[str, ...]:
-    return ()
-
-
-def build(cfg, tensors, dtype, device, folder):
-    return Model(cfg, tensors.all(), dtype, device)
+def draft_heads(cfg: DeepseekV4Config) -> tuple[str, ...]:
+    """The MTP layer(s) the config declares (`num_nextn_predict_layers`) serve MTP drafting."""
+    return ("mtp",) if cfg.num_nextn_predict_layers > 0 else ()

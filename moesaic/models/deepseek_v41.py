@@ -26,19 +26,22 @@ no hash routing.
         out = Wo_b · grouped Wo_a(rope⁻¹(o))
     MoE: s = sqrt(softplus(x Wg)); experts = topk(s + bias); w = 1.5 s/Σs; clamped SwiGLU + 1 shared
 
-Math, names and pitfalls: shared/reference/deepseek_v4.md §3 (V4.1 deltas), seed_system.md §7, §10.
-No package implements V4.1; the proof is moesaic's own (tests/test_deepseek_v41.py): with Engram off,
-V4's layer kinds and every layer its own KV/index source, this module equals `deepseek_v4` (proven
-against transformers) on the same weights; each V4.1 feature switched on changes the logits; a
-plain per-token reference in the test, written from the reference text, checks the V4.1 paths.
+Sources: DeepSeek's release (`deepseek-ai/DeepSeek-V4.1-Flash`: `config.json`, `inference/model.py`,
+`inference/engram.py`) as read by TRT-LLM's `modeling_deepseekv41.py`; the layer schedule, state,
+namings and proof are written down in docs/families/deepseek_v41.md. No package implements V4.1; the
+proof is moesaic's own (tests/test_deepseek_v41.py): with Engram off, V4's layer kinds and every layer
+its own KV/index source, this module equals `deepseek_v4` (proven against transformers) on the same
+weights; each V4.1 feature switched on changes the logits; a plain per-token reference in the test,
+written from the description above, checks the V4.1 paths.
 
-Shared with deepseek_v4 (imported): the config parser for the common fields, the release names,
-layers/csa.py (window + sink attention, pooling, compressor state, grouped o-proj, trailing rope),
-layers/mhc.py (`site_maps` + `collapse` express the delayed pre), layers/moe.py, layers/engram.py.
-Variants added here (V4's functions have no hook for them): `compress` (csa.compressor_update that
-also returns the new entries before rope, which the index keys need), `index_select`
-(csa.indexer_select with candidate blocks; the same arithmetic), `IndexKeys` (index keys made from
-the latent, rolled back with its compressor).
+Shared with deepseek_v4 (imported, never copied): the config parser for the common fields, the
+contract pieces and binders of a block (`attention_block_specs`, `compressor_specs`,
+`index_query_specs`, `moe_layer_specs`, `bind_attention`, `bind_layer`), the attention pieces
+(`attention_inputs`, `index_query`, `attention_output`), the release names, the MoE law; layers/csa.py
+(window + sink attention, compressors and their state, the indexer with candidate blocks, grouped
+o-proj, trailing rope), layers/mhc.py (`site_maps` + `collapse` express the delayed pre),
+layers/moe.py, layers/engram.py. Added here: `IndexKeys` (index keys made from the latent, rolled
+back with its compressor) and the Engram binding.
 
 Config (`config.json`: the release nests it in `text_config`; top-level ids are read too):
 * `compress_ratios`: one per layer (0 = sliding window only, r > 0 = compressed, ratio r), then one
@@ -50,7 +53,7 @@ Config (`config.json`: the release nests it in `text_config`; top-level ids are 
   the selection of the nearest index source at or below it that reads the same entries, or, with
   none, attends to all visible entries. A KV source makes index keys (`wk`, `k_norm`; V4's CSA
   kind: its index compressor) when an index source reads its entries. (The release's role lists
-  give these rules no exception; reference §3.2 infers them the same way.)
+  give these rules no exception.)
 * `candidate_source_layer_id`, `candidate_topk_blocks`, `candidate_block_size` (optional).
 * Engram: `engram_layer_ids`, `engram_num_embeddings`, ... (layers/engram.py `EngramConfig`).
 * `route_scale` is read as `routed_scaling_factor`. `num_hash_layers` > 0 or hash_moe layers are a
@@ -59,17 +62,17 @@ Config (`config.json`: the release nests it in `text_config`; top-level ids are 
   `layer_types` (V4's sliding / CSA / HCA kinds with `compress_rates`, instead of `compress_ratios`),
   `q_head_norm` (V4's per-head q RMS, default false), `mhc_delayed_pre` (default true; false = V4's
   per-site pre and weighted `hc_head`).
-Absent scalar fields take the release's values (reference §1.2, `RELEASE_TEXT_CONFIG`).
+Absent scalar fields take the release's values (`RELEASE_TEXT_CONFIG`).
 
 Names: the model's own names are deepseek_v4's (transformers' module names), plus
 `model.layers.L.self_attn.indexer.{wk,k_norm}` and `model.layers.L.engram.*`. Checkpoints are read in
 the release naming: deepseek_v4's upstream names plus `layers.L.attn.indexer.{wk,k_norm}.weight`,
 `layers.L.engram.{embed.weight, embed.scale, wkv.weight, q_weight, k_weight}`. Not loaded (ignored):
-`mtp.*` (the DSpark drafter), `ffn.gate.bias_vl` and the vision tower (text only). Quantized weights
-(fp8 E4M3 + UE8M0 32x32 `.scale`, fp4 experts) stay packed; `attn.wo_a` (used as a grouped view)
-is dequantized at load. The Engram tables stay in the file (read-only mapping, `TensorSpec.mapped`)
-and are read row by row; the token map is built from the checkpoint's tokenizer at load
-(`bind_checkpoint`), or passed as `token_map` to `Model`.
+`mtp.*` (the DSpark drafter stages; `draft_heads` reports them), `ffn.gate.bias_vl` and the vision
+tower (text only). Quantized weights (fp8 E4M3 + UE8M0 32x32 `.scale`, fp4 experts) stay packed;
+`attn.wo_a` (used as a grouped view) is dequantized at load. The Engram tables stay in the file (the
+contract marks them `mapped`: a read-only view of the file's map) and are read row by row; `build`
+makes the token map from the checkpoint's tokenizer, or it is passed as `token_map` to `Model`.
 
 State per sequence (`new_state`): every layer a window of key rows; KV sources their compressor's
 open-group raw rows and closed entries and, when read by an index source, the index keys; one
@@ -77,20 +80,21 @@ Engram lookback of the last max_ngram_size − 1 compressed ids. Layers that sha
 source's state and hold none. rollback(n) is exact for n <= `rollback_window`; snapshot/restore;
 `state_bytes` sizes it from the config.
 
-Where moesaic departs from the reference implementation (numerics, all inferred harmless in fp32):
-the window rows, the latents and the index q/k are kept in the model dtype (the reference rounds
-them to fp8 / fp4); the streams stay in the model dtype (the reference keeps an fp32 highway);
-the vendor's index-key republishing quirk (reference §3.2, alternate decode steps scoring layer
-20's keys at layers 2, 8, 14) is not reproduced: each index source scores the keys of its own KV
-source. The candidate source's own selection is not restricted by its candidates (inferred:
-"consumer layers" restrict).
+Where moesaic departs from DeepSeek's inference code (numerics, all inferred harmless in fp32):
+the window rows, the latents and the index q/k are kept in the model dtype (the release rounds them
+to fp8 / fp4); the streams stay in the model dtype (the release keeps an fp32 highway); the vendor's
+index-key republishing quirk (alternate decode steps scoring layer 20's keys at layers 2, 8, 14) is
+not reproduced: each index source scores the keys of its own KV source. The candidate source's own
+selection is not restricted by its candidates (inferred: "consumer layers" restrict).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +102,7 @@ from torch import Tensor
 
 from ..cache.batch import ForwardBatch
 from ..cache.state import SequenceState, TailRows, TokenRows
-from ..config import field
+from ..config import declared, field, positive, read_config
 from ..errors import ConfigError
 from ..layers import mhc
 from ..layers.csa import (
@@ -108,41 +112,54 @@ from ..layers.csa import (
     AttentionState,
     CompressorDims,
     CompressorState,
-    CompressorWeights,
     RopeTail,
+    compressor_inputs,
     compressor_update,
-    grouped_out,
-    head_rms,
-    index_score_blocks,
-    pool_windows,
+    indexer_select,
     sink_attention,
 )
 from ..layers.engram import (
+    SCALE_BLOCK,
     EngramConfig,
     EngramHash,
     EngramState,
     EngramTable,
     EngramWeights,
     build_token_map,
-    engram_bytes,
     engram_forward,
 )
 from ..layers.linear import linear
-from ..layers.moe import clamped_swiglu, route_sqrtsoftplus, run_experts
+from ..layers.moe import moe
 from ..layers.norms import rms_norm_cast_once
 from ..layers.rope import inv_freq
+from ..tokenizer import BYTE_OFFSET, ByteTokenizer, load_tokenizer
+from ..weights.bind import Tensors
 from ..weights.contract import Naming, TensorSpec, direct
 from . import deepseek_v4
-from .deepseek_v4 import HASH_MOE, MOE, DeepseekV4Config, attention_block_specs
+from .deepseek_v4 import (
+    HASH_MOE,
+    MOE,
+    DeepseekV4Config,
+    attention_block_specs,
+    attention_inputs,
+    attention_output,
+    bind_attention,
+    bind_site,
+    compressor_specs,
+    index_query,
+    index_query_specs,
+    moe_layer_specs,
+)
+from .parts import bind_moe
 
 MODEL_TYPES = ("deepseek_v41",)
 
 CSA2 = "csa2_attention"  # a V4.1 compressed layer: ratio r, no overlap, no position bias, index keys from the latent
 _SHORT = {SLIDING: "swa", CSA: "csa", HCA: "hca", CSA2: "csa2"}
 
-# The release's text_config, from the values published in shared/reference/deepseek_v4.md §1.2 (the
-# release config.json itself is not in the reference; field spellings follow transformers' V4 config
-# where the reference abbreviates, e.g. "heads 64" -> num_attention_heads).
+# The release's text_config (the values of deepseek-ai/DeepSeek-V4.1-Flash's config.json; field
+# spellings follow transformers' V4 config where a write-up abbreviates, e.g. "heads 64" ->
+# num_attention_heads).
 RELEASE_TEXT_CONFIG = {
     "model_type": "deepseek_v41",
     "num_hidden_layers": 40,
@@ -220,24 +237,24 @@ _DEFAULTS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeepseekV41Config(DeepseekV4Config):
     """DeepSeek-V4's config (`layer_types` may also hold CSA2; `mlp_layer_types` is all "moe") plus:"""
 
-    compress_ratios: tuple[int, ...] = ()  # per layer; 0 = sliding only
-    mtp_compress_ratios: tuple[int, ...] = ()
-    kv_source_layer_ids: tuple[int, ...] = ()
-    index_source_layer_ids: tuple[int, ...] = ()
-    candidate_source_layer_id: int | None = None
-    candidate_topk_blocks: int = 0
-    candidate_block_size: int = 1
-    kv_from: tuple[int | None, ...] = ()  # per layer: the KV source whose entries it attends to
-    index_from: tuple[int | None, ...] = ()  # per layer: the index source whose selection it uses (None: all)
-    index_keys: tuple[bool, ...] = ()  # per layer: a KV source whose entries an index source scores
-    uses_candidates: tuple[bool, ...] = ()  # per layer: an index source restricted to the candidate blocks
-    engram: EngramConfig | None = None
-    q_head_norm: bool = False
-    delayed_pre: bool = True
+    compress_ratios: tuple[int, ...]  # per layer; 0 = sliding only
+    mtp_compress_ratios: tuple[int, ...]
+    kv_source_layer_ids: tuple[int, ...]
+    index_source_layer_ids: tuple[int, ...]
+    candidate_source_layer_id: int | None
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    kv_from: tuple[int | None, ...]  # per layer: the KV source whose entries it attends to
+    index_from: tuple[int | None, ...]  # per layer: the index source whose selection it uses (None: all)
+    index_keys: tuple[bool, ...]  # per layer: a KV source whose entries an index source scores
+    uses_candidates: tuple[bool, ...]  # per layer: an index source restricted to the candidate blocks
+    engram: EngramConfig | None
+    q_head_norm: bool = declared(False)
+    delayed_pre: bool = declared(True, key="mhc_delayed_pre")
     model_type: str = "deepseek_v41"
 
     def compressor_dims(self, L: int) -> CompressorDims | None:
@@ -281,46 +298,27 @@ def _layer_ids(raw: dict, key: str, default: list[int], n: int, w: str) -> tuple
     return tuple(sorted(v))
 
 
-def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
-    if layout != "hf":
-        raise ConfigError(f"DeepSeek-V4.1 checkpoints come with a config.json, not a {layout} layout")
-    text, w = _text(raw)
-    text = {**_DEFAULTS, **text}
-    if text.get("route_scale") is not None and text.get("routed_scaling_factor") is None:
-        text["routed_scaling_factor"] = text["route_scale"]
-    n = field(text, "num_hidden_layers", int, where=w, check=lambda v: v > 0)
-    if text.get("num_hash_layers") or any(k == HASH_MOE for k in text.get("mlp_layer_types") or []):
+def _compression(text: dict, base: DeepseekV4Config, n: int, w: str):
+    """(layer kinds, compress ratios, the MTP stages' ratios): the release's `compress_ratios`, or
+    (moesaic's tests) V4's `layer_types` with `compress_rates`."""
+    if text.get("layer_types") is not None:
+        kinds = deepseek_v4.read_kinds(text, "layer_types", {SLIDING, CSA, HCA}, n, w)
+        return kinds, [{SLIDING: 0, CSA: base.csa_ratio, HCA: base.hca_ratio}[k] for k in kinds], []
+    cr, nextn = text.get("compress_ratios"), base.num_nextn_predict_layers
+    if (
+        not isinstance(cr, list)
+        or len(cr) not in (n, n + nextn)
+        or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in cr)
+    ):
         raise ConfigError(
-            f"{w}: field 'num_hash_layers' / 'mlp_layer_types' asks for hash-routed layers; "
-            f"DeepSeek-V4.1 has no hash routing (every layer routes by score + bias)"
+            f"{w}: field 'compress_ratios' must list a ratio >= 0 for each of the {n} layers "
+            f"(then one per MTP stage, {nextn}), got {cr!r}"
         )
-    base = deepseek_v4.parse_config(
-        {
-            **{k: v for k, v in text.items() if k not in ("compress_ratios", "model_type")},
-            "layer_types": [SLIDING] * n,
-            "mlp_layer_types": [MOE] * n,
-            "num_hash_layers": 0,
-        }
-    )
+    return [SLIDING if r == 0 else CSA2 for r in cr[:n]], list(cr[:n]), list(cr[n:])
 
-    if text.get("layer_types") is not None:  # moesaic: V4's kinds under V4.1's wiring (tests)
-        kinds = deepseek_v4._kinds(text, "layer_types", {SLIDING, CSA, HCA}, n, w)
-        ratios = [{SLIDING: 0, CSA: base.csa_ratio, HCA: base.hca_ratio}[k] for k in kinds]
-        mtp_ratios: list[int] = []
-    else:
-        cr, nextn = text.get("compress_ratios"), base.num_nextn_predict_layers
-        if (
-            not isinstance(cr, list)
-            or len(cr) not in (n, n + nextn)
-            or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in cr)
-        ):
-            raise ConfigError(
-                f"{w}: field 'compress_ratios' must list a ratio >= 0 for each of the {n} layers "
-                f"(then one per MTP stage, {nextn}), got {cr!r}"
-            )
-        ratios, mtp_ratios = list(cr[:n]), list(cr[n:])
-        kinds = [SLIDING if r == 0 else CSA2 for r in ratios]
 
+def _roles(text: dict, kinds: list, ratios: list, n: int, w: str) -> dict:
+    """Which layer owns what (KV sources, index sources) and which source each layer reads."""
     compressed = [L for L in range(n) if ratios[L]]
     kv_src = _layer_ids(text, "kv_source_layer_ids", compressed, n, w)
     idx_src = _layer_ids(text, "index_source_layer_ids", [L for L in compressed if kinds[L] != HCA], n, w)
@@ -347,123 +345,130 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
         max((j for j in idx_src if j <= L and kv_from[j] == kv_from[L]), default=None) if ratios[L] else None
         for L in range(n)
     ]
-    index_keys = [L in kv_src and any(kv_from[j] == L for j in idx_src) for L in range(n)]
-
-    cand = text.get("candidate_source_layer_id")
-    blocks = size = 0
-    uses = [False] * n
-    if cand is not None:
-        if cand not in idx_src:
-            raise ConfigError(
-                f"{w}: field 'candidate_source_layer_id' = {cand!r} is not one of the index sources "
-                f"{list(idx_src)}"
-            )
-        blocks = field(text, "candidate_topk_blocks", int, where=w, check=lambda v: v > 0)
-        size = field(text, "candidate_block_size", int, where=w, check=lambda v: v > 0)
-        uses = [L in idx_src and L > cand and kv_from[L] == kv_from[cand] for L in range(n)]
-
-    engram = EngramConfig.from_config(
-        {
-            **text,
-            "hc_mult": base.hc_mult,
-            "rms_norm_eps": base.rms_norm_eps,
-            "hidden_size": base.hidden_size,
-            "vocab_size": base.vocab_size,
-        },
-        w,
+    return dict(
+        kv_source_layer_ids=kv_src,
+        index_source_layer_ids=idx_src,
+        kv_from=tuple(kv_from),
+        index_from=tuple(index_from),
+        index_keys=tuple(L in kv_src and any(kv_from[j] == L for j in idx_src) for L in range(n)),
     )
+
+
+def _candidates(text: dict, roles: dict, n: int, w: str) -> dict:
+    cand, idx_src, kv_from = (
+        text.get("candidate_source_layer_id"),
+        roles["index_source_layer_ids"],
+        roles["kv_from"],
+    )
+    if cand is None:
+        return dict(
+            candidate_source_layer_id=None,
+            candidate_topk_blocks=0,
+            candidate_block_size=1,
+            uses_candidates=(False,) * n,
+        )
+    if cand not in idx_src:
+        raise ConfigError(
+            f"{w}: field 'candidate_source_layer_id' = {cand!r} is not one of the index sources {list(idx_src)}"
+        )
+    return dict(
+        candidate_source_layer_id=cand,
+        candidate_topk_blocks=field(text, "candidate_topk_blocks", int, where=w, check=positive),
+        candidate_block_size=field(text, "candidate_block_size", int, where=w, check=positive),
+        uses_candidates=tuple(L in idx_src and L > cand and kv_from[L] == kv_from[cand] for L in range(n)),
+    )
+
+
+def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
+    if layout != "hf":
+        raise ConfigError(f"DeepSeek-V4.1 checkpoints come with a config.json, not a {layout} layout")
+    text, w = _text(raw)
+    text = {**_DEFAULTS, **text}
+    if text.get("route_scale") is not None and text.get("routed_scaling_factor") is None:
+        text["routed_scaling_factor"] = text["route_scale"]
+    n = field(text, "num_hidden_layers", int, where=w, check=positive)
+    if text.get("num_hash_layers") or any(k == HASH_MOE for k in text.get("mlp_layer_types") or []):
+        raise ConfigError(
+            f"{w}: field 'num_hash_layers' / 'mlp_layer_types' asks for hash-routed layers; "
+            f"DeepSeek-V4.1 has no hash routing (every layer routes by score + bias)"
+        )
+    base = deepseek_v4.parse_config(
+        {
+            **{k: v for k, v in text.items() if k not in ("compress_ratios", "model_type")},
+            "layer_types": [SLIDING] * n,
+            "mlp_layer_types": [MOE] * n,
+            "num_hash_layers": 0,
+        }
+    )
+    kinds, ratios, mtp_ratios = _compression(text, base, n, w)
+    roles = _roles(text, kinds, ratios, n, w)
+    model = {"hc_mult": base.hc_mult, "rms_norm_eps": base.rms_norm_eps, "hidden_size": base.hidden_size}
+    engram = EngramConfig.from_config({**text, **model, "vocab_size": base.vocab_size}, w)
     common = {
         f.name: getattr(base, f.name)
         for f in dataclasses.fields(base)
         if f.name not in ("layer_types", "model_type")
     }
-    return DeepseekV41Config(
+    return read_config(
+        DeepseekV41Config,
+        text,
+        w,
         **common,
         layer_types=tuple(kinds),
         compress_ratios=tuple(ratios),
         mtp_compress_ratios=tuple(mtp_ratios),
-        kv_source_layer_ids=kv_src,
-        index_source_layer_ids=idx_src,
-        candidate_source_layer_id=cand,
-        candidate_topk_blocks=blocks,
-        candidate_block_size=size or 1,
-        kv_from=tuple(kv_from),
-        index_from=tuple(index_from),
-        index_keys=tuple(index_keys),
-        uses_candidates=tuple(uses),
+        **roles,
+        **_candidates(text, roles, n, w),
         engram=engram,
-        q_head_norm=field(text, "q_head_norm", bool, False, where=w),
-        delayed_pre=field(text, "mhc_delayed_pre", bool, True, where=w),
     )
 
 
 # ---------------------------------------------------------------- tensor contract
 
 
-def _compressor_specs(
-    c: str, dims: CompressorDims, d: int, gate: bool, ape: bool, role: str, L: int
-) -> list[TensorSpec]:
-    specs = [TensorSpec(c + "kv_proj.weight", (dims.proj_width, d), role, L)]
-    if gate:
-        specs.append(TensorSpec(c + "gate_proj.weight", (dims.proj_width, d), role, L))
-    if ape:
-        specs.append(TensorSpec(c + "position_bias", (dims.ratio, dims.proj_width), role, L, keep_fp32=True))
-    return specs + [TensorSpec(c + "kv_norm.weight", (dims.width,), "norm", L, keep_fp32=True)]
+def _engram_specs(cfg: DeepseekV41Config, g: str, L: int) -> list[TensorSpec]:
+    e = cfg.engram
+    rows, d, f32 = e.num_embeddings[e.layer_ids.index(L)], cfg.hidden_size, dict(layer=L, keep_fp32=True)
+    return [
+        # the table stays in the file (fp8 rows + one E8M0 scale per 32 columns; a float table has no scale)
+        TensorSpec(g + "embed.weight", (rows, e.head_dim), "engram_table", L, mapped=True),
+        TensorSpec(
+            g + "embed.scale",
+            (rows, -(-e.head_dim // SCALE_BLOCK)),
+            "engram_scale",
+            L,
+            mapped=True,
+            optional=True,
+        ),
+        TensorSpec(g + "wkv.weight", ((e.hc_mult + 1) * d, e.n_hash * e.head_dim), "engram", L),
+        TensorSpec(g + "q_weight", (e.hc_mult, d), "engram", **f32),
+        TensorSpec(g + "k_weight", (e.hc_mult, d), "engram", **f32),
+    ]
 
 
 def _layer_specs(cfg: DeepseekV41Config, L: int) -> list[TensorSpec]:
     d, D = cfg.hidden_size, cfg.head_dim
     p, kind, r = f"model.layers.{L}.", cfg.layer_types[L], cfg.compress_ratios[L]
-    f32 = dict(layer=L, keep_fp32=True)
-    specs = attention_block_specs(cfg, p, L)
     a = p + "self_attn."
-    if L in cfg.kv_source_layer_ids:
-        specs += _compressor_specs(
-            a + "compressor.", cfg.compressor_dims(L), d, kind != CSA2 or r > 1, kind != CSA2, "compressor", L
+    specs = attention_block_specs(cfg, p, L)
+    if L in cfg.kv_source_layer_ids:  # V4.1's own kind: no position bias, and no gate at ratio 1
+        v41 = kind == CSA2
+        specs += compressor_specs(
+            a + "compressor.", cfg.compressor_dims(L), d, "compressor", L, gate=not v41 or r > 1, ape=not v41
         )
-    if cfg.index_keys[L]:
+    if cfg.index_keys[L] and kind == CSA:
+        specs += compressor_specs(a + "compressor.indexer.", cfg.index_compressor_dims(L), d, "indexer", L)
+    elif cfg.index_keys[L]:
         cI = cfg.index_head_dim
-        if kind == CSA:
-            specs += _compressor_specs(
-                a + "compressor.indexer.", cfg.index_compressor_dims(L), d, True, True, "indexer", L
-            )
-        else:
-            specs += [
-                TensorSpec(a + "indexer.wk.weight", (cI, D), "indexer", L),
-                TensorSpec(a + "indexer.k_norm.weight", (cI,), "norm", **f32),
-            ]
+        specs += [
+            TensorSpec(a + "indexer.wk.weight", (cI, D), "indexer", L),
+            TensorSpec(a + "indexer.k_norm.weight", (cI,), "norm", L, keep_fp32=True),
+        ]
     if L in cfg.index_source_layer_ids:
-        i = a + "compressor.indexer."
-        specs += [
-            TensorSpec(
-                i + "q_b_proj.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "indexer", L
-            ),
-            TensorSpec(i + "scorer.weights_proj.weight", (cfg.index_n_heads, d), "indexer", L),
-        ]
-    m, E, I = p + "mlp.", cfg.n_routed_experts, cfg.moe_intermediate_size
-    specs += [
-        TensorSpec(m + "gate.weight", (E, d), "router", L),
-        TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", **f32),
-        TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, d), "expert", L),
-        TensorSpec(m + "experts.down_proj", (E, d, I), "expert", L),
-        TensorSpec(m + "shared_experts.gate_proj.weight", (I, d), "shared_expert", L),
-        TensorSpec(m + "shared_experts.up_proj.weight", (I, d), "shared_expert", L),
-        TensorSpec(m + "shared_experts.down_proj.weight", (d, I), "shared_expert", L),
-    ]
+        specs += index_query_specs(cfg, a, L)
+    specs += moe_layer_specs(cfg, p + "mlp.", L, hashed=False)
     if L in cfg.engram_layers:
-        e = cfg.engram
-        rows = e.num_embeddings[e.layer_ids.index(L)]
-        g = p + "engram."
-        specs += [
-            # the table stays in the file (fp8 rows + one E8M0 scale per 32 columns; a float table has no scale)
-            TensorSpec(g + "embed.weight", (rows, e.head_dim), "engram_table", L, mapped=True),
-            TensorSpec(
-                g + "embed.scale", (rows, -(-e.head_dim // 32)), "engram_scale", L, mapped=True, optional=True
-            ),
-            TensorSpec(g + "wkv.weight", ((e.hc_mult + 1) * d, e.n_hash * e.head_dim), "engram", L),
-            TensorSpec(g + "q_weight", (e.hc_mult, d), "engram", **f32),
-            TensorSpec(g + "k_weight", (e.hc_mult, d), "engram", **f32),
-        ]
+        specs += _engram_specs(cfg, p + "engram.", L)
     return specs
 
 
@@ -474,12 +479,7 @@ def tensor_specs(cfg: DeepseekV41Config) -> list[TensorSpec]:
         specs += _layer_specs(cfg, L)
     specs.append(TensorSpec("model.norm.weight", (d,), "norm", keep_fp32=True))
     if not cfg.delayed_pre:  # V4's weighted hyper head
-        n = cfg.hc_mult
-        specs += [
-            TensorSpec("model.hc_head.hc_fn", (n, n * d), "mhc", keep_fp32=True),
-            TensorSpec("model.hc_head.hc_base", (n,), "mhc", keep_fp32=True),
-            TensorSpec("model.hc_head.hc_scale", (1,), "mhc", keep_fp32=True),
-        ]
+        specs += deepseek_v4.hc_head_specs(cfg, "model.", "mhc", False)
     specs.append(
         TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
     )
@@ -517,27 +517,7 @@ def namings(cfg: DeepseekV41Config, layout: str, store_names) -> Naming:
     return release_naming(cfg)
 
 
-# ---------------------------------------------------------------- compression and the indexer (V4.1 variants)
-
-
-def compress(
-    state: CompressorState, kv: Tensor, gate: Tensor, w: CompressorWeights, eps: float, rope: RopeTail
-) -> tuple[Tensor, Tensor, int]:
-    """csa.compressor_update, also returning the new entries before rope: (all entries [E, width]
-    roped, the new ones [E1 − E0, width] before rope, E0)."""
-    d, m = state.dims, state.dims.ratio
-    T0, n, held = state.raw.length, kv.shape[0], state.raw.held
-    raw = state.raw.append(kv=kv, gate=gate)
-    E0, E1 = T0 // m, (T0 + n) // m
-    if E1 == E0:
-        return state.entries.bufs["entry"][: state.entries.length], kv.new_empty(0, d.width), E0
-    has_prev = d.overlap and E0 > 0
-    a, b = (E0 - 1 if has_prev else E0) * m - (T0 - held), E1 * m - (T0 - held)
-    latent = rms_norm_cast_once(
-        pool_windows(raw["kv"][a:b], raw["gate"][a:b], w.ape, d, has_prev).to(kv.dtype), w.norm, eps
-    )
-    roped = rope(latent, torch.arange(E0, E1, device=kv.device) * m)
-    return state.entries.append(entry=roped)["entry"], latent, E0
+# ---------------------------------------------------------------- the state V4.1 adds
 
 
 class IndexKeys:
@@ -546,6 +526,9 @@ class IndexKeys:
     def __init__(self, compressor: CompressorState, width: int, dtype, device, max_tokens: int):
         self.compressor = compressor
         self.entries = TokenRows({"entry": width}, dtype, device, max_tokens // compressor.dims.ratio + 1)
+
+    def held_entries(self) -> Tensor:
+        return self.entries.bufs["entry"][: self.entries.length]
 
     def rollback(self, n: int) -> None:  # runs after the compressor's (AttentionState's order)
         self.entries.rollback(self.entries.length - self.compressor.entries.length)
@@ -561,67 +544,21 @@ class IndexKeys:
         return self.entries.nbytes
 
 
-def _held(part) -> Tensor:
-    """The entries (or index keys) a compressor state holds, [E, width]."""
-    return part.entries.bufs["entry"][: part.entries.length]
+# ---------------------------------------------------------------- bound weights
 
 
-def index_select(
-    q: Tensor,
-    weights: Tensor,
-    keys: Tensor,
-    positions: Tensor,
-    ratio: int,
-    topk: int,
-    block: int = 1,
-    topk_blocks: int = 0,
-    allowed: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """csa.indexer_select (same arithmetic) with candidate blocks. q [n, H, c] roped, weights [n, H]
-    (scaled by H^-0.5), keys [E, c]. Returns (sel [n, min(topk, E)], -1 where nothing is selected;
-    with topk_blocks > 0, the candidate blocks [n, ceil(E / block)] bool: the topk_blocks blocks of
-    `block` entries with the highest max score, the one holding the newest visible entry pinned).
-    `allowed` [n, nb] (another layer's candidate blocks) sets the scores outside them to −inf."""
-    n = q.shape[0]
-    E = keys.shape[0]
-    k = min(topk, E)
-    nb = -(-E // block)
-    sel = torch.full((n, k), -1, dtype=torch.long, device=q.device)
-    keep = torch.zeros(n, nb, dtype=torch.bool, device=q.device) if topk_blocks else None
-    if E == 0:
-        return sel, keep
-    entry = torch.arange(E, device=q.device)
-    for i, j, s, vis in index_score_blocks(q, weights, keys, positions, ratio):
-        if topk_blocks:
-            bs = F.pad(s, (0, nb * block - E), value=float("-inf")).view(j - i, nb, block).amax(-1)
-            newest = vis[:, 0] - 1
-            rows = torch.nonzero(newest >= 0).flatten()
-            bs[rows, newest[rows] // block] = float("inf")
-            val, idx = bs.topk(min(topk_blocks, nb), dim=-1)
-            keep[i:j].scatter_(1, idx, val > float("-inf"))
-        if allowed is not None:
-            s = s.masked_fill(~allowed[i:j][:, entry // block], float("-inf"))
-        val, idx = s.topk(k, dim=-1)
-        sel[i:j] = torch.where(val == float("-inf"), -1, idx)
-    return sel, keep
+@dataclass
+class Layer(deepseek_v4.Layer):
+    """deepseek_v4's layer (bound by its binders), plus what V4.1 adds to a layer."""
+
+    key_proj: object | None = None  # indexer.wk [c_I, D]: a KV source's index keys from its latent
+    key_norm: Tensor | None = None  # indexer.k_norm [c_I]
+    engram: EngramWeights | None = None
 
 
-# ---------------------------------------------------------------- model
-
-
-class _TableOn:
-    """An Engram table whose gathered rows are moved to the model's device (the table stays on the host)."""
-
-    def __init__(self, table: EngramTable, device):
-        self.table, self.device, self.head_dim = table, device, table.head_dim
-
-    def gather(self, rows: Tensor) -> Tensor:
-        return self.table.gather(rows).to(self.device)
-
-
-def _table(weight: Tensor, scale: Tensor | None, name: str) -> EngramTable:
-    """The release's fp8 rows + E8M0 scales as they are; a float table with float scales (what
-    demo.random_tensors writes for the demo list) multiplied out once."""
+def engram_table(weight: Tensor, scale: Tensor | None, name: str) -> EngramTable:
+    """An Engram table as the load hands it over (mapped: views of the file, dtype as stored): the
+    release's fp8 rows + E8M0 scales as they are; a float table with float scales multiplied out once."""
     if scale is not None and weight.dtype not in (torch.float8_e4m3fn, torch.uint8):
         block = -(-weight.shape[1] // scale.shape[1])
         weight, scale = (
@@ -631,12 +568,35 @@ def _table(weight: Tensor, scale: Tensor | None, name: str) -> EngramTable:
     return EngramTable(weight, scale, name)
 
 
+def bind_engram(t: Tensors) -> EngramWeights:
+    """One Engram layer under `t`'s prefix (`…engram.`)."""
+    table = engram_table(t("embed.weight"), t.optional("embed.scale"), t.prefix + "embed")
+    return EngramWeights(table, t("wkv.weight"), t("q_weight"), t("k_weight"))
+
+
+def bind_layer(t: Tensors, cfg: DeepseekV41Config, L: int, device) -> Layer:
+    """Layer L under `t`'s prefix: deepseek_v4's binders with V4.1's roles (a compressor on KV sources,
+    the indexer's query side on index sources), the index-key projection and the Engram."""
+    kind, a = cfg.layer_types[L], t.under("self_attn.")
+    comp = cfg.compressor_dims(L) if L in cfg.kv_source_layer_ids else None
+    index_comp = cfg.index_compressor_dims(L) if cfg.index_keys[L] and kind == CSA else None
+    attn = bind_attention(a, comp, index_comp, L in cfg.index_source_layer_ids, device)
+    latent_keys = cfg.index_keys[L] and kind != CSA
+    return deepseek_v4.bind_layer(
+        t,
+        attn,
+        bind_moe(t.under("mlp.")),
+        cls=Layer,
+        key_proj=a("indexer.wk.weight") if latent_keys else None,
+        key_norm=a("indexer.k_norm.weight") if latent_keys else None,
+        engram=bind_engram(t.under("engram.")) if L in cfg.engram_layers else None,
+    )
+
+
 def tokenizer_vocab(tok):
     """What `engram.build_token_map` reads from a tokenizer: the tokenizer itself, or, for moesaic's byte
     tokenizer, (decoded, raw token) pairs (specials decode to their names, as tokenizers' decode with
     skip_special_tokens=False does; a lone byte >= 0x80 decodes to U+FFFD and keys on its raw name)."""
-    from ..tokenizer import BYTE_OFFSET, ByteTokenizer
-
     if isinstance(tok, ByteTokenizer):
         names = ["<pad>", "<s>", "</s>"]
         return [(s, s) for s in names] + [
@@ -645,86 +605,50 @@ def tokenizer_vocab(tok):
     return tok
 
 
+def checkpoint_token_map(cfg: DeepseekV41Config, folder: Path) -> Tensor:
+    """Engram's compressed token map, built from the tokenizer of the checkpoint in `folder`."""
+    folder = Path(folder)
+    raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    tok = load_tokenizer(folder, raw, cfg.eos_token_ids)
+    if tok is None:
+        raise ConfigError(
+            f"{folder}: DeepSeek-V4.1's Engram layers hash compressed token ids, whose map is "
+            f"built from the checkpoint's tokenizer, and this folder has none (tokenizer.json)"
+        )
+    return build_token_map(tokenizer_vocab(tok), cfg.engram.compressed_vocab_size)
+
+
+# ---------------------------------------------------------------- model
+
+
 class Model:
     """The DeepSeek-V4.1 decoder over a ForwardBatch. `token_map` (Engram's compressed token map, int64
-    [V]) may be given here; a model loaded through `Checkpoint` builds it from the checkpoint's tokenizer."""
+    [V]) is what `build` makes from the checkpoint's tokenizer; a model with Engram layers needs it."""
 
     def __init__(
-        self,
-        cfg: DeepseekV41Config,
-        tensors: dict[str, Tensor],
-        dtype: torch.dtype,
-        device,
-        token_map: Tensor | None = None,
+        self, cfg: DeepseekV41Config, t: Tensors, dtype: torch.dtype, device, token_map: Tensor | None = None
     ):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.hc = cfg.mhc_dims
-        self.act = clamped_swiglu(cfg.swiglu_limit)
+        self.moe = cfg.moe_spec
         main = RopeTail(inv_freq(cfg.rope_main).to(device), cfg.rope_main_factor)
         comp = RopeTail(inv_freq(cfg.rope_compress).to(device), cfg.rope_compress_factor)
         self.rope = [comp if r else main for r in cfg.compress_ratios]
         self.rope_compress = comp
-        t = tensors
-        self.embed = t["model.embed_tokens.weight"]
-        self.norm = t["model.norm.weight"]
-        self.lm_head = t.get("lm_head.weight", self.embed)
-        self.hc_head = (
-            None if cfg.delayed_pre else [t[f"model.hc_head.hc_{k}"] for k in ("fn", "base", "scale")]
-        )
-        self.layers, self.sites, self.compressors, self.engram = [], [], {}, {}
-        for L in range(cfg.num_hidden_layers):
-            p = f"model.layers.{L}."
-            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
-            self.layers.append(w)
-            self.sites.append(
-                tuple(
-                    mhc.MhcSite(w[f"{s}.fn"], w[f"{s}.base"], w[f"{s}.scale"]) for s in ("attn_hc", "ffn_hc")
-                )
-            )
-            if L in cfg.kv_source_layer_ids:
-                self.compressors[L] = self._compressor(w, "self_attn.compressor.", cfg.compressor_dims(L))
-            if cfg.index_keys[L] and cfg.layer_types[L] == CSA:
-                self.compressors[(L, "index")] = self._compressor(
-                    w, "self_attn.compressor.indexer.", cfg.index_compressor_dims(L)
-                )
-            if L in cfg.engram_layers:
-                g = "engram."
-                table = _table(w[g + "embed.weight"], w.get(g + "embed.scale"), f"layers.{L}.engram.embed")
-                if torch.device(device).type != "cpu":
-                    table = _TableOn(table, device)
-                self.engram[L] = EngramWeights(
-                    table, w[g + "wkv.weight"], w[g + "q_weight"], w[g + "k_weight"]
-                )
+        self.embed = t("model.embed_tokens.weight")
+        self.norm = t("model.norm.weight")
+        self.lm_head = t.optional("lm_head.weight")
+        if self.lm_head is None:
+            self.lm_head = self.embed
+        self.hc_head = None if cfg.delayed_pre else bind_site(t, "model.hc_head.hc_")
+        self.layers = [
+            bind_layer(t.under(f"model.layers.{L}."), cfg, L, device) for L in range(cfg.num_hidden_layers)
+        ]
         self.hasher = None
         if cfg.engram is not None and token_map is not None:
             self.hasher = EngramHash(cfg.engram, token_map)
-
-    def _compressor(self, w: dict, c: str, dims: CompressorDims) -> CompressorWeights:
-        ape = w.get(c + "position_bias")
-        if ape is None:  # V4.1: no position bias
-            ape = torch.zeros(dims.ratio, dims.proj_width, device=self.device)
-        return CompressorWeights(
-            w[c + "kv_proj.weight"], w.get(c + "gate_proj.weight"), ape, w[c + "kv_norm.weight"]
-        )
-
-    def bind_checkpoint_folder(self, folder) -> None:
-        """Builds Engram's token map from the checkpoint's tokenizer (`build` calls this)."""
-        if self.cfg.engram is None or self.hasher is not None:
-            return
-        from ..tokenizer import load_tokenizer
-        from ..weights.store import WeightStore
-
-        tok = load_tokenizer(folder, WeightStore(folder).config, self.cfg.eos_token_ids)
-        if tok is None:
-            raise ConfigError(
-                f"{folder}: DeepSeek-V4.1's Engram layers hash compressed token ids, whose map is "
-                f"built from the checkpoint's tokenizer, and this folder has none (tokenizer.json)"
-            )
-        self.hasher = EngramHash(
-            self.cfg.engram, build_token_map(tokenizer_vocab(tok), self.cfg.engram.compressed_vocab_size)
-        )
 
     # -- state
     def new_state(self, rollback_window: int = 0) -> SequenceState:
@@ -750,35 +674,18 @@ class Model:
         return SequenceState(layers)
 
     # -- blocks
-    def attention(self, L: int, w: dict, x: Tensor, batch: ForwardBatch, published: dict) -> Tensor:
-        c = self.cfg
+    def attention(self, L: int, w: Layer, x: Tensor, batch: ForwardBatch, published: dict) -> Tensor:
+        c, a = self.cfg, w.attn
         eps, r = c.rms_norm_eps, c.compress_ratios[L]
-        N, H, D = x.shape[0], c.num_attention_heads, c.head_dim
         rope, pos = self.rope[L], batch.positions
-        qr = rms_norm_cast_once(
-            linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_norm.weight"], eps
-        )
-        q = linear(qr, w["self_attn.q_b_proj.weight"]).view(N, H, D)
-        q = rope(head_rms(q, eps) if c.q_head_norm else q, pos)
-        kv = rope(
-            rms_norm_cast_once(linear(x, w["self_attn.kv_proj.weight"]), w["self_attn.kv_norm.weight"], eps),
-            pos,
-        )
+        qr, q, kv = attention_inputs(a, x, c, rope, pos, c.q_head_norm)
         src, isrc = c.kv_from[L], c.index_from[L]
-        if src == L:
-            comp = self.compressors[L]
-            ckv = linear(x, comp.wkv)
-            cgate = (
-                torch.zeros_like(ckv) if comp.wgate is None else linear(x, comp.wgate)
-            )  # ratio 1: one member
-            if (L, "index") in self.compressors:
-                icomp = self.compressors[(L, "index")]
-                ikv, igate = linear(x, icomp.wkv), linear(x, icomp.wgate)
-        if isrc == L:
-            i = "self_attn.compressor.indexer."
-            qi = linear(qr, w[i + "q_b_proj.weight"]).view(N, c.index_n_heads, c.index_head_dim)
-            qi = self.rope_compress(qi, pos)
-            wts = linear(x, w[i + "scorer.weights_proj.weight"]).float() * c.index_n_heads**-0.5
+        if a.compressor is not None:  # a KV source
+            ckv, cgate = compressor_inputs(x, a.compressor)
+        if a.index_compressor is not None:  # V4's CSA kind: the index keys' own compressor
+            ikv, igate = compressor_inputs(x, a.index_compressor)
+        if a.index is not None:  # an index source
+            qi, wts = index_query(a.index, qr, x, c, self.rope_compress, pos)
         out = torch.empty_like(q)
         for b, s in enumerate(batch.seqs):
             rows = slice(s.start, s.start + s.n)
@@ -788,27 +695,23 @@ class Model:
             entries = sel = None
             if r:
                 if src == L:
-                    entries, latent, E0 = compress(st.compressor, ckv[rows], cgate[rows], comp, eps, rope)
-                    if isinstance(st.indexer, CompressorState):  # V4 CSA: the index keys' own compressor
-                        compressor_update(st.indexer, ikv[rows], igate[rows], icomp, eps, rope)
-                    elif st.indexer is not None and latent.shape[0]:  # V4.1: keys from the latent before rope
-                        k = rms_norm_cast_once(
-                            linear(latent, w["self_attn.indexer.wk.weight"]),
-                            w["self_attn.indexer.k_norm.weight"],
-                            eps,
-                        )
-                        st.indexer.entries.append(
-                            entry=rope(k, torch.arange(E0, E0 + k.shape[0], device=k.device) * r)
-                        )
+                    entries, latent, E0 = compressor_update(
+                        st.compressor, ckv[rows], cgate[rows], a.compressor, eps, rope
+                    )
+                    if a.index_compressor is not None:
+                        compressor_update(st.indexer, ikv[rows], igate[rows], a.index_compressor, eps, rope)
+                    elif w.key_proj is not None and latent.shape[0]:  # V4.1: keys from the latent before rope
+                        k = rms_norm_cast_once(linear(latent, w.key_proj), w.key_norm, eps)
+                        at = torch.arange(E0, E0 + k.shape[0], device=k.device) * r
+                        st.indexer.entries.append(entry=rope(k, at))
                 else:
-                    entries = _held(s.state.layers[src].compressor)
+                    entries = s.state.layers[src].compressor.held_entries()
                 if isrc == L:
-                    keys = _held(s.state.layers[src].indexer)
                     cand = L == c.candidate_source_layer_id
-                    sel, keep = index_select(
+                    sel, keep = indexer_select(
                         qi[rows],
                         wts[rows],
-                        keys,
+                        s.state.layers[src].indexer.held_entries(),
                         pos[rows],
                         r,
                         c.index_topk,
@@ -824,39 +727,17 @@ class Model:
             out[rows] = sink_attention(
                 q[rows],
                 pos[rows],
+                s.past,
                 win,
                 win_start,
                 c.sliding_window,
-                w["self_attn.sinks"],
-                D**-0.5,
+                a.sinks,
+                c.head_dim**-0.5,
                 entries,
                 sel,
                 r,
             )
-        out = rope(out, pos, inverse=True)
-        return grouped_out(
-            out.reshape(N, H * D), w["self_attn.o_a_proj.weight"], w["self_attn.o_b_proj.weight"], c.o_groups
-        )
-
-    def moe(self, w: dict, x: Tensor) -> Tensor:
-        c = self.cfg
-        weights, ids = route_sqrtsoftplus(
-            linear(x, w["mlp.gate.weight"]),
-            c.num_experts_per_tok,
-            w["mlp.gate.e_score_correction_bias"],
-            c.routed_scaling_factor,
-        )
-        out = run_experts(
-            x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act
-        )
-        sh = torch.cat(
-            [
-                linear(x, w["mlp.shared_experts.gate_proj.weight"]),
-                linear(x, w["mlp.shared_experts.up_proj.weight"]),
-            ],
-            dim=-1,
-        )
-        return out + linear(self.act(sh), w["mlp.shared_experts.down_proj.weight"])
+        return attention_output(a, out, c, rope, pos)
 
     def engram_rows(self, batch: ForwardBatch) -> Tensor:
         """[N, engram layers, rows per token] table rows of the batch's tokens; appends each sequence's
@@ -866,7 +747,7 @@ class Model:
                 "this DeepSeek-V4.1 model has Engram layers but no token map: load it through "
                 "moesaic (the checkpoint's tokenizer builds it) or pass token_map to Model"
             )
-        ids = batch.token_ids.cpu()
+        ids = batch.token_ids.cpu()  # the hash runs on the host, where the tables are mapped
         return torch.cat(
             [self.hasher.rows(ids[s.start : s.start + s.n], s.state.layers[-1]) for s in batch.seqs]
         )
@@ -884,28 +765,34 @@ class Model:
             pre[:, 0] = 1.0
         published: dict = {}  # this forward's index selections and candidate blocks, per (layer, sequence)
         for L, w in enumerate(self.layers):
-            if L in self.engram:
-                h = engram_forward(h, rows[:, c.engram.layer_ids.index(L)], self.engram[L], c.engram)
-            for site, norm, block in (
-                (self.sites[L][0], "input_layernorm.weight", "attention"),
-                (self.sites[L][1], "post_attention_layernorm.weight", "moe"),
-            ):
+            if w.engram is not None:
+                h = engram_forward(h, rows[:, c.engram.layer_ids.index(L)], w.engram, c.engram)
+            for site, norm, block in ((w.attn_hc, w.attn_norm, "attention"), (w.mlp_hc, w.mlp_norm, "moe")):
                 if c.delayed_pre:
                     site_pre, post, comb = mhc.site_maps(h, site, self.hc)
                     x, pre = mhc.collapse(h, pre), site_pre
                 else:
                     x, post, comb = mhc.site_input(h, site, self.hc)
-                x = rms_norm_cast_once(x, w[norm], eps)
-                y = self.attention(L, w, x, batch, published) if block == "attention" else self.moe(w, x)
+                x = rms_norm_cast_once(x, norm, eps)
+                y = (
+                    self.attention(L, w, x, batch, published)
+                    if block == "attention"
+                    else moe(x, w.mlp, self.moe)
+                )
                 h = mhc.update(h, y, post, comb)
         batch.finish()
         h = h[batch.logit_rows]
-        out = (
-            mhc.collapse(h, pre[batch.logit_rows])
-            if c.delayed_pre
-            else mhc.head_weighted(h, *self.hc_head, self.hc)
-        )
+        if c.delayed_pre:
+            out = mhc.collapse(h, pre[batch.logit_rows])
+        else:
+            out = mhc.head_weighted(h, self.hc_head.fn, self.hc_head.base, self.hc_head.scale, self.hc)
         return linear(rms_norm_cast_once(out, self.norm, eps), self.lm_head).float()
+
+
+def build(cfg: DeepseekV41Config, tensors: Tensors, dtype: torch.dtype, device, folder) -> Model:
+    """The model; with Engram, its token map built from the checkpoint's tokenizer in `folder`."""
+    token_map = None if cfg.engram is None or folder is None else checkpoint_token_map(cfg, folder)
+    return Model(cfg, tensors, dtype, device, token_map)
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
@@ -1010,16 +897,50 @@ def facts(cfg: DeepseekV41Config) -> dict:
     return out
 
 
+def engram_tensor_shapes(
+    cfg: EngramConfig, block: int = SCALE_BLOCK
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, safetensors dtype) of every Engram tensor in the release's naming and formats."""
+    d, hc, hd = cfg.hidden_size, cfg.hc_mult, cfg.head_dim
+    k, n = cfg.n_hash * hd, (hc + 1) * d
+    out = {}
+    for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
+        p = f"layers.{lid}.engram."
+        out[p + "embed.weight"] = ((rows, hd), "F8_E4M3")
+        out[p + "embed.scale"] = ((rows, -(-hd // block)), "F8_E8M0")
+        out[p + "wkv.weight"] = ((n, k), "F8_E4M3")
+        out[p + "wkv.scale"] = ((-(-n // block), -(-k // block)), "F8_E8M0")
+        out[p + "q_weight"] = ((hc, d), "BF16")
+        out[p + "k_weight"] = ((hc, d), "BF16")
+    return out
+
+
+def engram_bytes(cfg: EngramConfig, block: int = SCALE_BLOCK) -> list[dict]:
+    """Per Engram layer: its table's rows, bytes per row (fp8 codes + E8M0 scales: 264 in the
+    release), table bytes (on disk, read by row) and the bytes of its projection and gate weights."""
+    shapes = engram_tensor_shapes(cfg, block)
+    size = {"F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2}
+    out = []
+    for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
+        p = f"layers.{lid}.engram."
+        nbytes = {k[len(p) :]: math.prod(s) * size[dt] for k, (s, dt) in shapes.items() if k.startswith(p)}
+        row_bytes = (nbytes["embed.weight"] + nbytes["embed.scale"]) // rows
+        out.append(
+            {
+                "layer": lid,
+                "rows": rows,
+                "row_bytes": row_bytes,
+                "table_bytes": rows * row_bytes,
+                "dense_bytes": sum(v for k, v in nbytes.items() if not k.startswith("embed.")),
+            }
+        )
+    return out
+
+
 def handoff(raw: dict) -> str | None:
     return None
 
 
-def draft_heads(cfg) -> tuple[str, ...]:
-    return ()
-
-
-def build(cfg, tensors, dtype, device, folder):
-    model = Model(cfg, tensors.all(), dtype, device)
-    if folder is not None:
-        model.bind_checkpoint_folder(folder)
-    return model
+def draft_heads(cfg: DeepseekV41Config) -> tuple[str, ...]:
+    """The release's MTP stages (`mtp.{0,1,2}`, `num_nextn_predict_layers`) are its DSpark drafter."""
+    return ("dspark",) if cfg.num_nextn_predict_layers > 0 else ()

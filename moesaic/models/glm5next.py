@@ -7,8 +7,9 @@ streams, clamped-SwiGLU dense and MoE FFNs, no positional embeddings anywhere.
         x, post, comb = mHC site (FFN);        y = MLP or MoE (RMSNorm(x));  h = post ⊗ y + combᵀ h
     logits = lm_head(RMSNorm(mean over the streams of h)).float()
 
-Math, names and pitfalls: shared/reference/glm5next.md. Oracle: transformers 5.23 `glm5_next`.
-Shared math: layers/kda.py, layers/dsa.py, layers/mhc.py, layers/moe.py.
+Layer schedule, state kinds, namings and proof: docs/families/glm5next.md. Oracle: transformers 5.23
+`src/transformers/models/glm5_next/modeling_glm5_next.py`. Shared math: layers/kda.py, layers/dsa.py,
+layers/mhc.py, layers/moe.py.
 
 Config. `config.json` is the multimodal wrapper (`model_type` glm5_next, text fields under
 `text_config`) or a flat text config; both are read. The schedules follow transformers'
@@ -24,17 +25,13 @@ sharing). transformers passes a selection only to the layer right after a full o
 on other chains (e.g. full, KDA, shared); moesaic runs them and refuses only a shared layer with no
 full DSA layer before it. The released checkpoint marks every DSA layer full.
 
-Names. The model's own names are transformers' in-memory ones (`model.layers.L.attn_hc.fn`,
-fused `self_attn.conv1d.weight [3C, 1, K]`, `self_attn.forget_gate.*`, fused experts). Checkpoints —
+Names. The contract uses transformers' in-memory names (`model.layers.L.attn_hc.fn`, fused
+`self_attn.conv1d.weight [3C, 1, K]`, `self_attn.forget_gate.*`, fused experts). Checkpoints —
 the release and what transformers' `save_pretrained` writes — use `hc_attn_fn`, `q/k/v_conv1d`,
 `self_attn.f_a_proj`, one tensor per expert, under `model.language_model.` (multimodal) or
-`model.` (flat). The MTP layer stored as layer `num_hidden_layers` is declared optional and loaded
-when present (`Model.mtp`); transformers has no MTP module, so nothing here runs it yet.
-
-State per sequence: KDA layers a RecurrentState over the fp32 conv tail [K-1, 3C] and recurrent
-matrix [H, Dk, Dv] (rollback window chosen at `new_state(rollback_window=...)`); DSA layers
-TokenRows of the latent (kv_lora_rank) and, on full layers, the indexer's k and gate scores z
-(index_head_dim each), in the model dtype.
+`model.` (flat). The MTP layer stored as layer `num_hidden_layers` is optional, all of it or none,
+and bound into `Model.mtp` (`MtpLayer`); transformers has no MTP module, and the speculative decoder
+runs it, not this forward.
 """
 
 from __future__ import annotations
@@ -47,17 +44,18 @@ import torch.nn.functional as F
 
 from ..cache.batch import ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
-from ..config import eos_ids, field, positive
+from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
 from ..errors import CheckpointError, ConfigError
 from ..layers import dsa, mhc
-from ..layers.kda import KdaDims, KdaState, kda_mixer
+from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
 from ..layers.linear import linear
-from ..layers.moe import clamped_silu_glu, clamped_swiglu, glu_mlp, route_sigmoid, run_experts
+from ..layers.mla import MlaWeights
+from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
 from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
-from .parts import bind_kda
+from .parts import bind_kda, bind_mla, bind_mlp, bind_moe, mla_specs, mlp_specs, moe_specs
 
 MODEL_TYPES = ("glm5_next", "glm5_next_text")
 
@@ -70,48 +68,66 @@ _MIXERS = {
 }
 
 
-@dataclass(frozen=True)
+def _negative(v) -> bool:
+    return v < 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Glm5NextConfig:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    swiglu_limit: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    index_kpool: int
-    index_kpool_always_select_tail: bool
-    linear_num_heads: int
-    linear_head_dim: int
-    linear_conv_kernel_dim: int
-    linear_lower_bound: float | None  # None: the Kimi Linear gate law
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
+    """Absent fields take transformers' `Glm5NextTextConfig` defaults (index_kpool 16 and vocab 154880
+    there; the release says 4 and 154624, and its config states both)."""
+
+    vocab_size: int = declared(154880, check=positive)
+    hidden_size: int = declared(4096, check=positive)
+    num_hidden_layers: int = declared(45, check=positive)
+    num_attention_heads: int = declared(64, check=positive)
+    q_lora_rank: int = declared(1536, check=positive)
+    kv_lora_rank: int = declared(512, check=positive)
+    qk_nope_head_dim: int = declared(256, check=positive)
+    qk_rope_head_dim: int = declared(
+        0, check=lambda v: v == 0, why="must be 0: GLM-5.3's DSA attention is NoPE"
+    )
+    v_head_dim: int = declared(256, check=positive)
+    intermediate_size: int = declared(12288, check=non_negative)
+    moe_intermediate_size: int = declared(2048, check=positive)
+    n_routed_experts: int = declared(288, aliases=("num_local_experts",), check=positive)
+    num_experts_per_tok: int = declared(8, check=positive)
+    n_shared_experts: int = declared(1, check=non_negative)
+    n_group: int = declared(1, check=positive)
+    topk_group: int = declared(1, check=positive)
+    norm_topk_prob: bool = declared(True)
+    routed_scaling_factor: float = declared(2.5)
+    swiglu_limit: float = declared(10.0, check=positive)
+    rms_norm_eps: float = declared(1e-5, check=positive)
+    max_position_embeddings: int = declared(1048576, check=positive)
+    index_n_heads: int = declared(32, check=positive)
+    index_head_dim: int = declared(128, check=positive)
+    index_topk: int = declared(2048, check=positive)
+    index_kpool: int = declared(16, check=positive)
+    index_kpool_always_select_tail: bool = declared(True)
+    linear_num_heads: int = declared(64, check=positive)
+    linear_head_dim: int = declared(128, check=positive)
+    linear_conv_kernel_dim: int = declared(
+        4, check=lambda v: v >= 2, why="the short convolution needs at least 2 taps"
+    )
+    linear_lower_bound: float | None = declared(  # None: the Kimi Linear gate law
+        -5.0, check=_negative, why="the gate lower bound is a negative log-decay"
+    )
+    hc_mult: int = declared(4, check=positive)
+    hc_sinkhorn_iters: int = declared(20, check=positive)
+    hc_eps: float = declared(1e-6, check=non_negative)
+    num_nextn_predict_layers: int = declared(1, check=non_negative)
+    tie_word_embeddings: bool = declared(False)
+    bos_token_id: int | None = declared(None)
     layer_types: tuple[str, ...]  # "kda" | "dsa"
     mlp_layer_types: tuple[str, ...]  # "dense" | "sparse"
     indexer_types: tuple[str, ...]  # "full" | "shared" (read on DSA layers only)
-    num_nextn_predict_layers: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     model_type: str = "glm5_next"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim  # NoPE: no rope slice
 
     def is_full_indexer(self, layer: int) -> bool:
         return self.layer_types[layer] == DSA and self.indexer_types[layer] == "full"
@@ -132,6 +148,35 @@ class Glm5NextConfig:
     def mhc_dims(self) -> mhc.MhcDims:
         return mhc.MhcDims(self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps, self.rms_norm_eps)
 
+    @property
+    def moe_spec(self) -> MoeSpec:
+        """Sigmoid router with the selection bias, logits in fp32 (transformers keeps the router fp32);
+        clamped SwiGLU in the routed and shared experts."""
+        router = Router(
+            "sigmoid",
+            self.num_experts_per_tok,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+            fp32=True,
+        )
+        return MoeSpec(router, glu=partial(clamped_silu_glu, limit=self.swiglu_limit))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _LinearAttnConfig:
+    """transformers' `linear_attn_config`: what it states overrides the text config's `linear_*`."""
+
+    linear_num_heads: int | None = declared(None, key="num_heads", check=positive)
+    linear_head_dim: int | None = declared(None, key="head_dim", check=positive)
+    linear_conv_kernel_dim: int | None = declared(
+        None,
+        key="short_conv_kernel_size",
+        check=lambda v: v >= 2,
+        why="the short convolution needs at least 2 taps",
+    )
+
 
 # ---------------------------------------------------------------- config
 
@@ -146,8 +191,6 @@ def _str_list(raw: dict, key: str, allowed, n: int, w: str) -> list[str]:
 
 
 def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
-    """Absent fields take transformers' `Glm5NextTextConfig` defaults (index_kpool 16 and vocab
-    154880 there; the release says 4 and 154624, and its config states both)."""
     if layout != "hf":
         raise ConfigError(f"GLM-5.3 checkpoints come with a config.json, not a {layout} layout")
     outer = raw
@@ -156,87 +199,91 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
         raise ConfigError(f"config.json: field 'text_config' must be an object, got {t!r}")
     t = t if t is not None else raw
     w = "config.json text_config" if t is not raw else "config.json"
-    lin = t.get("linear_attn_config") or {}
-    if not isinstance(lin, dict):
-        raise ConfigError(f"{w}: field 'linear_attn_config' must be an object, got {lin!r}")
+    lw = f"{w} linear_attn_config"
+    lin = section(t, "linear_attn_config", w)
 
     for key, want in (("scoring_func", "sigmoid"), ("moe_router_dtype", "float32"), ("hidden_act", "silu")):
-        if t.get(key) not in (None, want):
-            raise ConfigError(f"{w}: field {key!r} = {t[key]!r} is not supported (GLM-5.3 uses {want!r})")
+        require(t.get(key) in (None, want), w, key, t.get(key), f"not supported: GLM-5.3 uses {want!r}")
     for key in ("mhc", "mla_use_nope", "index_kpool_compress"):
-        if t.get(key) is False:
-            raise ConfigError(f"{w}: field {key!r} = false is not supported (GLM-5.3 has it on)")
-    if t.get("attention_bias"):
-        raise ConfigError(
-            f"{w}: field 'attention_bias' = true is not supported (the released model has no biases)"
-        )
-    if field(t, "qk_rope_head_dim", int, 0, where=w) != 0:
-        raise ConfigError(f"{w}: field 'qk_rope_head_dim' must be 0: GLM-5.3's DSA attention is NoPE")
-    if "q_lora_rank" in t and t["q_lora_rank"] is None:
-        raise ConfigError(f"{w}: field 'q_lora_rank' must not be null (the DSA indexer reads the q latent)")
+        require(t.get(key) is not False, w, key, False, "not supported: GLM-5.3 has it on")
+    require(
+        not t.get("attention_bias"),
+        w,
+        "attention_bias",
+        t.get("attention_bias"),
+        "the released model has no biases",
+    )
+    require(
+        not ("q_lora_rank" in t and t["q_lora_rank"] is None),
+        w,
+        "q_lora_rank",
+        None,
+        "must not be null: the DSA indexer reads the q latent",
+    )
+
+    given = {k: v for k, v in vars(read_config(_LinearAttnConfig, lin, lw)).items() if v is not None}
+    if lin:  # transformers: the config's gate_lower_bound wins; safe_gate turns a null bound into -5
+        bound = lin["gate_lower_bound"] if "gate_lower_bound" in lin else t.get("linear_lower_bound", -5.0)
+        if bound is None and lin.get("safe_gate", True):
+            bound = -5.0
+        if bound is not None:
+            bound = field(
+                {"linear_lower_bound": bound},
+                "linear_lower_bound",
+                float,
+                where=w,
+                check=_negative,
+                why="the gate lower bound is a negative log-decay",
+            )
+        given["linear_lower_bound"] = bound
 
     L = field(t, "num_hidden_layers", int, 45, where=w, check=positive)
-    heads = field(t, "num_attention_heads", int, 64, where=w, check=positive)
-    if field(t, "num_key_value_heads", int, heads, where=w) != heads:
-        raise ConfigError(f"{w}: field 'num_key_value_heads' must equal num_attention_heads ({heads})")
-    experts = field(t, "n_routed_experts", int, t.get("num_local_experts", 288), where=w, check=positive)
-    n_group = field(t, "n_group", int, 1, where=w, check=positive)
-    if experts % n_group:
-        raise ConfigError(f"{w}: field 'n_group' = {n_group} must divide n_routed_experts = {experts}")
-    kpool = field(t, "index_kpool", int, 16, where=w, check=positive)
-    topk = field(
+    layer_types, mlp_types, indexer_types = _schedules(t, lin, L, w, lw)
+    cfg = read_config(
+        Glm5NextConfig,
         t,
+        w,
+        {
+            "tie_word_embeddings": bool(outer.get("tie_word_embeddings") or False),
+            "bos_token_id": outer.get("bos_token_id"),
+        },
+        **given,
+        layer_types=tuple(layer_types),
+        mlp_layer_types=tuple(mlp_types),
+        indexer_types=tuple(indexer_types),
+        eos_token_ids=eos_ids(t.get("eos_token_id", outer.get("eos_token_id"))),
+        model_type=str(outer.get("model_type") or "glm5_next"),
+    )
+
+    heads, E, G = cfg.num_attention_heads, cfg.n_routed_experts, cfg.n_group
+    kv_heads = field(t, "num_key_value_heads", int, heads, where=w)
+    require(
+        kv_heads == heads, w, "num_key_value_heads", kv_heads, f"must equal num_attention_heads ({heads})"
+    )
+    require(E % G == 0, w, "n_group", G, f"must divide n_routed_experts = {E}")
+    k = cfg.num_experts_per_tok
+    require(k <= E, w, "num_experts_per_tok", k, f"must be in 1..n_routed_experts={E}")
+    require(cfg.topk_group <= G, w, "topk_group", cfg.topk_group, f"must be in 1..n_group={G}")
+    P = cfg.index_kpool
+    require(
+        cfg.index_topk % P == 0,
+        w,
         "index_topk",
-        int,
-        2048,
-        where=w,
-        check=lambda v: v > 0 and v % kpool == 0,
-        why=f"must be a positive multiple of index_kpool = {kpool}",
+        cfg.index_topk,
+        f"must be a positive multiple of index_kpool = {P}",
     )
+    require(
+        "dense" not in mlp_types or cfg.intermediate_size > 0,
+        w,
+        "intermediate_size",
+        cfg.intermediate_size,
+        "must be positive when a layer has a dense MLP",
+    )
+    return cfg
 
-    # KDA fields, then the linear_attn_config overrides (transformers' order)
-    lw = f"{w} linear_attn_config"
-    lin_heads = field(
-        lin,
-        "num_heads",
-        int,
-        field(t, "linear_num_heads", int, 64, where=w, check=positive),
-        where=lw,
-        check=positive,
-    )
-    lin_dim = field(
-        lin,
-        "head_dim",
-        int,
-        field(t, "linear_head_dim", int, 128, where=w, check=positive),
-        where=lw,
-        check=positive,
-    )
-    conv_k = field(
-        lin,
-        "short_conv_kernel_size",
-        int,
-        field(t, "linear_conv_kernel_dim", int, 4, where=w, check=positive),
-        where=lw,
-        check=lambda v: v >= 2,
-        why="the short convolution needs at least 2 taps",
-    )
-    bound = t.get("linear_lower_bound", -5.0)
-    if "gate_lower_bound" in lin:
-        bound = lin["gate_lower_bound"]
-    if lin and lin.get("safe_gate", True) and bound is None:
-        bound = -5.0
-    if bound is not None:
-        bound = field(
-            {"linear_lower_bound": bound},
-            "linear_lower_bound",
-            float,
-            where=w,
-            check=lambda v: v < 0,
-            why="the gate lower bound is a negative log-decay",
-        )
 
-    # schedules
+def _schedules(t: dict, lin: dict, L: int, w: str, lw: str) -> tuple[list[str], list[str], list[str]]:
+    """(layer_types, mlp_layer_types, indexer_types), as transformers' `__post_init__` derives them."""
     if t.get("layer_types") is not None:
         layer_types = [_MIXERS[x] for x in _str_list(t, "layer_types", _MIXERS, L, w)]
     elif lin.get("full_attn_layers") is not None:
@@ -251,7 +298,7 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
     if t.get("mlp_layer_types") is not None:
         mlp_types = _str_list(t, "mlp_layer_types", {"dense", "sparse"}, L, w)
     else:
-        k_dense = field(t, "first_k_dense_replace", int, 3, where=w, check=lambda v: v >= 0)
+        k_dense = field(t, "first_k_dense_replace", int, 3, where=w, check=non_negative)
         mlp_types = ["dense" if i < k_dense else "sparse" for i in range(L)]
     indexer_types = _indexer_types(t, L, w)
     last_full = None
@@ -264,73 +311,7 @@ def parse_config(raw: dict, layout: str = "hf") -> Glm5NextConfig:
                     f"{w}: layer {i} is a shared DSA layer with no full DSA layer before it "
                     f"(indexer_types {indexer_types!r})"
                 )
-
-    inter = field(t, "intermediate_size", int, 12288, where=w, check=lambda v: v >= 0)
-    if "dense" in mlp_types and inter <= 0:
-        raise ConfigError(f"{w}: field 'intermediate_size' must be positive when a layer has a dense MLP")
-    eos = t.get("eos_token_id", outer.get("eos_token_id"))
-    return Glm5NextConfig(
-        vocab_size=field(t, "vocab_size", int, 154880, where=w, check=positive),
-        hidden_size=field(t, "hidden_size", int, 4096, where=w, check=positive),
-        num_hidden_layers=L,
-        num_attention_heads=heads,
-        q_lora_rank=field(t, "q_lora_rank", int, 1536, where=w, check=positive),
-        kv_lora_rank=field(t, "kv_lora_rank", int, 512, where=w, check=positive),
-        qk_nope_head_dim=field(t, "qk_nope_head_dim", int, 256, where=w, check=positive),
-        v_head_dim=field(t, "v_head_dim", int, 256, where=w, check=positive),
-        intermediate_size=inter,
-        moe_intermediate_size=field(t, "moe_intermediate_size", int, 2048, where=w, check=positive),
-        n_routed_experts=experts,
-        num_experts_per_tok=field(
-            t,
-            "num_experts_per_tok",
-            int,
-            8,
-            where=w,
-            check=lambda v: 0 < v <= experts,
-            why=f"must be in 1..n_routed_experts={experts}",
-        ),
-        n_shared_experts=field(t, "n_shared_experts", int, 1, where=w, check=lambda v: v >= 0),
-        n_group=n_group,
-        topk_group=field(
-            t,
-            "topk_group",
-            int,
-            1,
-            where=w,
-            check=lambda v: 0 < v <= n_group,
-            why=f"must be in 1..n_group={n_group}",
-        ),
-        norm_topk_prob=field(t, "norm_topk_prob", bool, True, where=w),
-        routed_scaling_factor=field(t, "routed_scaling_factor", float, 2.5, where=w),
-        swiglu_limit=field(t, "swiglu_limit", float, 10.0, where=w, check=positive),
-        rms_norm_eps=field(t, "rms_norm_eps", float, 1e-5, where=w, check=positive),
-        max_position_embeddings=field(t, "max_position_embeddings", int, 1048576, where=w, check=positive),
-        index_n_heads=field(t, "index_n_heads", int, 32, where=w, check=positive),
-        index_head_dim=field(t, "index_head_dim", int, 128, where=w, check=positive),
-        index_topk=topk,
-        index_kpool=kpool,
-        index_kpool_always_select_tail=field(t, "index_kpool_always_select_tail", bool, True, where=w),
-        linear_num_heads=lin_heads,
-        linear_head_dim=lin_dim,
-        linear_conv_kernel_dim=conv_k,
-        linear_lower_bound=bound,
-        hc_mult=field(t, "hc_mult", int, 4, where=w, check=positive),
-        hc_sinkhorn_iters=field(t, "hc_sinkhorn_iters", int, 20, where=w, check=positive),
-        hc_eps=field(t, "hc_eps", float, 1e-6, where=w, check=lambda v: v >= 0),
-        layer_types=tuple(layer_types),
-        mlp_layer_types=tuple(mlp_types),
-        indexer_types=tuple(indexer_types),
-        num_nextn_predict_layers=field(
-            t, "num_nextn_predict_layers", int, 1, where=w, check=lambda v: v >= 0
-        ),
-        tie_word_embeddings=field(
-            t, "tie_word_embeddings", bool, outer.get("tie_word_embeddings") or False, where=w
-        ),
-        bos_token_id=t.get("bos_token_id", outer.get("bos_token_id")),
-        eos_token_ids=eos_ids(eos),
-        model_type=str(outer.get("model_type") or "glm5_next"),
-    )
+    return layer_types, mlp_types, indexer_types
 
 
 def _indexer_types(t: dict, L: int, w: str) -> list[str]:
@@ -355,10 +336,44 @@ def _indexer_types(t: dict, L: int, w: str) -> list[str]:
 # ---------------------------------------------------------------- tensor contract
 
 
-def _layer_specs(
-    cfg: Glm5NextConfig, L: int, p: str, mixer: str, full: bool, mlp: str, mtp: bool
-) -> list[TensorSpec]:
-    d, H = cfg.hidden_size, cfg.num_attention_heads
+def _kda_specs(cfg: Glm5NextConfig, a: str, opt: dict) -> list[TensorSpec]:
+    """One KDA layer in transformers' module names (models/parts.py `bind_kda` reads them)."""
+    kd, d = cfg.kda_dims, cfg.hidden_size
+    C, D, K = kd.qkv_dim, kd.head_dim, kd.conv_kernel
+    return [
+        TensorSpec(a + "q_proj.weight", (C, d), "kda", **opt),
+        TensorSpec(a + "k_proj.weight", (C, d), "kda", **opt),
+        TensorSpec(a + "v_proj.weight", (C, d), "kda", **opt),
+        TensorSpec(a + "conv1d.weight", (3 * C, 1, K), "kda", keep_fp32=True, **opt),
+        TensorSpec(a + "forget_gate.f_a_proj.weight", (D, d), "kda", **opt),
+        TensorSpec(a + "forget_gate.f_b_proj.weight", (C, D), "kda", **opt),
+        TensorSpec(a + "forget_gate.dt_bias", (C,), "kda", keep_fp32=True, **opt),
+        TensorSpec(a + "forget_gate.A_log", (kd.num_heads,), "kda", keep_fp32=True, **opt),
+        TensorSpec(a + "b_proj.weight", (kd.num_heads, d), "kda", **opt),
+        TensorSpec(a + "g_a_proj.weight", (D, d), "kda", **opt),
+        TensorSpec(a + "g_b_proj.weight", (C, D), "kda", **opt),
+        TensorSpec(a + "o_norm.weight", (D,), "norm", **opt),
+        TensorSpec(a + "o_proj.weight", (d, C), "kda", **opt),
+    ]
+
+
+def _indexer_specs(cfg: Glm5NextConfig, i: str, opt: dict) -> list[TensorSpec]:
+    d, qr, nI, cI = cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim
+    return [
+        TensorSpec(i + "wq_b.weight", (nI * cI, qr), "indexer", **opt),
+        TensorSpec(i + "wk.weight", (cI, d), "indexer", **opt),
+        TensorSpec(i + "k_norm.weight", (cI,), "indexer", **opt),
+        TensorSpec(i + "k_norm.bias", (cI,), "indexer", **opt),
+        TensorSpec(i + "weights_proj.weight", (nI, d), "indexer", **opt),
+        TensorSpec(i + "index_kpool_compress_ape", (cfg.index_kpool, cI), "indexer", **opt),
+        TensorSpec(i + "index_kpool_compress_gate", (cI, d), "indexer", **opt),
+    ]
+
+
+def _layer_specs(cfg: Glm5NextConfig, L: int, mtp: bool = False) -> list[TensorSpec]:
+    """Decoder layer L, or (mtp) the MTP layer stored at index L: a full DSA + MoE layer without mHC,
+    all optional, plus its input projection and norms."""
+    d, p = cfg.hidden_size, f"model.layers.{L}."
     opt = dict(layer=L, optional=mtp)
     specs = [
         TensorSpec(p + "input_layernorm.weight", (d,), "norm", **opt),
@@ -373,71 +388,18 @@ def _layer_specs(
                 TensorSpec(f"{p}{site}.scale", shapes["scale"], "mhc", L, keep_fp32=True),
             ]
     a = p + "self_attn."
-    if mixer == KDA:
-        kd = cfg.kda_dims
-        C, D, K = kd.qkv_dim, kd.head_dim, kd.conv_kernel
-        specs += [
-            TensorSpec(a + "q_proj.weight", (C, d), "kda", **opt),
-            TensorSpec(a + "k_proj.weight", (C, d), "kda", **opt),
-            TensorSpec(a + "v_proj.weight", (C, d), "kda", **opt),
-            TensorSpec(a + "conv1d.weight", (3 * C, 1, K), "kda", keep_fp32=True, **opt),
-            TensorSpec(a + "forget_gate.f_a_proj.weight", (D, d), "kda", **opt),
-            TensorSpec(a + "forget_gate.f_b_proj.weight", (C, D), "kda", **opt),
-            TensorSpec(a + "forget_gate.dt_bias", (C,), "kda", keep_fp32=True, **opt),
-            TensorSpec(a + "forget_gate.A_log", (kd.num_heads,), "kda", keep_fp32=True, **opt),
-            TensorSpec(a + "b_proj.weight", (kd.num_heads, d), "kda", **opt),
-            TensorSpec(a + "g_a_proj.weight", (D, d), "kda", **opt),
-            TensorSpec(a + "g_b_proj.weight", (C, D), "kda", **opt),
-            TensorSpec(a + "o_norm.weight", (D,), "norm", **opt),
-            TensorSpec(a + "o_proj.weight", (d, C), "kda", **opt),
-        ]
+    if not mtp and cfg.layer_types[L] == KDA:
+        specs += _kda_specs(cfg, a, opt)
     else:
-        qr, kvr, dn, dv = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
-        specs += [
-            TensorSpec(a + "q_a_proj.weight", (qr, d), "attention", **opt),
-            TensorSpec(a + "q_a_layernorm.weight", (qr,), "norm", **opt),
-            TensorSpec(a + "q_b_proj.weight", (H * dn, qr), "attention", **opt),
-            TensorSpec(a + "kv_a_proj_with_mqa.weight", (kvr, d), "attention", **opt),
-            TensorSpec(a + "kv_a_layernorm.weight", (kvr,), "norm", **opt),
-            TensorSpec(
-                a + "kv_b_proj.weight", (H * (dn + dv), kvr), "attention", dense=True, **opt
-            ),  # viewed per head
-            TensorSpec(a + "o_proj.weight", (d, H * dv), "attention", **opt),
-        ]
-        if full:
-            nI, cI, i = cfg.index_n_heads, cfg.index_head_dim, a + "indexer."
-            specs += [
-                TensorSpec(i + "wq_b.weight", (nI * cI, qr), "indexer", **opt),
-                TensorSpec(i + "wk.weight", (cI, d), "indexer", **opt),
-                TensorSpec(i + "k_norm.weight", (cI,), "indexer", **opt),
-                TensorSpec(i + "k_norm.bias", (cI,), "indexer", **opt),
-                TensorSpec(i + "weights_proj.weight", (nI, d), "indexer", **opt),
-                TensorSpec(i + "index_kpool_compress_ape", (cfg.index_kpool, cI), "indexer", **opt),
-                TensorSpec(i + "index_kpool_compress_gate", (cI, d), "indexer", **opt),
-            ]
+        specs += mla_specs(a, cfg, L, optional=mtp)
+        if mtp or cfg.is_full_indexer(L):
+            specs += _indexer_specs(cfg, a + "indexer.", opt)
     m = p + "mlp."
-    if mlp == "sparse":
-        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-        specs += [
-            TensorSpec(m + "gate.weight", (E, d), "router", **opt),
-            TensorSpec(m + "gate.e_score_correction_bias", (E,), "router", keep_fp32=True, **opt),
-            TensorSpec(m + "experts.gate_up_proj", (E, 2 * I, d), "expert", **opt),
-            TensorSpec(m + "experts.down_proj", (E, d, I), "expert", **opt),
-        ]
-        if cfg.n_shared_experts:
-            S = I * cfg.n_shared_experts
-            specs += [
-                TensorSpec(m + "shared_experts.gate_proj.weight", (S, d), "shared_expert", **opt),
-                TensorSpec(m + "shared_experts.up_proj.weight", (S, d), "shared_expert", **opt),
-                TensorSpec(m + "shared_experts.down_proj.weight", (d, S), "shared_expert", **opt),
-            ]
+    if mtp or cfg.mlp_layer_types[L] == "sparse":
+        I = cfg.moe_intermediate_size
+        specs += moe_specs(m, cfg.n_routed_experts, I, d, L, shared=I * cfg.n_shared_experts, optional=mtp)
     else:
-        I = cfg.intermediate_size
-        specs += [
-            TensorSpec(m + "gate_proj.weight", (I, d), "mlp", **opt),
-            TensorSpec(m + "up_proj.weight", (I, d), "mlp", **opt),
-            TensorSpec(m + "down_proj.weight", (d, I), "mlp", **opt),
-        ]
+        specs += mlp_specs(m, cfg.intermediate_size, d, "mlp", L, optional=mtp)
     if mtp:
         specs += [
             TensorSpec(p + "eh_proj.weight", (d, 2 * d), "mtp", L, optional=True),
@@ -448,22 +410,18 @@ def _layer_specs(
     return specs
 
 
+def _mtp_layers(cfg: Glm5NextConfig) -> range:
+    """The indices the MTP layer(s) are stored at."""
+    return range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+
+
 def tensor_specs(cfg: Glm5NextConfig) -> list[TensorSpec]:
     d = cfg.hidden_size
     specs = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding")]
     for L in range(cfg.num_hidden_layers):
-        specs += _layer_specs(
-            cfg,
-            L,
-            f"model.layers.{L}.",
-            cfg.layer_types[L],
-            cfg.is_full_indexer(L),
-            cfg.mlp_layer_types[L],
-            mtp=False,
-        )
-    for j in range(cfg.num_nextn_predict_layers):  # the MTP layer(s): DSA (own indexer) + MoE, no mHC
-        L = cfg.num_hidden_layers + j
-        specs += _layer_specs(cfg, L, f"model.layers.{L}.", DSA, True, "sparse", mtp=True)
+        specs += _layer_specs(cfg, L)
+    for L in _mtp_layers(cfg):
+        specs += _layer_specs(cfg, L, mtp=True)
     specs.append(TensorSpec("model.norm.weight", (d,), "norm"))
     specs.append(
         TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
@@ -537,50 +495,130 @@ def namings(cfg: Glm5NextConfig, layout: str, store_names) -> Naming:
     return checkpoint_naming(prefix)
 
 
+# ---------------------------------------------------------------- bound weights
+
+
+@dataclass
+class Dsa:
+    """One DSA mixer: NoPE MLA projections and, on a full layer, its k-pool indexer (None on a shared
+    layer, which reuses the selection of the last full one)."""
+
+    mla: MlaWeights
+    indexer: dsa.IndexerWeights | None
+
+
+@dataclass
+class Layer:
+    attn_site: mhc.MhcSite
+    attn_norm: torch.Tensor
+    mixer: KdaWeights | Dsa
+    ffn_site: mhc.MhcSite
+    mlp_norm: torch.Tensor
+    mlp: Mlp | MoeWeights
+
+
+@dataclass
+class MtpLayer:
+    """The multi-token-prediction block as GLM-5.3 ships it (DeepSeek-V3's MTP; vLLM
+    `vllm/model_executor/models/deepseek_mtp.py`): x = eh_proj([enorm(embed(next token)) ;
+    hnorm(target hidden)]), one DSA (own indexer) + MoE pre-norm layer with a plain residual (no mHC),
+    then shared_head.norm and the target's lm_head. Run by the speculative decoder, not `Model.forward`."""
+
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: object  # [d, 2d]
+    attn_norm: torch.Tensor
+    attn: Dsa
+    mlp_norm: torch.Tensor
+    mlp: MoeWeights
+    head_norm: torch.Tensor
+
+
+def _site(t: Tensors, name: str) -> mhc.MhcSite:
+    return mhc.MhcSite(t(f"{name}.fn"), t(f"{name}.base"), t(f"{name}.scale"))
+
+
+def _bind_dsa(t: Tensors, full: bool) -> Dsa:
+    """The DSA mixer under `self_attn.` (the `mla_specs` names, plus `_indexer_specs` under `indexer.`)."""
+    if not full:
+        return Dsa(bind_mla(t), None)
+    i = t.under("indexer.")
+    indexer = dsa.IndexerWeights(
+        wq_b=i("wq_b.weight"),
+        wk=i("wk.weight"),
+        k_norm=i("k_norm.weight"),
+        k_norm_bias=i("k_norm.bias"),
+        weights_proj=i("weights_proj.weight"),
+        ape=i("index_kpool_compress_ape"),
+        gate=i("index_kpool_compress_gate"),
+    )
+    return Dsa(bind_mla(t), indexer)
+
+
+def _bind_layer(cfg: Glm5NextConfig, t: Tensors, L: int) -> Layer:
+    w = t.under(f"model.layers.{L}.")
+    a = w.under("self_attn.")
+    mixer = bind_kda(a, cfg.kda_dims) if cfg.layer_types[L] == KDA else _bind_dsa(a, cfg.is_full_indexer(L))
+    sparse = cfg.mlp_layer_types[L] == "sparse"
+    return Layer(
+        _site(w, "attn_hc"),
+        w("input_layernorm.weight"),
+        mixer,
+        _site(w, "ffn_hc"),
+        w("post_attention_layernorm.weight"),
+        bind_moe(w.under("mlp.")) if sparse else bind_mlp(w.under("mlp.")),
+    )
+
+
+def _bind_mtp(cfg: Glm5NextConfig, t: Tensors) -> list[MtpLayer]:
+    """The MTP layer(s) when the checkpoint has them: all of them or none (a CheckpointError otherwise)."""
+    present = [L for L in _mtp_layers(cfg) if t.any_under(f"model.layers.{L}.")]
+    if not present:
+        return []
+    missing = [s.name for L in _mtp_layers(cfg) for s in _layer_specs(cfg, L, mtp=True) if not t.has(s.name)]
+    if missing:
+        raise CheckpointError(
+            f"the MTP layer model.layers.{present[0]} is incomplete: {len(missing)} tensor(s) missing, "
+            f"e.g. {missing[:3]} (ship all of it or none)"
+        )
+    out = []
+    for L in _mtp_layers(cfg):
+        w = t.under(f"model.layers.{L}.")
+        out.append(
+            MtpLayer(
+                enorm=w("enorm.weight"),
+                hnorm=w("hnorm.weight"),
+                eh_proj=w("eh_proj.weight"),
+                attn_norm=w("input_layernorm.weight"),
+                attn=_bind_dsa(w.under("self_attn."), full=True),
+                mlp_norm=w("post_attention_layernorm.weight"),
+                mlp=bind_moe(w.under("mlp.")),
+                head_norm=w("shared_head.norm.weight"),
+            )
+        )
+    return out
+
+
 # ---------------------------------------------------------------- model
 
 
 class Model:
     """The GLM-5.3-Flash text decoder over a ForwardBatch."""
 
-    def __init__(self, cfg: Glm5NextConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    def __init__(self, cfg: Glm5NextConfig, t: Tensors, dtype: torch.dtype, device):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.kda_dims = cfg.kda_dims
         self.hc = cfg.mhc_dims
-        self.act = clamped_swiglu(cfg.swiglu_limit)  # the routed experts' fused gate|up rows
-        self.glu = partial(clamped_silu_glu, limit=cfg.swiglu_limit)  # the dense MLP and shared experts
-        t = tensors
-        self.embed = t["model.embed_tokens.weight"]
-        self.norm = t["model.norm.weight"]
-        self.lm_head = t.get("lm_head.weight", self.embed)
-        self.layers, self.sites, self.kda = [], [], {}
-        for L in range(cfg.num_hidden_layers):
-            p = f"model.layers.{L}."
-            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
-            self.layers.append(w)
-            self.sites.append(
-                tuple(
-                    mhc.MhcSite(w[f"{s}.fn"], w[f"{s}.base"], w[f"{s}.scale"]) for s in ("attn_hc", "ffn_hc")
-                )
-            )
-            if cfg.layer_types[L] == KDA:
-                sub = {k[len("self_attn.") :]: v for k, v in w.items() if k.startswith("self_attn.")}
-                self.kda[L] = bind_kda(Tensors(sub), self.kda_dims)  # TODO(#11): bind at build
-        self.mtp = []  # the MTP layer(s)' tensors, for a drafter (spec/); empty when the checkpoint has none
-        mtp_specs = [s for s in tensor_specs(cfg) if s.optional and s.layer is not None]
-        for j in range(cfg.num_nextn_predict_layers):
-            p = f"model.layers.{cfg.num_hidden_layers + j}."
-            w = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
-            if w:
-                missing = [s.name for s in mtp_specs if s.name.startswith(p) and s.name not in t]
-                if missing:
-                    raise CheckpointError(
-                        f"the MTP layer {p[:-1]} is incomplete: {len(missing)} tensor(s) missing, "
-                        f"e.g. {missing[:3]} (ship all of it or none)"
-                    )
-                self.mtp.append(w)
+        self.moe = cfg.moe_spec
+        self.embed = t("model.embed_tokens.weight")
+        self.norm = t("model.norm.weight")
+        self.lm_head = t.optional("lm_head.weight")
+        if self.lm_head is None:
+            self.lm_head = self.embed
+        self.layers = [_bind_layer(cfg, t, L) for L in range(cfg.num_hidden_layers)]
+        self.mtp = _bind_mtp(cfg, t)  # for the drafter (spec/); empty when the checkpoint has none
 
     # -- state
     def new_state(self, rollback_window: int = 0) -> SequenceState:
@@ -599,43 +637,28 @@ class Model:
         return SequenceState(layers)
 
     # -- mixers
-    def dsa_block(self, L: int, w: dict, x: torch.Tensor, batch: ForwardBatch, shared: list | None):
+    def dsa_block(self, L: int, w: Dsa, x: torch.Tensor, batch: ForwardBatch, shared: list | None):
         """DSA over every sequence; returns (output, the selections it used, one per sequence)."""
-        c = self.cfg
+        c, m, ix = self.cfg, w.mla, w.indexer
         N, H, dn, dv = x.shape[0], c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
-        qr = rms_norm(
-            linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], c.rms_norm_eps
-        )
-        q = linear(qr, w["self_attn.q_b_proj.weight"]).view(N, H, dn)
-        latent = rms_norm(
-            linear(x, w["self_attn.kv_a_proj_with_mqa.weight"]),
-            w["self_attn.kv_a_layernorm.weight"],
-            c.rms_norm_eps,
-        )
-        full = c.is_full_indexer(L)
-        if full:
-            i = "self_attn.indexer."
-            qi = linear(qr, w[i + "wq_b.weight"]).view(N, c.index_n_heads, c.index_head_dim)
-            wts = linear(x, w[i + "weights_proj.weight"]).float() * c.index_n_heads**-0.5
-            k, z = dsa.indexer_keys(
-                x,
-                w[i + "wk.weight"],
-                w[i + "k_norm.weight"],
-                w[i + "k_norm.bias"],
-                w[i + "index_kpool_compress_gate"],
-            )
+        qr = rms_norm(linear(x, m.q_a), m.q_a_norm, c.rms_norm_eps)
+        q = linear(qr, m.q_b).view(N, H, dn)
+        latent = rms_norm(linear(x, m.kv_a), m.kv_a_norm, c.rms_norm_eps)
+        if ix is not None:
+            qi, wts = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
+            k, z = dsa.indexer_keys(x, ix)
         out = x.new_empty(N, H, dv)
         selections = []
         for j, s in enumerate(batch.seqs):
             rows = slice(s.start, s.start + s.n)
-            if full:
+            if ix is not None:
                 cache = s.state.layers[L].append(latent=latent[rows], k=k[rows], z=z[rows])
                 sel = dsa.kpool_select(
                     qi[rows],
                     wts[rows],
                     cache["k"],
                     cache["z"],
-                    w[i + "index_kpool_compress_ape"],
+                    ix.ape,
                     batch.positions[rows],
                     c.index_topk,
                     c.index_kpool_always_select_tail,
@@ -644,36 +667,11 @@ class Model:
                 cache = s.state.layers[L].append(latent=latent[rows])
                 sel = shared[j]
             selections.append(sel)
-            out[rows] = dsa.sparse_mla_attend(
-                q[rows], cache["latent"], w["self_attn.kv_b_proj.weight"], dv, dn**-0.5, sel
-            )
-        return linear(out.reshape(N, H * dv), w["self_attn.o_proj.weight"]), selections
+            out[rows] = dsa.sparse_mla_attend(q[rows], cache["latent"], m.kv_b, dv, dn**-0.5, sel)
+        return linear(out.reshape(N, H * dv), m.o), selections
 
-    def mlp(self, L: int, w: dict, x: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        if c.mlp_layer_types[L] == "dense":
-            return glu_mlp(
-                x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"], self.glu
-            )
-        logits = F.linear(x.float(), w["mlp.gate.weight"].float())
-        weights, ids = route_sigmoid(
-            logits,
-            c.num_experts_per_tok,
-            w["mlp.gate.e_score_correction_bias"],
-            c.n_group,
-            c.topk_group,
-            c.norm_topk_prob,
-            c.routed_scaling_factor,
-        )
-        out = run_experts(
-            x, weights, ids, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"], self.act
-        )
-        if c.n_shared_experts:
-            s = "mlp.shared_experts."
-            out = out + glu_mlp(
-                x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"], self.glu
-            )
-        return out
+    def mlp(self, w: Mlp | MoeWeights, x: torch.Tensor) -> torch.Tensor:
+        return moe(x, w, self.moe) if isinstance(w, MoeWeights) else w(x, self.moe.glu)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -682,26 +680,24 @@ class Model:
         h = mhc.expand(F.embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
         selections = None  # of the most recent full DSA layer, one per sequence
         for L, w in enumerate(self.layers):
-            attn_site, ffn_site = self.sites[L]
-            x, post, comb = mhc.site_input(h, attn_site, self.hc)
-            x = rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps)
-            if c.layer_types[L] == KDA:
-                y = run_recurrent(kda_mixer, self.kda[L], self.kda_dims, L, x, batch)
+            x, post, comb = mhc.site_input(h, w.attn_site, self.hc)
+            x = rms_norm(x, w.attn_norm, c.rms_norm_eps)
+            if isinstance(w.mixer, KdaWeights):
+                y = run_recurrent(kda_mixer, w.mixer, self.kda_dims, L, x, batch)
             else:
-                y, sel = self.dsa_block(L, w, x, batch, selections)
-                if c.is_full_indexer(L):
+                y, sel = self.dsa_block(L, w.mixer, x, batch, selections)
+                if w.mixer.indexer is not None:
                     selections = sel
             h = mhc.update(h, y, post, comb)
-            x, post, comb = mhc.site_input(h, ffn_site, self.hc)
-            h = mhc.update(
-                h,
-                self.mlp(L, w, rms_norm(x, w["post_attention_layernorm.weight"], c.rms_norm_eps)),
-                post,
-                comb,
-            )
+            x, post, comb = mhc.site_input(h, w.ffn_site, self.hc)
+            h = mhc.update(h, self.mlp(w.mlp, rms_norm(x, w.mlp_norm, c.rms_norm_eps)), post, comb)
         batch.finish()
         h = rms_norm(mhc.head_mean(h[batch.logit_rows]), self.norm, c.rms_norm_eps)
         return linear(h, self.lm_head).float()
+
+
+def build(cfg: Glm5NextConfig, tensors: Tensors, dtype: torch.dtype, device, folder) -> Model:
+    return Model(cfg, tensors, dtype, device)
 
 
 # ---------------------------------------------------------------- facts for inspect and the planner
@@ -717,8 +713,8 @@ def layer_schedule(cfg: Glm5NextConfig) -> list[str]:
 
 def state_bytes(cfg: Glm5NextConfig, dtype_bytes: int, rollback_window: int = 0) -> tuple[int, int]:
     """(bytes per token, fixed bytes per sequence). Per token: the latent of every DSA layer and the
-    indexer k and z of every full one, in the cache dtype. Fixed: every KDA layer's fp32 recurrent
-    state and conv tail, once plus once per token of the rollback window."""
+    indexer k and z of every full one, in the cache dtype; these rows roll back for free. Fixed: every
+    KDA layer's fp32 recurrent state and conv tail, once plus once per token of the rollback window."""
     n_dsa = cfg.layer_types.count(DSA)
     n_full = sum(cfg.is_full_indexer(L) for L in range(cfg.num_hidden_layers))
     per_token = (n_dsa * cfg.kv_lora_rank + n_full * 2 * cfg.index_head_dim) * dtype_bytes
@@ -735,9 +731,7 @@ def facts(cfg: Glm5NextConfig) -> dict:
     full = [L for L in range(cfg.num_hidden_layers) if cfg.is_full_indexer(L)]
     routed = dense = 0
     for s in tensor_specs(cfg):
-        n = 1
-        for x in s.shape:
-            n *= x
+        n = torch.Size(s.shape).numel()
         if s.role == "expert":
             routed += n
         else:
@@ -765,9 +759,6 @@ def handoff(raw: dict) -> str | None:
     return None
 
 
-def draft_heads(cfg) -> tuple[str, ...]:
-    return ()
-
-
-def build(cfg, tensors, dtype, device, folder):
-    return Model(cfg, tensors.all(), dtype, device)
+def draft_heads(cfg: Glm5NextConfig) -> tuple[str, ...]:
+    """The config's MTP layer(s) serve MTP drafting."""
+    return ("mtp",) if cfg.num_nextn_predict_layers > 0 else ()

@@ -54,11 +54,6 @@ class Tensors:
         """The same tensors, names taken relative to `self.prefix + prefix`."""
         return Tensors(self._tensors, self._absent, self.prefix + prefix, self._taken)
 
-    def all(self) -> dict:
-        """Every tensor as a dict, all counted as taken (for a model still binding by name scans)."""
-        self._taken.update(self._tensors)
-        return self._tensors
-
     def check_all_taken(self) -> None:
         left = sorted(n for n in self._tensors if n not in self._taken)
         if left:
