@@ -339,7 +339,7 @@ def check_indexers(c: Check, s):
     vis = ref > float("-inf")
     c.add("indexer[csa scores]", f"n={n} entries={T // m} heads={nI}", got[vis], ref[vis], 1e-5,
           fn=lambda: ti.indexer_select(q, w, keys, pos, m, topk))  # fmt: skip
-    ok = _selection_ok(ti.indexer_select(q, w, keys, pos, m, topk), ref.masked_fill(~vis, -1e30), topk)
+    ok = _selection_ok(ti.indexer_select(q, w, keys, pos, m, topk)[0], ref.masked_fill(~vis, -1e30), topk)
     c.rows.append(
         dict(kernel="indexer", shape=f"csa top-{topk} entries", ok=ok, note="selection vs reference scores")
     )

@@ -254,9 +254,19 @@ def case_csa_indexer_select():
     q, w = torch.randn(5, 16, 20, generator=gen), torch.randn(5, 16, generator=gen) * 0.25
     keys, pos = torch.randn(70, 20, generator=gen), torch.tensor([1, 7, 30, 200, 283])
     for topk in (3, 100):
-        ref = csa.indexer_select(q, w, keys, pos, 4, topk)
-        got = T["indexer"].indexer_select(q, w, keys, pos, 4, topk)
+        (ref, none), (got, none2) = (
+            csa.indexer_select(q, w, keys, pos, 4, topk),
+            T["indexer"].indexer_select(q, w, keys, pos, 4, topk),
+        )
+        assert none is None and none2 is None
         assert got.shape == ref.shape and torch.equal(got.sort(1).values, ref.sort(1).values)
+    # V4.1's candidate blocks (8 entries each, the top 3 and the newest's), then a layer limited to them
+    ref, ref_keep = csa.indexer_select(q, w, keys, pos, 4, 6, 8, 3)
+    got, keep = T["indexer"].indexer_select(q, w, keys, pos, 4, 6, 8, 3)
+    assert torch.equal(keep, ref_keep) and torch.equal(got.sort(1).values, ref.sort(1).values)
+    ref, _ = csa.indexer_select(q, w, keys, pos, 4, 6, 8, 0, ref_keep)
+    got, _ = T["indexer"].indexer_select(q, w, keys, pos, 4, 6, 8, 0, ref_keep)
+    assert torch.equal(got.sort(1).values, ref.sort(1).values)
     s = T["indexer"].indexer_scores(q, w, keys, pos, 4)
     for i, j, ref, _ in csa.index_score_blocks(q, w, keys, pos, 4):
         vis = ref > float("-inf")
@@ -308,9 +318,10 @@ def case_compressor_update_over_prefill_and_decode(ratio, overlap):
     states = [csa.CompressorState(d, torch.float32, "cpu", 64, 2) for _ in range(2)]
     for n in (13, 1, 1, 1):
         kv, gate = torch.randn(n, d.proj_width, generator=gen), torch.randn(n, d.proj_width, generator=gen)
-        ref = csa.compressor_update(states[0], kv, gate, w, 1e-6, rope)
+        entries, latent, first = csa.compressor_update(states[0], kv, gate, w, 1e-6, rope)
         got = T["compressor"].compressor_update(states[1], kv, gate, w, 1e-6, rope)
-        close(got, ref)
+        close(got[0], entries), close(got[1], latent)
+        assert got[2] == first
     assert states[1].entries.length == (13 + 3) // ratio
 
 

@@ -120,18 +120,19 @@ def rms_norm_cast_once(x, weight, eps: float):
 def compressor_update(state, kv, gate, w, eps: float, rope):
     """layers/csa.py `compressor_update` with the pooling and the entry norm in Triton: appends n new
     tokens' raw rows to `state` (a CompressorState), closes the windows they complete into entries
-    (pooled, RMS-normed, roped at their first token by the `rope` callable) and returns all entries."""
+    (pooled, RMS-normed, roped at their first token by the `rope` callable). Returns (all entries so
+    far [E, width], the new entries before rope [E1 - E0, width], E0 = the index of the first new one)."""
     d, m = state.dims, state.dims.ratio
     T0, n = state.raw.length, kv.shape[0]
     held = state.raw.held
     raw = state.raw.append(kv=kv, gate=gate)
     E0, E1 = T0 // m, (T0 + n) // m
     if E1 == E0:
-        return state.entries.bufs["entry"][: state.entries.length]
+        return state.held_entries(), kv.new_empty(0, d.width), E0
     has_prev = d.overlap and E0 > 0
     first = (E0 - 1 if has_prev else E0) * m
     a, b = first - (T0 - held), E1 * m - (T0 - held)
     pooled = pool_windows(raw["kv"][a:b], raw["gate"][a:b], w.ape, d, has_prev)
-    new = rms_norm_cast_once(pooled.to(kv.dtype), w.norm, eps)
-    new = rope(new, torch.arange(E0, E1, device=kv.device) * m)
-    return state.entries.append(entry=new)["entry"]
+    latent = rms_norm_cast_once(pooled.to(kv.dtype), w.norm, eps)
+    new = rope(latent, torch.arange(E0, E1, device=kv.device) * m)
+    return state.entries.append(entry=new)["entry"], latent, E0

@@ -13,6 +13,7 @@ fused radix select is left for when the indexer shows up in a profile.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -79,16 +80,34 @@ def indexer_scores(q, weights, keys, positions, ratio: int):
     return _scores(q, weights, keys, positions, ratio)
 
 
-def indexer_select(q, weights, keys, positions, ratio: int, topk: int):
-    """layers/csa.py `indexer_select`: the top-k visible entries per query, [n, min(topk, E)], -1 where
-    fewer entries are visible."""
+def indexer_select(
+    q, weights, keys, positions, ratio: int, topk: int, block: int = 1, topk_blocks: int = 0, allowed=None
+):
+    """layers/csa.py `indexer_select`: (sel [n, min(topk, E)] the top-k visible entries per query, -1
+    where nothing is selected; None, or with topk_blocks > 0 (V4.1's candidate source) the candidate
+    blocks [n, ceil(E / block)] bool: the topk_blocks blocks of `block` entries with the highest max
+    score, the block of the newest visible entry pinned). `allowed` [n, nb] (another layer's candidate
+    blocks) sets the scores outside them to -inf. Scores and masks in Triton, the top-k in torch."""
     n, E = q.shape[0], keys.shape[0]
     k = min(topk, E)
-    if k == 0:
-        return torch.empty(n, 0, dtype=torch.long, device=q.device)
-    idx = indexer_scores(q, weights, keys, positions, ratio).topk(k, dim=-1).indices
-    visible = (positions.to(idx.device) + 1) // ratio
-    return torch.where(idx >= visible[:, None], -1, idx)
+    nb = -(-E // block)
+    dev = q.device
+    sel = torch.full((n, k), -1, dtype=torch.long, device=dev)
+    keep = torch.zeros(n, nb, dtype=torch.bool, device=dev) if topk_blocks else None
+    if E == 0 or n == 0:
+        return sel, keep
+    s = indexer_scores(q, weights, keys, positions, ratio)
+    if topk_blocks:
+        bs = F.pad(s, (0, nb * block - E), value=float("-inf")).view(n, nb, block).amax(-1)
+        newest = ((positions.to(dev) + 1) // ratio - 1)[:, None]  # -1: nothing visible (all blocks -inf)
+        col = newest.clamp(min=0) // block
+        bs.scatter_(1, col, torch.where(newest >= 0, float("inf"), bs.gather(1, col)))
+        val, idx = bs.topk(min(topk_blocks, nb), dim=-1)
+        keep.scatter_(1, idx, val > float("-inf"))
+    if allowed is not None:
+        s = s.masked_fill(~allowed[:, torch.arange(E, device=dev) // block], float("-inf"))
+    val, idx = s.topk(k, dim=-1)
+    return torch.where(val == float("-inf"), -1, idx), keep
 
 
 def _token_selection(masked, positions, kpool: int, index_topk: int, always_select_tail: bool):
