@@ -3,6 +3,8 @@ achieved GB/s of the bandwidth-bound kernels against the HBM peak, and a hook fo
 
     python benchmarks/gpu_check.py              # one GPU: real shapes (K3, GLM-5.3, DeepSeek-V4, Nemotron-H)
     python benchmarks/gpu_check.py --dry-run    # CPU: Triton's interpreter, tiny shapes (tests run this)
+    python benchmarks/gpu_check.py --compile-only  # no GPU: every kernel built for sm_90, registers,
+                                                   # spills and shared memory (a device run's pre-flight)
 
 Sized for <= 8 minutes on one H200 (a --budget in seconds stops starting new checks once spent).
 
@@ -71,30 +73,60 @@ TINY = dict(
     moe_nv=dict(d=64, I=32, E=4, tokens=2, k=2),
     fp8=dict(N=48, K=64, rows=(1,)),
 )
+# --compile-only: the real widths (they set the kernels' tile constexprs), few tokens / experts / sequences
+COMPILE = dict(
+    REAL,
+    kda=dict(H=4, D=128, batch=2, prefill=64),
+    ssd=dict(H=4, P=64, N=128, batch=2, prefill=64, chunk=128),
+    mla=dict(H=96, kvr=512, dr=64, lens=(70, 130)),
+    dsa=dict(H=64, kvr=512, dn=256, dv=256, width=2051, lens=(2100, 2200)),
+    kpool=dict(nI=32, c=128, P=4, T=256, n=2, topk=64),
+    csa_index=dict(nI=64, c=128, ratio=4, T=256, n=2, topk=16),
+    compressor=dict(C=512, rows=256),
+    mhc=dict(n=4, d=4096, tokens=(16,)),
+    router=dict(tokens=2),
+    moe=dict(d=512, I=256, E=4, tokens=2, k=2),
+    moe_nv=dict(d=512, I=256, E=4, tokens=2, k=2),
+    fp8=dict(N=256, K=512, rows=(1, 24, 600)),
+)
+SM90_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
 class Check:
-    """Runs the checks, times them on a GPU, collects one row per check."""
+    """Runs the checks, times them on a GPU, collects one row per check. Modes: "gpu", "dry" (the
+    interpreter on CPU, fp32), "compile" (CPU tensors, launches replaced by sm_90 compiles)."""
 
-    def __init__(self, dry: bool, budget: float):
-        self.dry, self.budget, self.t0 = dry, budget, time.time()
-        self.dev = torch.device("cpu" if dry else "cuda")
+    def __init__(self, mode: str, budget: float):
+        self.dry, self.compile = mode == "dry", mode == "compile"
+        self.budget, self.t0 = budget, time.time()
+        self.dev = torch.device("cuda" if mode == "gpu" else "cpu")
+        self.half = torch.float32 if self.dry else torch.bfloat16  # the dtype of caches and activations
         self.rows: list[dict] = []
-        name = "cpu (interpreter)" if dry else torch.cuda.get_device_name()
-        self.device_name = name
-        self.peak = next((v for k, v in PEAK_GBS.items() if k in name), PEAK_GBS["H200"])
+        self.compiled: list[dict] = []
+        name = {"dry": "cpu (interpreter)", "compile": "sm_90 compile only (no GPU)"}.get(mode)
+        self.device_name = name or torch.cuda.get_device_name()
+        self.peak = next((v for k, v in PEAK_GBS.items() if k in self.device_name), PEAK_GBS["H200"])
+
+    def verdict(self, kernel, shape, ok_fn, note="selection vs reference scores"):
+        """A row whose check is a predicate (skipped in compile mode: the outputs are not computed)."""
+        self.rows.append(
+            dict(kernel=kernel, shape=shape, ok=True if self.compile else bool(ok_fn()), note=note)
+        )
 
     def rand(self, *shape, dtype=torch.float32, scale=1.0):
         return (torch.randn(*shape, device=self.dev) * scale).to(dtype)
 
     def time_ms(self, fn) -> float | None:
-        if self.dry:
+        if self.dry or self.compile:
             return None
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=10, rep=50))
 
     def add(self, kernel, shape, got, ref, tol, fn=None, nbytes=None, note=""):
+        if self.compile:  # the kernels only compiled: their outputs are not computed
+            self.rows.append(dict(kernel=kernel, shape=shape, ok=True, note="compiled"))
+            return
         got = got if isinstance(got, (list, tuple)) else [got]
         ref = ref if isinstance(ref, (list, tuple)) else [ref]
         err = 0.0
@@ -225,7 +257,7 @@ def check_mla(c: Check, s):
 
     p = s["mla"]
     H, kvr, dr, lens = p["H"], p["kvr"], p["dr"], list(p["lens"])
-    dtype = torch.float32 if c.dry else torch.bfloat16
+    dtype = c.half
     (lat, rope), table = _pages(c, lens, (kvr, dr), dtype)
     S = len(lens)
     qs = torch.arange(S + 1, dtype=torch.int32, device=c.dev)  # one decode token per sequence
@@ -321,14 +353,11 @@ def check_indexers(c: Check, s):
     sel = ti.kpool_select(q, w, k, z, ape, pos, topk, True)
     pools = sel[:, : (topk // P) * P : P] // P
     visible = torch.arange(pooled.shape[0], device=c.dev)[None, :] < ((pos + 1) // P)[:, None]
-    ok = _selection_ok(pools, ref_scores.masked_fill(~visible, -1e30), min(topk // P, pooled.shape[0]))
-    c.rows.append(
-        dict(
-            kernel="indexer",
-            shape=f"dsa kpool top-{topk} tokens",
-            ok=ok,
-            note="selection vs reference scores",
-        )
+    k_pools = min(topk // P, pooled.shape[0])
+    c.verdict(
+        "indexer",
+        f"dsa kpool top-{topk} tokens",
+        lambda: _selection_ok(pools, ref_scores.masked_fill(~visible, -1e30), k_pools),
     )
     p = s["csa_index"]
     nI, cI, m, T, n, topk = p["nI"], p["c"], p["ratio"], p["T"], p["n"], p["topk"]
@@ -337,11 +366,17 @@ def check_indexers(c: Check, s):
     ref = torch.cat([sc for _, _, sc, _ in csa.index_score_blocks(q, w, keys, pos, m)])
     got = ti.indexer_scores(q, w, keys, pos, m)
     vis = ref > float("-inf")
-    c.add("indexer[csa scores]", f"n={n} entries={T // m} heads={nI}", got[vis], ref[vis], 1e-5,
-          fn=lambda: ti.indexer_select(q, w, keys, pos, m, topk))  # fmt: skip
-    ok = _selection_ok(ti.indexer_select(q, w, keys, pos, m, topk)[0], ref.masked_fill(~vis, -1e30), topk)
-    c.rows.append(
-        dict(kernel="indexer", shape=f"csa top-{topk} entries", ok=ok, note="selection vs reference scores")
+    c.add(
+        "indexer[csa scores]",
+        f"n={n} entries={T // m} heads={nI}",
+        got[vis],
+        ref[vis],
+        1e-5,
+        fn=lambda: ti.indexer_select(q, w, keys, pos, m, topk),
+    )
+    sel = ti.indexer_select(q, w, keys, pos, m, topk)[0]
+    c.verdict(
+        "indexer", f"csa top-{topk} entries", lambda: _selection_ok(sel, ref.masked_fill(~vis, -1e30), topk)
     )
 
 
@@ -349,7 +384,7 @@ def check_compressors(c: Check, s):
     from moesaic.kernels.triton import compressor as tc
 
     C, rows = s["compressor"]["C"], s["compressor"]["rows"]
-    dtype = torch.float32 if c.dry else torch.bfloat16
+    dtype = c.half
     for ratio, overlap in ((4, True), (128, False)):
         if rows < ratio:
             ratio = 4
@@ -373,7 +408,7 @@ def check_mhc(c: Check, s):
     dims = mhc.MhcDims(n, 20, 1e-6, 1e-5)
     site = mhc.MhcSite(c.rand(dims.site_width, n * d, scale=0.02), c.rand(dims.site_width), c.rand(3))
     for N in s["mhc"]["tokens"]:
-        h = c.rand(N, n, d, dtype=torch.float32 if c.dry else torch.bfloat16)
+        h = c.rand(N, n, d, dtype=c.half)
         c.add(
             "mhc",
             f"site_maps N={N} n={n} d={d}",
@@ -383,7 +418,7 @@ def check_mhc(c: Check, s):
             fn=lambda h=h: tm.site_maps(h, site, dims),
             nbytes=h.numel() * h.element_size() + site.fn.numel() * 4,
         )
-    logits = c.rand(2048 if not c.dry else 4, n, n, scale=3)
+    logits = c.rand(4 if c.dry else 2048, n, n, scale=3)
     c.add(
         "mhc",
         f"sinkhorn {logits.shape[0]} x {n}x{n}",
@@ -414,7 +449,7 @@ def check_router(c: Check, s):
         x, b = c.rand(N, E), c.rand(E, scale=0.1)
         same, wg, wr = _same_routes(fast(*args(x, b)), ref_fn(*args(x, b)))
         c.add("router", f"{name}, {N} tokens", wg, wr, 1e-5, fn=lambda x=x, b=b, a=args, f=fast: f(*a(x, b)))
-        c.rows[-1]["ok"] = c.rows[-1]["ok"] and same
+        c.rows[-1]["ok"] = c.rows[-1]["ok"] and (same or c.compile)
 
 
 def _quantize(fmt, w):
@@ -433,7 +468,7 @@ def _moe(c: Check, name, fmt, p):
     from moesaic.kernels.triton import quant as tq
 
     d, I, E, N, k = p["d"], p["I"], p["E"], p["tokens"], p["k"]
-    dtype = torch.float32 if c.dry else torch.bfloat16
+    dtype = c.half
     w_in = Q.stack([_quantize(fmt, c.rand(2 * I, d, scale=0.02)) for _ in range(E)])
     w_out = Q.stack([_quantize(fmt, c.rand(d, I, scale=0.02)) for _ in range(E)])
     x = c.rand(N, d, dtype=dtype)
@@ -467,7 +502,7 @@ def check_gemms(c: Check, s):
     _moe(c, "moe_gemm_nvfp4", "nvfp4", s["moe_nv"])
     _moe(c, "moe_gemm_deepseek_fp4", "deepseek_fp4", s["moe_nv"])
     p = s["fp8"]
-    dtype = torch.float32 if c.dry else torch.bfloat16
+    dtype = c.half
     for fmt in ("fp8_128", "fp8_32_ue8m0"):
         qt = _quantize(fmt, c.rand(p["N"], p["K"], scale=0.02))
         for M in p["rows"]:
@@ -487,14 +522,86 @@ def check_gemms(c: Check, s):
     )
 
 
+# ----------------------------------------------------------------------------------------- compile only
+
+
+def compile_instead_of_launch(c: Check) -> None:
+    """Every kernel launch becomes an ahead-of-time compile for sm_90 (triton's own ptxas; no GPU
+    needed): its constexprs, registers, stack (spills) and shared memory go to c.compiled, so a
+    kernel that cannot build, or asks more shared memory than an H100/H200 block has, shows up before
+    a device run. The kernels' outputs stay uncomputed."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction
+
+    from moesaic.kernels import triton as kt
+
+    target = GPUTarget("cuda", 90, 32)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
+             torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}  # fmt: skip
+    seen = set()
+
+    def run(fn, *args, grid, warmup, **kwargs):
+        opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = dict(zip(fn.arg_names, args), **kwargs)
+        sig, consts, attrs = {}, {}, {}
+        for i, p in enumerate(fn.params):
+            v = bound[p.name]
+            if p.is_constexpr:
+                sig[p.name], consts[p.name] = "constexpr", v
+            elif isinstance(v, torch.Tensor):
+                sig[p.name] = "*" + types[v.dtype]
+                if v.data_ptr() % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(v, bool):
+                sig[p.name] = "i1"
+            else:
+                sig[p.name] = "fp32" if isinstance(v, float) else ("i32" if abs(v) < 2**31 else "i64")
+        shown = {k: (v.name if hasattr(v, "name") else v) for k, v in consts.items()}
+        key = (fn.__name__, str(sorted(sig.items())), str(sorted(shown.items())), str(sorted(opts.items())))
+        if key in seen:
+            return
+        seen.add(key)
+        row = dict(kernel=fn.__name__, constexprs=shown, options=opts)
+        try:
+            src = ASTSource(fn, sig, consts, attrs)
+            cc = triton.compile(src, target=target, options=make_backend(target).parse_options(opts).__dict__)
+        except Exception as e:
+            c.compiled.append(dict(row, ok=False, error=str(e)[-1500:]))
+            return
+        usage = ""
+        if cuobjdump.exists():
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(cc.asm["cubin"])
+                f.flush()
+                usage = subprocess.run(
+                    [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True
+                ).stdout
+        regs, stack = re.findall(r"REG:(\d+)", usage), re.findall(r"STACK:(\d+)", usage)
+        smem = cc.metadata.shared
+        c.compiled.append(dict(row, ok=smem <= SM90_SHARED, regs=int(regs[0]) if regs else None,
+                               stack=int(stack[0]) if stack else None, shared=smem))  # fmt: skip
+
+    JITFunction.run = run
+    for name in ("kda", "mamba2", "mla", "indexer", "compressor", "mhc", "router", "quant"):
+        __import__(f"moesaic.kernels.triton.{name}")
+        getattr(kt, name).check_device = lambda *t: None  # CPU tensors stand in for the GPU's
+
+
 # ----------------------------------------------------------------------------------------- end to end
 
 
 def e2e_decode(args) -> dict:
     """(c): decode tok/s of ~1B checkpoints of two families (MOESAIC_E2E_MODELS=dir1,dir2) at batch 1/8/32,
     with and without CUDA graphs, against the roofline of the weight bytes one step reads."""
-    if args.dry_run:
-        return {"status": "skipped: dry run (no GPU)"}
+    if args.dry_run or args.compile_only:
+        return {"status": "skipped: no GPU in this mode"}
     import inspect
 
     import moesaic
@@ -555,6 +662,12 @@ def report(c: Check, e2e: dict) -> str:
         lines.append(
             f"{r['kernel']:<24} {ok:<4} {err:>9} {ms:>9} {gbs:>8} {pct:>6}  {r['shape']} {r.get('note', '')}"
         )
+    if c.compiled:
+        lines += ["", f"sm_90 builds (shared memory limit {SM90_SHARED} B; stack > 0: register spills)"]
+        for r in c.compiled:
+            res = r.get("error") or f"regs {r['regs']} stack {r['stack']} shared {r['shared']}"
+            cx = " ".join(f"{k}={v}" for k, v in r["constexprs"].items())
+            lines.append(f"  {'ok' if r['ok'] else 'FAIL'} {r['kernel']} {cx} {r['options']}: {res}")
     lines += ["", f"end-to-end decode: {e2e['status']}"]
     for r in e2e.get("results", []):
         lines.append(
@@ -566,15 +679,18 @@ def report(c: Check, e2e: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
+    ap.add_argument("--compile-only", action="store_true", help="no GPU: build every kernel for sm_90")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which no new check starts")
     ap.add_argument("--only", default="", help="comma-separated check groups (kda,ssd,mla/dsa,...)")
     args = ap.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; use --dry-run for the CPU interpreter check")
+    if not (args.dry_run or args.compile_only) and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; use --dry-run (interpreter) or --compile-only (sm_90 builds)")
         return 2
     torch.manual_seed(0)
-    c = Check(args.dry_run, args.budget)
-    shapes = TINY if args.dry_run else REAL
+    c = Check("dry" if args.dry_run else ("compile" if args.compile_only else "gpu"), args.budget)
+    if args.compile_only:
+        compile_instead_of_launch(c)
+    shapes = TINY if args.dry_run else (COMPILE if args.compile_only else REAL)
     only = {o for o in args.only.split(",") if o}
     for name, fn in CHECKS:
         if not only or name in only:
@@ -585,8 +701,9 @@ def main(argv=None) -> int:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         data = dict(device=c.device_name, peak_gbs=c.peak, dry_run=args.dry_run, checks=c.rows, e2e=e2e)
-        (Path(out) / "gpu_check.json").write_text(json.dumps(data, indent=1))
-    return 0 if all(r["ok"] for r in c.rows) else 1
+        data["sm90_builds"] = c.compiled
+        (Path(out) / "gpu_check.json").write_text(json.dumps(data, indent=1, default=str))
+    return 0 if all(r["ok"] for r in c.rows + c.compiled) else 1
 
 
 if __name__ == "__main__":

@@ -390,7 +390,15 @@ FORMATS = {
         Q.quantize_fp8_block(w, (32, 32), "ue8m0", "deepseek"), format="fp8_block"
     ),
     "fp8_tensor": lambda w: Q.from_suffix_dict(Q.quantize_fp8_tensor(w), format="fp8_tensor"),
+    # blocks a tile straddles (one scale read per element): 48x48, and per channel [1, K]
+    "fp8_48_fp32": lambda w: _fp8_block(w, (48, 48)),
+    "fp8_channel": lambda w: _fp8_block(w, (1, w.shape[1])),
 }
+
+
+def _fp8_block(w, block):
+    d = Q.quantize_fp8_block(w, block)
+    return Q.QuantizedTensor("fp8_block", d["weight"], d["weight_scale_inv"], block=block)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -34,21 +34,25 @@ def check_device(*tensors: torch.Tensor) -> None:
             )
 
 
+# fp32 operands: three TF32 tensor-core products (hi*hi + hi*lo + lo*hi), about fp32's accuracy. The
+# references keep recurrent states, routers and mixing maps in fp32, which one TF32 product (10-bit
+# mantissa) would move by ~1e-3; "ieee" (FMA) keeps large tiles in local memory on sm_90.
+F32_DOT: tl.constexpr = tl.constexpr("tf32x3")
+
+
 def native_dot(dtype: torch.dtype) -> bool:
     """Whether tl.dot may take operands of `dtype` as they are: 16-bit floats on a GPU's tensor cores.
-    Under the interpreter 16-bit operands are widened first (it multiplies bf16 as raw integers), and
-    fp32 operands always multiply in full fp32 ("ieee"): the references keep recurrent states, routers
-    and mixing maps in fp32, which TF32 (10-bit mantissa) would move by ~1e-3."""
+    Under the interpreter 16-bit operands are widened first (it multiplies bf16 as raw integers)."""
     return dtype in (torch.bfloat16, torch.float16) and not interpreting()
 
 
 @triton.jit
 def mma(a, b, acc, NATIVE: tl.constexpr, TY: tl.constexpr):
-    """acc + a @ b: in TY on tensor cores when NATIVE, else in fp32 ("ieee")."""
+    """acc + a @ b: in TY on tensor cores when NATIVE, else from fp32 operands (F32_DOT)."""
     if NATIVE:
         return tl.dot(a.to(TY), b.to(TY), acc)
     else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=F32_DOT)
 
 
 # Elementwise math always runs in fp32 (loads are widened first): the interpreter has no bf16 arithmetic.

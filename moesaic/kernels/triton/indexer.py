@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import check_device, pow2
+from .common import F32_DOT, check_device, pow2
 from .compressor import pool_keys
 
 
@@ -38,7 +38,7 @@ def _scores_kernel(
             q + t * s_qn + rh[:, None] * s_qh + rc[None, :], mask=mh[:, None] & mc[None, :], other=0.0
         )
         kt = tl.load(keys + re[:, None] * s_k + rc[None, :], mask=me[:, None] & mc[None, :], other=0.0)
-        acc += tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        acc += tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision=F32_DOT)
     wt = tl.load(w + t * s_wn + rh, mask=mh, other=0.0).to(tl.float32)
     s = tl.sum(wt[:, None] * (tl.maximum(acc, 0.0) * scale), axis=0)
     if MASK:
@@ -63,7 +63,7 @@ def _scores(q, weights, keys, positions, ratio):
     _scores_kernel[(n, triton.cdiv(E, BE))](
         q, weights, keys, pos, out, nI, c, E, max(1, int(ratio)), c**-0.5,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), out.stride(0),
-        MASK=mask, BH=pow2(nI), BC=min(128, pow2(c)), BE=BE, num_warps=4,
+        MASK=mask, BH=pow2(nI), BC=min(64, pow2(c)), BE=BE, num_warps=8,
     )  # fmt: skip
     return out
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, pow2, sigmoid
+from .common import F32_DOT, check_device, pow2, sigmoid
 
 
 @triton.jit
@@ -81,8 +81,8 @@ def _site_kernel(
         ss += tl.sum(x * x, axis=1)
         fp = tl.load(fn + rp[:, None] * s_fn + rk[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
         fc = tl.load(fn + crow[:, None] * s_fn + rk[None, :], mask=mc[:, None] & mk[None, :], other=0.0)
-        acc_p = tl.dot(x, tl.trans(fp.to(tl.float32)), acc_p, input_precision="ieee")
-        acc_c = tl.dot(x, tl.trans(fc.to(tl.float32)), acc_c, input_precision="ieee")
+        acc_p = tl.dot(x, tl.trans(fp.to(tl.float32)), acc_p, input_precision=F32_DOT)
+        acc_c = tl.dot(x, tl.trans(fc.to(tl.float32)), acc_c, input_precision=F32_DOT)
     inv = tl.rsqrt(ss / K + norm_eps)
     s0, s1, s2 = (
         tl.load(scale).to(tl.float32),
@@ -126,6 +126,6 @@ def site_maps(streams: torch.Tensor, site, dims):
         _site_kernel[(triton.cdiv(M, BM),)](
             flat, fn, site.base.contiguous(), site.scale.contiguous(), pre, post, comb, M, K, n,
             flat.stride(0), fn.stride(0), float(dims.norm_eps), float(dims.hc_eps), int(dims.sinkhorn_iters),
-            BM=BM, BK=128, PP=pow2(2 * n), NP=max(4, pow2(n, 2)), num_warps=4,
+            BM=BM, BK=32, PP=pow2(2 * n), NP=max(4, pow2(n, 2)), num_warps=4,
         )  # fmt: skip
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
