@@ -295,7 +295,7 @@ def _grouped(xs: torch.Tensor, offsets: torch.Tensor, op: dict, out_dtype) -> to
     xs = xs if xs.stride(-1) == 1 else xs.contiguous()
     # tiles by rows per expert (sm_90, checked free of register spills): decode streams K in wide steps
     per_expert = M / max(1, min(E, M))
-    BM, BN, BK, warps = (16, 64, 128, 4) if per_expert <= 16 else (32, 128, 64, 8)
+    BM, BN, BK, warps = (16, 64, 128, 8) if per_expert <= 16 else (32, 128, 64, 8)
     if per_expert > 32:
         BM = 64
     tile_e, r0, r1, T = _tiles(offsets.to(xs.device), M, E, BM)
