@@ -18,10 +18,16 @@ Each module mirrors one family of reference functions; a caller switches by devi
     router.py      route_sigmoid / route_softmax / route_sqrtsoftplus (fused scores + bias +
                    group limit + top-k + renormalise)                        layers/moe.py
 
-The kernels are written for sm_90 (H200) and tested on CPU tensors under Triton's interpreter
-(TRITON_INTERPRET=1, set before this package's kernel modules are imported: triton decides at
-decoration time). They import nothing from moesaic: the packed-format bit tricks live in quant.py
-until moesaic.kernels.codecs lands. Importing this package does not import triton.
+The kernels are written for sm_90 (H200): tiles were sized from ahead-of-time sm_90 builds
+(`benchmarks/gpu_check.py --compile-only` reports registers, spills and shared memory without a GPU).
+They are tested on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, which must be set before
+triton itself is first imported: tests/test_triton_kernels.py runs them in a child process). The
+interpreter has no bf16 arithmetic, so kernels widen loads to fp32 and multiply 16-bit operands
+natively only on a GPU (common.native_dot); it also rounds fp32 -> bf16 by truncation, so bf16 results
+are checked there to a bf16 step, exactly on the device.
+
+They import nothing from moesaic: the packed-format bit tricks live in quant.py until
+moesaic.kernels.codecs lands. Importing this package does not import triton.
 """
 
 from __future__ import annotations

@@ -1,17 +1,19 @@
 """Absorbed MLA / DSA decode attention over the paged latent cache, many sequences per launch.
 
-The paged layout (moesaic/cache/paged.py): one pool tensor per row field, [num_blocks, layers, PAGE,
-width] with PAGE = 64 rows; a block table per sequence (int32 [num_seqs, max_blocks]; block i holds the
-sequence's tokens i*PAGE ...); `seq_lens` [num_seqs] counts each sequence's cached tokens, those of this
+The paged layout (the engine's paged rows, issue 12): one pool tensor per row field, [num_blocks, layers,
+PAGE, width] with PAGE = 64 rows; the sequences' block tables padded into one int32 [num_seqs, max_blocks]
+(block i holds the sequence's tokens i*PAGE ...); `seq_lens` [num_seqs] counts each sequence's cached tokens, those of this
 step included. Queries are packed over the sequences (varlen): `query_start` [num_seqs + 1] are their
 offsets, and query i of a sequence with n new tokens sits at position seq_len - n + i (causal).
 
 One kernel serves both attentions, in the latent space (W_uk folded into the query, W_uv applied after):
   dense (MLA): each query sees every cached token up to its position;   layers/mla.py latent_attention
   sparse (DSA): each query sees its selected tokens only (-1 padded);   layers/dsa.py sparse_mla_attend
-Each program takes one query token, a block of BH heads (the latent rows read once serve all of them)
-and one split of the keys (flash-decoding: splits make enough programs for a batch of one); a second
-kernel merges the splits' partial softmax sums. Scores and softmax in fp32, as the references.
+Each program takes one query token, a block of BH = 16 heads (each latent row it reads serves all 16;
+the H/16 programs of a token run side by side, so the other reads mostly hit L2) and one split of the
+keys (flash-decoding: splits make enough programs for a batch of one); a second kernel merges the
+splits' partial softmax sums. Scores and softmax in fp32, as the references; bf16 operands on the
+tensor cores.
 
 `latent_attention` and `sparse_mla_attend` keep the references' signatures (one sequence, contiguous
 rows: they are viewed as pages, no copy); `paged_latent_attention` and `paged_sparse_mla_attend` are the
