@@ -24,7 +24,7 @@ They are tested on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, w
 triton itself is first imported: tests/test_triton_kernels.py runs them in a child process). The
 interpreter has no bf16 arithmetic, so kernels widen loads to fp32 and multiply 16-bit operands
 natively only on a GPU (common.native_dot); it also rounds fp32 -> bf16 by truncation, so bf16 results
-are checked there to a bf16 step, exactly on the device.
+are checked there to a bf16 rounding step (the device check runs the native paths).
 
 They import nothing from moesaic: the packed-format bit tricks live in quant.py until
 moesaic.kernels.codecs lands. Importing this package does not import triton.
