@@ -97,13 +97,20 @@ class LLM:
         max_batch_tokens: int = 1024,
         max_state_bytes: int | None = None,
         precision: str | None = None,
+        expert_cache=None,
+        expert_cache_policy: str = "lfru",
+        expert_prefetch: bool = True,
     ):
-        """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py)."""
+        """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py).
+        expert_cache: routed experts stay in the shards and are read on demand into a cache of at most
+        this many bytes (an int, "8GiB", or "10%" of the expert bytes; moesaic/weights/experts.py), with
+        policy "lru" or "lfru" and, unless expert_prefetch=False, the next layer's experts read ahead."""
         device = check_device(device)
         self.path = resolve_model_path(model)
         ckpt = Checkpoint.open(self.path)
         self.family, self.cfg, self.raw_config = ckpt.family, ckpt.cfg, ckpt.raw
-        self.model = ckpt.build(dtype, device, precision)
+        self.model = ckpt.build(dtype, device, precision, expert_cache, expert_cache_policy, expert_prefetch)
+        self.expert_cache = ckpt.expert_cache
         self.dtype, self.device = self.model.dtype, device
         self.tokenizer = load_tokenizer(self.path, ckpt.store.config, self.cfg.eos_token_ids)
         eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
@@ -166,6 +173,11 @@ class LLM:
         seq = Sequence(self.encode(prompt), params or SamplingParams())
         self.engine.add(seq)
         return Stream(self.engine, seq)
+
+    def stats(self) -> dict:
+        """Counters: the expert cache's (bytes read, hits and misses, prefetch, stall; see
+        ExpertCache.stats) under "expert_cache" when one is configured."""
+        return {} if self.expert_cache is None else {"expert_cache": self.expert_cache.stats()}
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [T, vocab] of one full prefill of `token_ids`."""
