@@ -370,10 +370,17 @@ class _Files:
         return True
 
     def fd(self, i: int, end: int, direct: bool) -> int:
-        """The descriptor of file i, checked to still hold bytes up to `end`."""
+        """The descriptor of file i, checked to be the file at its path now and to hold bytes up to `end`."""
         path = self.paths[i]
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{path}: the shard was deleted or moved while serving; streamed experts are read from it "
+                "(put it back)"
+            ) from None
         st = os.fstat(self.fds[i])
-        if st.st_nlink == 0:  # deleted (or replaced) under us: reopen it if it is back and the same
+        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):  # replaced: reopen it if it is the same
             self._reopen(i)
             st = os.fstat(self.fds[i])
         if st.st_size < end:
@@ -386,14 +393,16 @@ class _Files:
     def _reopen(self, i: int) -> None:
         path = self.paths[i]
         with self.lock:
-            if os.fstat(self.fds[i]).st_nlink:
-                return
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError:
-                raise CheckpointError(
-                    f"{path}: the shard was deleted while serving; streamed experts are read from it"
-                ) from None
+                raise CheckpointError(f"{path}: the shard was deleted or moved while serving") from None
+            if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) == (
+                os.fstat(self.fds[i]).st_ino,
+                os.fstat(self.fds[i]).st_dev,
+            ):
+                os.close(fd)  # another thread reopened it
+                return
             if _header_bytes(fd, path) != self.headers[i]:
                 os.close(fd)
                 raise CheckpointError(f"{path}: the shard was replaced by a different file while serving")
@@ -753,9 +762,8 @@ class ExpertCache:
             return
         self.slot_bytes = -(-max(u.slot_bound for u in self.unit_list) // 64) * 64
         b, experts = self.budget_arg, sum(u.E for u in self.unit_list)
-        self.budget = (
-            int(b * experts) * self.slot_bytes if isinstance(b, float) else b
-        )  # "10%": of the experts
+        # "10%": room for that share of the experts (one at least)
+        self.budget = max(1, int(b * experts)) * self.slot_bytes if isinstance(b, float) else b
         self.slots = min(self.budget // self.slot_bytes, experts)
         if self.slots < 1:
             one = self.slot_bytes
