@@ -103,7 +103,7 @@ class LLM:
     ):
         """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py).
         expert_cache: routed experts stay in the shards and are read on demand into a cache of at most
-        this many bytes (an int, "8GiB", or "10%" of the expert bytes; moesaic/weights/experts.py), with
+        this many bytes (an int, "8GiB", or "10%": room for that share of the experts; weights/experts.py), with
         policy "lru" or "lfru" and, unless expert_prefetch=False, the next layer's experts read ahead."""
         device = check_device(device)
         self.path = resolve_model_path(model)

@@ -148,7 +148,7 @@ class Checkpoint:
         expert_cache_policy: str = DEFAULT_POLICY,
         expert_prefetch: bool = True,
     ) -> Model:
-        """expert_cache: a byte budget (int, "8GiB", "10%" of the expert bytes) for routed experts
+        """expert_cache: a byte budget (int, "8GiB", "10%": room for that share of the experts) for routed experts
         streamed from the shards (weights/experts.py); None loads them all."""
         dt = parse_dtype(dtype)
         if not isinstance(precision, PrecisionSchedule):
