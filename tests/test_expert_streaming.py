@@ -136,6 +136,21 @@ def test_streamed_equals_loaded(ckpt, name, prefetch, batch):
     assert (s["prefetch_issued"] > 0 or s["prefetch_precision"] is not None) == prefetch
 
 
+@pytest.mark.parametrize("name", ["demo-kimi-k3-mxfp4", "bf16-mistral4"])
+def test_direct_reads_equal_buffered(ckpt, name, monkeypatch):
+    # O_DIRECT (aligned staging buffer, scattered into the slot) where the file system has it
+    path, dtype = ckpt(name), dtype_of(name)
+    tokens, logits = reference(path, dtype, 4)
+    monkeypatch.setenv("MOESAIC_EXPERT_DIRECT", "1")
+    try:
+        llm = moesaic.LLM(path, dtype=dtype, expert_cache="10%")
+    except ConfigError as e:
+        pytest.skip(str(e))
+    assert llm.stats()["expert_cache"]["io"] == "direct"
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
+    assert torch.equal(logits_of(llm.model, PROMPTS), logits)
+
+
 def moe_layers(model) -> list[MoeWeights]:
     return [v for layer in model.layers for v in vars(layer).values() if isinstance(v, MoeWeights)]
 

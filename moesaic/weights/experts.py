@@ -25,7 +25,9 @@ bit-identical whatever its state.
 
 Optional O_DIRECT: a start-up probe reads expert-sized records both ways (page cache evicted with
 posix_fadvise before each) and keeps the faster (O_DIRECT helped on some drives and halved
-throughput on others, colibri measured). O_DIRECT reads go through an aligned staging buffer.
+throughput on others, colibri measured), buffered while the OS page cache could hold the experts.
+O_DIRECT reads go through an aligned staging buffer. MOESAIC_EXPERT_DIRECT=1 / 0 forces the mode,
+MOESAIC_EXPERT_THREADS the pool's size (default 4-8).
 
 `FileRows` serves a `mapped` table the same way (V4.1's Engram rows): a row cache and reads through
 the same pool, so a token's rows can be fetched before its first layer runs.
@@ -703,6 +705,8 @@ class ExpertCache:
             raise ConfigError(f"expert_cache_policy {policy!r}: one of {', '.join(POLICIES)}")
         self.policy_name = policy
         self.prefetch_enabled = bool(prefetch)
+        if direct is None:  # MOESAIC_EXPERT_DIRECT=1 / 0 forces O_DIRECT / buffered reads
+            direct = {"1": True, "0": False}.get(os.environ.get("MOESAIC_EXPERT_DIRECT", ""))
         self.direct_arg = direct
         self.files = _Files()
         weakref.finalize(self, self.files.close)
@@ -717,6 +721,7 @@ class ExpertCache:
         self.trace: list | None = None  # set to [] to record every fetch's keys (benchmarks)
         self.direct = False
         self.probe: dict = {}
+        self.ceiling_gbps = 0.0  # the probe's faster cold read rate
         self.prefetch_pins = 0
         self._active = 0
         self._busy_since = 0.0
@@ -1071,6 +1076,9 @@ class ExpertCache:
             "read_busy_seconds": busy,
             "stall_seconds": c["stall_seconds"],
             "read_gbps": read / busy / 1e9 if busy > 0 else None,
+            "read_vs_probe": read / busy / 1e9 / self.ceiling_gbps
+            if busy > 0 and self.ceiling_gbps
+            else None,
             "probe": dict(self.probe),
         }
         if self.tables:
