@@ -25,10 +25,14 @@ def main(argv=None) -> int:
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--device", default="cpu")
     g.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
+    g.add_argument(
+        "--expert-cache", default=None, help='stream routed experts into a cache of SIZE ("8GiB", "10%%")'
+    )
     i = sub.add_parser("inspect", help="describe a checkpoint (config.json alone is enough)")
     i.add_argument("model")
     i.add_argument("--json", action="store_true")
     i.add_argument("--precision", default=None, help="show how this precision schedule resolves")
+    i.add_argument("--expert-cache", default=None, help="plan expert streaming with a cache of SIZE")
     args = ap.parse_args(argv)
     try:
         return {"generate": _generate, "inspect": _inspect}[args.cmd](args)
@@ -45,7 +49,13 @@ def _generate(args) -> int:
     from .llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, precision=args.precision)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        precision=args.precision,
+        expert_cache=args.expert_cache,
+    )
     if is_demo(llm.raw_config):
         print(
             f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
@@ -89,7 +99,9 @@ def _inspect(args) -> int:
     from .inspect import format_text, inspect_checkpoint
     from .llm import resolve_model_path
 
-    info = inspect_checkpoint(resolve_model_path(args.model), precision=args.precision)
+    info = inspect_checkpoint(
+        resolve_model_path(args.model), precision=args.precision, expert_cache=args.expert_cache
+    )
     print(json.dumps(info, indent=1) if args.json else format_text(info))
     return 0
 
