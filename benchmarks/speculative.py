@@ -95,8 +95,12 @@ def main(argv=None) -> None:
     batches = [int(b) for b in a.batches.split(",")]
     code = code_prompts(path, max(batches))
     sets = {"code": code, "repetitive": repetitive_prompts(code)}
-    print(f"# {path.name}: dtype {a.dtype}, {a.threads} thread(s), {a.new} new tokens, torch {torch.__version__}")
-    print("| method | k | adaptive | prompts | batch | tok/s | x plain | tau | acceptance by position | equal |")
+    print(
+        f"# {path.name}: dtype {a.dtype}, {a.threads} thread(s), {a.new} new tokens, torch {torch.__version__}"
+    )
+    print(
+        "| method | k | adaptive | prompts | batch | tok/s | x plain | tau | acceptance by position | equal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     plain = moesaic.LLM(str(path), dtype=a.dtype)
     base = {}

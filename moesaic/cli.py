@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     g.add_argument("--device", default="cpu")
     g.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
     g.add_argument(
+        "--expert-cache", default=None, help='stream routed experts into a cache of SIZE ("8GiB", "10%%")'
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
@@ -35,6 +38,7 @@ def main(argv=None) -> int:
     i.add_argument("model")
     i.add_argument("--json", action="store_true")
     i.add_argument("--precision", default=None, help="show how this precision schedule resolves")
+    i.add_argument("--expert-cache", default=None, help="plan expert streaming with a cache of SIZE")
     args = ap.parse_args(argv)
     try:
         return {"generate": _generate, "inspect": _inspect}[args.cmd](args)
@@ -56,6 +60,7 @@ def _generate(args) -> int:
         dtype=args.dtype,
         device=args.device,
         precision=args.precision,
+        expert_cache=args.expert_cache,
         speculative_config=args.speculative_config,
     )
     if is_demo(llm.raw_config):
@@ -107,7 +112,9 @@ def _inspect(args) -> int:
     from .inspect import format_text, inspect_checkpoint
     from .llm import resolve_model_path
 
-    info = inspect_checkpoint(resolve_model_path(args.model), precision=args.precision)
+    info = inspect_checkpoint(
+        resolve_model_path(args.model), precision=args.precision, expert_cache=args.expert_cache
+    )
     print(json.dumps(info, indent=1) if args.json else format_text(info))
     return 0
 

@@ -161,12 +161,18 @@ class LLM:
         max_cache_bytes: int | None = None,
         max_snapshot_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        expert_cache=None,
+        expert_cache_policy: str = "lfru",
+        expert_prefetch: bool = True,
         speculative_config: dict | str | None = None,
     ):
         """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py).
         max_num_batched_tokens (old name max_batch_tokens): the tokens one step computes; max_cache_bytes:
         the paged cache and fixed state (default: a fraction of free memory, logged); max_state_bytes: an
         optional cap on the planner's worst case of the running requests (each reserved at admission).
+        expert_cache: routed experts stay in the shards and are read on demand into a cache of at most
+        this many bytes (an int, "8GiB", or "10%": room for that share of the experts; weights/experts.py), with
+        policy "lru" or "lfru" and, unless expert_prefetch=False, the next layer's experts read ahead.
         speculative_config: drafting, off by default; {"method": "ngram" | "mtp" | "dspark" | "dflash",
         "num_speculative_tokens": k, "model": drafter folder (dflash, external dspark), "adaptive": true}
         or the same as a JSON string (moesaic/spec/__init__.py)."""
@@ -188,7 +194,8 @@ class LLM:
         self.path = resolve_model_path(model)
         ckpt = Checkpoint.open(self.path)
         self.family, self.cfg, self.raw_config = ckpt.family, ckpt.cfg, ckpt.raw
-        self.model = ckpt.build(dtype, device, precision)
+        self.model = ckpt.build(dtype, device, precision, expert_cache, expert_cache_policy, expert_prefetch)
+        self.expert_cache = ckpt.expert_cache
         self.dtype, self.device = self.model.dtype, device
         self.tokenizer = load_tokenizer(self.path, ckpt.store.config, self.cfg.eos_token_ids)
         eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
@@ -314,8 +321,13 @@ class LLM:
 
     def stats(self) -> dict:
         """The engine's counters (requests, tokens, prefix cache, preemptions, blocks, step times, and
-        `speculative`: drafted, accepted, per-position acceptance, tau, target forwards; None when off)."""
-        return self.engine.stats()
+        `speculative`: drafted, accepted, per-position acceptance, tau, target forwards; None when off), and
+        the expert cache's (bytes read, hits and misses, prefetch, stall; ExpertCache.stats) under
+        "expert_cache" when one is configured."""
+        out = self.engine.stats()
+        if self.expert_cache is not None:
+            out["expert_cache"] = self.expert_cache.stats()
+        return out
 
 
 class AsyncLLM:
@@ -344,7 +356,10 @@ class AsyncLLM:
         return self.engine.abort(request_id)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        out = self.engine.stats()
+        if self.llm.expert_cache is not None:
+            out["expert_cache"] = self.llm.expert_cache.stats()
+        return out
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self.engine.shutdown(timeout)

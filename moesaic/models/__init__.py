@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..weights.bind import Tensors
 from ..weights.contract import LoadPlan, Naming, TensorSpec, load_tensors, plan_load
 from ..weights.dtypes import parse_dtype
+from ..weights.experts import DEFAULT_POLICY, ExpertCache
 from ..weights.precision import PrecisionSchedule
 from ..weights.store import WeightStore
 
@@ -126,6 +127,7 @@ class Checkpoint:
     family: ModuleType
     cfg: object
     raw: dict
+    expert_cache: ExpertCache | None = None  # set by build(expert_cache=...)
 
     @staticmethod
     def open(path) -> Checkpoint:
@@ -137,12 +139,29 @@ class Checkpoint:
         naming = self.family.namings(self.cfg, self.store.layout, self.store.names())
         return plan_load(self.family.tensor_specs(self.cfg), self.store, naming)
 
-    def build(self, dtype="float32", device="cpu", precision: PrecisionSchedule | str | None = None) -> Model:
+    def build(
+        self,
+        dtype="float32",
+        device="cpu",
+        precision: PrecisionSchedule | str | None = None,
+        expert_cache=None,
+        expert_cache_policy: str = DEFAULT_POLICY,
+        expert_prefetch: bool = True,
+    ) -> Model:
+        """expert_cache: a byte budget (int, "8GiB", "10%": room for that share of the experts) for routed experts
+        streamed from the shards (weights/experts.py); None loads them all."""
         dt = parse_dtype(dtype)
         if not isinstance(precision, PrecisionSchedule):
             precision = PrecisionSchedule.parse(precision)
         plan = self.plan()
-        tensors = Tensors(load_tensors(plan, self.store, dt, device, precision), plan.skipped_optional)
+        cache = None
+        if expert_cache is not None:
+            cache = ExpertCache(expert_cache, expert_cache_policy, expert_prefetch)
+        tensors = Tensors(load_tensors(plan, self.store, dt, device, precision, cache), plan.skipped_optional)
         model = self.family.build(self.cfg, tensors, dt, device, self.store.folder)
         tensors.check_all_taken()
+        if cache is not None:
+            cache.finalize()
+            cache.link(model)
+            self.expert_cache = cache
         return model

@@ -219,18 +219,29 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
 
 
 def load_tensors(
-    plan: LoadPlan, store: WeightStore, dtype: torch.dtype, device, schedule: PrecisionSchedule | None = None
+    plan: LoadPlan,
+    store: WeightStore,
+    dtype: torch.dtype,
+    device,
+    schedule: PrecisionSchedule | None = None,
+    experts=None,
 ) -> dict:
     """Reads each planned checkpoint tensor once and converts it as the spec and the precision
     schedule say. Quantized weights of packable roles stay packed (codes and scales copied out of
-    the mmap, never dequantized as a whole); the rest become dense tensors."""
+    the mmap, never dequantized as a whole); the rest become dense tensors. With `experts` (an
+    ExpertCache, weights/experts.py) the streamable stacks and the 1-byte mapped tables stay in the
+    shards: their places hold objects that read them on demand."""
     schedule = schedule or PrecisionSchedule()
     schedule.check_roles(plan.specs.values())
     out = {}
     for name, src in plan.sources.items():
         spec = plan.specs[name]
         if spec.mapped:
-            out[name] = store.get(src.parts[0][0], count=False)  # a view of the file map: not read here
+            info = store.info(src.parts[0][0])
+            if experts is not None and info.dtype in ("F8_E4M3", "F8_E8M0", "U8", "I8"):
+                out[name] = experts.add_rows(info)  # rows read through the expert cache's reader
+            else:
+                out[name] = store.get(src.parts[0][0], count=False)  # a view of the file map: not read here
             continue
         want = schedule.dtype_for(spec.layer, spec.role)
         packable = (
@@ -242,6 +253,9 @@ def load_tensors(
             target = dtype if want in ("inherit", "fp8") else want
         else:
             target = _precision_dtype(want)
+        if experts is not None and spec.streamable:  # left in the shards, read on demand
+            out[name] = experts.add_stack(spec, src, plan, store, target, want, packable, device)
+            continue
         # Parts that are combined (stacked experts) stay views of the file mapping until the
         # combine copies them once; a single part is copied here. Either way one copy per tensor.
         combined = src.combine is not None

@@ -1,0 +1,575 @@
+"""The Triton kernels (moesaic/kernels/triton) against their plain-torch references, run by Triton's
+interpreter on CPU tensors.
+
+TRITON_INTERPRET=1 must be set before triton itself is first imported (its standard library is
+decorated then), and other test modules import triton earlier in a full run; so the `case_*` functions
+below run in one child pytest process started with the variable set (and nothing leaks into other
+tests), and each `test_kernel[case_...]` of this process reports its case's result from that run.
+
+Small shapes with odd sizes (masks), several sequences of different lengths, every packed format,
+both KDA gate laws. The interpreter is slow: every shape here is as small as the path it covers allows.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
+pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
+
+from moesaic.layers import csa, dsa, kda, mamba2, mhc, mla, moe  # noqa: E402
+from moesaic.weights import quant as Q  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ("kda", "mamba2", "mla", "indexer", "compressor", "mhc", "router", "quant")
+CHILD = os.environ.get("MOESAIC_TRITON_CASES") == "1"  # this process runs the cases under the interpreter
+
+if CHILD:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "the child run needs TRITON_INTERPRET=1 from the start"
+    T = {name: importlib.import_module(f"moesaic.kernels.triton.{name}") for name in KERNELS}
+
+
+def close(got, ref, rel=2e-6):
+    """Equal shapes and max |got - ref| <= rel * max |ref| (+ a floor for all-zero references)."""
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    if not ref.numel():
+        return
+    scale = float(ref.float().abs().max()) + 1e-6
+    err = float((got.float() - ref.float()).abs().max())
+    assert err <= rel * scale, f"max error {err:.3g} > {rel:g} x {scale:.3g}"
+
+
+def case_helpers_say_where_kernels_run(monkeypatch):
+    from moesaic.kernels import triton as kt
+
+    assert kt.interpreting() and kt.available()
+    assert kt.use_triton(torch.zeros(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kt.use_triton(torch.zeros(1)) is False
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        T["mhc"].sinkhorn(torch.zeros(1, 2, 2), 3, 1e-6)
+
+
+# ------------------------------------------------------------------------------------------ KDA
+
+LAWS = [None, -5.0]  # Kimi Linear's -exp(A) softplus(.) and GLM-5.3 / K3's lb * sigmoid(exp(A) .)
+
+
+def _kda_inputs(H, n, Dk, Dv, lower_bound, gen, lead=()):
+    q = kda.l2norm(torch.randn(*lead, H, n, Dk, generator=gen)) * Dk**-0.5
+    k = kda.l2norm(torch.randn(*lead, H, n, Dk, generator=gen))
+    v = torch.randn(*lead, H, n, Dv, generator=gen)
+    z = torch.randn(n, H * Dk, generator=gen) * 2
+    A_log = torch.randn(H, generator=gen) * 0.5
+    dt_bias = torch.randn(H * Dk, generator=gen)
+    g = kda.kda_gate(z, A_log, dt_bias, Dk, lower_bound).transpose(0, 1)  # [H, n, Dk]
+    g = g.expand(*lead, H, n, Dk).contiguous()
+    beta = torch.rand(*lead, H, n, generator=gen)
+    S = torch.randn(*lead, H, Dk, Dv, generator=gen)
+    return q, k, v, g, beta, S
+
+
+@pytest.mark.parametrize("lower_bound", LAWS)
+def case_kda_gate_both_laws(lower_bound):
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(7, 3 * 24, generator=gen) * 4
+    z[0, :4] = torch.tensor([30.0, -30.0, 19.9, -1e3])  # softplus threshold and far tail
+    A_log, dt_bias = torch.randn(3, generator=gen), torch.randn(3 * 24, generator=gen)
+    ref = kda.kda_gate(z, A_log, dt_bias, 24, lower_bound)
+    close(T["kda"].kda_gate(z, A_log, dt_bias, 24, lower_bound), ref)
+
+
+@pytest.mark.parametrize("lower_bound", LAWS)
+def case_kda_recurrent_matches_reference(lower_bound):
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, g, beta, S = _kda_inputs(3, 9, 24, 20, lower_bound, gen)
+    o, S1, states = kda.delta_rule_recurrent(q, k, v, g, beta, S, keep_states=True)
+    to, tS1, tstates = T["kda"].delta_rule_recurrent(q, k, v, g, beta, S, keep_states=True)
+    close(to, o), close(tS1, S1), close(tstates, states)
+    assert T["kda"].delta_rule_recurrent(q, k, v, g, beta, S)[2] is None
+
+
+def case_kda_recurrent_batch_of_sequences():
+    """Leading dims are independent heads: a batch of 2 sequences x 2 heads, one decode token each,
+    equals the reference run per sequence (each with its own state)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, g, beta, S = _kda_inputs(2, 1, 16, 16, -5.0, gen, lead=(2,))
+    to, tS, _ = T["kda"].delta_rule_recurrent(q, k, v, g, beta, S)
+    for b in range(2):
+        o, S1, _ = kda.delta_rule_recurrent(q[b], k[b], v[b], g[b], beta[b], S[b])
+        close(to[b], o), close(tS[b], S1)
+
+
+@pytest.mark.parametrize("lower_bound,n,chunk", [(None, 37, 16), (-5.0, 70, 64)])
+def case_kda_chunked_matches_reference(lower_bound, n, chunk):
+    gen = torch.Generator().manual_seed(4 + n)
+    q, k, v, g, beta, S = _kda_inputs(2, n, 24, 20, lower_bound, gen)
+    o, S1 = kda.delta_rule_chunked(q, k, v, g, beta, S, chunk)
+    to, tS1 = T["kda"].delta_rule_chunked(q, k, v, g, beta, S, chunk)
+    close(to, o, 1e-5), close(tS1, S1, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------ Mamba-2
+
+
+def _ssd_inputs(T_, H, P, N, gen):
+    x = torch.randn(T_, H, P, generator=gen)
+    dt = torch.nn.functional.softplus(torch.randn(T_, H, generator=gen)).clamp(1e-3)
+    A = -torch.exp(torch.randn(H, generator=gen) * 0.5)
+    B, C = torch.randn(T_, H, N, generator=gen), torch.randn(T_, H, N, generator=gen)
+    return x, dt, A, B, C, torch.randn(H, P, N, generator=gen)
+
+
+@pytest.mark.parametrize("T_,chunk", [(45, 16), (130, 128)])
+def case_ssd_chunked_matches_reference(T_, chunk):
+    x, dt, A, B, C, h0 = _ssd_inputs(T_, 3, 12, 10, torch.Generator().manual_seed(5))
+    y, h = mamba2.ssd_chunked(x, dt, A, B, C, h0, chunk)
+    ty, th = T["mamba2"].ssd_chunked(x, dt, A, B, C, h0, chunk)
+    close(ty, y, 1e-5), close(th, h, 1e-5)
+
+
+def case_ssd_step_batch_matches_reference():
+    x, dt, A, B, C, h0 = _ssd_inputs(3, 3, 12, 10, torch.Generator().manual_seed(6))
+    hs = torch.stack([h0, 2 * h0, -h0])
+    ty, th = T["mamba2"].ssd_step(x, dt, A, B, C, hs)  # 3 sequences, one token each
+    for b in range(3):
+        y, h = mamba2.ssd_step(x[b], dt[b], A, B[b], C[b], hs[b])
+        close(ty[b], y), close(th[b], h)
+
+
+# ------------------------------------------------------------------------------------------ MLA / DSA
+
+
+def _paged(lens, widths, layers, dtype, gen):
+    """Pools [blocks, layers, 64, w] per width and a block table scattering each sequence's pages."""
+    nb = [-(-n // 64) for n in lens]
+    blocks = sum(nb) + 2
+    pools = [torch.randn(blocks, layers, 64, w, generator=gen).to(dtype) for w in widths]
+    perm = torch.randperm(blocks, generator=gen)
+    table = torch.full((len(lens), max(nb) + 1), blocks - 1, dtype=torch.int32)
+    at = 0
+    for s, b in enumerate(nb):
+        table[s, :b] = perm[at : at + b].to(torch.int32)
+        at += b
+    return pools, table
+
+
+LENS, NEW = [70, 3, 130], [1, 3, 2]  # cached tokens (this step's included) and new tokens per sequence
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def case_paged_mla_decode_matches_gathered_reference(dtype, rel):
+    gen = torch.Generator().manual_seed(7)
+    H, kvr, dr, layer = 5, 40, 8, 1
+    (lat, rope), table = _paged(LENS, (kvr, dr), 2, dtype, gen)
+    qs = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
+    q_lat = torch.randn(H, 6, kvr, generator=gen).to(dtype)
+    q_rope = torch.randn(6, H, dr, generator=gen).to(dtype)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    # split-KV on: two splits of 96 keys, the short sequence's second one empty
+    o = T["mla"].paged_latent_attention(q_lat, q_rope, lat, rope, layer, table, lens, qs, 0.15, num_splits=2)
+    for s in range(3):
+        rows = slice(int(qs[s]), int(qs[s + 1]))
+        keys = T["mla"].gather_pages(lat, layer, table[s], LENS[s])
+        krope = T["mla"].gather_pages(rope, layer, table[s], LENS[s])
+        close(o[:, rows], mla.latent_attention(q_lat[:, rows], q_rope[rows], keys, krope, 0.15), rel)
+
+
+def case_latent_attention_same_signature():
+    gen = torch.Generator().manual_seed(8)
+    q_lat, q_rope = torch.randn(4, 3, 32, generator=gen), torch.randn(3, 4, 16, generator=gen)
+    latent, k_rope = torch.randn(77, 32, generator=gen), torch.randn(77, 16, generator=gen)
+    close(
+        T["mla"].latent_attention(q_lat, q_rope, latent, k_rope, 0.2),
+        mla.latent_attention(q_lat, q_rope, latent, k_rope, 0.2),
+    )
+    no_rope = torch.empty(77, 0)
+    close(
+        T["mla"].latent_attention(q_lat, q_rope[..., :0], latent, no_rope, 0.2),
+        mla.latent_attention(q_lat, q_rope[..., :0], latent, no_rope, 0.2),
+    )
+
+
+def case_paged_dsa_sparse_attention_matches_reference():
+    gen = torch.Generator().manual_seed(9)
+    H, kvr, dn, dv, layer = 4, 32, 16, 12, 0
+    (lat,), table = _paged(LENS, (kvr,), 1, torch.float32, gen)
+    qs = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
+    q = torch.randn(6, H, dn, generator=gen)
+    w_kv_b = torch.randn(H * (dn + dv), kvr, generator=gen) * 0.2
+    sel = torch.full((6, 11), -1, dtype=torch.long)
+    for t, (s, n) in enumerate([(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]):
+        pos = LENS[s] - NEW[s] + n
+        pick = torch.randperm(pos + 1, generator=gen)[: 11 - t]  # fewer keys for later queries
+        sel[t, : pick.numel()] = pick
+    sel[3] = -1  # a query with nothing selected gets 0
+    got = T["mla"].paged_sparse_mla_attend(
+        q, lat, layer, table, torch.tensor(LENS), qs, w_kv_b, dv, 0.25, sel, num_splits=2
+    )
+    for s in range(3):
+        rows = slice(int(qs[s]), int(qs[s + 1]))
+        keys = T["mla"].gather_pages(lat, layer, table[s], LENS[s])
+        ref = dsa.sparse_mla_attend(q[rows], keys, w_kv_b, dv, 0.25, sel[rows])
+        close(got[rows], ref)
+        close(T["mla"].sparse_mla_attend(q[rows], keys, w_kv_b, dv, 0.25, sel[rows]), ref)
+    assert float(got[3].abs().max()) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ indexers
+
+
+def case_dsa_kpool_indexer_scores_and_selection():
+    gen = torch.Generator().manual_seed(10)
+    n, nI, c, P, T_ = 6, 16, 24, 4, 41
+    q = torch.randn(n, nI, c, generator=gen)
+    w = torch.randn(n, nI, generator=gen) * nI**-0.5
+    k, z, ape = (
+        torch.randn(T_, c, generator=gen),
+        torch.randn(T_, c, generator=gen),
+        torch.randn(P, c, generator=gen),
+    )
+    pos = torch.tensor([2, 9, 15, 22, 38, 40])  # the first sees no complete pool, the others 2..10
+    pooled = dsa.pool_keys(k, z, ape)
+    close(T["indexer"].index_scores(q, w, pooled), dsa.index_scores(q, w, pooled))
+    for topk in (8, 64):  # fewer than the visible pools, and more
+        ref = dsa.kpool_select(q, w, k, z, ape, pos, topk, True)
+        got = T["indexer"].kpool_select(q, w, k, z, ape, pos, topk, True)
+        assert torch.equal(got.sort(1).values, ref.sort(1).values)
+        scores = dsa.index_scores(q, w, pooled)
+        assert torch.equal(
+            T["indexer"].select(scores, pos, P, topk, False).sort(1).values,
+            dsa.select(scores, pos, P, topk, False).sort(1).values,
+        )
+
+
+def case_csa_indexer_select():
+    gen = torch.Generator().manual_seed(11)
+    q, w = torch.randn(5, 16, 20, generator=gen), torch.randn(5, 16, generator=gen) * 0.25
+    keys, pos = torch.randn(70, 20, generator=gen), torch.tensor([1, 7, 30, 200, 283])
+    for topk in (3, 100):
+        (ref, none), (got, none2) = (
+            csa.indexer_select(q, w, keys, pos, 4, topk),
+            T["indexer"].indexer_select(q, w, keys, pos, 4, topk),
+        )
+        assert none is None and none2 is None
+        assert got.shape == ref.shape and torch.equal(got.sort(1).values, ref.sort(1).values)
+    # V4.1's candidate blocks (8 entries each, the top 3 and the newest's), then a layer limited to them
+    ref, ref_keep = csa.indexer_select(q, w, keys, pos, 4, 6, 8, 3)
+    got, keep = T["indexer"].indexer_select(q, w, keys, pos, 4, 6, 8, 3)
+    assert torch.equal(keep, ref_keep) and torch.equal(got.sort(1).values, ref.sort(1).values)
+    ref, _ = csa.indexer_select(q, w, keys, pos, 4, 6, 8, 0, ref_keep)
+    got, _ = T["indexer"].indexer_select(q, w, keys, pos, 4, 6, 8, 0, ref_keep)
+    assert torch.equal(got.sort(1).values, ref.sort(1).values)
+    s = T["indexer"].indexer_scores(q, w, keys, pos, 4)
+    for i, j, ref, _ in csa.index_score_blocks(q, w, keys, pos, 4):
+        vis = ref > float("-inf")
+        assert torch.equal(vis, s[i:j] > float("-inf"))
+        close(s[i:j][vis], ref[vis])
+
+
+# ------------------------------------------------------------------------------------------ compressors
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("overlap,has_prev", [(False, False), (True, False), (True, True)])
+def case_pool_windows(dtype, rel, overlap, has_prev):
+    gen = torch.Generator().manual_seed(12)
+    d = csa.CompressorDims(4, 12, overlap)
+    kv = torch.randn(20, d.proj_width, generator=gen).to(dtype)
+    gate = torch.randn(20, d.proj_width, generator=gen).to(dtype)
+    ape = torch.randn(4, d.proj_width, generator=gen)
+    close(
+        T["compressor"].pool_windows(kv, gate, ape, d, has_prev),
+        csa.pool_windows(kv, gate, ape, d, has_prev),
+        rel,
+    )
+
+
+def case_pool_keys_drops_the_open_pool():
+    gen = torch.Generator().manual_seed(13)
+    k, z, ape = (
+        torch.randn(23, 20, generator=gen),
+        torch.randn(23, 20, generator=gen),
+        torch.randn(4, 20, generator=gen),
+    )
+    close(T["compressor"].pool_keys(k, z, ape), dsa.pool_keys(k, z, ape))
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
+def case_compressor_update_over_prefill_and_decode(ratio, overlap):
+    """Two compressor states fed the same rows (a 13-token prefill, then 3 one-token decodes): the Triton
+    update returns the reference's entries at every step."""
+    gen = torch.Generator().manual_seed(14)
+    d = csa.CompressorDims(ratio, 16, overlap)
+    w = csa.CompressorWeights(
+        torch.empty(0),
+        torch.empty(0),
+        torch.randn(ratio, d.proj_width, generator=gen),
+        torch.rand(16, generator=gen),
+    )
+    rope = csa.RopeTail(torch.rand(4, generator=gen))
+    states = [csa.CompressorState(d, torch.float32, "cpu", 64, 2) for _ in range(2)]
+    for n in (13, 1, 1, 1):
+        kv, gate = torch.randn(n, d.proj_width, generator=gen), torch.randn(n, d.proj_width, generator=gen)
+        entries, latent, first = csa.compressor_update(states[0], kv, gate, w, 1e-6, rope)
+        got = T["compressor"].compressor_update(states[1], kv, gate, w, 1e-6, rope)
+        close(got[0], entries), close(got[1], latent)
+        assert got[2] == first
+    assert states[1].entries.length == (13 + 3) // ratio
+
+
+# ------------------------------------------------------------------------------------------ mHC
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def case_sinkhorn_and_site_maps(n):
+    gen = torch.Generator().manual_seed(15 + n)
+    logits = torch.randn(2, 5, n, n, generator=gen) * 3
+    close(T["mhc"].sinkhorn(logits, 20, 1e-6), mhc.sinkhorn(logits, 20, 1e-6))
+    dims, d = mhc.MhcDims(n, 20, 1e-6, 1e-5), 40
+    site = mhc.MhcSite(
+        torch.randn(dims.site_width, n * d, generator=gen) * 0.1,
+        torch.randn(dims.site_width, generator=gen),
+        torch.randn(3, generator=gen),
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        h = torch.randn(19, n, d, generator=gen).to(dtype)
+        for got, ref in zip(T["mhc"].site_maps(h, site, dims), mhc.site_maps(h, site, dims)):
+            close(got, ref, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------ routers
+
+
+def _same_routes(got, ref, rel=2e-6):
+    (wg, ig), (wr, ir) = got, ref
+    ig, pg = ig.sort(1)
+    ir, pr = ir.sort(1)
+    assert torch.equal(ig, ir)
+    assert wg.dtype == wr.dtype
+    close(wg.gather(1, pg), wr.gather(1, pr), rel)
+
+
+def case_routers():
+    gen = torch.Generator().manual_seed(17)
+    x, bias = torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen) * 0.3
+    r = T["router"]
+    _same_routes(r.route_sigmoid(x, 6, bias, 8, 3, True, 2.5), moe.route_sigmoid(x, 6, bias, 8, 3, True, 2.5))
+    _same_routes(r.route_sigmoid(x, 5), moe.route_sigmoid(x, 5))
+    _same_routes(r.route_sigmoid(x, 3, None, 1, 1, False), moe.route_sigmoid(x, 3, None, 1, 1, False))
+    _same_routes(r.route_softmax(x, 4, 4, 2), moe.route_softmax(x, 4, 4, 2))
+    _same_routes(
+        r.route_softmax(x, 3, normalize=False, scale=2.0), moe.route_softmax(x, 3, normalize=False, scale=2.0)
+    )
+    _same_routes(r.route_sqrtsoftplus(x, 6, bias, 1.5), moe.route_sqrtsoftplus(x, 6, bias, 1.5))
+    ids = torch.randint(0, 40, (3, 6), generator=gen)  # a hash layer's static experts
+    _same_routes(r.route_sqrtsoftplus(x, 6, None, 1.5, ids), moe.route_sqrtsoftplus(x, 6, None, 1.5, ids))
+    wide = torch.randn(2, 300, generator=gen)  # odd expert count, many experts, top-16
+    _same_routes(
+        r.route_sigmoid(wide, 16, bias.repeat(8)[:300]), moe.route_sigmoid(wide, 16, bias.repeat(8)[:300])
+    )
+    _same_routes(r.route_softmax(x.bfloat16(), 3), moe.route_softmax(x.bfloat16(), 3), 2e-2)
+
+
+# ------------------------------------------------------------------------------------------ packed GEMMs
+
+FORMATS = {
+    "mxfp4": lambda w: Q.from_suffix_dict(Q.quantize_mxfp4(w)),
+    "deepseek_fp4": lambda w: Q.from_suffix_dict(Q.quantize_mxfp4(w, naming="deepseek"), format="mxfp4"),
+    "nvfp4_ct": lambda w: Q.from_suffix_dict(Q.quantize_nvfp4(w)),  # global scale divides
+    "nvfp4_modelopt": lambda w: Q.from_suffix_dict(Q.quantize_nvfp4(w, naming="modelopt"), format="nvfp4"),
+    "fp8_128_fp32": lambda w: Q.from_suffix_dict(Q.quantize_fp8_block(w, (128, 128)), format="fp8_block"),
+    "fp8_32_ue8m0": lambda w: Q.from_suffix_dict(
+        Q.quantize_fp8_block(w, (32, 32), "ue8m0", "deepseek"), format="fp8_block"
+    ),
+    "fp8_tensor": lambda w: Q.from_suffix_dict(Q.quantize_fp8_tensor(w), format="fp8_tensor"),
+    # blocks a tile straddles (one scale read per element): 48x48, and per channel [1, K]
+    "fp8_48_fp32": lambda w: _fp8_block(w, (48, 48)),
+    "fp8_channel": lambda w: _fp8_block(w, (1, w.shape[1])),
+}
+
+
+def _fp8_block(w, block):
+    d = Q.quantize_fp8_block(w, block)
+    return Q.QuantizedTensor("fp8_block", d["weight"], d["weight_scale_inv"], block=block)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def case_packed_dequantize_is_exact_and_matmul_close(fmt):
+    gen = torch.Generator().manual_seed(18)
+    K = 160 if not fmt.startswith("fp8") else 100  # fp8: K not a multiple of the block or the tile
+    qt = FORMATS[fmt](torch.randn(70, K, generator=gen))
+    assert torch.equal(T["quant"].dequantize(qt, torch.float32), qt.dequantize(torch.float32))
+    for m, dtype, rel in ((1, torch.float32, 2e-6), (5, torch.float32, 2e-6), (3, torch.bfloat16, 2e-2)):
+        x = torch.randn(m, K, generator=gen).to(dtype)
+        got = T["quant"].matmul(qt, x)
+        assert got.dtype == dtype
+        close(got, qt.matmul(x), rel)
+
+
+def case_mxfp4_dequantizes_exactly_in_bf16():
+    qt = FORMATS["mxfp4"](torch.randn(8, 64, generator=torch.Generator().manual_seed(19)))
+    assert torch.equal(T["quant"].dequantize(qt, torch.bfloat16), qt.dequantize(torch.bfloat16))
+
+
+def _stack(fmt, E, N, K, gen):
+    if fmt == "dense":
+        return torch.randn(E, N, K, generator=gen) * 0.2
+    return Q.stack([FORMATS[fmt](torch.randn(N, K, generator=gen) * 0.2) for _ in range(E)])
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4", "nvfp4_ct", "fp8_32_ue8m0"])
+def case_grouped_matmul_matches_per_expert_loop(fmt):
+    """Uneven groups: an empty expert, one row, more rows than a tile (20 > 16)."""
+    gen = torch.Generator().manual_seed(20)
+    counts = [3, 0, 20, 1]
+    w = _stack(fmt, 4, 48, 64, gen)
+    xs = torch.randn(sum(counts), 64, generator=gen)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = T["quant"].grouped_matmul(xs, offsets, w)
+    start = 0
+    for e, c in enumerate(counts):
+        ref = moe.linear(xs[start : start + c], w[e])
+        close(got[start : start + c], ref)
+        start += c
+    close(
+        T["quant"].matmul(w, xs[:8].view(4, 2, 64)),
+        torch.stack([moe.linear(xs[2 * e : 2 * e + 2], w[e]) for e in range(4)]),
+    )
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4", "nvfp4_modelopt", "fp8_128_fp32"])
+def case_run_experts_matches_reference(fmt):
+    gen = torch.Generator().manual_seed(21)
+    E, d, I, N, k = 6, 64, 32, 7, 3
+    w_in, w_out = _stack(fmt, E, 2 * I, d, gen), _stack(fmt, E, d, I, gen)
+    x = torch.randn(N, d, generator=gen)
+    weights, ids = moe.route_sigmoid(torch.randn(N, E, generator=gen), k)
+    act = moe.clamped_swiglu(7.0)
+    close(
+        T["quant"].run_experts(x, weights, ids, w_in, w_out, act),
+        moe.run_experts(x, weights, ids, w_in, w_out, act),
+        1e-5,
+    )
+
+
+def case_run_experts_with_separately_quantized_gate_and_up():
+    gen = torch.Generator().manual_seed(22)
+    E, d, I = 4, 64, 32
+    w_in = Q.ConcatRows([_stack("mxfp4", E, I, d, gen), _stack("mxfp4", E, I, d, gen)])
+    w_out = _stack("mxfp4", E, d, I, gen)
+    x = torch.randn(5, d, generator=gen)
+    weights, ids = moe.route_softmax(torch.randn(5, E, generator=gen), 2)
+    got = T["quant"].run_experts(x, weights, ids, w_in, w_out, moe.swiglu)
+    close(got, moe.run_experts(x, weights, ids, w_in, w_out, moe.swiglu), 1e-5)
+
+
+# ------------------------------------------------------------------------------------------ no host syncs
+
+
+def case_decode_kernels_never_read_device_values_on_the_host(monkeypatch):
+    """The decode-step wrappers size everything from shapes: no .item() / .tolist() / int() / bool() of a
+    tensor (each would be a device-to-host sync on a GPU, and rules out CUDA graphs)."""
+    gen = torch.Generator().manual_seed(23)
+    (lat, rope), table = _paged(LENS, (32, 16), 2, torch.float32, gen)
+    qs, lens = torch.tensor([0, 1, 4, 6], dtype=torch.int32), torch.tensor(LENS, dtype=torch.int32)
+    q_lat, q_rope = torch.randn(4, 6, 32, generator=gen), torch.randn(6, 4, 16, generator=gen)
+    sel = torch.randint(0, 3, (6, 5), generator=gen)
+    logits = torch.randn(6, 16, generator=gen)
+    w_in, w_out = _stack("mxfp4", 16, 64, 64, gen), _stack("mxfp4", 16, 64, 32, gen)
+    x = torch.randn(6, 64, generator=gen)
+    kda_in = _kda_inputs(2, 1, 16, 16, -5.0, gen, lead=(3,))
+    site = mhc.MhcSite(
+        torch.randn(24, 64, generator=gen), torch.randn(24, generator=gen), torch.randn(3, generator=gen)
+    )
+
+    def sync(*_):
+        raise AssertionError("a device value read on the host")
+
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    T["mla"].paged_latent_attention(q_lat, q_rope, lat, rope, 1, table, lens, qs, 0.1)
+    T["mla"].paged_sparse_latent_attention(q_lat, lat, 0, table, lens, qs, 0.1, sel)
+    weights, ids = T["router"].route_sigmoid(logits, 4, None, 4, 2)
+    T["quant"].run_experts(x, weights, ids, w_in, w_out, moe.swiglu)
+    T["kda"].delta_rule_recurrent(*kda_in)
+    T["mhc"].site_maps(torch.randn(6, 4, 16, generator=gen), site, mhc.MhcDims(4))
+
+
+# ------------------------------------------------------------------------------------------ this process
+
+CASES = sorted(name for name in list(globals()) if name.startswith("case_"))
+
+
+@pytest.fixture(scope="module")
+def interpreted_run(tmp_path_factory):
+    """Runs every case once in a child pytest with TRITON_INTERPRET=1; {test id: outcome} and the output."""
+    xml = tmp_path_factory.mktemp("triton") / "cases.xml"
+    env = dict(os.environ, MOESAIC_TRITON_CASES="1", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        __file__,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "python_functions=case_*",
+    ]
+    run = subprocess.run(
+        cmd + [f"--junitxml={xml}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    outcomes = {}
+    if xml.exists():
+        for tc in ET.parse(xml).getroot().iter("testcase"):
+            bad = [c.tag for c in tc if c.tag in ("failure", "error", "skipped")]
+            outcomes[tc.get("name")] = bad[0] if bad else "passed"
+    return outcomes, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel(case, interpreted_run):
+    outcomes, output = interpreted_run
+    runs = {n: o for n, o in outcomes.items() if n == case or n.startswith(case + "[")}
+    assert runs, f"{case} did not run in the interpreter process:\n{output}"
+    bad = {n: o for n, o in runs.items() if o != "passed"}
+    assert not bad, f"{bad}\n{output}"
+
+
+# ------------------------------------------------------------------------------------------ device check
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """benchmarks/gpu_check.py --dry-run (interpreter, tiny shapes) checks every kernel and writes its JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    checked = {r["kernel"].split("[")[0] for r in report["checks"]}
+    assert {"kda_recurrent", "kda_chunked", "ssd_chunked", "ssd_step", "mla_decode", "dsa_decode"} <= checked
+    assert {
+        "indexer",
+        "compressor",
+        "mhc",
+        "router",
+        "moe_gemm_mxfp4",
+        "moe_gemm_nvfp4",
+        "fp8_block_gemm",
+    } <= checked
+    assert all(r["ok"] for r in report["checks"]), [r for r in report["checks"] if not r["ok"]]
+    assert report["e2e"]["status"].startswith("skipped:")
