@@ -19,7 +19,8 @@ next drafts of the decoding sequences (their length set per sequence by spec/ada
 step verifies each sequence's [pending token, d1..dk] in the same forward as everything else, accepts
 exactly (spec/verify.py) and rolls the rejected rows back in every state kind (states are made with a
 rollback window of k + 1 rows). Draft rows are never in the prefix cache: the blocks and snapshots only
-ever see committed tokens.
+ever see committed tokens (and for a family with unpaged state a round never crosses a block boundary, so
+that the state stops on each one for its decode-time snapshot).
 """
 
 from __future__ import annotations
@@ -585,7 +586,10 @@ class Engine:
         def target(i: int) -> torch.Tensor:
             return adjusted(rows[i], p, seq.prompt_ids, seq.output_ids + draft[:i], self._banned(seq, i))
 
-        if p.greedy:
+        if p.greedy and not p.penalized and not self._banned(seq):  # every row's argmax at once
+            top = rows.argmax(-1).tolist()
+            tokens = accept_greedy(lambda i: top[i], draft)
+        elif p.greedy:
             tokens = accept_greedy(lambda i: int(target(i).argmax()), draft)
         else:
             q = seq.draft.probs
@@ -662,10 +666,14 @@ class Engine:
             return
         decoders = sum(s.num_pending == 1 for s in self.running)
         requests = []
+        snapshots = self.hybrid and self.limits.enable_prefix_caching
         for s in ready:
             limit = s.params.max_tokens - len(s.output_ids) - 1
             if self.max_context is not None:
                 limit = min(limit, self.max_context - len(s.token_ids) - 1)
+            if snapshots:  # a round never jumps over a block boundary, so the state stops on each one
+                pending = s.num_computed  # the pending token's position
+                limit = min(limit, (pending // BLOCK_SIZE + 1) * BLOCK_SIZE - 1 - pending)
             k = self.draft_length.length(s.acceptance, decoders, limit)
             if k > 0:
                 requests.append((s, k))
