@@ -117,21 +117,21 @@ def usable(x: torch.Tensor, w: torch.Tensor, rows: int = MAX_ROWS) -> bool:
     """Whether the kernels can serve x against weight storage w: enabled and built, both on the CPU,
     x 2-D fp32/bf16/fp16 with 1..rows rows."""
     return (
-        x.device.type == "cpu"
-        and w.device.type == "cpu"
+        x.is_cpu
+        and w.is_cpu
         and x.dtype in _X_DTYPES
-        and x.ndim == 2
+        and x.dim() == 2
         and 0 < x.shape[0] <= rows
         and enabled()
-        and load() is not None
+        and (_state["mod"] if _state["tried"] else load()) is not None
     )
 
 
 def threads_for(weight_bytes: int, rows: int = 1) -> int:
     """Threads for one call reading `weight_bytes` of weights against `rows` rows of x: one per
     MIN_THREAD_BYTES of work (compute grows with the rows), at most torch.get_num_threads()."""
-    work = weight_bytes * (1 + max(0, rows - 1) / 4)
-    return max(1, min(torch.get_num_threads(), int(work // MIN_THREAD_BYTES)))
+    work = weight_bytes + weight_bytes * (rows - 1) // 4 if rows > 1 else weight_bytes
+    return max(1, min(torch.get_num_threads(), work // MIN_THREAD_BYTES))
 
 
 def fp8_block_ok(block, k: int) -> bool:
@@ -140,40 +140,24 @@ def fp8_block_ok(block, k: int) -> bool:
     return block[1] % 32 == 0 or block[1] >= k
 
 
-def _run(
-    kind,
-    x,
-    w,
-    n,
-    scales=None,
-    gscale=None,
-    divides=False,
-    offs=None,
-    out=None,
-    bias=None,
-    group=0,
-    block=(1, 1),
-    threads=None,
-    generic=False,
-    nbytes=0,
-) -> torch.Tensor:
-    mod = load()
+def _gemm(kind, x, w, scales, gscale, divides, offs, out, bias, group, block, threads, generic, nbytes):
+    mod = _state["mod"] if _state["tried"] else load()
     if mod is None:
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(x.shape[0], n, dtype=x.dtype if x.dtype in _X_DTYPES else torch.float32)
-    rows = x.shape[0] if offs is None else max(1, x.shape[0] // max(1, min(x.shape[0], w.shape[0])))
-    nt = threads if threads is not None else threads_for(nbytes, rows)
-    mod.gemm(kind, x, w, scales, gscale, divides, offs, out, bias, group, block[0], block[1], nt, generic)
+    if threads is None:
+        # grouped: at most one expert per row, so rows per expert >= T / min(T, E)
+        rows = x.shape[0] if offs is None else -(-x.shape[0] // max(1, min(x.shape[0], w.shape[0])))
+        threads = threads_for(nbytes, rows)
+    out = mod.gemm(
+        kind, x, w, scales, gscale, divides, offs, out, bias, group, block[0], block[1], threads, generic
+    )
     stats["kernel_calls"] += 1
     return out
 
 
 def _active_bytes(w: torch.Tensor, x: torch.Tensor, offs) -> int:
     """Bytes of the matrices a call reads: all of w, or (grouped) at most one expert per row of x."""
-    if offs is None or w.ndim < 3:
+    if offs is None or w.dim() < 3:
         return w.nbytes
     return w.nbytes // w.shape[0] * min(w.shape[0], x.shape[0])
 
@@ -181,39 +165,22 @@ def _active_bytes(w: torch.Tensor, x: torch.Tensor, offs) -> int:
 def bf16_matmul(x, w, bias=None, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
     """x [M, K] @ w.T for w bf16 [N, K] (or, with offs, [E, N, K]) -> out [M, N] (default x's dtype),
     plus bias [N]. Raises if the kernels are unavailable."""
-    return _run(
-        _BF16,
-        x,
-        w,
-        w.shape[-2],
-        offs=offs,
-        out=out,
-        bias=bias,
-        threads=threads,
-        generic=generic,
-        nbytes=_active_bytes(w, x, offs),
-    )
+    nbytes = _active_bytes(w, x, offs)
+    return _gemm(_BF16, x, w, None, None, False, offs, out, bias, 0, (1, 1), threads, generic, nbytes)
 
 
 def fp8_matmul(x, codes, scales, block, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
     """x [M, K] @ W.T for E4M3 codes [N, K] (float8_e4m3fn or bytes; with offs [E, N, K]) and one scale
     per `block` = (rows, cols) block: scales [.., ceil(N/rows), ceil(K/cols)] fp32 multipliers or E8M0
     bytes (uint8 / float8_e8m0fnu). Per-tensor fp8 is the block (N, K) with scales [.., 1, 1]."""
-    s = scales if scales.dtype == torch.float32 or scales.element_size() == 1 else scales.float()
-    if s.element_size() == 1 and s.dtype != torch.uint8:
-        s = s.view(torch.uint8)
-    return _run(
-        _FP8,
-        x,
-        codes.view(torch.uint8),
-        codes.shape[-2],
-        scales=s.contiguous(),
-        offs=offs,
-        out=out,
-        block=tuple(block),
-        threads=threads,
-        generic=generic,
-        nbytes=_active_bytes(codes, x, offs),
+    if scales.element_size() == 1:
+        scales = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    elif scales.dtype != torch.float32:
+        scales = scales.float()
+    nbytes = _active_bytes(codes, x, offs)
+    codes = codes.view(torch.uint8)
+    return _gemm(
+        _FP8, x, codes, scales.contiguous(), None, False, offs, out, None, 0, block, threads, generic, nbytes
     )
 
 
@@ -234,24 +201,29 @@ def fp4_matmul(
     [E, N, K/2]) and one scale byte per `group` inputs, scales [.., N, K/group]: group 32 = E8M0
     (mxfp4), group 16 = E4M3 (nvfp4) with the fp32 global scale (one per matrix) applied as
     `scale / global` when `divides` (compressed-tensors) else `scale * global` (ModelOpt)."""
-    g = None
-    if global_scale is not None:
-        g = global_scale.reshape(-1).to(torch.float32).contiguous()
-    s = scales if scales.dtype == torch.uint8 else scales.view(torch.uint8)
-    return _run(
+    g = global_scale
+    if g is not None and (g.dtype != torch.float32 or not g.is_contiguous()):
+        g = g.to(torch.float32).contiguous()
+    if codes.dtype != torch.uint8:
+        codes = codes.view(torch.uint8)
+    if scales.dtype != torch.uint8:
+        scales = scales.view(torch.uint8)
+    nbytes = _active_bytes(codes, x, offs) + scales.nbytes
+    return _gemm(
         _FP4,
         x,
-        codes.view(torch.uint8),
-        codes.shape[-2],
-        scales=s,
-        gscale=g,
-        divides=bool(divides),
-        offs=offs,
-        out=out,
-        group=int(group),
-        threads=threads,
-        generic=generic,
-        nbytes=_active_bytes(codes, x, offs) + s.nbytes,
+        codes,
+        scales,
+        g,
+        bool(divides),
+        offs,
+        out,
+        None,
+        int(group),
+        (1, 1),
+        threads,
+        generic,
+        nbytes,
     )
 
 
@@ -266,10 +238,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if x.dtype != w.dtype:
         b = None if bias is None else bias.to(w.dtype)
         return linear(x.to(w.dtype), w, b).to(x.dtype)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if not _dense_ok(x2, w, MAX_ROWS):
         return F.linear(x, w, bias)
-    return bf16_matmul(x2, w, bias).view(*x.shape[:-1], w.shape[0])
+    y = _gemm(_BF16, x2, w, None, None, False, None, None, bias, 0, (1, 1), None, False, w.nbytes)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

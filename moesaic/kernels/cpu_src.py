@@ -47,9 +47,10 @@ CPP = r"""
 
 namespace {
 
-enum Kind { BF16 = 0, FP8 = 1, FP4 = 2 };
+// The Python side passes BF16, FP8 or FP4; FP4 becomes MX (groups of 32) or NV (16) here.
+enum Kind { BF16 = 0, FP8 = 1, FP4 = 2, MX = 2, NV = 3 };
 constexpr int64_t CH = 64;                                 // K values per chunk
-constexpr int64_t CHUNK_BYTES[3] = {128, 64, 32};          // bytes of one chunk of one row
+constexpr int64_t CHUNK_BYTES[4] = {128, 64, 32, 32};      // bytes of one chunk of one row
 
 float E8M0[256], E4M3[256];
 const float E2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -146,85 +147,139 @@ inline void dec_fp4(const uint8_t* p, __m256 w[8]) {
     }
 }
 
-// Chunk c of row r: 8 vectors (64 values in the kind's order) and the scales of vectors 0-3 (sA) and
-// 4-7 (sB). The partial last chunk is read through a zero-padded copy.
-template <int KIND>
-inline void decode(const Ctx& C, const Row& r, int64_t c, __m256 w[8], __m256& sA, __m256& sB) {
-    alignas(32) uint8_t pad[128];
-    const uint8_t* p = r.w + c * CHUNK_BYTES[KIND];
-    const bool full = c < C.nfull;
-    if (!full) {
-        std::memset(pad, 0, sizeof(pad));
-        std::memcpy(pad, p, C.tail_bytes);
-        p = pad;
-    }
-    if constexpr (KIND == BF16) {
-        dec_bf16(p, w);
-    } else if constexpr (KIND == FP8) {
-        dec_fp8(p, w);
+inline void dec(int kind, const uint8_t* p, __m256 w[8]) {
+    if (kind == BF16) dec_bf16(p, w);
+    else if (kind == FP8) dec_fp8(p, w);
+    else dec_fp4(p, w);
+}
+
+// Scales of chunk c of row r for vectors 0-3 (sA) and 4-7 (sB; MX: sA for all 8). FULL: a chunk
+// inside K (the partial last chunk has zero scales beyond K).
+template <int KIND, bool FULL>
+inline void scales(const Ctx& C, const Row& r, int64_t c, __m256& sA, __m256& sB) {
+    if constexpr (KIND == FP8) {
         sA = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c]));
         sB = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c + 1]));
-    } else {
-        dec_fp4(p, w);
-        if (C.group == 32) {  // lane 0 = group 2c, lane 1 = group 2c + 1
-            const int64_t g = 2 * c;
-            sA = sB = full ? lanes(r.stab[r.s8[g]], r.stab[r.s8[g + 1]]) : lanes(fp4_scale(C, r, g), fp4_scale(C, r, g + 1));
-        } else {  // vectors 0-3: groups 4c (lane 0), 4c + 2 (lane 1); vectors 4-7: 4c + 1, 4c + 3
-            const int64_t g = 4 * c;
-            if (full) {
-                const uint8_t* s = r.s8 + g;
-                sA = lanes(r.stab[s[0]], r.stab[s[2]]);
-                sB = lanes(r.stab[s[1]], r.stab[s[3]]);
+    } else if constexpr (KIND == MX) {  // lane 0 = group 2c, lane 1 = group 2c + 1
+        const int64_t g = 2 * c;
+        sA = FULL ? lanes(r.stab[r.s8[g]], r.stab[r.s8[g + 1]]) : lanes(fp4_scale(C, r, g), fp4_scale(C, r, g + 1));
+    } else if constexpr (KIND == NV) {  // vectors 0-3: groups 4c (lane 0), 4c + 2 (lane 1); 4-7: 4c + 1, 4c + 3
+        const int64_t g = 4 * c;
+        if (FULL) {
+            const uint8_t* s = r.s8 + g;
+            sA = lanes(r.stab[s[0]], r.stab[s[2]]);
+            sB = lanes(r.stab[s[1]], r.stab[s[3]]);
+        } else {
+            sA = lanes(fp4_scale(C, r, g), fp4_scale(C, r, g + 2));
+            sB = lanes(fp4_scale(C, r, g + 1), fp4_scale(C, r, g + 3));
+        }
+    }
+}
+
+// acc[r][m] += chunk c of weight rows r (bytes at p[r]) . x rows m
+template <int KIND, int R, int MB, bool FULL>
+inline void step(const Ctx& C, const Row* rows, const uint8_t* const* p, int64_t c, const float* x, int64_t xs,
+                 __m256 (&acc)[R][MB]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+        __m256 w[8], sA, sB;
+        dec(KIND, p[r], w);
+        scales<KIND, FULL>(C, rows[r], c, sA, sB);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+            const float* xm = x + m * xs + c * CH;
+            if constexpr (KIND == BF16) {
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; ++j) acc[r][m] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), acc[r][m]);
             } else {
-                sA = lanes(fp4_scale(C, r, g), fp4_scale(C, r, g + 2));
-                sB = lanes(fp4_scale(C, r, g + 1), fp4_scale(C, r, g + 3));
+                __m256 pA = _mm256_mul_ps(w[0], _mm256_loadu_ps(xm));
+                __m256 pB = _mm256_mul_ps(w[4], _mm256_loadu_ps(xm + 32));
+#pragma GCC unroll 4
+                for (int j = 1; j < 4; ++j) {
+                    pA = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), pA);
+                    pB = _mm256_fmadd_ps(w[j + 4], _mm256_loadu_ps(xm + 32 + 8 * j), pB);
+                }
+                if constexpr (KIND == MX) acc[r][m] = _mm256_fmadd_ps(_mm256_add_ps(pA, pB), sA, acc[r][m]);
+                else acc[r][m] = _mm256_fmadd_ps(pB, sB, _mm256_fmadd_ps(pA, sA, acc[r][m]));
             }
         }
     }
 }
 
-// res[m * R + r] = dot(x row m, weight row r) for R weight rows and MB activation rows.
+// res[m * R + r] = dot over chunks [c0, c1) (+ the partial last chunk if `tail`) of x row m and weight
+// row r, for R weight rows and MB activation rows. The partial chunk is read through zero-padded
+// copies of the rows' tails.
 template <int KIND, int R, int MB>
-void tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, float* res) {
+void tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0, int64_t c1, bool tail, float* res) {
     __m256 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
-    const int64_t nch = C.nfull + (C.tail_bytes ? 1 : 0);
-    for (int64_t c = 0; c < nch; ++c) {
+    const uint8_t* p[R];
+    for (int64_t c = c0; c < c1; ++c) {
+        for (int r = 0; r < R; ++r) p[r] = rows[r].w + c * CHUNK_BYTES[KIND];
+        step<KIND, R, MB, true>(C, rows, p, c, x, xs, acc);
+    }
+    if (tail) {
+        alignas(32) uint8_t pad[R][128];
+        std::memset(pad, 0, sizeof(pad));
         for (int r = 0; r < R; ++r) {
-            __m256 w[8], sA, sB;
-            decode<KIND>(C, rows[r], c, w, sA, sB);
-            for (int m = 0; m < MB; ++m) {
-                const float* xm = x + m * xs + c * CH;
-                if constexpr (KIND == BF16) {
-                    for (int j = 0; j < 8; ++j) acc[r][m] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), acc[r][m]);
-                } else {
-                    __m256 pA = _mm256_mul_ps(w[0], _mm256_loadu_ps(xm));
-                    __m256 pB = _mm256_mul_ps(w[4], _mm256_loadu_ps(xm + 32));
-                    for (int j = 1; j < 4; ++j) {
-                        pA = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), pA);
-                        pB = _mm256_fmadd_ps(w[j + 4], _mm256_loadu_ps(xm + 32 + 8 * j), pB);
-                    }
-                    acc[r][m] = _mm256_fmadd_ps(pB, sB, _mm256_fmadd_ps(pA, sA, acc[r][m]));
-                }
-            }
+            std::memcpy(pad[r], rows[r].w + C.nfull * CHUNK_BYTES[KIND], C.tail_bytes);
+            p[r] = pad[r];
         }
+        step<KIND, R, MB, false>(C, rows, p, C.nfull, x, xs, acc);
     }
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) res[m * R + r] = hsum(acc[r][m]);
 }
 
 template <int KIND, int R>
-void tile_mb(int mb, const Ctx& C, const Row* rows, const float* x, int64_t xs, float* res) {
+void tile_mb(int mb, const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0, int64_t c1, bool tail,
+             float* res) {
     if constexpr (R == 4) {  // R * MB <= 8 accumulators
-        if (mb == 1) tile<KIND, 4, 1>(C, rows, x, xs, res);
-        else tile<KIND, 4, 2>(C, rows, x, xs, res);
+        if (mb == 1) tile<KIND, 4, 1>(C, rows, x, xs, c0, c1, tail, res);
+        else tile<KIND, 4, 2>(C, rows, x, xs, c0, c1, tail, res);
     } else {
         switch (mb) {
-            case 1: tile<KIND, R, 1>(C, rows, x, xs, res); break;
-            case 2: tile<KIND, R, 2>(C, rows, x, xs, res); break;
-            case 3: tile<KIND, R, 3>(C, rows, x, xs, res); break;
-            default: tile<KIND, R, 4>(C, rows, x, xs, res); break;
+            case 1: tile<KIND, R, 1>(C, rows, x, xs, c0, c1, tail, res); break;
+            case 2: tile<KIND, R, 2>(C, rows, x, xs, c0, c1, tail, res); break;
+            case 3: tile<KIND, R, 3>(C, rows, x, xs, c0, c1, tail, res); break;
+            default: tile<KIND, R, 4>(C, rows, x, xs, c0, c1, tail, res); break;
+        }
+    }
+}
+
+// acc[(n - n0) * M + m] += x rows [0, M) . weight rows [n0, n1) over chunks [c0, c1) (+ tail).
+// Activation blocks of up to 4 rows; weight rows in groups of 4 (bf16, memory-bound: four streams)
+// or 1-2 (fp8 / fp4, decode-bound: one row at a time streams best, measured).
+template <int KIND>
+void rows_pass(const Ctx& C, const Row* rows, int64_t n0, int64_t n1, const float* x, int64_t xs, int64_t M,
+               int64_t c0, int64_t c1, bool tail, float* acc) {
+    float res[16];
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mb = (int)std::min<int64_t>(4, M - m0);
+        const float* xm = x + m0 * xs;
+        for (int64_t n = n0; n < n1; n += 4) {
+            const int64_t nr = std::min<int64_t>(4, n1 - n);
+            const Row* rg = rows + (n - n0);
+            auto add = [&](int64_t r0, int R) {
+                for (int m = 0; m < mb; ++m)
+                    for (int r = 0; r < R; ++r) acc[(n - n0 + r0 + r) * M + m0 + m] += res[m * R + r];
+            };
+            int64_t r = 0;
+            if (KIND == BF16 && nr == 4 && mb <= 2) {
+                tile_mb<KIND, 4>(mb, C, rg, xm, xs, c0, c1, tail, res);
+                add(0, 4);
+                r = 4;
+            }
+            if (KIND == BF16 || mb > 2)
+                for (; r + 2 <= nr; r += 2) {
+                    tile_mb<KIND, 2>(mb, C, rg + r, xm, xs, c0, c1, tail, res);
+                    add(r, 2);
+                }
+            for (; r < nr; ++r) {
+                tile_mb<KIND, 1>(mb, C, rg + r, xm, xs, c0, c1, tail, res);
+                add(r, 1);
+            }
         }
     }
 }
@@ -278,7 +333,7 @@ struct Weights {
 
 inline Row row_of(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n) {
     Row r{W.w + e * W.w_e + n * W.w_n, nullptr, nullptr, nullptr};
-    if (C.kind == FP4) {
+    if (C.kind == MX || C.kind == NV) {
         r.s8 = W.s + e * W.s_e + n * W.s_n;
         r.stab = W.stab_per_expert ? W.stab + 256 * slot : W.stab;
     } else if (C.kind == FP8) {
@@ -307,34 +362,21 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
         return;
     }
 #if defined(MOESAIC_AVX2)
-    float res[16];
-    for (int64_t n = n0; n < n1; n += 4) {
-        const int64_t nr = std::min<int64_t>(4, n1 - n);
-        Row rows[4];
-        for (int64_t r = 0; r < nr; ++r) rows[r] = row_of(C, W, e, slot, n + r);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {  // the rows stay in L1 across the activation blocks
-            const int mb = (int)std::min<int64_t>(4, M - m0);
-            const float* xm = x + (t0 + m0) * xs;
-            auto emit = [&](int64_t r0, int R) {
-                for (int m = 0; m < mb; ++m)
-                    for (int r = 0; r < R; ++r) put(O, t0 + m0 + m, n + r0 + r, res[m * R + r]);
-            };
-            if (nr == 4 && mb <= 2) {
-                tile_mb<KIND, 4>(mb, C, rows, xm, xs, res);
-                emit(0, 4);
-            } else {
-                int64_t r = 0;
-                for (; r + 2 <= nr; r += 2) {
-                    tile_mb<KIND, 2>(mb, C, rows + r, xm, xs, res);
-                    emit(r, 2);
-                }
-                for (; r < nr; ++r) {
-                    tile_mb<KIND, 1>(mb, C, rows + r, xm, xs, res);
-                    emit(r, 1);
-                }
-            }
-        }
+    // One activation row: stream each weight row once, front to back. More rows: blocks of KB chunks,
+    // so that a block of x stays in L1 while every weight row of the item passes over it (x of 16 rows
+    // over the whole of K would be re-read from L2 for each weight row).
+    const int64_t nchunks = C.nfull + (C.tail_bytes ? 1 : 0);
+    const int64_t KB = M == 1 ? nchunks : std::max<int64_t>(8, 64 / std::min<int64_t>(M, 4));
+    std::vector<Row> rows(n1 - n0);
+    for (int64_t n = n0; n < n1; ++n) rows[n - n0] = row_of(C, W, e, slot, n);
+    wbuf.assign((n1 - n0) * M, 0.f);
+    for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
+        const int64_t c1 = std::min(c0 + KB, nchunks);
+        const bool tail = C.tail_bytes && c1 == nchunks;
+        rows_pass<KIND>(C, rows.data(), n0, n1, x + t0 * xs, xs, M, c0, tail ? c1 - 1 : c1, tail, wbuf.data());
     }
+    for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n, wbuf[(n - n0) * M + m]);
 #endif
 }
 
@@ -343,7 +385,7 @@ std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool gen
     const int64_t T = x.size(0), K = x.size(1);
     std::vector<float> out((size_t)(T * Kp), 0.f);
     const float factor = (kind == FP8 && !generic) ? 256.f : 1.f;
-    const bool perm = kind == FP4 && !generic;
+    const bool perm = (kind == MX || kind == NV) && !generic;
     auto fill = [&](auto* src) {
         for (int64_t t = 0; t < T; ++t) {
             const auto* xr = src + t * K;
@@ -352,10 +394,13 @@ std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool gen
                 for (int64_t k = 0; k < K; ++k) o[k] = (float)xr[k] * factor;
                 continue;
             }
-            for (int64_t c = 0; c * CH < K; ++c)
+            const int64_t full = K / CH * CH;
+            for (int64_t c = 0; c < full; c += CH)
+                for (int p = 0; p < CH; ++p) o[c + p] = (float)xr[c + FP4_PERM[p]];
+            if (full < K)
                 for (int p = 0; p < CH; ++p) {
-                    const int64_t k = c * CH + FP4_PERM[p];
-                    o[c * CH + p] = k < K ? (float)xr[k] : 0.f;
+                    const int64_t k = full + FP4_PERM[p];
+                    o[full + p] = k < K ? (float)xr[k] : 0.f;
                 }
         }
     };
@@ -368,11 +413,13 @@ std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool gen
 }  // namespace
 
 // out[t, n] (+)= x[t] . W_e[n] for the rows t of each expert e. See cpu.py for the argument contract.
-void gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scales,
-          std::optional<torch::Tensor> gscale, bool divides, std::optional<torch::Tensor> offs, torch::Tensor out,
-          std::optional<torch::Tensor> bias, int64_t group, int64_t bn, int64_t bk, int64_t nthreads, bool generic) {
-    TORCH_CHECK(kind >= 0 && kind <= 2, "kind");
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [T, K] contiguous");
+torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scales,
+                   std::optional<torch::Tensor> gscale, bool divides, std::optional<torch::Tensor> offs,
+                   std::optional<torch::Tensor> out_, std::optional<torch::Tensor> bias, int64_t group, int64_t bn,
+                   int64_t bk, int64_t nthreads, bool generic) {
+    TORCH_CHECK(kind == BF16 || kind == FP8 || kind == FP4, "kind");
+    TORCH_CHECK(x.dim() == 2, "x: [T, K]");
+    x = x.contiguous();
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
                 x.scalar_type() == torch::kHalf, "x: fp32, bf16 or fp16");
     const int64_t T = x.size(0), K = x.size(1);
@@ -381,6 +428,7 @@ void gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::T
     TORCH_CHECK(w.stride(-1) == 1, "w: unit stride in the last dim");
     const int64_t E = stacked ? w.size(0) : 1, N = w.size(-2);
     TORCH_CHECK(w.size(-1) == (kind == FP4 ? K / 2 : K) && (kind != FP4 || K % 2 == 0), "w: last dim vs K");
+    torch::Tensor out = out_ ? *out_ : torch::empty({T, N}, x.options());
     TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == N && out.stride(1) == 1, "out: [T, N], unit stride");
     TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16 ||
                 out.scalar_type() == torch::kHalf, "out: fp32, bf16 or fp16");
@@ -399,7 +447,6 @@ void gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::T
     }
 
     Ctx C{};
-    C.kind = (int)kind;
     C.K = K;
     C.nfull = K / CH;
     C.tail_bytes = (K % CH) * CHUNK_BYTES[kind] / CH;
@@ -439,12 +486,13 @@ void gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::T
             C.sub2blk = sub2blk.data();
         } else {
             TORCH_CHECK(group == 16 || group == 32, "fp4 group 16 or 32");
+            kind = group == 32 ? MX : NV;
             TORCH_CHECK(K % group == 0 && S.size(-2) == N && S.size(-1) == K / group && S.element_size() == 1,
                         "fp4 scales: [.., N, K / group] bytes");
             C.ngroups = K / group;
             if (gscale) {  // nvfp4: E4M3 byte -> its fp32 value over / times the matrix's global scale
                 TORCH_CHECK(gscale->scalar_type() == torch::kFloat32 && gscale->is_contiguous() &&
-                            gscale->numel() == E, "global scale: fp32, one per matrix");
+                            gscale->numel() == E, "global scale: fp32, one per matrix (contiguous)");
                 const float* g = gscale->data_ptr<float>();
                 tabs.resize(256 * active.size());
                 for (size_t a = 0; a < active.size(); ++a) {
@@ -472,6 +520,7 @@ void gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::T
 #if !defined(MOESAIC_AVX2)
     generic = true;
 #endif
+    C.kind = (int)kind;
     const int64_t Kp = generic ? K : (K + CH - 1) / CH * CH;
     std::vector<float> xp = prep_x(x, (int)kind, Kp, generic);
 
@@ -496,10 +545,12 @@ void gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::T
             switch (kind) {
                 case BF16: run_item<BF16>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
                 case FP8: run_item<FP8>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
-                default: run_item<FP4>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
+                case MX: run_item<MX>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
+                default: run_item<NV>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
             }
         }
     }
+    return out;
 }
 
 // Streaming read of a buffer by `nthreads` threads, 4 rows of `row` bytes at a time (the weight

@@ -492,8 +492,13 @@ class QuantizedTensor:
             raise ValueError(
                 f"{self.name}: matmul of x {list(x.shape)} with weight {list(self.shape)}: last dims differ"
             )
-        cd = _compute_dtype(x)
         lead = self.shape[:-2]
+        if not lead and tile_rows is None:  # the common case first: one matrix, the kernels
+            x2 = x if x.dim() == 2 else x.reshape(-1, k)
+            y = self._kernel(x2)
+            if y is not None:
+                return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+        cd = _compute_dtype(x)
         if lead:
             if tuple(x.shape[: len(lead)]) != tuple(lead):
                 raise ValueError(
@@ -507,7 +512,7 @@ class QuantizedTensor:
             return out.view(*x.shape[:-1], n)
         x2 = x.to(cd).reshape(-1, k)
         out = torch.empty(x2.shape[0], n, dtype=cd, device=x.device)
-        self._matmul_2d(x2, out, 0, tile_rows)
+        self._matmul_2d(x2, out, 0, tile_rows, kernel=False)
         return out.view(*x.shape[:-1], n)
 
     def grouped_matmul(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -527,8 +532,8 @@ class QuantizedTensor:
         return out
 
     # out[:] = x2 @ W.T (out may be a column slice of a wider output: ConcatRows)
-    def _matmul_2d(self, x2: torch.Tensor, out: torch.Tensor, b: int, tile_rows: int | None = None) -> None:
-        if tile_rows is None and self._kernel(x2, out, matrix=b):
+    def _matmul_2d(self, x2: torch.Tensor, out: torch.Tensor, b: int, tile_rows=None, kernel=True) -> None:
+        if kernel and tile_rows is None and self._kernel(x2, out, matrix=b) is not None:
             return
         cpu.stats["fallback_calls"] += 1
         # half-precision x: fp32 tiles and products, one rounding of the output (the kernels' numbers;
@@ -543,7 +548,7 @@ class QuantizedTensor:
             out[:, r0:r1] = xw @ w.T
 
     def _grouped_2d(self, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
-        if x.shape[0] <= cpu.MAX_ROWS * self.shape[0] and self._kernel(x, out, offs=offs):
+        if x.shape[0] <= cpu.MAX_ROWS * self.shape[0] and self._kernel(x, out, offs=offs) is not None:
             return
         start = 0
         for e, end in enumerate(offs.tolist()):
@@ -551,15 +556,16 @@ class QuantizedTensor:
                 self._matmul_2d(x[start:end], out[start:end], e)
             start = end
 
-    def _kernel(self, x2: torch.Tensor, out: torch.Tensor, matrix: int = 0, offs=None) -> bool:
-        """out[:] = x2 @ W.T through the compiled CPU kernels (matrix `matrix` of the stack, or with
-        offs the grouped form over the whole stack); False, nothing written, where they do not apply."""
+    def _kernel(self, x2: torch.Tensor, out=None, matrix: int = 0, offs=None) -> torch.Tensor | None:
+        """x2 @ W.T (into `out`, or a new tensor of x2's dtype) through the compiled CPU kernels, for
+        matrix `matrix` of the stack or, with offs, the grouped form over the whole stack; None,
+        nothing written, where they do not apply."""
         n, k = self.shape[-2:]
         rows = cpu.MAX_ROWS if offs is None else x2.shape[0]
         if not cpu.usable(x2, self.codes, rows):
-            return False
+            return None
         if self.format == "fp8_block" and not cpu.fp8_block_ok(self.block, k):
-            return False
+            return None
         if offs is None:
             codes, scale, g = self._matrix(matrix)
         else:  # the whole stack as [E, ...]
@@ -568,13 +574,12 @@ class QuantizedTensor:
             g = self.global_scale
         if self.format in ("mxfp4", "nvfp4"):
             group = MXFP4_GROUP if self.format == "mxfp4" else NVFP4_GROUP
-            cpu.fp4_matmul(x2, codes, scale, group, g, self.global_divides, offs=offs, out=out)
-        elif self.format == "fp8_block":
-            cpu.fp8_matmul(x2, codes, scale, self.block, offs=offs, out=out)
-        else:  # fp8_tensor: one block spanning the matrix
-            scale = scale.reshape(-1, 1, 1) if offs is not None else scale.reshape(1, 1)
-            cpu.fp8_matmul(x2, codes, scale, (n, k), offs=offs, out=out)
-        return True
+            return cpu.fp4_matmul(x2, codes, scale, group, g, self.global_divides, offs=offs, out=out)
+        if self.format == "fp8_block":
+            return cpu.fp8_matmul(x2, codes, scale, self.block, offs=offs, out=out)
+        # fp8_tensor: one block spanning the matrix
+        scale = scale.reshape(-1, 1, 1) if offs is not None else scale.reshape(1, 1)
+        return cpu.fp8_matmul(x2, codes, scale, (n, k), offs=offs, out=out)
 
 
 def stack(tensors: Sequence[QuantizedTensor], name: str | None = None) -> QuantizedTensor:
