@@ -434,3 +434,34 @@ def test_demo_tokens_kernel_vs_plain(kernel, monkeypatch, name, dtype):
     plain = [o.token_ids for o in llm.generate(prompts, params)]
     assert cpu.stats["kernel_calls"] == before
     assert fast == plain
+
+
+# ------------------------------------------------------------------------ import direction
+
+
+def test_kernels_import_no_moesaic_package_but_codecs():
+    """kernels/*.py import torch, the standard library and each other (the codec module, the C++
+    source) only; weights/quant.py imports the kernels, never the reverse (no cycle)."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    root = Path(cpu.__file__).parent
+    allowed_local = {"codecs", "cpu", "cpu_src"}
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: only siblings inside kernels/
+                    assert node.level == 1 and (node.module or "") in allowed_local | {""}, (path.name, node.module)
+                    if not node.module:
+                        assert {a.name for a in node.names} <= allowed_local, (path.name, node.names)
+                    continue
+                mod = node.module or ""
+            elif isinstance(node, ast.Import):
+                mod = node.names[0].name
+            else:
+                continue
+            top = mod.split(".")[0]
+            assert top == "torch" or top == "__future__" or top in sys.stdlib_module_names, (path.name, mod)
+    quant = (root.parent / "weights" / "quant.py").read_text()
+    assert "from ..kernels import cpu" in quant and "from ..kernels.codecs import" in quant

@@ -270,7 +270,7 @@ def read_bandwidth(nbytes: int = 512 << 20, threads: int = 1, repeats: int = 5) 
     mod = load()
     if mod is None:
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
-    row = 16384
+    row = 16384  # bytes per row, 4 rows read side by side
     buf = torch.ones(nbytes // (4 * row) * 4 * row, dtype=torch.uint8)
     mod.read_bytes(buf, row, threads)
     best = float("inf")

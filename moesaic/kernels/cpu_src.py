@@ -216,7 +216,11 @@ void tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0,
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
     const uint8_t* p[R];
     for (int64_t c = c0; c < c1; ++c) {
-        for (int r = 0; r < R; ++r) p[r] = rows[r].w + c * CHUNK_BYTES[KIND];
+        for (int r = 0; r < R; ++r) {  // 8 chunks ahead: the first pass over a K block at M > 1 is not
+            p[r] = rows[r].w + c * CHUNK_BYTES[KIND];  // streamed by the hardware prefetcher (measured)
+            _mm_prefetch(reinterpret_cast<const char*>(p[r]) + 8 * CHUNK_BYTES[KIND], _MM_HINT_T0);
+            if (KIND == BF16) _mm_prefetch(reinterpret_cast<const char*>(p[r]) + 8 * CHUNK_BYTES[KIND] + 64, _MM_HINT_T0);
+        }
         step<KIND, R, MB, true>(C, rows, p, c, x, xs, acc);
     }
     if (tail) {
@@ -367,13 +371,20 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
     // over the whole of K would be re-read from L2 for each weight row).
     const int64_t nchunks = C.nfull + (C.tail_bytes ? 1 : 0);
     const int64_t KB = M == 1 ? nchunks : std::max<int64_t>(8, 64 / std::min<int64_t>(M, 4));
+    // ... and blocks of RB weight rows, so that their bytes of a K block stay in L2 while the blocks of
+    // activation rows pass over them.
+    const int64_t RB = M == 1 ? n1 - n0 : 32;
     std::vector<Row> rows(n1 - n0);
     for (int64_t n = n0; n < n1; ++n) rows[n - n0] = row_of(C, W, e, slot, n);
     wbuf.assign((n1 - n0) * M, 0.f);
-    for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
-        const int64_t c1 = std::min(c0 + KB, nchunks);
-        const bool tail = C.tail_bytes && c1 == nchunks;
-        rows_pass<KIND>(C, rows.data(), n0, n1, x + t0 * xs, xs, M, c0, tail ? c1 - 1 : c1, tail, wbuf.data());
+    for (int64_t r0 = n0; r0 < n1; r0 += RB) {
+        const int64_t r1 = std::min(n1, r0 + RB);
+        for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
+            const int64_t c1 = std::min(c0 + KB, nchunks);
+            const bool tail = C.tail_bytes && c1 == nchunks;
+            rows_pass<KIND>(C, rows.data() + (r0 - n0), r0, r1, x + t0 * xs, xs, M, c0, tail ? c1 - 1 : c1, tail,
+                            wbuf.data() + (r0 - n0) * M);
+        }
     }
     for (int64_t n = n0; n < n1; ++n)
         for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n, wbuf[(n - n0) * M + m]);
@@ -553,22 +564,36 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     return out;
 }
 
-// Streaming read of a buffer by `nthreads` threads, 4 rows of `row` bytes at a time (the weight
+// Streaming read of a buffer by `nthreads` threads, 4 rows of `row` bytes side by side (the weight
 // access pattern of the kernels): the benchmark's read-bandwidth ceiling. Returns a checksum.
 double read_bytes(torch::Tensor buf, int64_t row, int64_t nthreads) {
-    TORCH_CHECK(buf.is_contiguous() && row % 64 == 0 && buf.nbytes() % (4 * row) == 0, "buf: 4*row | nbytes");
+    TORCH_CHECK(buf.is_contiguous() && row % 128 == 0 && buf.nbytes() % (4 * row) == 0, "buf: 4*row | nbytes");
     const uint8_t* p = reinterpret_cast<const uint8_t*>(buf.data_ptr());
     const int64_t groups = buf.nbytes() / (4 * row);
     double total = 0;
     pybind11::gil_scoped_release no_gil;
 #pragma omp parallel for num_threads((int)nthreads) reduction(+ : total) schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
-        const int64_t* q = reinterpret_cast<const int64_t*>(p + g * 4 * row);
+        const uint8_t* q = p + g * 4 * row;
+#if defined(MOESAIC_AVX2)
+        __m256i a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_si256();
+        for (int64_t i = 0; i < row; i += 64)
+            for (int r = 0; r < 4; ++r) {
+                const __m256i* v = reinterpret_cast<const __m256i*>(q + r * row + i);
+                a[2 * r] = _mm256_add_epi64(a[2 * r], _mm256_loadu_si256(v));
+                a[2 * r + 1] = _mm256_add_epi64(a[2 * r + 1], _mm256_loadu_si256(v + 1));
+            }
+        for (int j = 1; j < 8; ++j) a[0] = _mm256_add_epi64(a[0], a[j]);
+        alignas(32) int64_t s[4];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(s), a[0]);
+        total += (double)(s[0] + s[1] + s[2] + s[3]);
+#else
         int64_t a = 0;
-        for (int64_t i = 0; i < row / 8; i += 8)
-            for (int r = 0; r < 4; ++r)
-                a += q[r * row / 8 + i];  // one word per 64-byte line: every line is fetched
+        for (int64_t i = 0; i < row; i += 8)
+            for (int r = 0; r < 4; ++r) a += *reinterpret_cast<const int64_t*>(q + r * row + i);
         total += (double)a;
+#endif
     }
     return total;
 }
