@@ -129,6 +129,25 @@ def test_raw_kernel_matches_fp32_reference(kernel, fmt, n, k, generic):
             _assert_bf16_rounding(_raw(w, xb, generic=generic), _reference(w, xb))
 
 
+ENCODE = {  # real weights quantized (values in fp16 range, unlike random codes and scales)
+    "bf16": lambda w: w.bfloat16(),
+    "mxfp4": lambda w: from_suffix_dict(quantize_mxfp4(w)),
+    "nvfp4-ct": lambda w: from_suffix_dict(quantize_nvfp4(w)),
+    "fp8-32x32-ue8m0": lambda w: from_suffix_dict(quantize_fp8_block(w, (32, 32), "ue8m0")),
+}
+
+
+@pytest.mark.parametrize("fmt", list(ENCODE))
+def test_fp16_activations(kernel, fmt):
+    """fp16 x (exact in fp32) -> fp16 output: one fp16 rounding of the fp32 reference."""
+    gen = torch.Generator().manual_seed(9)
+    w = ENCODE[fmt](torch.randn(45, 160, generator=gen) * 0.1)
+    x = torch.randn(3, 160, generator=gen).half()
+    y, ref = _raw(w, x), _reference(w, x)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), ref, rtol=2**-10, atol=float(ref.abs().amax()) * 1e-5)
+
+
 def test_scale_edge_values(kernel):
     """E8M0 0 (2^-127), E4M3 scale subnormals: the kernel's multipliers are the reference's."""
     gen = torch.Generator().manual_seed(11)
@@ -452,7 +471,10 @@ def test_kernels_import_no_moesaic_package_but_codecs():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 if node.level:  # relative: only siblings inside kernels/
-                    assert node.level == 1 and (node.module or "") in allowed_local | {""}, (path.name, node.module)
+                    assert node.level == 1 and (node.module or "") in allowed_local | {""}, (
+                        path.name,
+                        node.module,
+                    )
                     if not node.module:
                         assert {a.name for a in node.names} <= allowed_local, (path.name, node.names)
                     continue
