@@ -267,8 +267,10 @@ def main(argv=None) -> None:
     cpu_name = next(
         (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
     )
+    path = "AVX2+FMA+F16C" if cpu.load().has_avx2() else "portable (no AVX2)"
     print(
-        f"# {cpu_name}, {os.cpu_count()} cpus, torch {torch.__version__}, {nt} threads, x {args.dtype}, load {load:.2f}"
+        f"# {cpu_name}, {os.cpu_count()} cpus, kernels {path}, torch {torch.__version__}, {nt} threads, "
+        f"x {args.dtype}, load {load:.2f}"
     )
     print(
         f"# read bandwidth {bw['read']:.1f} GB/s (kernels' streaming read, 512 MB); copy {bw['copy']:.1f} GB/s "

@@ -115,10 +115,11 @@ def available() -> bool:
 
 def usable(x: torch.Tensor, w: torch.Tensor, rows: int = MAX_ROWS) -> bool:
     """Whether the kernels can serve x against weight storage w: enabled and built, both on the CPU,
-    x 2-D fp32/bf16/fp16 with 1..rows rows."""
+    x 2-D fp32/bf16/fp16 with 1..rows rows, w's rows contiguous."""
     return (
         x.is_cpu
         and w.is_cpu
+        and w.stride(-1) == 1
         and x.dtype in _X_DTYPES
         and x.dim() == 2
         and 0 < x.shape[0] <= rows
@@ -228,7 +229,7 @@ def fp4_matmul(
 
 
 def _dense_ok(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    return w.dtype == torch.bfloat16 and x.dtype == w.dtype and w.stride(-1) == 1 and usable(x, w, rows)
+    return w.dtype == torch.bfloat16 and x.dtype == w.dtype and usable(x, w, rows)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

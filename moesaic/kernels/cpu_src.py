@@ -19,9 +19,11 @@ Decoded vectors come out in a fixed order inside each 64-value chunk; x is permu
 match (prep_x), so the inner loop has no shuffles on x. Accumulation is fp32 (FMA); each output is
 rounded once to the output dtype (fp32, bf16 or fp16, round to nearest even).
 
-Register tiles: R weight rows x MB activation rows per pass (R * MB <= 8 accumulators), the weight rows
-stay in L1 while every block of 4 activation rows passes over them. Work items (expert, block of
-rows) are shared out by OpenMP with the thread count the caller chooses.
+Register tiles: R weight rows x MB <= 4 activation rows per pass (R * MB <= 8 accumulators). One
+activation row streams every weight row once, front to back; more rows go by blocks of K and of 32
+weight rows, so that a block of x stays in L1 and the weights' block in L2 while each block of 4
+activation rows passes over them (run_item). Work items (expert, block of weight rows) are shared out
+by OpenMP with the thread count the caller chooses.
 
 Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compiler targets them
 (`__AVX2__`, `__FMA__`, `__F16C__`), the portable scalar path (same math, row decoded to fp32 first)
@@ -88,7 +90,7 @@ const bool tables_ready = init_tables();
 struct Ctx {
     int kind;
     int64_t K, nfull, tail_bytes;  // full chunks; bytes of the partial last chunk (0: none)
-    int group;                     // fp4 group (16 / 32); fp8 block columns
+    int group;                     // fp4 group (16 / 32)
     int64_t ngroups;               // fp4 groups per row
     const int32_t* sub2blk;        // fp8: 32-value sub-chunk -> k-block (-1 beyond K)
 };
