@@ -15,8 +15,8 @@ bf16 projection) and each row count it times
     hot      the kernel on a slice of the weight that stays in L2: its compute ceiling
 
 Columns: weight bytes one call reads, best time, GB/s of those bytes, % of the streaming-read
-bandwidth (the kernels' own access pattern over 512 MB, same run and thread count), and the
-prediction bytes / read bandwidth. Weights rotate through a pool larger than the last-level cache so
+bandwidth (the kernels' own access pattern, timed like the rows: best of 16 MB slices rotating through
+512 MB, same run and thread count), and the prediction bytes / read bandwidth. Weights rotate through a pool larger than the last-level cache so
 that every call reads them from DRAM. `--grouped` adds one MoE step's experts (top-k of E, rows grouped
 by expert): one grouped kernel call vs one kernel call per expert vs the plain per-expert loop.
 Times are the best of repeated calls; nothing is asserted. On a shared machine run with --threads 1
@@ -82,7 +82,7 @@ def timeit(fn, min_time: float, min_iters: int = 5) -> float:
 def bandwidths(threads: int, min_time: float) -> dict:
     """GB/s: the kernels' streaming read of 512 MB, a tensor copy (read + write counted) and MKL's fp32
     GEMV over 256 MB (another reader's view of the same ceiling)."""
-    out = {"read": cpu.read_bandwidth(512 << 20, threads, repeats=10)}
+    out = {"read": cpu.read_bandwidth(512 << 20, threads)}
     src = torch.ones(64 << 20)
     dst = torch.empty_like(src)
     out["copy"] = 2 * src.nbytes / timeit(lambda: dst.copy_(src), min_time) / 1e9
@@ -215,14 +215,16 @@ def bench_grouped(args, dtype, min_time):
                         matmul_fn(w[i])(x[start:end])
                     start = end
 
+            cases = [("grouped", True, grouped), ("loop", True, loop), ("plain", False, loop)]
+            if name == "bf16":  # torch's grouped GEMM (what run_experts uses for dense stacks today)
+                offs32 = offs.to(torch.int32)
+                xb = x.to(torch.bfloat16)
+                cases[2] = ("F.linear", False, loop)
+                cases.append(
+                    ("grouped_mm", True, lambda w=w: F.grouped_mm(xb, w.transpose(-2, -1), offs=offs32))
+                )
             res = []
-            for label, kernels, fn in (
-                ("grouped", True, grouped),
-                ("loop", True, loop),
-                ("plain", False, loop),
-            ):
-                if name == "bf16" and label == "plain":
-                    label = "F.linear"
+            for label, kernels, fn in cases:
                 set_kernels(kernels)
                 t = timeit(fn, min_time)
                 res.append(f"{label} {t * 1e3:7.3f} ms {nbytes / t / 1e9:6.2f} GB/s")
@@ -273,12 +275,12 @@ def main(argv=None) -> None:
         f"x {args.dtype}, load {load:.2f}"
     )
     print(
-        f"# read bandwidth {bw['read']:.1f} GB/s (kernels' streaming read, 512 MB); copy {bw['copy']:.1f} GB/s "
+        f"# read bandwidth {bw['read']:.1f} GB/s (kernels' streaming read, best 16 MB slice of 512 MB); copy {bw['copy']:.1f} GB/s "
         f"(read + write); MKL fp32 GEMV {bw['fp32 gemv']:.1f} GB/s"
     )
     # on a shared machine one snapshot of the bandwidth can land in a busy moment: the best of the
     # start and a second measurement after the table is the ceiling the rows are compared with
-    again = cpu.read_bandwidth(512 << 20, nt, repeats=10)
+    again = cpu.read_bandwidth(512 << 20, nt)
     read = max(bw["read"], again)
     print(f"# read bandwidth again {again:.1f} GB/s: %read and pred ms use {read:.1f} GB/s")
     print(f"# weight pool per case {pool_bytes >> 20} MB; pred ms = weight bytes / read bandwidth\n")
@@ -286,7 +288,7 @@ def main(argv=None) -> None:
     if args.grouped:
         bench_grouped(args, dtype, min_time)
     print(
-        f"\n# read bandwidth at the end {cpu.read_bandwidth(512 << 20, nt, repeats=10):.1f} GB/s; total "
+        f"\n# read bandwidth at the end {cpu.read_bandwidth(512 << 20, nt):.1f} GB/s; total "
         f"{time.perf_counter() - t0:.0f} s, load average now {os.getloadavg()[0]:.2f}"
     )
 

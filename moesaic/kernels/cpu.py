@@ -263,20 +263,26 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     return out
 
 
-def read_bandwidth(nbytes: int = 512 << 20, threads: int = 1, repeats: int = 5) -> float:
-    """GB/s of a streaming read of `nbytes` (4 rows at a time, like the kernels): the benchmarks'
-    read-bandwidth ceiling, measured in the same run. Raises if the kernels are unavailable."""
+def read_bandwidth(
+    nbytes: int = 512 << 20, threads: int = 1, slice_bytes: int = 16 << 20, repeats: int = 64
+) -> float:
+    """GB/s of a streaming read (4 rows at a time, like the kernels): the benchmarks' read-bandwidth
+    ceiling, measured in the same run. Timed like a benchmark row: the best of `repeats` reads of
+    `slice_bytes` slices rotating through `nbytes` (more than the last-level cache). Raises if the
+    kernels are unavailable."""
     import time
 
     mod = load()
     if mod is None:
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
     row = 16384  # bytes per row, 4 rows read side by side
-    buf = torch.ones(nbytes // (4 * row) * 4 * row, dtype=torch.uint8)
+    step = max(4 * row, slice_bytes // (4 * row) * 4 * row)
+    buf = torch.ones(max(step, nbytes // step * step), dtype=torch.uint8)
+    slices = [buf[i : i + step] for i in range(0, buf.numel(), step)]
     mod.read_bytes(buf, row, threads)
     best = float("inf")
-    for _ in range(repeats):
+    for i in range(repeats):
         t0 = time.perf_counter()
-        mod.read_bytes(buf, row, threads)
+        mod.read_bytes(slices[i % len(slices)], row, threads)
         best = min(best, time.perf_counter() - t0)
-    return buf.nbytes / best / 1e9
+    return step / best / 1e9
