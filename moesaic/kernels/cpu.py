@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import warnings
 
 import torch
@@ -270,8 +271,6 @@ def read_bandwidth(
     ceiling, measured in the same run. Timed like a benchmark row: the best of `repeats` reads of
     `slice_bytes` slices rotating through `nbytes` (more than the last-level cache). Raises if the
     kernels are unavailable."""
-    import time
-
     mod = load()
     if mod is None:
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
