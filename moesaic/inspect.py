@@ -7,16 +7,17 @@ from pathlib import Path
 
 from .config import is_demo
 from .errors import CheckpointError
-from .models import family_for
-from .weights.contract import plan_load, quantization_config
+from .models import num_layers, read_config
+from .weights.contract import check_scale, plan_load, quantization_config
 from .weights.precision import PrecisionSchedule
 from .weights.store import WeightStore
 
 
 def inspect_checkpoint(path: str | Path, kv_dtype_bytes: int = 2, precision: str | None = None) -> dict:
     store = WeightStore(path, require_files=False)
-    family, raw = family_for(store.config, store.layout)
-    cfg = family.parse_config(raw, store.layout)
+    family, raw, cfg = read_config(store)
+    # the tensors count only when their headers were read (an index alone may list a few, as a sketch)
+    check_scale(num_layers(family, cfg), len(store.infos) if not store.unread else 0)
     specs = family.tensor_specs(cfg)
     params_by_role: Counter = Counter()
     for s in specs:
@@ -49,7 +50,7 @@ def inspect_checkpoint(path: str | Path, kv_dtype_bytes: int = 2, precision: str
     }
     info.update(family.facts(cfg) if hasattr(family, "facts") else {})
     schedule = PrecisionSchedule.parse(precision)
-    schedule.check_roles(specs)
+    schedule.check(specs)
     info["precision"] = schedule.describe(specs)
     if store.infos and not store.unread:
         try:
