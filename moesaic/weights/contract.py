@@ -158,6 +158,9 @@ def _check_quant_config(qc, where: str) -> None:
 
     strings = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)  # noqa: E731
     want(isinstance(qc, dict), "must be an object", qc)
+    for k in ("quant_method", "quant_algo", "format"):
+        if qc.get(k) is not None:
+            want(isinstance(qc[k], str), f"{k!r} must be a name", qc[k])
     for k in ("ignore", "exclude_modules", "modules_to_not_convert", "ignored_layers"):
         if qc.get(k) is not None:
             want(strings(qc[k]), f"{k!r} must be a list of module names", qc[k])

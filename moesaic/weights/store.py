@@ -55,6 +55,11 @@ def read_header(path: Path) -> tuple[dict, int]:
             if n > MAX_JSON_BYTES:
                 raise CheckpointError(f"{path}: safetensors header of {n} bytes is not plausible")
             text = f.read(n)
+            if len(text) != n:
+                raise CheckpointError(
+                    f"{path}: the header says it is {n} bytes but the file ends after {len(text)}: the file "
+                    "is truncated, download it again"
+                )
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     try:
@@ -313,7 +318,7 @@ def _read_json(path: Path) -> dict:
         raise ConfigError(f"{path}: {path.stat().st_size} bytes is not a plausible config or index")
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=_no_duplicates)  # a key given twice: which one is meant?
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     except OSError as e:
