@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import codecs
+import contextvars
 import json
 import os
+import re
+import string
 from pathlib import Path
 
 from .errors import CheckpointError, ConfigError, RequestError
@@ -128,6 +131,7 @@ class HFTokenizer:
             raise RequestError("this checkpoint's tokenizer has no chat template; drop --chat")
         import jinja2
 
+        token = _budget.set([RENDER_BUDGET])
         try:
             return self.template.render(
                 messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special.items()}
@@ -146,23 +150,101 @@ class HFTokenizer:
             raise RequestError(
                 f"the chat template failed on these messages ({type(e).__name__}: {e})"
             ) from None
+        finally:
+            _budget.reset(token)
 
 
 def _raise_exception(msg):
     raise RequestError(f"chat template: {msg}")
 
 
+# What one render may build: range items over all its loops, and the length of a repeated string or list.
+# jinja2's sandbox bounds one range (100,000 items) but not nested ones, nor "x" * 10**9.
+RENDER_BUDGET = 1_000_000
+_budget: contextvars.ContextVar[list[int]] = contextvars.ContextVar("chat_template_budget")
+
+
+def _spend(n: int) -> None:
+    left = _budget.get([RENDER_BUDGET])
+    left[0] -= n
+    if left[0] < 0:
+        raise RequestError(
+            f"the chat template builds more than {RENDER_BUDGET:,} loop items or characters in one render"
+        )
+
+
+def _range(*args):
+    r = range(*args)
+    _spend(len(r))
+    return r
+
+
+def _spend_widths(fmt) -> None:
+    """The field widths of a format string ("{:>9}", "%9s") count against the budget: "{:>1000000000}"
+    would build a gigabyte of spaces."""
+    if not isinstance(fmt, str):
+        return
+    widths = re.findall(r"%[-+ #0]*(\d+)|%[-+ #0]*\d*\.(\d+)", fmt)
+    try:
+        widths += [
+            (w, "")
+            for _, _, spec, _ in string.Formatter().parse(fmt)
+            if spec
+            for w in re.findall(r"\d+", spec)
+        ]
+    except ValueError:
+        pass  # not a valid str.format string: str.format will say so
+    for a, b in widths:
+        _spend(int(a or b or 0))
+
+
+def _budgeted(filter_, name: str):
+    """A width-taking filter (center, indent) or `format` whose widths count against the render budget."""
+
+    def run(value, *args, **kwargs):
+        if name == "format":
+            _spend_widths(value)
+        else:
+            width = kwargs.get("width", args[0] if args else 0)
+            if isinstance(width, int):
+                _spend(max(width, 0) * (str(value).count("\n") + 1))
+        return filter_(value, *args, **kwargs)
+
+    return run
+
+
 def _compile(template: str, where: str):
-    """The chat template compiled once, at load, in jinja2's sandbox, as transformers renders it: the
-    template is the checkpoint's code and must not reach Python's internals. A syntax error is the
-    checkpoint's ConfigError, not every request's."""
+    """The chat template compiled once, at load, in jinja2's sandbox, as transformers renders it (the
+    template is the checkpoint's code and must not reach Python's internals), with a budget on what one
+    render may build. A syntax error is the checkpoint's ConfigError, not every request's."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, int) and abs(right) > 64:
+                raise RequestError(f"the chat template raises to the power {right}")
+            if operator == "%":
+                _spend_widths(left)
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        _spend(len(seq) * max(n, 0))
+            return super().call_binop(context, operator, left, right)
+
+        def wrap_str_format(self, value):
+            wrapped = super().wrap_str_format(value)
+            if wrapped is not None:
+                _spend_widths(value.__self__)
+            return wrapped
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_exception
+    env.globals["range"] = _range
+    for name in ("center", "indent", "format"):
+        env.filters[name] = _budgeted(env.filters[name], name)
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
