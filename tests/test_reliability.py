@@ -179,6 +179,9 @@ def test_header_messages_agree_with_their_numbers(tmp_path):
     msg = err([0, 12])
     assert "F32[2] (8 bytes)" in msg and "[0, 12] hold 12 bytes" in msg
     assert "truncated" in err([0, 8], data=b"\0" * 4)
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 10**6) + b"{}")
+    with pytest.raises(CheckpointError, match="header says it is 1000000 bytes but the file ends after 2"):
+        WeightStore(tmp_path)
     # two tensors sharing bytes: refused, naming both
     write_raw(
         tmp_path / "model.safetensors",
@@ -396,6 +399,7 @@ def test_any_config_field_of_any_kind_parses_or_is_a_config_error(case):
         (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor"),
         (dict(rope_parameters={"rope_type": "yarn", "factor": float("inf")}), "factor"),
         (dict(num_hidden_layers=2**64), "num_hidden_layers"),
+        (dict(quantization_config={"quant_method": 5}), "quant_method"),
     ],
 )
 def test_issue_config_cases_are_config_errors(small, tmp_path, edit, words):
@@ -416,7 +420,8 @@ def test_params_json_sections_must_be_objects(field, value, tmp_path):
 
 def test_binary_and_nested_json_configs(small, tmp_path):
     path = copy_of(small, tmp_path / "m")
-    for content in (b"\x89PNG\r\n\x1a\n\0\0", b"[" * 100_000 + b"]" * 100_000, b"[1, 2]", b""):
+    duplicate = json.dumps(SMALL)[:-1].encode() + b', "hidden_size": 40}'  # which one is meant?
+    for content in (b"\x89PNG\r\n\x1a\n\0\0", b"[" * 100_000 + b"]" * 100_000, b"[1, 2]", b"", duplicate):
         (path / "config.json").write_bytes(content)
         with pytest.raises(ConfigError, match="config.json"):
             Checkpoint.open(path)
@@ -714,6 +719,15 @@ def test_broken_tokenizer_files_fail_at_load(with_tokenizer, file, content, kind
         ("{{ 1 // 0 }}", "ZeroDivisionError"),
         ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError|unsafe"),  # the template is code
         ("{{ messages.pop() }}", "SecurityError|unsafe"),  # and may not change the request
+        # what one render may build is bounded: loops, repetition, powers, widths
+        ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "builds more"),
+        ('{{ "x" * 10**9 }}', "builds more"),
+        ("{{ 2 ** 100000 }}", "power"),
+        ('{{ "x" | center(10**9) }}', "builds more"),
+        ('{{ "{:>1000000000}".format(1) }}', "builds more"),
+        ('{{ "%1000000000s" % 1 }}', "builds more"),
+        ('{{ "%1000000000s" | format(1) }}', "builds more"),
+        ('{{ "a\nb" | indent(10**8) }}', "builds more"),
     ],
 )
 def test_a_template_that_fails_on_a_request_is_that_requests_error(with_tokenizer, template, words):
@@ -721,6 +735,19 @@ def test_a_template_that_fails_on_a_request_is_that_requests_error(with_tokenize
     llm = moesaic.LLM(str(with_tokenizer), dtype="float32")
     with pytest.raises(RequestError, match=words):
         llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
+
+
+def test_the_budget_leaves_ordinary_templates_alone(with_tokenizer):
+    _set_template(
+        with_tokenizer,
+        "{% for m in messages %}{{ '%-6s|' % m['role'] }}{{ m['content'] | center(9) }}{{ '{:>3}'.format(loop.index) }}"
+        "{% for i in range(3) %}{{ i }}{% endfor %}{{ '-' * 4 }}{{ 'a\nb' | indent(2) }}{% endfor %}",
+    )
+    llm = moesaic.LLM(str(with_tokenizer), dtype="float32")
+    for _ in range(3):  # the budget is per render, not per template
+        out = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}] * 50)
+        one = "user".ljust(6) + "|" + "hi".center(9) + "1".rjust(3) + "012----a\n  b"
+        assert out.startswith(one) and out.count("012----a\n  b") == 50
 
 
 def test_named_templates_and_lone_surrogates(with_tokenizer):
