@@ -17,7 +17,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from .dtypes import FLOAT_CODES, INTEGER_CODES, NAMES
-from .precision import MAX_SHOWN, PACKABLE_ROLES, PrecisionSchedule, packable
+from .precision import MAX_SHOWN, PrecisionSchedule, packable
 from .quant import (
     COMPANION_SUFFIXES,
     ConcatRows,
@@ -69,10 +69,8 @@ class Source:
     split: Callable[[torch.Tensor], list[torch.Tensor]] | None = None  # the inverse, for checkpoint writers
 
 
-# PACKABLE_ROLES (precision.py): roles whose weights may stay packed when the checkpoint stores them
-# quantized (they are only used through `linear`). Anything else, or a spec marked dense, is
-# dequantized at load.
-__all__ = ["PACKABLE_ROLES"]
+# Which weights may stay packed when the checkpoint stores them quantized (those used only through
+# `linear`) is precision.py's `packable`: anything else, or a spec marked dense, is dequantized at load.
 
 
 def direct(name: str, shape) -> Source:
