@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from .errors import MoesaicError
+
+
+def _seed(text: str) -> int:
+    """--seed: a 64-bit unsigned integer (what a torch generator takes)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v < 2**64:
+        raise argparse.ArgumentTypeError(f"{text} is outside 0..2**64-1")
+    return v
 
 
 def main(argv=None) -> int:
@@ -20,7 +32,7 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=_seed, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--device", default="cpu")
@@ -35,12 +47,19 @@ def main(argv=None) -> int:
     i.add_argument("--expert-cache", default=None, help="plan expert streaming with a cache of SIZE")
     args = ap.parse_args(argv)
     try:
+        if args.model == "":  # Path("") is the current directory: never open it by accident
+            raise MoesaicError("an empty path names no checkpoint folder (--model / MODEL)")
         return {"generate": _generate, "inspect": _inspect}[args.cmd](args)
     except MoesaicError as e:
         print(f"moesaic: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`moesaic generate | head -c1`): stop quietly, as a SIGPIPE'd tool does.
+        # Output still buffered for the closed pipe goes to /dev/null so that the exit flush is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _generate(args) -> int:

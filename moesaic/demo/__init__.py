@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import ConfigError
+
 DEMO_NAME = "demo"
 DEMO_VERSION = 2  # 2: the V4.1 demo in the release layout (fp4 experts, fp8 Engram rows)
 
@@ -69,7 +71,8 @@ RELEASE_NAMINGS: dict[str, Callable] = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOESAIC_CACHE", Path.home() / ".cache" / "moesaic"))
+    # an empty MOESAIC_CACHE is unset (Path("") would be the current directory)
+    return Path(os.environ.get("MOESAIC_CACHE") or Path.home() / ".cache" / "moesaic")
 
 
 def demo_path(name: str = DEMO_NAME) -> Path:
@@ -108,12 +111,21 @@ def ensure_demo(name: str = DEMO_NAME) -> Path:
     config = dict(
         demo.config, moesaic_demo={"random_weights": True, "seed": 0, "version": DEMO_VERSION, "name": name}
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".demo-"))
-    if demo.write is not None:
-        demo.write(tmp, config)
-    else:
-        _write(tmp, config, demo.quant)
+    tmp = None
+    try:  # a cache that is a file, unwritable or full: say where and what to do, not an OSError
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".demo-"))
+        if demo.write is not None:
+            demo.write(tmp, config)
+        else:
+            _write(tmp, config, demo.quant)
+    except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = "it is a file" if path.parent.is_file() else e.strerror or str(e)
+        raise ConfigError(
+            f"the demo cache {path.parent} cannot be written ({why}); set MOESAIC_CACHE to a writable folder"
+        ) from None
     try:
         tmp.rename(path)
     except OSError:  # another process wrote it first
