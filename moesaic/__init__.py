@@ -2,12 +2,14 @@
 
 from .engine.sampler import SamplingParams
 from .errors import CapacityError, CheckpointError, ConfigError, MoesaicError, RequestError
-from .llm import LLM, RequestOutput
+from .llm import LLM, AsyncLLM, CompletionOutput, RequestOutput
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "SamplingParams",
     "RequestOutput",
+    "CompletionOutput",
     "MoesaicError",
     "ConfigError",
     "CheckpointError",

@@ -1,32 +1,43 @@
-"""The public API: `LLM(model, dtype, device)` with `generate` and `score`."""
+"""The public API: `LLM(model, dtype, device)` with `generate`, `stream` and `score`, and `AsyncLLM` for
+event loops. Both drive one engine core (engine/engine.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numbers
+import os
+import threading
 from pathlib import Path
 
 import torch
 
 from .cache.batch import ForwardBatch
 from .demo import DEMO_NAME, DEMOS, ensure_demo, is_demo_name
-from .engine.engine import Engine, Sequence, check_prompt
+from .engine.async_engine import AsyncEngine
+from .engine.engine import Engine, EngineLimits, check_prompt
+from .engine.output import CompletionOutput, RequestOutput
 from .engine.sampler import SamplingParams
+from .engine.sequence import Sequence
 from .errors import CapacityError, CheckpointError, ConfigError, RequestError
 from .models import Checkpoint
 from .tokenizer import load_tokenizer
+from .weights.dtypes import parse_dtype
 
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop id) | "length"
+__all__ = ["LLM", "AsyncLLM", "Stream", "RequestOutput", "CompletionOutput", "resolve_model_path"]
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    if is_demo_name(str(model)):
-        return ensure_demo(str(model))
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str):
+        raise ConfigError(
+            f"model must be a checkpoint folder (a path) or a demo name, got {type(model).__name__} {model!r}"
+        )
+    if not model.strip():
+        raise CheckpointError(
+            f"model is an empty string: give a checkpoint folder or a demo name ({', '.join(DEMOS)})"
+        )
+    if is_demo_name(model):
+        return ensure_demo(model)
     path = Path(model)
     if not path.exists():
         raise CheckpointError(
@@ -49,32 +60,76 @@ def check_device(device) -> str:
     return str(dev)
 
 
-class Stream:
-    """One request's tokens as they are sampled. Other calls on the same LLM (a generate() while this
-    stream is open) may step its sequence too: it yields everything the sequence holds not yet yielded."""
+def _is_token(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
-    def __init__(self, engine: Engine, seq: Sequence):
-        self.engine = engine
+
+def as_params(params, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt from what a caller gives: None, a SamplingParams, a dict of its fields,
+    or a list / tuple of those (one per prompt)."""
+
+    def one(p) -> SamplingParams:
+        if p is None:
+            return SamplingParams()
+        if isinstance(p, SamplingParams):
+            return p
+        if isinstance(p, dict):
+            return SamplingParams.from_dict(p)
+        raise RequestError(
+            f"params must be a SamplingParams or a dict of its fields (or a list of them, one per prompt), "
+            f"got {type(p).__name__}"
+        )
+
+    if isinstance(params, (list, tuple)):
+        plist = [one(p) for p in params]
+        if len(plist) != count:
+            raise RequestError(
+                f"{count} prompts but {len(plist)} SamplingParams: give one, or one per prompt"
+            )
+        return plist
+    return [one(params)] * count
+
+
+class Stream:
+    """One request's tokens as they are sampled. Stepping happens while it is read: between reads its
+    sequence is paused (not computed, and the first to be preempted when another request needs room),
+    so a stream left unread does not hold the engine. Closing it, or dropping it, aborts the request."""
+
+    def __init__(self, llm: LLM, seq: Sequence):
+        self.llm = llm
+        self.engine = llm.engine
         self.seq = seq
         self.sent = 0
+        seq.paused = True
 
     @property
     def finish_reason(self) -> str | None:
         return self.seq.finish_reason
+
+    @property
+    def text(self) -> str:
+        """The text of the tokens so far (without a stop string)."""
+        return self.seq.detok.visible(self.seq.finished)
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> int:
         seq = self.seq
-        try:
-            while self.sent >= len(seq.output_ids):
-                if seq.finished:
-                    raise StopIteration
-                self.engine.step()
-        except BaseException:
-            self.close()
-            raise
+        with self.llm._lock:
+            seq.paused = False
+            try:
+                while self.sent >= len(seq.output_ids):
+                    if seq.error is not None:
+                        raise seq.error
+                    if seq.finished:
+                        raise StopIteration
+                    self.engine.step()
+            except BaseException:
+                self.close()
+                raise
+            finally:
+                seq.paused = True
         self.sent += 1
         return seq.output_ids[self.sent - 1]
 
@@ -84,7 +139,10 @@ class Stream:
             self.engine.abort(self.seq)
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class LLM:
@@ -94,11 +152,32 @@ class LLM:
         dtype="bfloat16",
         device="cpu",
         max_num_seqs: int = 32,
-        max_batch_tokens: int = 1024,
+        max_batch_tokens: int | None = None,
         max_state_bytes: int | None = None,
         precision: str | None = None,
+        *,
+        max_num_batched_tokens: int | None = None,
+        max_cache_bytes: int | None = None,
+        max_snapshot_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
     ):
-        """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py)."""
+        """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py).
+        max_num_batched_tokens (old name max_batch_tokens): the tokens one step computes; max_cache_bytes:
+        the paged cache and fixed state (default: a fraction of free memory, logged); max_state_bytes: an
+        optional cap on the planner's worst case of the running requests (each reserved at admission)."""
+        # everything a caller can get wrong is checked before the checkpoint is read
+        tokens = max_num_batched_tokens if max_num_batched_tokens is not None else max_batch_tokens
+        EngineLimits(
+            max_num_seqs,
+            1024 if tokens is None else tokens,
+            max_cache_bytes,
+            max_snapshot_bytes,
+            max_state_bytes,
+            enable_prefix_caching,
+        ).validate()
+        parse_dtype(dtype)
+        if precision is not None and not isinstance(precision, str):
+            raise ConfigError(f"precision must be a string like 'router=bf16,expert=fp8', got {precision!r}")
         device = check_device(device)
         self.path = resolve_model_path(model)
         ckpt = Checkpoint.open(self.path)
@@ -112,66 +191,149 @@ class LLM:
             eos,
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_state_bytes=max_state_bytes,
+            max_cache_bytes=max_cache_bytes,
+            max_snapshot_bytes=max_snapshot_bytes,
+            enable_prefix_caching=enable_prefix_caching,
             max_context=self.family.max_context(self.cfg),
             state_bytes=self.family.state_bytes(self.cfg, self.model.dtype.itemsize),
+            tokenizer=self.tokenizer,
         )
+        self._lock = threading.RLock()  # generate / stream calls from several threads take turns
 
     # ---- prompts
     def encode(self, prompt) -> list[int]:
+        """Token ids of one prompt: text, or a list / tuple of token ids."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(
+                    f"the prompt is not valid Unicode: a lone surrogate {prompt[e.start]!r} at index {e.start}"
+                ) from None
             if self.tokenizer is None:
                 raise RequestError(f"{self.path} has no tokenizer; pass token ids instead of text")
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise RequestError("a prompt is a string or a list of token ids")
+        if isinstance(prompt, (list, tuple)):
+            for i, t in enumerate(prompt):
+                if not _is_token(t):
+                    raise RequestError(
+                        f"a prompt of token ids holds integers only; item {i} is {type(t).__name__} {t!r}"
+                    )
+            return [int(t) for t in prompt]
+        raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def prompt_list(self, prompts) -> list:
+        """The prompts of a generate call: one prompt (text or token ids) or an iterable of prompts."""
+        if prompts is None:
+            raise RequestError("the prompt is None: give text, a list of token ids, or a list of prompts")
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (bytes, bytearray)):
+            raise RequestError("a prompt is text (str) or token ids, not bytes: decode the bytes first")
+        if isinstance(prompts, (dict, set, frozenset)):
+            raise RequestError(
+                f"prompts as a {type(prompts).__name__} have no order to return outputs in: give a list"
+            )
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        if not isinstance(prompts, (list, tuple)):
+            if not hasattr(prompts, "__iter__"):
+                raise RequestError(
+                    f"prompts must be text, token ids, or a list of prompts; got {type(prompts).__name__}"
+                )
+            prompts = list(prompts)  # a generator of prompts
+        if prompts and _is_token(prompts[0]):
+            return [list(prompts)]  # one prompt of token ids
+        return list(prompts)
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
     # ---- generation
-    def generate(self, prompts, params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Generates for every prompt together (continuous batching); outputs in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        params = params or SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise RequestError(
-                f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one, or one per prompt"
-            )
+    def generate(self, prompts, params=None) -> list[RequestOutput]:
+        """Generates for every prompt together (continuous batching); outputs in prompt order, each with one
+        CompletionOutput per sample (`n`). Calls from several threads take turns."""
+        prompts = self.prompt_list(prompts)
+        plist = as_params(params, len(prompts))
         seqs = [Sequence(self.encode(p), sp) for p, sp in zip(prompts, plist)]
-        added = []
-        try:
-            for s in seqs:
-                self.engine.add(s)
-                added.append(s)
-            while any(not s.finished for s in seqs):
-                self.engine.step()
-        finally:  # an error must not leave this call's sequences in the engine
-            for s in added:
-                if not s.finished:
-                    self.engine.abort(s)
-        return [
-            RequestOutput(s.prompt_ids, s.output_ids, self.decode(s.output_ids), s.finish_reason)
-            for s in seqs
-        ]
+        for s in seqs:  # every request is checked before any starts
+            self.engine.check(s)
+        with self._lock:
+            added = []
+            try:
+                for s in seqs:
+                    self.engine.add(s)
+                    added.append(s)
+                while any(not g.finished for s in seqs for g in s.group):
+                    self.engine.step()
+            finally:  # an error must not leave this call's sequences in the engine
+                for s in added:
+                    if any(not g.finished for g in s.group):
+                        self.engine.abort(s)
+        for s in seqs:
+            for g in s.group:
+                if g.error is not None:
+                    raise g.error
+        return [self.engine.output(s) for s in seqs]
 
-    def stream(self, prompt, params: SamplingParams | None = None) -> Stream:
+    def stream(self, prompt, params=None) -> Stream:
         """The token ids of one prompt as they are sampled (an iterator); its `finish_reason` is set once
         it is exhausted. Dropping or closing it before the end aborts the request."""
-        seq = Sequence(self.encode(prompt), params or SamplingParams())
-        self.engine.add(seq)
-        return Stream(self.engine, seq)
+        (p,) = as_params(params, 1)
+        if p.n != 1:
+            raise RequestError(f"a stream yields one sample's tokens: n must be 1, got {p.n!r}")
+        seq = Sequence(self.encode(prompt), p)
+        with self._lock:
+            self.engine.add(seq)
+            return Stream(self, seq)
 
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [T, vocab] of one full prefill of `token_ids`."""
-        ids = self.encode(list(token_ids))
+    def score(self, token_ids) -> torch.Tensor:
+        """fp32 logits [T, vocab] of one full prefill of `token_ids` (or of a text's tokens)."""
+        if token_ids is None:
+            raise RequestError("score needs a prompt (token ids or text), got None")
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        ids = self.encode(token_ids)
         check_prompt(ids, self.cfg.vocab_size)
         if len(ids) > self.engine.max_context:
             raise CapacityError(f"{len(ids)} tokens exceed this model's context of {self.engine.max_context}")
         state = self.model.new_state()
         return self.model.forward(ForwardBatch.build([(state, ids)], logits="all", device=self.device))
+
+    def stats(self) -> dict:
+        """The engine's counters (requests, tokens, prefix cache, preemptions, blocks, step times)."""
+        return self.engine.stats()
+
+
+class AsyncLLM:
+    """`LLM` for asyncio: `add_request` returns an async iterator of incremental RequestOutputs; one
+    background thread steps the engine. Takes LLM's arguments.
+
+        llm = moesaic.AsyncLLM("demo")
+        async for out in llm.add_request("hello", moesaic.SamplingParams(max_tokens=8)):
+            print(out.outputs[0].text, end="")
+    """
+
+    def __init__(self, model: str | Path = DEMO_NAME, *args, **kwargs):
+        self.llm = LLM(model, *args, **kwargs)
+        self.tokenizer = self.llm.tokenizer
+        self.engine = AsyncEngine(self.llm.engine)
+
+    def add_request(self, prompt, params=None, request_id: str | None = None):
+        if prompt is None:
+            raise RequestError("the prompt is None: give text or a list of token ids")
+        (p,) = as_params(params, 1)
+        return self.engine.add_request(self.llm.encode(prompt), p, request_id)
+
+    generate = add_request
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.engine.shutdown(timeout)

@@ -3,6 +3,12 @@
 Each kind supports the same four operations (DESIGN.md "State"): append during a forward,
 `rollback(n)` that forgets the last n tokens exactly, `snapshot()`/`restore()` for prefix reuse,
 and a byte size that the state planner can compute from the config before the model exists.
+
+Snapshots of the row kinds (TokenRows, TailRows) are O(1): they keep references to the live buffers
+and the kind copies its buffers before it would write over rows a snapshot holds (only after a
+rollback). The engine takes one before every forward (`SequenceState.mark`) to make a failed step
+undoable, and keeps some in its prefix cache; `restore` always copies, so a snapshot can be restored
+into many states.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class TokenRows:
         self.device = device
         self.max_tokens = max_tokens
         self.length = 0
+        self.shared = 0  # rows [0, shared) of the buffers are also a snapshot's: copy before writing there
         self.bufs = {k: torch.empty(0, w, dtype=dtype, device=device) for k, w in widths.items()}
 
     def append(self, **rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -34,12 +41,13 @@ class TokenRows:
         if end > self.max_tokens:
             raise CapacityError(f"sequence would hold {end} tokens, more than the model's {self.max_tokens}")
         cap = next(iter(self.bufs.values())).shape[0]
-        if end > cap:
-            new_cap = min(max(end, 2 * cap, 16), max(end, self.max_tokens))
+        if end > cap or self.length < self.shared:
+            new_cap = cap if end <= cap else min(max(end, 2 * cap, 16), max(end, self.max_tokens))
             for k, b in self.bufs.items():
                 nb = torch.empty(new_cap, self.widths[k], dtype=self.dtype, device=self.device)
                 nb[: self.length] = b[: self.length]
                 self.bufs[k] = nb
+            self.shared = 0
         for k, r in rows.items():
             self.bufs[k][self.length : end] = r
         self.length = end
@@ -54,11 +62,14 @@ class TokenRows:
         self.length -= n
 
     def snapshot(self):
-        return {k: b[: self.length].clone() for k, b in self.bufs.items()}
+        self.shared = max(self.shared, self.length)
+        return self.length, dict(self.bufs)
 
     def restore(self, snap) -> None:
-        self.bufs = {k: v.clone() for k, v in snap.items()}
-        self.length = next(iter(snap.values())).shape[0]
+        length, bufs = snap
+        self.bufs = {k: b[:length].clone() for k, b in bufs.items()}
+        self.length = length
+        self.shared = 0
 
     @property
     def nbytes(self) -> int:
@@ -102,9 +113,43 @@ class SequenceState:
             if s is not None:
                 s.restore(ls)
 
+    def mark(self):
+        """What `revert` needs to undo the forwards after it (the engine's atomic step): per layer the
+        kind's own `mark()` where it has one (O(1)), else its snapshot."""
+        return (
+            self.num_tokens,
+            [None if s is None else (s.mark() if hasattr(s, "mark") else s.snapshot()) for s in self.layers],
+        )
+
+    def revert(self, mark) -> None:
+        self.num_tokens, marks = mark
+        for s, m in zip(self.layers, marks):
+            if s is not None:
+                s.revert(m) if hasattr(s, "revert") else s.restore(m)
+
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.layers if s is not None)
+
+
+def snapshot_nbytes(snap) -> int:
+    """The memory a snapshot keeps alive: every tensor's storage once, plus the `nbytes` of state
+    values (a KDA / Mamba-2 state) it holds."""
+    seen, total, todo = set(), 0, [snap]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(x, (tuple, list)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif hasattr(x, "nbytes") and not isinstance(x, (int, float)):
+            total += int(x.nbytes)
+    return total
 
 
 class RecurrentState:
@@ -114,7 +159,8 @@ class RecurrentState:
 
     A mixer updates it with `advance(new_value, snapshots, n)`, where snapshots are the states
     after each of the last `snapshots_needed(n)` new tokens (oldest first) and new_value is the
-    state after all n."""
+    state after all n. A mixer returns new values and never writes into the one it was given:
+    the rollback history and the engine's step undo (`mark`/`revert`) keep references to it."""
 
     def __init__(self, initial, window: int = 0):
         self.window = window
@@ -158,6 +204,13 @@ class RecurrentState:
         self.value = snap.clone()
         self.history = [self.value]
 
+    def mark(self):
+        return self.value, list(self.history)
+
+    def revert(self, mark) -> None:
+        self.value, history = mark
+        self.history = list(history)
+
     @property
     def nbytes(self) -> int:
         return self.value.nbytes * (1 + max(0, len(self.history) - 1))
@@ -171,7 +224,8 @@ class TailRows:
     so `rollback(n)` is exact for n <= keep - need; it refuses larger n (unless it forgets every
     token) whatever it holds, so that every TailRows of one rollback window accepts the same n.
     `append` returns the rows held before it plus the new ones: positions `length - len(rows)` on.
-    Storage is a buffer of 2·keep + 16 rows that is compacted when full (amortised O(1) a row)."""
+    Storage is a buffer of 2·keep + 16 rows that is compacted into a fresh buffer when full (amortised
+    O(1) a row; the old buffer stays intact for the snapshots that hold it)."""
 
     def __init__(self, widths: dict[str, int], dtype: torch.dtype, device, keep: int, need: int):
         if not 0 <= need <= keep:
@@ -184,28 +238,30 @@ class TailRows:
         self.length = 0  # tokens seen
         self.start = 0  # first held row in the buffers
         self.held = 0
-        self.bufs = {k: torch.empty(2 * keep + 16, w, dtype=dtype, device=device) for k, w in widths.items()}
+        self.shared = 0  # buffer rows [0, shared) are also a snapshot's: never written in place again
+        self.bufs = self._empty()
+
+    def _empty(self) -> dict[str, torch.Tensor]:
+        cap = 2 * self.keep + 16
+        return {k: torch.empty(cap, w, dtype=self.dtype, device=self.device) for k, w in self.widths.items()}
 
     def append(self, **rows: torch.Tensor) -> dict[str, torch.Tensor]:
         n = next(iter(rows.values())).shape[0]
         cap = next(iter(self.bufs.values())).shape[0]
-        if self.start + self.held + n <= cap:  # room: write in place, return views
-            end = self.start + self.held + n
+        at = self.start + self.held
+        if at + n <= cap and at >= self.shared:  # room: write in place, return views
             for k, r in rows.items():
-                self.bufs[k][end - n : end] = r
-            out = {k: b[self.start : end] for k, b in self.bufs.items()}
+                self.bufs[k][at : at + n] = r
+            out = {k: b[self.start : at + n] for k, b in self.bufs.items()}
             self.held += n
         else:
-            out = {
-                k: torch.cat([self.bufs[k][self.start : self.start + self.held], rows[k].to(self.dtype)])
-                for k in self.bufs
-            }
+            out = {k: torch.cat([self.bufs[k][self.start : at], rows[k].to(self.dtype)]) for k in self.bufs}
             self.held += n
-            self.start = 0
             keep = min(self.held, self.keep)
+            self.bufs = self._empty()
             for k, v in out.items():
                 self.bufs[k][:keep] = v[v.shape[0] - keep :]
-            self.held = keep
+            self.start, self.held, self.shared = 0, keep, 0
         self.length += n
         if self.held > self.keep:  # drop the oldest rows; they are overwritten by later appends
             self.start += self.held - self.keep
@@ -234,14 +290,15 @@ class TailRows:
         self.length -= n
 
     def snapshot(self):
-        return (self.length, {k: v.clone() for k, v in self.rows().items()})
+        self.shared = max(self.shared, self.start + self.held)
+        return self.length, self.start, self.held, dict(self.bufs)
 
     def restore(self, snap) -> None:
-        self.length, rows = snap
-        self.held = next(iter(rows.values())).shape[0]
-        self.start = 0
-        for k, v in rows.items():
-            self.bufs[k][: self.held] = v
+        self.length, start, self.held, bufs = snap
+        self.bufs = self._empty()
+        for k, b in bufs.items():
+            self.bufs[k][: self.held] = b[start : start + self.held]
+        self.start = self.shared = 0
 
     @property
     def nbytes(self) -> int:

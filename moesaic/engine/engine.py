@@ -1,48 +1,46 @@
-"""The batching engine: sequences, a continuous-batching scheduler with chunked prefill, and the
-step that runs one ForwardBatch and samples.
+"""The engine core: requests in, one step at a time, tokens out. Shared by `LLM.generate`, `LLM.stream`
+and the async engine.
 
-Each step packs every running sequence's next token (decode) plus prompt chunks (prefill) up to
-a token budget into one ForwardBatch, so one forward serves sequences in different phases.
-Admission asks the state planner how many bytes a sequence will hold at its longest and keeps
-the sum under `max_state_bytes`.
+A step asks the scheduler what to compute (scheduler.py), turns it into one ForwardBatch (decodes and
+prompt chunks of several sequences packed together), runs the model atomically (a forward that raises
+leaves every sequence's state as it was; the batch is then retried one sequence at a time so that only
+the sequences whose own forward fails are failed), samples, detokenizes, checks the stop conditions and
+frees what finished.
+
+Memory (planned once, here): the per-token rows of the paged layers live in a block pool
+(cache/paged.py); a block costs its pages plus the family's other per-token bytes (compressed entries,
+held in the sequence's own state) for its 64 tokens, so every byte that grows with a sequence is
+accounted through the blocks it holds. The fixed per-sequence state (recurrent states, windows) is
+reserved for `max_num_seqs` sequences. Snapshots for the prefix cache have their own budget.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
-from dataclasses import dataclass, field
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
 
 import torch
 
 from ..cache.batch import ForwardBatch
-from ..errors import CapacityError, RequestError
-from .sampler import SamplingParams, make_generator, sample
+from ..cache.paged import BLOCK_SIZE, BlockTable, PagePool
+from ..cache.state import TokenRows
+from ..errors import CapacityError, ConfigError, RequestError
+from .block_manager import BlockManager, SnapshotStore
+from .output import CompletionOutput, Detokenizer, RequestOutput
+from .sampler import SamplingParams, make_generator, sample, top_logprobs
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
 
-_ids = itertools.count()
+log = logging.getLogger("moesaic")
 
-
-@dataclass
-class Sequence:
-    prompt_ids: list[int]
-    params: SamplingParams
-    id: int = field(default_factory=lambda: next(_ids))
-    output_ids: list[int] = field(default_factory=list)
-    state: object = None
-    prefilled: int = 0  # prompt tokens already in the state
-    finish_reason: str | None = None
-    generator: torch.Generator | None = None
-    planned_bytes: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def pending(self) -> list[int]:
-        """Tokens the state has not seen yet."""
-        if self.prefilled < len(self.prompt_ids):
-            return self.prompt_ids[self.prefilled :]
-        return self.output_ids[-1:]
+# The default cache budget, as a fraction of the memory free once the weights are loaded: on a GPU most of
+# it (the rest holds activations and the per-step gathered rows); on the CPU a quarter, because CPU memory
+# is shared with the OS page cache that holds the mmap-ed weights and with other processes.
+FREE_FRACTION = {"cuda": 0.8, "cpu": 0.25}
+SNAPSHOT_FRACTION = 8  # default snapshot budget: 1/8 of the cache budget, on top of it
 
 
 def check_prompt(ids: list[int], vocab: int) -> None:
@@ -53,126 +51,533 @@ def check_prompt(ids: list[int], vocab: int) -> None:
         raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
 
 
+@dataclass
+class EngineLimits:
+    """The engine's limits, checked at construction (a ConfigError names the field)."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    max_cache_bytes: int | None = None
+    max_snapshot_bytes: int | None = None
+    max_state_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        def positive(name, optional):
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                what = "a positive integer" + (" or None" if optional else "")
+                raise ConfigError(f"{name} must be {what}, got {v!r}")
+
+        positive("max_num_seqs", False)
+        positive("max_num_batched_tokens", False)
+        positive("max_cache_bytes", True)
+        positive("max_state_bytes", True)
+        if self.max_snapshot_bytes is not None and (
+            not isinstance(self.max_snapshot_bytes, int)
+            or isinstance(self.max_snapshot_bytes, bool)
+            or self.max_snapshot_bytes < 0
+        ):
+            raise ConfigError(
+                f"max_snapshot_bytes must be an integer >= 0 or None, got {self.max_snapshot_bytes!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(
+                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
+            )
+
+
+def free_memory(device) -> int:
+    """Bytes free on the device now (CPU: MemAvailable)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class Engine:
     def __init__(
         self,
         model,
         eos_ids=(),
         max_num_seqs: int = 32,
-        max_batch_tokens: int = 1024,
+        max_batch_tokens: int | None = None,
         max_state_bytes: int | None = None,
         max_context: int | None = None,
         state_bytes=None,
+        tokenizer=None,
+        max_num_batched_tokens: int | None = None,
+        max_cache_bytes: int | None = None,
+        max_snapshot_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
     ):
+        """state_bytes: the family planner's (bytes per token, fixed bytes per sequence) of a state with no
+        rollback window. max_batch_tokens is the old name of max_num_batched_tokens."""
+        if max_batch_tokens is not None and max_num_batched_tokens is not None:
+            if max_batch_tokens != max_num_batched_tokens:
+                raise ConfigError(
+                    f"max_batch_tokens ({max_batch_tokens!r}) is the old name of max_num_batched_tokens "
+                    f"({max_num_batched_tokens!r}): give one"
+                )
+        tokens = max_num_batched_tokens if max_num_batched_tokens is not None else max_batch_tokens
+        self.limits = EngineLimits(
+            max_num_seqs,
+            1024 if tokens is None else tokens,
+            max_cache_bytes,
+            max_snapshot_bytes,
+            max_state_bytes,
+            enable_prefix_caching,
+        )
+        self.limits.validate()
         self.model = model
         self.eos_ids = set(eos_ids)
-        self.max_num_seqs = max_num_seqs
-        self.max_batch_tokens = max_batch_tokens
-        self.max_state_bytes = max_state_bytes
+        self.tokenizer = tokenizer
         self.max_context = max_context
-        self.state_bytes = state_bytes  # (per_token, fixed) for the planner
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.used_bytes = 0
+        self.max_num_seqs = self.limits.max_num_seqs
+        self.max_num_batched_tokens = self.limits.max_num_batched_tokens
+        self.max_state_bytes = max_state_bytes
+        self.lock = threading.RLock()
+        self._plan_memory(state_bytes)
+        self.counters = dict(
+            requests=0, finished=0, aborted=0, failed=0, prompt_tokens=0, generated_tokens=0, steps=0
+        )
+        self.step_time = dict(count=0, sum=0.0, last=0.0)
+        self.step_tokens = dict(sum=0, last=0)
+
+    # ---- memory
+    def _plan_memory(self, state_bytes) -> None:
+        probe = self.model.new_state()
+        self.paged_layers = [L for L, s in enumerate(probe.layers) if type(s) is TokenRows]
+        self.hybrid = any(s is not None and type(s) is not TokenRows for s in probe.layers)
+        paged = PagePool.paged_bytes_per_token(probe)
+        per_token, fixed = state_bytes if state_bytes is not None else (paged, 0)
+        self.state_bytes = (per_token, fixed)
+        self.rest_per_token = max(0, per_token - paged)  # compressed entries etc., in the sequence's state
+        block_cost = BLOCK_SIZE * (paged + self.rest_per_token)
+        context = self.max_context or 1 << 20
+        blocks_per_seq = -(-context // BLOCK_SIZE)
+        reserve = fixed * self.max_num_seqs
+        budget = self.limits.max_cache_bytes
+        if budget is None:
+            kind = torch.device(self.model.device).type
+            fraction = FREE_FRACTION.get(kind, 0.25)
+            free = free_memory(self.model.device)
+            budget = int(free * fraction)
+            # never more than every slot at full context needs
+            cap = reserve + block_cost * blocks_per_seq * self.max_num_seqs
+            source = (
+                f"{fraction:.0%} of the {free / 2**30:.1f} GiB free on {kind} "
+                f"(the rest for activations{'' if kind == 'cuda' else ', the page cache and other processes'})"
+            )
+            if cap < budget:
+                budget, source = (
+                    cap,
+                    f"what {self.max_num_seqs} sequences at the full context need (under {source})",
+                )
+        else:
+            source = "max_cache_bytes"
+        if budget - reserve < max(block_cost, 1):
+            raise ConfigError(
+                f"max_cache_bytes: {budget} bytes cannot hold the fixed state of max_num_seqs="
+                f"{self.max_num_seqs} sequences ({fixed} bytes each) plus one block of {BLOCK_SIZE} tokens "
+                f"({block_cost} bytes); raise max_cache_bytes or lower max_num_seqs"
+            )
+        num_blocks = (budget - reserve) // block_cost if block_cost else blocks_per_seq * self.max_num_seqs
+        self.cache_bytes = budget
+        self.pool = PagePool(probe, num_blocks)
+        snap_budget = self.limits.max_snapshot_bytes
+        if snap_budget is None:
+            snap_budget = budget // SNAPSHOT_FRACTION if self.hybrid else 0
+        self.snapshots = SnapshotStore(snap_budget) if self.hybrid else None
+        self.blocks = BlockManager(num_blocks, self.pool, self.snapshots)
+        self.scheduler = Scheduler(
+            self.blocks,
+            self._new_state,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_state_bytes,
+            hybrid=self.hybrid,
+            snapshots=self.snapshots,
+            caching=self.limits.enable_prefix_caching,
+        )
+        log.info(
+            "moesaic cache: %d blocks of %d tokens (%.1f MiB, %d bytes a token: %d paged, %d in sequence "
+            "state) + %.1f MiB fixed state for %d sequences; budget %.1f MiB = %s; prefix cache %s%s",
+            num_blocks,
+            BLOCK_SIZE,
+            num_blocks * block_cost / 2**20,
+            paged + self.rest_per_token,
+            paged,
+            self.rest_per_token,
+            reserve / 2**20,
+            self.max_num_seqs,
+            budget / 2**20,
+            source,
+            "on" if self.limits.enable_prefix_caching else "off",
+            f", snapshots up to {snap_budget / 2**20:.1f} MiB" if self.hybrid else "",
+        )
+
+    def _new_state(self, table: BlockTable):
+        return self.pool.page(self.model.new_state(), table)
+
+    # ---- what the tests and the API read
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def used_bytes(self) -> int:
+        return self.scheduler.used_bytes
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     # ---- admission
-    def plan_bytes(self, seq: Sequence) -> int:
-        if self.state_bytes is None:
-            return 0
-        per_token, fixed = self.state_bytes
+    def _longest(self, seq: Sequence) -> int:
         longest = len(seq.prompt_ids) + seq.params.max_tokens
         if self.max_context is not None:  # generation stops at the context anyway
             longest = min(longest, self.max_context)
-        return per_token * longest + fixed
+        return longest
 
-    def add(self, seq: Sequence) -> None:
-        seq.params.validate()
+    def plan_bytes(self, seq: Sequence) -> int:
+        per_token, fixed = self.state_bytes
+        return per_token * self._longest(seq) + fixed
+
+    def check(self, seq: Sequence) -> None:
+        """RequestError / CapacityError for a request (a Sequence with its prompt and params) that is
+        malformed or can never fit. Takes no lock."""
+        p = seq.params
+        if not isinstance(p, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(p).__name__}")
+        p.validate()
         check_prompt(seq.prompt_ids, self.model.cfg.vocab_size)
         if self.max_context is not None and len(seq.prompt_ids) >= self.max_context:
             raise CapacityError(
                 f"the prompt has {len(seq.prompt_ids)} tokens; this model's context is {self.max_context}"
             )
-        seq.planned_bytes = self.plan_bytes(seq)
-        if self.max_state_bytes is not None and seq.planned_bytes > self.max_state_bytes:
+        if p.stop_strings and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
+        if p.n > self.max_num_seqs:
             raise CapacityError(
-                f"this request needs {seq.planned_bytes} bytes of state; the engine allows "
+                f"n={p.n} samples run together; the engine runs at most max_num_seqs={self.max_num_seqs}"
+            )
+        seq.planned_bytes = self.plan_bytes(seq)
+        if self.max_state_bytes is not None and seq.planned_bytes * p.n > self.max_state_bytes:
+            raise CapacityError(
+                f"this request needs {seq.planned_bytes * p.n} bytes of state; the engine allows "
                 f"{self.max_state_bytes} (lower max_tokens or shorten the prompt)"
             )
-        seq.generator = make_generator(seq.params, self.model.device)
-        self.waiting.append(seq)
+        longest = self._longest(seq)
+        prompt_blocks = len(seq.prompt_ids) // BLOCK_SIZE
+        need = prompt_blocks + p.n * (-(-longest // BLOCK_SIZE) - prompt_blocks)
+        if need > self.blocks.num_blocks:
+            raise CapacityError(
+                f"this request needs up to {need} cache blocks of {BLOCK_SIZE} tokens ({longest} tokens"
+                f"{f' x {p.n} samples' if p.n > 1 else ''}); the cache holds {self.blocks.num_blocks} "
+                f"(lower max_tokens, or raise max_cache_bytes)"
+            )
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if (
-                self.max_state_bytes is not None
-                and self.used_bytes + seq.planned_bytes > self.max_state_bytes
-            ):
-                break
-            self.waiting.popleft()
-            seq.state = self.model.new_state()
-            self.used_bytes += seq.planned_bytes
-            self.running.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    # ---- one step
-    def schedule(self) -> list[tuple[Sequence, list[int]]]:
-        """Decodes first (one token each), then prompt chunks in arrival order within the budget."""
-        self._admit()
-        budget = self.max_batch_tokens
-        items = []
-        for seq in self.running:
-            if seq.prefilled >= len(seq.prompt_ids):
-                items.append((seq, seq.pending()))
-                budget -= 1
-        for seq in self.running:
-            if seq.prefilled < len(seq.prompt_ids) and budget > 0:
-                chunk = seq.pending()[:budget]
-                items.append((seq, chunk))
-                budget -= len(chunk)
-        return items
-
-    def step(self) -> list[tuple[Sequence, int]]:
-        """Runs one forward; returns the (sequence, new token) pairs sampled in it."""
-        items = self.schedule()
-        if not items:
-            return []
-        batch = ForwardBatch.build(
-            [(s.state, toks) for s, toks in items], logits="last", device=self.model.device
-        )
-        logits = self.model.forward(batch)
-        events = []
-        for row, (seq, toks) in enumerate(items):
-            if seq.prefilled < len(seq.prompt_ids):
-                seq.prefilled += len(toks)
-                if seq.prefilled < len(seq.prompt_ids):
-                    continue  # mid-prompt chunk: its logits are not needed
-            tok = sample(logits[row], seq.params, seq.generator)
-            seq.output_ids.append(tok)
-            events.append((seq, tok))
-            self._check_stop(seq, tok)
-        for seq in [s for s in self.running if s.finished]:
-            self.running.remove(seq)
-            self.used_bytes -= seq.planned_bytes
-            seq.state = None  # frees its cache
-        return events
-
-    def _check_stop(self, seq: Sequence, tok: int) -> None:
+    def add(self, seq: Sequence) -> None:
+        """Queues a request after `check`."""
+        self.check(seq)
         p = seq.params
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens:
-            seq.finish_reason = "length"
-        elif self.max_context is not None and len(seq.prompt_ids) + len(seq.output_ids) >= self.max_context:
-            seq.finish_reason = "length"
+        with self.lock:
+            seq.samples = p.n
+            seq.generator = make_generator(p, self.model.device, seq.index)
+            seq.detok = Detokenizer(self.tokenizer, p.stop_strings)
+            seq.logprobs = [] if p.logprobs is not None else None
+            seq.times["arrival"] = time.perf_counter()
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += len(seq.prompt_ids)
+            self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-            self.used_bytes -= seq.planned_bytes
-            seq.state = None
-        seq.finish_reason = seq.finish_reason or "abort"
+        """Ends a request (every sample of it) now, freeing its blocks."""
+        with self.lock:
+            for s in list(seq.group):
+                if not s.finished:
+                    s.finish_reason = "abort"
+                    self.counters["aborted"] += 1
+                    s.times["finished"] = time.perf_counter()
+                self.scheduler.finish(s)
+
+    # ---- one step
+    def step(self) -> list[tuple[Sequence, int]]:
+        """Runs one forward; returns the (sequence, new token) pairs sampled in it."""
+        with self.lock:
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            if not sched:
+                stuck = [s for s in list(self.running) + list(self.waiting) if not s.paused]
+                if stuck:
+                    raise RuntimeError(
+                        f"moesaic engine: nothing could be scheduled with {len(stuck)} sequence(s) pending "
+                        f"({self.blocks.num_free} of {self.blocks.num_blocks} blocks free); this is a bug"
+                    )
+                return []
+            events = self._run(sched)
+            dt = time.perf_counter() - t0
+            self.counters["steps"] += 1
+            self.step_time["count"] += 1
+            self.step_time["sum"] += dt
+            self.step_time["last"] = dt
+            n = sum(k for _, k in sched)
+            self.step_tokens["sum"] += n
+            self.step_tokens["last"] = n
+            return events
+
+    def _forward(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
+        batch = ForwardBatch.build(
+            [(s.state, s.pending()[:n]) for s, n in items], logits="last", device=self.model.device
+        )
+        return self.model.forward(batch)
+
+    def _forward_atomic(self, sched, marks) -> tuple[list, dict]:
+        """Logits rows per scheduled sequence (None for a failed one) and {seq id: exception}. A forward
+        that raises is undone for every sequence in it (`marks`); then each sequence runs alone."""
+        try:
+            return list(self._forward(sched)), {}
+        except BaseException as e:
+            for (s, _), m in zip(sched, marks):
+                s.state.revert(m)
+            if not isinstance(e, Exception):
+                raise
+            if len(sched) == 1:
+                return [None], {sched[0][0].id: e}
+            log.warning(
+                "moesaic: a forward of %d sequences failed (%r); retrying them one by one", len(sched), e
+            )
+        rows, failed = [], {}
+        for (s, n), mark in zip(sched, marks):
+            try:
+                rows.append(self._forward([(s, n)])[0])
+            except BaseException as e:
+                s.state.revert(mark)
+                if not isinstance(e, Exception):
+                    raise
+                rows.append(None)
+                failed[s.id] = e
+        return rows, failed
+
+    def _run(self, sched) -> list[tuple[Sequence, int]]:
+        marks = [s.state.mark() for s, _ in sched]
+        rows, failed = self._forward_atomic(sched, marks)
+        try:
+            draws = []  # (sequence, logits row) of every sample that draws a token now
+            for (seq, n), row in zip(sched, rows):
+                if seq.id in failed:
+                    continue
+                self.scheduler.computed(seq, n)
+                if seq.num_pending:  # a prompt chunk: its logits are not needed
+                    continue
+                if seq.samples > 1:
+                    self._fork(seq)
+                    draws.extend((s, row) for s in seq.group)
+                else:
+                    draws.append((seq, row))
+            picked = []
+            for seq, row in draws:
+                try:
+                    picked.append((seq, self._sample(seq, row)))
+                except Exception as e:
+                    failed[seq.id] = e
+        except BaseException:
+            for (s, _), m in zip(sched, marks):  # nothing of this step is kept
+                if s.state is not None:
+                    s.state.revert(m)
+            raise
+        events = []
+        for seq, (tok, lp) in picked:
+            self._append(seq, tok, lp)
+            events.append((seq, tok))
+        for s, _ in sched:
+            for g in s.group:
+                if g.id in failed and not g.finished:
+                    self._fail(g, failed[g.id])
+                elif g.finished and g.status is not Status.FINISHED:
+                    self.scheduler.finish(g)
+        return events
+
+    def _fork(self, seq: Sequence) -> None:
+        """A request with n > 1 samples, its prompt computed: n - 1 more sequences sharing its blocks."""
+        n, seq.samples = seq.samples, 1
+        snap = seq.state.snapshot()
+        group = [seq]
+        for i in range(1, n):
+            child = Sequence(
+                list(seq.prompt_ids),
+                seq.params,
+                index=i,
+                request_id=seq.request_id,
+                arrival=seq.arrival,
+                status=Status.RUNNING,
+                num_cached_tokens=seq.num_cached_tokens,
+                planned_bytes=seq.planned_bytes,
+                times=dict(seq.times),
+            )
+            child.block_table = self.blocks.fork(seq.block_table)
+            child.state = self._new_state(child.block_table)
+            child.state.restore(snap)
+            child.hashes = list(seq.hashes)
+            child.last_step = seq.last_step
+            child.generator = make_generator(seq.params, self.model.device, i)
+            child.detok = Detokenizer(self.tokenizer, seq.params.stop_strings)
+            child.logprobs = [] if seq.params.logprobs is not None else None
+            group.append(child)
+            self.scheduler.running.append(child)
+        for s in group:
+            s.group = group
+
+    def _sample(self, seq: Sequence, row: torch.Tensor) -> tuple[int, dict | None]:
+        p = seq.params
+        if not bool(torch.isfinite(row).all()):
+            raise RequestError(
+                "the model produced non-finite logits (NaN or Inf) for this request: its weights or scales "
+                "are likely broken"
+            )
+        banned = ()
+        if len(seq.output_ids) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        tok = sample(row, p, seq.generator, seq.prompt_ids, seq.output_ids, banned)
+        lp = top_logprobs(row, p.logprobs, tok) if p.logprobs is not None else None
+        return tok, lp
+
+    def _append(self, seq: Sequence, tok: int, lp) -> None:
+        seq.append_token(tok)
+        self.counters["generated_tokens"] += 1
+        seq.times.setdefault("first_token", time.perf_counter())
+        if lp is not None:
+            seq.logprobs.append(lp)
+        try:
+            self._check_stop(seq, tok)
+        except Exception as e:  # a detokenizer failing on this request ends it, and only it
+            self._fail(seq, e)
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p, d = seq.params, seq.detok
+        searched = len(d.text)
+        d.feed(tok)
+        may_stop = len(seq.output_ids) >= p.min_tokens
+        reason = None
+        if may_stop and tok in p.stop_token_ids:
+            reason = ("stop", tok)
+        elif may_stop and tok in self.eos_ids and not p.ignore_eos:
+            reason = ("stop", None)
+        elif may_stop and (s := d.find_stop(searched)) is not None:
+            reason = ("stop", s)
+        elif len(seq.output_ids) >= p.max_tokens:
+            reason = ("length", None)
+        elif self.max_context is not None and len(seq.token_ids) >= self.max_context:
+            reason = ("length", None)
+        if reason is None:
+            return
+        if not isinstance(reason[1], str):  # the last tokens' text, even an incomplete character
+            searched = len(d.text)
+            d.flush()
+            if may_stop and (s := d.find_stop(searched)) is not None:
+                reason = ("stop", s)
+        seq.finish_reason, seq.stop_reason = reason
+        seq.times["finished"] = time.perf_counter()
+        self.counters["finished"] += 1
+
+    def _fail(self, seq: Sequence, e: BaseException) -> None:
+        seq.error = e
+        seq.finish_reason = "error"
+        seq.times["finished"] = time.perf_counter()
+        self.counters["failed"] += 1
+        self.scheduler.finish(seq)
+
+    # ---- outputs and counters
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The request's result so far (every sample of it)."""
+        group = seq.group
+        outs = [
+            CompletionOutput(
+                s.index,
+                list(s.output_ids),
+                s.detok.visible(s.finished) if s.detok is not None else "",
+                s.finish_reason,
+                s.stop_reason,
+                None if s.logprobs is None else list(s.logprobs),
+            )
+            for s in group
+        ]
+        for i in range(len(group), seq.params.n):  # samples not forked yet (or never: the request ended)
+            outs.append(CompletionOutput(i, [], "", group[0].finish_reason))
+        first = group[0]
+        return RequestOutput(
+            list(first.prompt_ids),
+            outs,
+            first.request_id,
+            first.num_cached_tokens or 0,
+            all(s.finished for s in group),
+            usage=self.usage(seq),
+            error=next((s.error for s in group if s.error is not None), None),
+        )
+
+    def usage(self, seq: Sequence) -> dict:
+        group = seq.group
+        return dict(
+            prompt_tokens=len(group[0].prompt_ids),
+            completion_tokens=sum(len(s.output_ids) for s in group),
+            cached_tokens=group[0].num_cached_tokens or 0,
+        )
+
+    def stats(self) -> dict:
+        with self.lock:
+            c, s = self.counters, self.scheduler
+            return dict(
+                requests=dict(
+                    running=len(s.running),
+                    waiting=len(s.waiting),
+                    finished=c["finished"],
+                    aborted=c["aborted"],
+                    failed=c["failed"],
+                    total=c["requests"],
+                ),
+                prompt_tokens=c["prompt_tokens"],
+                generated_tokens=c["generated_tokens"],
+                cached_prompt_tokens=s.cached_tokens,
+                prefix_hit_rate=s.cached_tokens / s.admitted_prompt_tokens
+                if s.admitted_prompt_tokens
+                else 0.0,
+                preemptions=s.preemptions,
+                blocks=dict(
+                    used=self.blocks.num_used,
+                    free=self.blocks.num_free,
+                    total=self.blocks.num_blocks,
+                    cached=len(self.blocks.cached),
+                    block_tokens=BLOCK_SIZE,
+                ),
+                snapshot_bytes=0 if self.snapshots is None else self.snapshots.bytes,
+                snapshots=0 if self.snapshots is None else len(self.snapshots.entries),
+                step_time_s=dict(self.step_time),
+                tokens_per_step=dict(
+                    last=self.step_tokens["last"],
+                    mean=self.step_tokens["sum"] / self.step_time["count"]
+                    if self.step_time["count"]
+                    else 0.0,
+                ),
+                cache_bytes=self.cache_bytes,
+                prefix_caching=self.limits.enable_prefix_caching,
+            )
+
+    def reset_prefix_cache(self) -> None:
+        with self.lock:
+            self.blocks.reset_cache()
+            if self.snapshots is not None:
+                for h in list(self.snapshots.entries):
+                    self.snapshots.drop(h)
