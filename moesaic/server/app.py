@@ -114,7 +114,7 @@ class Server:
                 400, f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})", param
             )
 
-    def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+    def check_length(self, prompt_len: int, max_tokens: int | None, param: str = "messages") -> int:
         """The max_tokens of a request (the rest of the context when not given); 400 when it cannot fit."""
         if self.max_context is None:
             return 16 if max_tokens is None else max_tokens
@@ -122,7 +122,7 @@ class Server:
             raise HTTPError(
                 400,
                 f"This model's maximum context length is {self.max_context} tokens; the prompt has {prompt_len}",
-                "messages",
+                param,
             )
         if max_tokens is None:
             return self.max_context - prompt_len

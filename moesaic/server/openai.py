@@ -230,6 +230,8 @@ def top_sorted(lp: dict, k: int) -> list[tuple[int, float]]:
 
 def completion_prompts(srv, prompt) -> list[list[int]]:
     """The token ids of each prompt: text, token ids, or a list of either."""
+    if prompt == "" or (isinstance(prompt, list) and "" in prompt):
+        raise HTTPError(400, "prompt is empty: give some text or token ids", "prompt")
     if isinstance(prompt, str):
         prompts = [srv.encode(prompt)]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -273,7 +275,7 @@ async def completions(srv, body, request: Request):
     else:
         processor = None
     prompts = completion_prompts(srv, body.prompt)
-    max_tokens = min(srv.check_length(len(ids), body.max_tokens) for ids in prompts)
+    max_tokens = min(srv.check_length(len(ids), body.max_tokens, "prompt") for ids in prompts)
     params = sampling(srv, body, max_tokens, body.logprobs, processor)
     gens = srv.submit_all(prompts, params, rid)
     n, name = body.n, body.model or srv.names[0]
@@ -524,6 +526,8 @@ def tool_plan(srv, body):
             for n, p in names.items()
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if body.parallel_tool_calls is False:
+            schema["maxItems"] = 1
         return tools, "required", None, schema
     if choice == "none":
         return None, "parse", None, None
