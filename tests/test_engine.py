@@ -135,6 +135,14 @@ def test_budget_and_seq_limits_are_respected():
     assert max(t for t, _ in seen) == 16 and max(k for _, k in seen) == 2 and min(k for _, k in seen) >= 1
 
 
+def test_a_step_without_progress_raises_instead_of_spinning(monkeypatch):
+    llm_ = moesaic.LLM("demo", dtype="float32")
+    monkeypatch.setattr(llm_.engine.scheduler, "schedule", lambda: [])  # a scheduler bug
+    with pytest.raises(RuntimeError, match="nothing could be scheduled"):
+        llm_.generate(["abc"], greedy(2))
+    assert not llm_.engine.has_work()
+
+
 def test_old_keyword_max_batch_tokens_is_an_alias():
     a = moesaic.LLM("demo", dtype="float32", max_batch_tokens=13)
     assert a.engine.max_num_batched_tokens == 13
@@ -270,6 +278,46 @@ def test_a_failing_layer_fails_only_its_request(name, monkeypatch):
     assert llm_.stats()["requests"]["failed"] == 1 and llm_.stats()["blocks"]["used"] == 0
     with pytest.raises(ValueError, match="poisoned"):  # generate reports it
         llm_.generate([[5, POISON]], greedy(2))
+
+
+def test_an_interrupt_between_forward_and_sampling_keeps_nothing_of_the_step(llm, monkeypatch):
+    # Ctrl-C after the forward, before every sequence has its token: no state is left advanced
+    a, b = random_ids(30, VOCAB, seed=13), random_ids(50, VOCAB, seed=14)
+    want = [o.token_ids for o in llm.generate([a, b], greedy(6))]
+    eng = llm.engine
+    seqs = [Sequence(a, greedy(6)), Sequence(b, greedy(6))]
+    for s in seqs:
+        eng.add(s)
+    eng.step(), eng.step()
+    from moesaic.engine import engine as engine_module
+
+    real, calls = engine_module.sample, []
+
+    def interrupted(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_module, "sample", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    monkeypatch.setattr(engine_module, "sample", real)
+    while not all(s.finished for s in seqs):
+        eng.step()
+    assert [s.output_ids for s in seqs] == want
+
+
+def test_without_snapshot_room_a_hybrid_computes_everything(hybrid):
+    tight = moesaic.LLM("demo-kimi-linear", dtype="float32", max_snapshot_bytes=0)
+    prompts = [
+        random_ids(4 * BLOCK_SIZE + 9, VOCAB, seed=15)[:-5] + random_ids(5, VOCAB, seed=16 + i)
+        for i in range(2)
+    ]
+    outs = [tight.generate([p], greedy(4))[0] for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in hybrid.generate(prompts, greedy(4))]
+    assert tight.stats()["snapshot_bytes"] == 0
 
 
 def test_an_unread_stream_does_not_hold_the_engine():

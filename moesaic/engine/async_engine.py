@@ -169,43 +169,52 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         for req in list(self.requests.values()):
-            if req.seq.status.value == "waiting" and req.seq.arrival == 0:
+            if req.seq.arrival == 0:
                 continue  # not taken in yet
             with self.engine.lock:
                 item = self._delta(req)
             if item is None:
                 continue
-            if item.error is not None or item.finished:  # forgotten first: the consumer may look at once
+            if isinstance(item, BaseException) or item.finished:  # forgotten first: the consumer may look
                 self._forget(req)
-            self._send(req, item.error if item.error is not None else item)
+            self._send(req, item)
 
-    def _delta(self, req: _Request) -> RequestOutput | None:
-        full = self.engine.output(req.seq)
-        if full.error is not None:
-            return full
+    def _delta(self, req: _Request) -> RequestOutput | BaseException | None:
+        """What is new for the request since the last item (None: nothing), or the exception that ended it."""
+        first, group = req.seq, req.seq.group
+        error = next((s.error for s in group if s.error is not None), None)
+        if error is not None:
+            return error
         changed = []
-        for out in full.outputs:
-            t, c, lp, fin = req.sent.get(out.index, (0, 0, 0, False))
-            new_fin = out.finish_reason is not None and not fin
-            if len(out.token_ids) == t and len(out.text) == c and not new_fin:
+        for s in group:
+            t, c, lp, fin = req.sent.get(s.index, (0, 0, 0, False))
+            vis = s.detok.visible_len(s.finished)
+            nlp = 0 if s.logprobs is None else len(s.logprobs)
+            if len(s.output_ids) == t and vis == c and not (s.finished and not fin):
                 continue
             changed.append(
                 CompletionOutput(
-                    out.index,
-                    out.token_ids[t:],
-                    out.text[c:],
-                    out.finish_reason,
-                    out.stop_reason,
-                    None if out.logprobs is None else out.logprobs[lp:],
+                    s.index,
+                    s.output_ids[t:],
+                    s.detok.text[c:vis],
+                    s.finish_reason,
+                    s.stop_reason,
+                    None if s.logprobs is None else s.logprobs[lp:],
                 )
             )
-            req.sent[out.index] = (
-                len(out.token_ids),
-                len(out.text),
-                0 if out.logprobs is None else len(out.logprobs),
-                out.finish_reason is not None,
-            )
-        if not changed and not full.finished:
+            req.sent[s.index] = (len(s.output_ids), vis, nlp, s.finished)
+        finished = all(s.finished for s in group)
+        if finished:  # samples a request ended before forking them
+            changed += [
+                CompletionOutput(i, [], "", first.finish_reason) for i in range(len(group), first.params.n)
+            ]
+        if not changed and not finished:
             return None
-        full.outputs = changed
-        return full
+        return RequestOutput(
+            first.prompt_ids,
+            changed,
+            first.request_id,
+            first.num_cached_tokens or 0,
+            finished,
+            usage=self.engine.usage(first),
+        )

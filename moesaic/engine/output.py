@@ -62,10 +62,13 @@ class Detokenizer:
         self.text = self.text[: best[0]]
         return best[1]
 
-    def visible(self, finished: bool) -> str:
+    def visible_len(self, finished: bool) -> int:
         if finished or not self.longest:
-            return self.text
-        return self.text[: max(0, len(self.text) - (self.longest - 1))]
+            return len(self.text)
+        return max(0, len(self.text) - (self.longest - 1))
+
+    def visible(self, finished: bool) -> str:
+        return self.text[: self.visible_len(finished)]
 
 
 @dataclass

@@ -1,0 +1,282 @@
+"""Serving benchmark: a concurrency ladder over the async engine, with the prefix cache on and off.
+
+    .venv/bin/python benchmarks/serving.py [--models mistral4,kimi_linear] [--ladder 1,2,4,8,16]
+        [--system 512] [--question 64] [--new 64] [--waves 1] [--dtype bfloat16] [--threads N]
+
+Two random-weight models of ~0.3B parameters, written with moesaic's own writers into a temp folder: an
+MLA-only one (Mistral-Small-4-shaped) and a hybrid one (Kimi-Linear-shaped: KDA + MLA). Every request is
+a shared system prompt plus a distinct question, and generates a fixed number of tokens (greedy, EOS
+ignored). For each concurrency C, `waves * C` requests run with at most C in flight; reported: output
+throughput (generated tok/s over the rung's wall time), TTFT and TPOT p50/p90, the prefix hit rate.
+With the cache on, one warm-up request first puts the system prompt in the cache (the steady state of a
+server with a shared system prompt); with it off there is nothing to warm.
+
+The load generator (`run_rung`) talks to a `Backend` with one method, `stream(prompt_ids, max_tokens)`,
+an async iterator of token-id lists; `InProcess` drives moesaic.AsyncLLM. A backend for an HTTP server
+(`--server URL`) plugs in the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moesaic  # noqa: E402
+
+VOCAB = 32768
+MISTRAL4 = dict(
+    model_type="mistral4",
+    vocab_size=VOCAB,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=384,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    max_position_embeddings=32768,
+    eos_token_id=2,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
+)
+KIMI_LINEAR = dict(
+    model_type="kimi_linear",
+    vocab_size=VOCAB,
+    hidden_size=1024,
+    num_hidden_layers=8,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=None,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    num_experts=16,
+    num_experts_per_token=4,
+    num_shared_experts=1,
+    num_expert_group=1,
+    topk_group=1,
+    moe_renormalize=True,
+    routed_scaling_factor=2.446,
+    first_k_dense_replace=1,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    model_max_length=32768,
+    linear_attn_config={
+        "num_heads": 16,
+        "head_dim": 64,
+        "short_conv_kernel_size": 4,
+        "kda_layers": [1, 2, 3, 5, 6, 7],
+        "full_attn_layers": [4, 8],
+    },
+    tie_word_embeddings=False,
+    eos_token_id=2,
+)
+MODELS = {"mistral4": MISTRAL4, "kimi_linear": KIMI_LINEAR}
+
+
+def write_checkpoint(folder: Path, config: dict, dtype: torch.dtype) -> int:
+    """A random-weight checkpoint (seed 0) in the family's transformers naming; returns its parameter count."""
+    import importlib
+
+    from moesaic.demo import random_tensors
+    from moesaic.models import FAMILIES
+    from moesaic.weights.contract import to_checkpoint
+    from moesaic.weights.store import save_safetensors
+
+    family = importlib.import_module(FAMILIES[config["model_type"]])
+    cfg = family.parse_config(config)
+    specs = family.tensor_specs(cfg)
+    weights = random_tensors(specs, seed=0)
+    n = sum(t.numel() for t in weights.values())
+    tensors = to_checkpoint(specs, family.namings(cfg, "hf", []), weights)
+    tensors = {
+        k: (v.to(dtype) if v.is_floating_point() and v.dtype == torch.float32 else v)
+        for k, v in tensors.items()
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return n
+
+
+class InProcess:
+    """The backend of an AsyncLLM in this process."""
+
+    def __init__(self, llm: moesaic.AsyncLLM):
+        self.llm = llm
+
+    async def stream(self, prompt_ids: list[int], max_tokens: int):
+        sp = moesaic.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        async for item in self.llm.add_request(prompt_ids, sp):
+            yield [t for out in item.outputs for t in out.token_ids]
+
+    def stats(self) -> dict:
+        return self.llm.stats()
+
+
+async def one_request(backend, prompt_ids: list[int], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    async for toks in backend.stream(prompt_ids, max_tokens):
+        if toks:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            n += len(toks)
+    return dict(ttft=first - t0, tpot=(last - first) / (n - 1) if n > 1 else 0.0, tokens=n, end=last)
+
+
+async def run_rung(backend, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    """All prompts, at most `concurrency` in flight."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(p):
+        async with gate:
+            return await one_request(backend, p, max_tokens)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(limited(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    pct = lambda xs, q: statistics.quantiles(xs, n=10)[q // 10 - 1] if len(xs) > 1 else xs[0]  # noqa: E731
+    ttft, tpot = [r["ttft"] for r in results], [r["tpot"] for r in results]
+    return dict(
+        concurrency=concurrency,
+        requests=len(prompts),
+        tok_s=sum(r["tokens"] for r in results) / wall,
+        ttft_p50=statistics.median(ttft),
+        ttft_p90=pct(ttft, 90),
+        tpot_p50=statistics.median(tpot),
+        tpot_p90=pct(tpot, 90),
+        wall_s=wall,
+    )
+
+
+def make_prompts(system: list[int], question: int, count: int, seed: int) -> list[list[int]]:
+    """`count` requests: the system prompt plus a distinct random question each."""
+    g = torch.Generator().manual_seed(seed)
+    return [system + torch.randint(3, VOCAB, (question,), generator=g).tolist() for _ in range(count)]
+
+
+def bench_model(name: str, folder: Path, args) -> list[dict]:
+    """The ladder with the cache on and off, rung by rung alternately (both engines loaded at once), so that
+    a drift in the machine's load hits both alike."""
+    engines = {
+        cache: moesaic.AsyncLLM(
+            str(folder),
+            dtype=args.dtype,
+            max_num_seqs=max(args.ladder),
+            max_num_batched_tokens=args.batch_tokens,
+            enable_prefix_caching=cache == "on",
+        )
+        for cache in ("on", "off")
+    }
+    system = torch.randint(3, VOCAB, (args.system,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    try:
+        for llm in engines.values():  # warm-up; with the cache on it puts the system prompt in the cache
+            asyncio.run(run_rung(InProcess(llm), make_prompts(system, args.question, 1, 0), 1, 2))
+        for c in args.ladder:
+            prompts = make_prompts(system, args.question, c * args.waves, seed=c)  # distinct per rung
+            for cache, llm in engines.items():
+                backend = InProcess(llm)
+                before = backend.stats()
+                row = asyncio.run(run_rung(backend, prompts, c, args.new))
+                after = backend.stats()
+                row.update(
+                    model=name,
+                    cache=cache,
+                    hit_rate=(after["cached_prompt_tokens"] - before["cached_prompt_tokens"])
+                    / sum(len(p) for p in prompts),
+                    preemptions=after["preemptions"] - before["preemptions"],
+                )
+                rows.append(row)
+                print(fmt(row), flush=True)
+    finally:
+        for llm in engines.values():
+            llm.shutdown(timeout=5)
+    return rows
+
+
+def fmt(r: dict) -> str:
+    return (
+        f"{r['model']:<12} cache {r['cache']:<3} C={r['concurrency']:<3} {r['tok_s']:7.1f} tok/s  "
+        f"TTFT p50 {r['ttft_p50'] * 1e3:7.0f} ms p90 {r['ttft_p90'] * 1e3:7.0f} ms  "
+        f"TPOT p50 {r['tpot_p50'] * 1e3:6.0f} ms p90 {r['tpot_p90'] * 1e3:6.0f} ms  "
+        f"hit {r['hit_rate']:.0%}  preempt {r['preemptions']}"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="mistral4,kimi_linear")
+    ap.add_argument("--ladder", default="1,2,4,8,16")
+    ap.add_argument("--system", type=int, default=512)
+    ap.add_argument("--question", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=1, help="requests per rung = waves x C")
+    ap.add_argument("--batch-tokens", type=int, default=1024)
+    ap.add_argument(
+        "--dtype", default="float32", help="float32: bf16 GEMMs are ~3x slower on CPUs without AMX"
+    )
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    args.ladder = [int(c) for c in args.ladder.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            n = write_checkpoint(Path(tmp) / name, MODELS[name], getattr(torch, args.dtype))
+            print(f"{name}: {n / 1e6:.0f}M parameters (random weights)", flush=True)
+            rows += bench_model(name, Path(tmp) / name, args)
+    print("\nsummary (cache on vs off):")
+    for name in args.models.split(","):
+        on = {r["concurrency"]: r for r in rows if r["model"] == name and r["cache"] == "on"}
+        off = {r["concurrency"]: r for r in rows if r["model"] == name and r["cache"] == "off"}
+        c0, c1 = min(args.ladder), max(args.ladder)
+        print(
+            f"{name}: TTFT p50 at C={c0} uncached / cached = {off[c0]['ttft_p50'] / on[c0]['ttft_p50']:.1f}x; "
+            f"throughput C={c1} / C={c0}: cache on {on[c1]['tok_s'] / on[c0]['tok_s']:.1f}x, "
+            f"off {off[c1]['tok_s'] / off[c0]['tok_s']:.1f}x"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
