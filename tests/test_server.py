@@ -102,9 +102,17 @@ def test_completions_match_llm_generate(client, llm):
         r.usage.completion_tokens == len(ref.token_ids) and r.usage.total_tokens == r.usage.prompt_tokens + 24
     )
     chunks = list(
-        client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        client.completions.create(
+            model="demo",
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [t for c in chunks for t in c.choices[0].token_ids] == ref.token_ids  # vLLM's return_token_ids
     assert [c.choices[0].finish_reason for c in chunks][-1] == ref.finish_reason
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     # a prompt of token ids, and two prompts in one request

@@ -67,7 +67,7 @@ class Server:
         self.chat = None
         if self.tokenizer is not None:
             special = getattr(self.tokenizer, "special", None) or {}
-            tokens = {k: v for k, v in special.items() if isinstance(k, str) and k.endswith("_token")}
+            tokens = {k: v or "" for k, v in special.items() if isinstance(k, str) and k.endswith("_token")}
             if not tokens and "<s>" in special:  # the byte tokenizer's base specials
                 tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
             template = chat_template if chat_template is not None else read_chat_template(llm.path)
@@ -325,6 +325,12 @@ def build_app(
 
     @app.exception_handler(MoesaicError)
     async def _moesaic_error(request: Request, e: MoesaicError):
+        return errors.response(errors.from_exception(e), errors.is_anthropic(request.url.path))
+
+    @app.exception_handler(Exception)
+    async def _internal(
+        request: Request, e: Exception
+    ):  # a bug: logged by the server, answered in the envelope
         return errors.response(errors.from_exception(e), errors.is_anthropic(request.url.path))
 
     @app.exception_handler(RequestValidationError)

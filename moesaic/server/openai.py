@@ -310,16 +310,18 @@ async def completions(srv, body, request: Request):
                                 srv, o.token_ids, o.logprobs, body.logprobs, offsets[index]
                             )
                         offsets[index] += len(text)
-                        if text or lp or o.finish_reason:
-                            entries.append(
-                                {
-                                    "index": index,
-                                    "text": text,
-                                    "logprobs": lp,
-                                    "finish_reason": o.finish_reason,
-                                    "stop_reason": o.stop_reason,
-                                }
-                            )
+                        ids = body.return_token_ids and o.token_ids
+                        if text or lp or ids or o.finish_reason:
+                            e = {
+                                "index": index,
+                                "text": text,
+                                "logprobs": lp,
+                                "finish_reason": o.finish_reason,
+                                "stop_reason": o.stop_reason,
+                            }
+                            if body.return_token_ids:
+                                e["token_ids"] = o.token_ids
+                            entries.append(e)
                     if entries:
                         yield chunk(entries, None, include)
                 if include:
@@ -360,6 +362,8 @@ async def completions(srv, body, request: Request):
                     "stop_reason": c.get("stop"),
                 }
             )
+            if body.return_token_ids:
+                choices[-1]["token_ids"] = c["ids"]
         return chunk(choices, usage_dict(track.usages), True)
 
     return await until_disconnected(request, collect())
@@ -623,7 +627,8 @@ async def chat(srv, body, request: Request):
                             if body.logprobs and o.logprobs
                             else None
                         )
-                        if d or lp or final:
+                        ids = body.return_token_ids and o.token_ids
+                        if d or lp or ids or final:
                             e = {
                                 "index": c.index,
                                 "delta": delta_dict(d),
@@ -632,6 +637,8 @@ async def chat(srv, body, request: Request):
                             }
                             if final:
                                 e["stop_reason"] = o.stop_reason
+                            if body.return_token_ids:
+                                e["token_ids"] = o.token_ids
                             entries.append(e)
                     if entries:
                         yield chunk(entries)
@@ -679,6 +686,7 @@ async def chat(srv, body, request: Request):
                     "logprobs": {"content": chat_logprobs(srv, ids_, lps, k)} if body.logprobs else None,
                     "finish_reason": reason,
                     "stop_reason": stop,
+                    **({"token_ids": ids_} if body.return_token_ids else {}),
                 }
             )
         return {

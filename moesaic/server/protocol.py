@@ -53,6 +53,7 @@ class Sampling(Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's: each choice (and chunk) also carries its token ids
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
