@@ -151,13 +151,15 @@ GOLDEN = {
 
 @pytest.mark.parametrize("which", ["nemo", "k3"])
 def test_tool_calls_and_reasoning_on_every_surface(which, request, monkeypatch):
-    """Nemotron-H on every surface; Kimi K3 (a slower demo) on the chat route, streamed and not."""
+    """Nemotron-H on every surface with the tools in the prompt; Kimi K3 (a slower demo) on the chat route,
+    streamed and not, without them (markup is parsed anyway; the values typed by the format's hints)."""
     a = request.getfixturevalue(which)
     every = which == "nemo"
+    tools = TOOLS if every else None
     text, end, parser, model_type = GOLDEN[which]
     n = script(monkeypatch, a, text, end)
-    prompt = chat_format_for(model_type, read_chat_template(a.llm.path)).render(ASK, tools=TOOLS)
-    want = parse(parser, text, TOOLS, thinking_for_prompt(parser, prompt))
+    prompt = chat_format_for(model_type, read_chat_template(a.llm.path)).render(ASK, tools=tools)
+    want = parse(parser, text, tools, thinking_for_prompt(parser, prompt))
     assert want.reasoning == "Look it up." and want.content == "Checking."
     assert [(c.name, json.loads(c.arguments)) for c in want.tool_calls] == [
         ("get_weather", {"city": "Paris", "days": 3})
@@ -165,21 +167,22 @@ def test_tool_calls_and_reasoning_on_every_surface(which, request, monkeypatch):
 
     async def go():
         async with a.http() as h:
-            tokens = (await h.post("/tokenize", json={"messages": ASK, "tools": TOOLS})).json()
+            tokens = (await h.post("/tokenize", json={"messages": ASK, "tools": tools})).json()
         assert tokens["tokens"] == a.llm.tokenizer.encode(prompt, add_bos=False)
         c = a.openai()
-        r = await c.chat.completions.create(model=a.name, messages=ASK, tools=TOOLS, max_tokens=400)
+        extra = {"tools": tools} if tools else {}
+        r = await c.chat.completions.create(model=a.name, messages=ASK, max_tokens=400, **extra)
         chunks = [ch async for ch in await c.chat.completions.create(
-            model=a.name, messages=ASK, tools=TOOLS, max_tokens=400, stream=True)]  # fmt: skip
+            model=a.name, messages=ASK, max_tokens=400, stream=True, **extra)]  # fmt: skip
         if not every:
             return r, chunks, None, None, None, None
         none = await c.chat.completions.create(
             model=a.name, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=400
         )
         an = a.anthropic()
-        tools = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER}]
-        m = await an.messages.create(model=a.name, max_tokens=400, messages=ASK, tools=tools)
-        async with an.messages.stream(model=a.name, max_tokens=400, messages=ASK, tools=tools) as s:
+        schemas = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER}]
+        m = await an.messages.create(model=a.name, max_tokens=400, messages=ASK, tools=schemas)
+        async with an.messages.stream(model=a.name, max_tokens=400, messages=ASK, tools=schemas) as s:
             events = [e async for e in s]
             final = await s.get_final_message()
         return r, chunks, none, m, events, final
