@@ -28,19 +28,53 @@ def utf8(text: str) -> bytes:
 
 
 class ByteTokenizer:
-    """Every UTF-8 byte is a token. Used by the built-in demo model."""
+    """Every UTF-8 byte is a token. Used by the built-in demo models.
 
-    vocab_size = 256 + BYTE_OFFSET
+    `special_tokens`: marker strings that are single tokens (a chat format's `<think>`, `[INST]`, ...),
+    matched in the text before the bytes, as a tokenizer's added special tokens are. "<pad>", "<s>" and
+    "</s>" are ids 0, 1, 2; any other gets the next id after the bytes (259, 260, ...), in list order.
+    Without any, "<s>" in a text is its bytes. `decode` leaves the special tokens out unless
+    `skip_special_tokens=False`."""
+
     pad_id, bos_id, eos_ids = 0, 1, (2,)
     chat_template = None
+    BASE = ("<pad>", "<s>", "</s>")
+
+    def __init__(self, special_tokens=()):
+        special_tokens = tuple(special_tokens)
+        self.special = {name: i for i, name in enumerate(self.BASE)}
+        for t in special_tokens:
+            if not isinstance(t, str) or not t:
+                raise ConfigError(f"a special token is a non-empty string, got {t!r}")
+            self.special.setdefault(t, 256 + BYTE_OFFSET + len(self.special) - len(self.BASE))
+        self.added = [t for t in self.special if t not in self.BASE]
+        self.names = {i: t for t, i in self.special.items()}
+        self.vocab_size = 256 + BYTE_OFFSET + len(self.added)
+        # the longest marker first, so that "<|im_end|>" is not read as a shorter marker it starts with
+        by_length = sorted(self.special, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if special_tokens else None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return ([self.bos_id] if add_bos else []) + [b + BYTE_OFFSET for b in utf8(text)]
+        ids = [self.bos_id] if add_bos else []
+        parts = self._split.split(text) if self._split else [text]
+        for k, part in enumerate(parts):
+            if k % 2:  # a special token (the split's captured groups)
+                ids.append(self.special[part])
+            else:
+                ids.extend(b + BYTE_OFFSET for b in utf8(part))
+        return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < 256 + BYTE_OFFSET).decode(
-            "utf-8", "replace"
-        )
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            if BYTE_OFFSET <= i < 256 + BYTE_OFFSET:
+                run.append(i - BYTE_OFFSET)
+            elif i in self.names and not skip_special_tokens:
+                out.append(run.decode("utf-8", "replace"))
+                run = bytearray()
+                out.append(self.names[i])
+        out.append(run.decode("utf-8", "replace"))
+        return "".join(out)
 
     def stream_decoder(self):
         dec = codecs.getincrementaldecoder("utf-8")("replace")
@@ -108,8 +142,8 @@ class HFTokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def stream_decoder(self):
         ids: list[int] = []
@@ -298,8 +332,10 @@ def _read_json(path: Path) -> dict:
 
 
 def load_tokenizer(folder: Path, raw_config: dict, eos_ids: tuple[int, ...]):
-    if raw_config.get("moesaic_tokenizer") == "bytes":
-        return ByteTokenizer()
+    if (
+        raw_config.get("moesaic_tokenizer") == "bytes"
+    ):  # a demo: its chat markers are `moesaic_special_tokens`
+        return ByteTokenizer(raw_config.get("moesaic_special_tokens") or ())
     if os.path.lexists(folder / "tokenizer.json"):  # lexists: a broken link is an error, not "no tokenizer"
         return HFTokenizer(folder, eos_ids)
     if os.path.lexists(folder / "tekken.json"):

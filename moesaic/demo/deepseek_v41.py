@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..layers.engram import build_token_map
 from ..models.deepseek_v41 import (
     RELEASE_QUANTIZATION,
     RELEASE_TEXT_CONFIG,
@@ -16,12 +17,14 @@ from ..models.deepseek_v41 import (
     parse_config,
     release_naming,
     tensor_specs,
+    tokenizer_vocab,
 )
+from ..tokenizer import ByteTokenizer
 from ..weights.contract import to_checkpoint
 from ..weights.quant import quantize_fp8_block
 from ..weights.store import save_safetensors
 from ..weights.writers import quantize_checkpoint
-from . import Demo
+from . import Demo, chat_tokens
 from . import random_tensors as base_random_tensors
 
 
@@ -97,6 +100,19 @@ TINY_TEXT_CONFIG = {
     "eos_token_id": 2,
 }
 DEMO_CONFIG = release_config(TINY_TEXT_CONFIG, moesaic_tokenizer="bytes")
+
+
+def chat_config() -> dict:
+    """The demo's config: the tiny model with the chat markers as tokens (the vocabulary and Engram's
+    compressed classes grow by them) and the end of a turn as EOS."""
+    chat = chat_tokens("deepseek_v41")
+    specials = chat.pop("moesaic_special_tokens")
+    classes = int(build_token_map(tokenizer_vocab(ByteTokenizer(specials))).max()) + 1
+    text = dict(TINY_TEXT_CONFIG, **chat, engram_compressed_vocab_size=classes)
+    return release_config(text, moesaic_tokenizer="bytes", moesaic_special_tokens=specials)
+
+
+CHAT_DEMO_CONFIG = chat_config()
 # the release's quantized layout: dense fp8 (E4M3 + UE8M0 32x32 `.scale`), routed experts fp4 (`.weight` I8 +
 # E8M0 `.scale`)
 DENSE_FP8 = r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight"
@@ -160,7 +176,7 @@ DEMOS = {
     # Engram, shared KV/index sources, candidate blocks, as released: dense fp8 E4M3 + UE8M0 32x32 `.scale`
     # blocks, routed experts fp4, Engram tables fp8 rows
     "demo-deepseek-v41": Demo(
-        DEMO_CONFIG,
+        CHAT_DEMO_CONFIG,
         ((DENSE_FP8, "fp8-ue8m0"), (EXPERTS_FP4, "fp4-deepseek")),
         lambda folder, config: write_checkpoint(folder, config, quantized=True),
     ),

@@ -297,7 +297,8 @@ class Engine:
         with self.lock:
             seq.samples = p.n
             seq.generator = make_generator(p, self.model.device, seq.index)
-            seq.detok = Detokenizer(self.tokenizer, p.stop_strings)
+            seq.detok = Detokenizer(self.tokenizer, p.stop_strings, p.skip_special_tokens)
+            seq.processor = p.logits_processor() if p.logits_processor is not None else None
             seq.logprobs = [] if p.logprobs is not None else None
             seq.times["arrival"] = time.perf_counter()
             self.counters["requests"] += 1
@@ -434,7 +435,10 @@ class Engine:
             child.hashes = list(seq.hashes)
             child.last_step = seq.last_step
             child.generator = make_generator(seq.params, self.model.device, i)
-            child.detok = Detokenizer(self.tokenizer, seq.params.stop_strings)
+            child.detok = Detokenizer(self.tokenizer, seq.params.stop_strings, seq.params.skip_special_tokens)
+            child.processor = (
+                seq.params.logits_processor() if seq.params.logits_processor is not None else None
+            )
             child.logprobs = [] if seq.params.logprobs is not None else None
             group.append(child)
             self.scheduler.running.append(child)
@@ -451,7 +455,8 @@ class Engine:
         banned = ()
         if len(seq.output_ids) < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-        tok = sample(row, p, seq.generator, seq.prompt_ids, seq.output_ids, banned)
+        x = row if seq.processor is None else seq.processor.mask(row)
+        tok = sample(x, p, seq.generator, seq.prompt_ids, seq.output_ids, banned)
         lp = top_logprobs(row, p.logprobs, tok) if p.logprobs is not None else None
         return tok, lp
 
@@ -462,6 +467,8 @@ class Engine:
         if lp is not None:
             seq.logprobs.append(lp)
         try:
+            if seq.processor is not None:
+                seq.processor.accept(tok)
             self._check_stop(seq, tok)
         except Exception as e:  # a detokenizer failing on this request ends it, and only it
             self._fail(seq, e)
@@ -469,8 +476,9 @@ class Engine:
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p, d = seq.params, seq.detok
         searched = len(d.text)
-        d.feed(tok)
         may_stop = len(seq.output_ids) >= p.min_tokens
+        if not (may_stop and (tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos))):
+            d.feed(tok)  # the token that ends the request as EOS or a stop id is not text
         reason = None
         if may_stop and tok in p.stop_token_ids:
             reason = ("stop", tok)

@@ -599,9 +599,11 @@ def tokenizer_vocab(tok):
     skip_special_tokens=False does; a lone byte >= 0x80 decodes to U+FFFD and keys on its raw name)."""
     if isinstance(tok, ByteTokenizer):
         names = ["<pad>", "<s>", "</s>"]
-        return [(s, s) for s in names] + [
-            (tok.decode([i]), f"<0x{i - BYTE_OFFSET:02X}>") for i in range(BYTE_OFFSET, tok.vocab_size)
-        ]
+        return (
+            [(s, s) for s in names]
+            + [(tok.decode([i]), f"<0x{i - BYTE_OFFSET:02X}>") for i in range(BYTE_OFFSET, 256 + BYTE_OFFSET)]
+            + [(s, s) for s in tok.added]  # a demo's chat markers, after the bytes
+        )
     return tok
 
 
