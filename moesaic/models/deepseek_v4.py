@@ -764,9 +764,13 @@ class Model:
         )
 
     # -- blocks
-    def attention(self, L: int, w: Attention, x: Tensor, batch: ForwardBatch) -> Tensor:
+    def attention(
+        self, L: int, w: Attention, x: Tensor, batch: ForwardBatch, kind: str | None = None
+    ) -> Tensor:
+        """Layer L's attention (L indexes the sequences' states); `kind` for a block outside the decoder
+        (the MTP layer's sliding window)."""
         c = self.cfg
-        kind, eps = c.layer_types[L], c.rms_norm_eps
+        kind, eps = kind or c.layer_types[L], c.rms_norm_eps
         rope, pos = self.rope[kind], batch.positions
         qr, q, kv = attention_inputs(w, x, c, rope, pos)
         comp, idx = w.compressor, w.index_compressor
@@ -803,6 +807,16 @@ class Model:
             )
         return attention_output(w, out, c, rope, pos)
 
+    def block(self, L: int, w: Layer, h: Tensor, batch: ForwardBatch, kind: str | None = None) -> Tensor:
+        """One decoder block over the streams h [N, n, d] (the MTP layer's too: `kind` SLIDING)."""
+        eps = self.cfg.rms_norm_eps
+        x, post, comb = mhc.site_input(h, w.attn_hc, self.hc)
+        y = self.attention(L, w.attn, rms_norm_cast_once(x, w.attn_norm, eps), batch, kind)
+        h = mhc.update(h, y, post, comb)
+        x, post, comb = mhc.site_input(h, w.mlp_hc, self.hc)
+        y = moe(rms_norm_cast_once(x, w.mlp_norm, eps), w.mlp, self.moe, batch.token_ids)
+        return mhc.update(h, y, post, comb)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
@@ -810,12 +824,7 @@ class Model:
         eps = c.rms_norm_eps
         h = mhc.expand(F.embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
         for L, w in enumerate(self.layers):
-            x, post, comb = mhc.site_input(h, w.attn_hc, self.hc)
-            y = self.attention(L, w.attn, rms_norm_cast_once(x, w.attn_norm, eps), batch)
-            h = mhc.update(h, y, post, comb)
-            x, post, comb = mhc.site_input(h, w.mlp_hc, self.hc)
-            y = moe(rms_norm_cast_once(x, w.mlp_norm, eps), w.mlp, self.moe, batch.token_ids)
-            h = mhc.update(h, y, post, comb)
+            h = self.block(L, w, h, batch)
             batch.tap(L, h, mhc.head_mean)
         batch.finish()
         head = self.hc_head

@@ -506,13 +506,14 @@ class Model:
         self.mtp = bind_mtp(cfg, t)  # for the MTP drafter; [] when the checkpoint has none
 
     # -- state
-    def new_state(self, rollback_window: int = 0) -> SequenceState:
+    def new_state(self, rollback_window: int = 0, kinds: tuple[str, ...] | None = None) -> SequenceState:
         """K and V rows per attention layer; a Mamba-2 state per Mamba layer, keeping one snapshot per
-        token of `rollback_window` (the last tokens it can forget exactly); nothing for MLP/MoE layers."""
+        token of `rollback_window` (the last tokens it can forget exactly); nothing for MLP/MoE layers.
+        `kinds`: other layers than the decoder's (an MTP block's)."""
         c = self.cfg
         kv = c.num_key_value_heads * c.head_dim
         layers = []
-        for kind in c.layer_types:
+        for kind in c.layer_types if kinds is None else kinds:
             if kind == MAMBA:
                 layers.append(RecurrentState(Mamba2State.zeros(self.dims, self.device), rollback_window))
             elif kind == ATTENTION:
