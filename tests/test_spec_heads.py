@@ -247,28 +247,28 @@ def simulate(model, proposer, prompts: list[list[int]], rounds: list[tuple[int, 
     propose k for every sequence together, one target forward over [last, d_1..d_k] each, keep the
     first m drafts (forced, whatever the target says) and the target's token after them as the bonus,
     roll the target back, observe the committed rows. Returns per sequence (committed tokens, their
-    FINAL taps, the newest committed token, the last drafts)."""
+    taps {layer: [rows, d]}, the newest committed token, the last drafts)."""
     states = [model.new_state(rollback_window=8) for _ in prompts]
-    logits, taps = with_taps(model, list(zip(states, prompts)))
+    logits, taps = with_taps(model, list(zip(states, prompts)), proposer.taps)
     seqs, row = [], 0
     for i, p in enumerate(prompts):
+        hidden = {L: t[row : row + len(p)] for L, t in taps.items()}
         proposer.start(i)
-        proposer.observe(i, 0, p, {FINAL: taps[FINAL][row : row + len(p)]})
+        proposer.observe(i, 0, p, hidden)
         row += len(p)
-        seqs.append([list(p), taps[FINAL][row - len(p) : row], int(logits[row - 1].argmax()), None])
+        seqs.append([list(p), hidden, int(logits[row - 1].argmax()), None])
     for k, m in rounds:
         drafts = proposer.propose([(i, s[2], k) for i, s in enumerate(seqs)])
         for i, (s, d) in enumerate(zip(seqs, drafts)):
             assert 1 <= len(d.tokens) <= k and d.probs is None
             s[3] = d.tokens
             block = [s[2]] + d.tokens
-            lg, tp = with_taps(model, [(states[i], block)])
+            lg, tp = with_taps(model, [(states[i], block)], proposer.taps)
             acc = min(m, len(d.tokens))
             states[i].rollback(len(block) - acc - 1)
-            start = len(s[0])
-            proposer.observe(i, start, block[: acc + 1], {FINAL: tp[FINAL][: acc + 1]})
+            proposer.observe(i, len(s[0]), block[: acc + 1], {L: t[: acc + 1] for L, t in tp.items()})
             s[0] += block[: acc + 1]
-            s[1] = torch.cat([s[1], tp[FINAL][: acc + 1]])
+            s[1] = {L: torch.cat([s[1][L], tp[L][: acc + 1]]) for L in s[1]}
             s[2] = int(lg[acc].argmax())
     return seqs
 
@@ -289,7 +289,7 @@ def test_mtp_cache_rolls_back_to_the_committed_rows(demo):
     for i, (tokens, hidden, last, _) in enumerate(seqs):
         fresh = make_mtp_proposer(model, ck.cfg, {"num_speculative_tokens": 3})
         fresh.start(0)
-        fresh.observe(0, 0, tokens, {FINAL: hidden})
+        fresh.observe(0, 0, tokens, hidden)
         ours, ref = prop.propose([(i, last, 3)])[0], fresh.propose([(0, last, 3)])[0]
         assert ours.tokens == ref.tokens
         a, b = prop.seqs[i].state, fresh.seqs[0].state
@@ -375,3 +375,216 @@ def test_trained_demo_mtp_agreement_matches_the_recorded_number():
         rows += len(w) - 2
     print(f"trained demo MTP agreement: {agree / rows:.4f} over {rows} rows (recorded {recorded:.4f})")
     assert abs(agree / rows - recorded) < 0.005
+
+
+# ---------------------------------------------------------------- DeepSeek-V4.1's DSpark stages
+
+
+def v41_tiny(seed: int = 9):
+    """The V4.1 demo's config (three DSpark stages) with random fp32 weights and the byte token map."""
+    from moesaic.demo import deepseek_v41 as v41demo
+    from moesaic.layers.engram import build_token_map
+    from moesaic.models import deepseek_v41 as v41
+    from moesaic.tokenizer import ByteTokenizer
+
+    cfg = v41.parse_config(v41demo.DEMO_CONFIG)
+    T = v41demo.random_tensors(cfg, seed)
+    cmap = build_token_map(v41.tokenizer_vocab(ByteTokenizer()), cfg.engram.compressed_vocab_size)
+    return cfg, T, v41.Model(cfg, Tensors(T), torch.float32, "cpu", token_map=cmap)
+
+
+def rope_tail(x, pos, cfg):
+    """V4's rope on the trailing qk_rope dims, adjacent pairs as complex numbers (plain theta: ratio 0)."""
+    rd = cfg.rope_main.dim
+    freqs = 1.0 / (cfg.rope_main.theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    cis = torch.polar(torch.ones(len(pos), rd // 2), pos[:, None].float() * freqs)
+    cis = cis.view(len(pos), *[1] * (x.dim() - 2), rd // 2)
+    z = torch.view_as_complex(x[..., -rd:].float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.cat([x[..., :-rd], torch.view_as_real(z * cis).flatten(-2)], -1)
+
+
+def dspark_reference(model, T: dict, cfg, taps: torch.Tensor, y: int):
+    """The module docstring's round written out: taps [p+1, taps·d] of positions 0..p, y the committed
+    token at p+1. Returns (drafts, base logits [B, V], confidence [B])."""
+    from moesaic.layers import mhc
+    from moesaic.layers.moe import moe
+
+    ds, eps, H, D, G = cfg.dspark, cfg.rms_norm_eps, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    B, W, n = ds.block_size, cfg.sliding_window, cfg.num_nextn_predict_layers
+    c = rms(taps @ T["mtp.0.main_proj.weight"].T, T["mtp.0.main_norm.weight"], eps)
+    p = taps.shape[0] - 1
+    ctx_pos, pos = torch.arange(max(0, p - W + 1), p + 1), torch.arange(p + 1, p + 1 + B)
+    ids = torch.tensor([y] + [ds.noise_token_id] * (B - 1))
+    h = T["model.embed_tokens.weight"][ids][:, None].repeat(1, cfg.hc_mult, 1)
+    pre = torch.zeros(B, cfg.hc_mult)
+    pre[:, 0] = 1
+    spec = model.moe.__class__(
+        model.moe.router.__class__("sqrtsoftplus", ds.num_experts_per_tok, scale=cfg.routed_scaling_factor),
+        glu=model.moe.glu,
+    )
+    for j, stage in enumerate(model.dspark.stages):
+        a = f"mtp.{j}.self_attn."
+        site_pre, post, comb = mhc.site_maps(h, stage.attn_hc, model.hc)
+        x = rms(mhc.collapse(h, pre), T[f"mtp.{j}.input_layernorm.weight"], eps)
+        pre = site_pre
+        qr = rms(x @ T[a + "q_a_proj.weight"].T, T[a + "q_a_norm.weight"], eps)
+        q = rope_tail((qr @ T[a + "q_b_proj.weight"].T).view(B, H, D), pos, cfg)
+
+        def kv_of(v, at, a=a):
+            return rope_tail(rms(v @ T[a + "kv_proj.weight"].T, T[a + "kv_norm.weight"], eps), at, cfg)
+
+        keys = torch.cat([kv_of(c[ctx_pos], ctx_pos), kv_of(x, pos)])
+        logit = torch.einsum("bhd,kd->bhk", q, keys) * D**-0.5
+        sink = T[a + "sinks"].view(1, H, 1).expand(B, H, 1)
+        o = torch.einsum("bhk,kd->bhd", torch.cat([logit, sink], -1).softmax(-1)[..., :-1], keys)
+        rd = cfg.rope_main.dim
+        o = torch.cat([o[..., :-rd], rope_tail(o, -pos, cfg)[..., -rd:]], -1).reshape(B, G, -1)  # rope^-1
+        wo_a = T[a + "o_a_proj.weight"].view(G, -1, o.shape[-1])
+        y_attn = torch.einsum("bgi,gri->bgr", o, wo_a).reshape(B, -1) @ T[a + "o_b_proj.weight"].T
+        h = mhc.update(h, y_attn, post, comb)
+        site_pre, post, comb = mhc.site_maps(h, stage.mlp_hc, model.hc)
+        x = rms(mhc.collapse(h, pre), T[f"mtp.{j}.post_attention_layernorm.weight"], eps)
+        pre = site_pre
+        h = mhc.update(h, moe(x, stage.mlp, spec), post, comb)
+    x = mhc.collapse(h, pre)
+    last = f"mtp.{n - 1}."
+    u = rms(x, T[last + "norm.weight"], eps) @ T["lm_head.weight"].T
+    drafts, prev, embeds = [], y, []
+    for b in range(B):
+        e = T[last + "markov_head.embed.weight"][prev]
+        prev = int((u[b] + T[last + "markov_head.head.weight"] @ e).argmax())
+        drafts.append(prev)
+        embeds.append(e)
+    conf = torch.sigmoid(torch.cat([x, torch.stack(embeds)], -1) @ T[last + "confidence_head.proj.weight"].T)[
+        :, 0
+    ]
+    return drafts, u, conf
+
+
+def test_dspark_round_equals_the_formula():
+    """Three stages over a context longer than the window (13 positions, window 8), two sequences in one
+    batch: the drafts, the base logits and the confidence of each equal the reference."""
+    from moesaic.spec.dspark import make_dspark_proposer
+
+    cfg, T, model = v41_tiny()
+    prop = make_dspark_proposer(model, cfg, {})
+    assert isinstance(prop, DraftProposer) and prop.max_k == cfg.dspark.block_size == 5
+    assert prop.taps == (1, 2, 4)  # the inputs of layers 2, 3, 5
+    prompts = [random_ids(13, cfg.vocab_size, seed=21), random_ids(6, cfg.vocab_size, seed=22)]
+    logits, taps = with_taps(model, [(model.new_state(), p) for p in prompts], prop.taps)
+    row, ys, refs = 0, [], []
+    for i, p in enumerate(prompts):
+        hidden = {L: t[row : row + len(p)] for L, t in taps.items()}
+        prop.start(i)
+        for a, b in ((0, 4), (4, len(p))):  # the context arrives in two pieces
+            prop.observe(i, a, p[a:b], {L: t[a:b] for L, t in hidden.items()})
+        row += len(p)
+        ys.append(int(logits[row - 1].argmax()))
+        refs.append(dspark_reference(model, T, cfg, torch.cat([hidden[L] for L in prop.taps], -1), ys[-1]))
+    drafts = prop.propose([(0, ys[0], 5), (1, ys[1], 3)])
+    u, _ = prop.block_logits([prop.seqs[0], prop.seqs[1]], ys)
+    for i, (ref_drafts, ref_u, ref_conf) in enumerate(refs):
+        err = (u[i] - ref_u).abs().max().item()
+        print(f"DSpark sequence {i}: max abs base-logit err vs the formula {err:.2e}")
+        assert err < 1e-4
+        assert drafts[i].tokens == ref_drafts[: (5, 3)[i]]
+        assert torch.allclose(torch.tensor(prop.confidence(i)), ref_conf[: (5, 3)[i]], atol=1e-5)
+    # a broken twin: a causal mask inside the block changes the drafts' logits
+    import moesaic.spec.dspark as dspark_mod
+
+    real = dspark_mod.attend_all
+    try:
+        dspark_mod.attend_all = lambda q, k, s, sc: real(q[:1].expand_as(q), k, s, sc)
+        assert (prop.block_logits([prop.seqs[0]], ys[:1])[0][0] - refs[0][1]).abs().max() > 1e-3
+    finally:
+        dspark_mod.attend_all = real
+
+
+def test_dspark_on_its_demo_keeps_committed_context_only():
+    """The V4.1 demo (release layout: fp8 stages and main_proj, fp4 experts): drafting rounds that keep
+    some drafts leave each stage's ring equal to a fresh drafter's fed only the committed rows, and
+    both draft the same."""
+    from moesaic.spec.dspark import make_dspark_proposer
+
+    ck, model = demo_model("demo-deepseek-v41", "float32")
+    assert model.dspark is not None and len(model.dspark.stages) == 3
+    prop = make_dspark_proposer(model, ck.cfg, {"num_speculative_tokens": 4})
+    prompts = [random_ids(10, ck.cfg.vocab_size, seed=31), random_ids(3, ck.cfg.vocab_size, seed=32)]
+    seqs = simulate(model, prop, prompts, [(4, 1), (2, 0), (4, 4), (3, 2)])
+    for i, (tokens, hidden, last, _) in enumerate(seqs):
+        fresh = make_dspark_proposer(model, ck.cfg, {"num_speculative_tokens": 4})
+        fresh.start(0)
+        fresh.observe(0, 0, tokens, hidden)
+        assert prop.propose([(i, last, 4)])[0].tokens == fresh.propose([(0, last, 4)])[0].tokens
+        a, b = prop.seqs[i], fresh.seqs[0]
+        assert a.seen == b.seen == len(tokens)
+        for ra, rb in zip(a.rings, b.rings):
+            x, y = ra.rows()["kv"], rb.rows()["kv"]
+            assert x.shape == y.shape == (min(len(tokens), ck.cfg.sliding_window), ck.cfg.head_dim)
+            assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_dspark_stages_in_the_release_layout(tmp_path):
+    """The demo writes the stages as released (fp8 main_proj and attention with UE8M0 32x32 scales, fp4
+    experts, bf16/fp32 heads); a checkpoint without them loads with no drafter, one with part of them is
+    refused; the proposer refuses what it cannot run."""
+    from moesaic.demo import deepseek_v41 as v41demo
+    from moesaic.errors import CheckpointError
+    from moesaic.models import Checkpoint
+    from moesaic.spec.dspark import make_dspark_proposer
+    from moesaic.weights.store import save_safetensors
+
+    ckpt = v41demo.write_checkpoint(tmp_path / "q", quantized=True)
+    assert ckpt["mtp.0.main_proj.weight"].dtype == torch.float8_e4m3fn and ckpt[
+        "mtp.0.main_proj.scale"
+    ].shape == (2, 6)
+    assert (
+        ckpt["mtp.1.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+        and ckpt["mtp.2.ffn.experts.3.w2.weight"].dtype == torch.int8
+    )
+    assert not any(k.startswith(("mtp.1.main", "mtp.0.markov", "mtp.1.norm")) for k in ckpt)
+    assert ckpt["mtp.2.markov_head.embed.weight"].shape == (259, 16) and ckpt[
+        "mtp.2.confidence_head.proj.weight"
+    ].shape == (1, 80)
+    model = Checkpoint.open(tmp_path / "q").build("float32")
+    assert model.dspark is not None and model.dspark.stages[0].attn.compressor is None
+    for name, keep in (
+        ("none", lambda k: not k.startswith("mtp.")),
+        ("part", lambda k: not k.startswith("mtp.2.")),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_safetensors({k: v for k, v in ckpt.items() if keep(k)}, folder / "model.safetensors")
+        (folder / "config.json").write_text((tmp_path / "q" / "config.json").read_text())
+        if name == "none":
+            bare = Checkpoint.open(folder).build("float32")
+            assert bare.dspark is None
+            with pytest.raises(ConfigError, match="DSpark stages"):
+                make_dspark_proposer(bare, bare.cfg, {})
+        else:
+            with pytest.raises(CheckpointError, match="incomplete"):
+                Checkpoint.open(folder).build("float32")
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        make_dspark_proposer(model, model.cfg, {"num_speculative_tokens": 6})  # more than the block of 5
+    with pytest.raises(ConfigError, match="method 'dspark'"):
+        make_dspark_proposer(object(), None, {})
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"dspark_target_layer_ids": [0, 2]}, "dspark_target_layer_ids"),  # layer 0's input is the embedding
+        ({"dspark_target_layer_ids": [2, 4]}, "dspark_target_layer_ids"),  # an Engram layer
+        ({"dspark_target_layer_ids": [2, 6]}, "dspark_target_layer_ids"),  # past the last layer
+        ({"dspark_num_experts_per_tok": 5}, "dspark_num_experts_per_tok"),
+        ({"dspark_noise_token_id": 259}, "dspark_noise_token_id"),
+        ({"dspark_block_size": 0}, "dspark_block_size"),
+        ({"compress_ratios": [0, 0, 2, 2, 1, 1, 0, 2, 0]}, "compress_ratios"),  # a compressed stage
+    ],
+)
+def test_dspark_config_errors_name_the_field(over, field):
+    from moesaic.demo import deepseek_v41 as v41demo
+    from moesaic.models import deepseek_v41 as v41
+
+    with pytest.raises(ConfigError, match=field):
+        v41.parse_config(v41demo.release_config(dict(v41demo.DEMO_TEXT_CONFIG, **over)))

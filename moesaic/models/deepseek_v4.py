@@ -688,8 +688,12 @@ def attention_inputs(
     qr = rms_norm_cast_once(linear(x, w.q_a), w.q_a_norm, eps)
     q = linear(qr, w.q_b).view(N, cfg.num_attention_heads, cfg.head_dim)
     q = rope(head_rms(q, eps) if q_head_norm else q, positions)
-    kv = rope(rms_norm_cast_once(linear(x, w.kv), w.kv_norm, eps), positions)
-    return qr, q, kv
+    return qr, q, attention_kv(w, x, cfg, rope, positions)
+
+
+def attention_kv(w: Attention, x: Tensor, cfg, rope: RopeTail, positions: Tensor) -> Tensor:
+    """kv [N, D] = rope(RMSNorm(x Wkv)), the one key (= value) row of each input row."""
+    return rope(rms_norm_cast_once(linear(x, w.kv), w.kv_norm, cfg.rms_norm_eps), positions)
 
 
 def index_query(w: IndexQuery, qr: Tensor, x: Tensor, cfg, rope: RopeTail, positions: Tensor):
