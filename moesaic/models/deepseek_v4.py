@@ -40,8 +40,8 @@ checkpoint namings are read: those module names (a `state_dict()` dump); what tr
 `ffn.experts.E.w1.weight`, `head.weight`); and the upstream release names (`embed.weight`,
 `layers.L.attn.wq_a.weight`, `attn.kv_norm.weight`, `attn.attn_sink`, `hc_head_fn`, `mtp.0.*`).
 The MTP layer (`mtp.J.*`: e_proj, h_proj, enorm, hnorm, norm, hc_head_*, and one sliding-window
-block) is declared optional and bound into `Model.mtp` (`MtpBlock`) for a drafter; nothing runs it
-yet (no oracle). Quantized weights (fp8 / fp4 with `.scale` companions) stay packed.
+block) is declared optional and bound into `Model.mtp` (`MtpBlock`); spec/mtp.py drafts with it
+(`Model.block`; no oracle: docs/families/deepseek_v4.md). Quantized weights (fp8 / fp4 with `.scale` companions) stay packed.
 
 Where DeepSeek's own inference code (`inference/model.py` of the release) and the oracle disagree,
 moesaic follows the oracle:

@@ -24,8 +24,8 @@ as `mtp.layers.{k}.` (k = block * P + position), each a Nemotron-H layer, with `
 `eh_proj [d, 2d]` on a block's first layer and `final_layernorm` on its last: the names vLLM
 `vllm/model_executor/models/nemotron_h_mtp.py` (`NemotronHMTP.load_weights`), SGLang
 `python/sglang/srt/models/nemotron_h_mtp.py` and Megatron-Bridge
-`src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py` load. They are bound into `Model.mtp` and
-not run yet (transformers builds no MTP module: no oracle).
+`src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py` load. They are bound into `Model.mtp`; spec/mtp.py
+drafts with them (transformers builds no MTP module: no oracle; docs/families/nemotron_h.md).
 
 dt convention. softplus(dt + dt_bias) is clamped below at `time_step_min` in prefill AND decode
 (moesaic/layers/mamba2.py); transformers clamps in its chunked prefill only.

@@ -224,6 +224,7 @@ class MtpProposer:
         drafts: list[list[int]] = [[] for _ in requests]
         z: dict[int, torch.Tensor] = {}  # request index -> the output z of its newest row
         build = []
+        requests = [(sid, last, min(k, self.max_k)) for sid, last, k in requests]  # the rollback window
         for i, (sid, last, k) in enumerate(requests):
             s = self.seqs[sid]
             self._forget_drafts(s)
