@@ -27,7 +27,7 @@ from moesaic.errors import ConfigError
 from moesaic.layers.csa import AttentionState
 from moesaic.models import deepseek_v4, glm5next, nemotron_h
 from moesaic.spec.base import DraftProposer
-from moesaic.spec.mtp import make_mtp_proposer
+from moesaic.spec.mtp import make_proposer
 from moesaic.weights.bind import Tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +129,7 @@ def test_glm_mtp_logits_equal_the_formula(glm_tiny):
     cfg, T, model = glm_tiny
     ids = random_ids(21, cfg.vocab_size, seed=4)
     _, taps = with_taps(model, [(model.new_state(), ids)])
-    prop = make_mtp_proposer(model, cfg, {"num_speculative_tokens": 3})
+    prop = make_proposer(model, cfg, {"num_speculative_tokens": 3})
     head = prop.head
     # rows 0..19 from (t_{r+1}, h_r), in two pieces (the cache carries across forwards)
     st = head.new_state(0)
@@ -175,7 +175,7 @@ def test_deepseek_v4_mtp_logits_equal_the_formula():
     cfg, T, model = v4_tiny()
     ids = random_ids(17, cfg.vocab_size, seed=6)  # 16 MTP rows: past the window of 8
     _, taps = with_taps(model, [(model.new_state(), ids)])
-    prop = make_mtp_proposer(model, cfg, {"num_speculative_tokens": 2})
+    prop = make_proposer(model, cfg, {"num_speculative_tokens": 2})
     st = prop.head.new_state(0)
     z = torch.cat(
         [prop.run([(st, ids[a + 1 : b + 1], taps[FINAL][a:b])]) for a, b in ((0, 5), (5, 6), (6, 16))]
@@ -211,7 +211,7 @@ def test_nemotron_h_mtp_logits_equal_the_formula():
     model = nemotron_h.Model(cfg, Tensors(T), torch.float32, "cpu")
     ids = random_ids(14, cfg.vocab_size, seed=8)
     _, taps = with_taps(model, [(model.new_state(), ids)])
-    prop = make_mtp_proposer(model, cfg, {})
+    prop = make_proposer(model, cfg, {})
     st, h = prop.head.new_state(0), prop.head.hidden(taps[FINAL])  # the head's h: the post-norm hidden
     z = torch.cat([prop.run([(st, ids[a + 1 : b + 1], h[a:b])]) for a, b in ((0, 9), (9, 13))])
     eps, p0, p1 = cfg.layer_norm_epsilon, "mtp.layers.0.", "mtp.layers.1."
@@ -282,12 +282,12 @@ def test_mtp_cache_rolls_back_to_the_committed_rows(demo):
     cache then holds exactly what a fresh head fed only the committed rows holds, and both draft the
     same next round."""
     ck, model = demo_model(demo, "float32")
-    prop = make_mtp_proposer(model, ck.cfg, {"num_speculative_tokens": 3})
+    prop = make_proposer(model, ck.cfg, {"num_speculative_tokens": 3})
     assert isinstance(prop, DraftProposer) and prop.taps == (FINAL,) and prop.max_k == 3
     prompts = [random_ids(9, ck.cfg.vocab_size, seed=11), random_ids(4, ck.cfg.vocab_size, seed=12)]
     seqs = simulate(model, prop, prompts, [(3, 1), (2, 0), (1, 1), (3, 3), (3, 2)])
     for i, (tokens, hidden, last, _) in enumerate(seqs):
-        fresh = make_mtp_proposer(model, ck.cfg, {"num_speculative_tokens": 3})
+        fresh = make_proposer(model, ck.cfg, {"num_speculative_tokens": 3})
         fresh.start(0)
         fresh.observe(0, 0, tokens, hidden)
         ours, ref = prop.propose([(i, last, 3)])[0], fresh.propose([(0, last, 3)])[0]
@@ -307,7 +307,7 @@ def test_a_rollback_that_forgets_too_little_is_caught():
     """The broken twin of the check above: a head that keeps its drafted rows holds more rows than a
     fresh head fed the committed ones."""
     ck, model = demo_model("demo-glm5-next-nvfp4", "float32")
-    prop = make_mtp_proposer(model, ck.cfg, {"num_speculative_tokens": 3})
+    prop = make_proposer(model, ck.cfg, {"num_speculative_tokens": 3})
     prop._forget_drafts = lambda s: None
     seqs = simulate(model, prop, [random_ids(6, ck.cfg.vocab_size, seed=13)], [(3, 1)])
     assert prop.seqs[0].state.num_tokens != len(seqs[0][0]) - 1
@@ -317,13 +317,13 @@ def test_mtp_config_errors(glm_tiny):
     cfg, T, model = glm_tiny
     for bad in (0, -1, 2.5, True, "3"):
         with pytest.raises(ConfigError, match="num_speculative_tokens"):
-            make_mtp_proposer(model, cfg, {"num_speculative_tokens": bad})
+            make_proposer(model, cfg, {"num_speculative_tokens": bad})
     no_mtp = {k: v for k, v in T.items() if not k.startswith(f"model.layers.{cfg.num_hidden_layers}.")}
     bare = glm5next.Model(cfg, Tensors(no_mtp, [k for k in T if k not in no_mtp]), torch.float32, "cpu")
     with pytest.raises(ConfigError, match="MTP weights"):
-        make_mtp_proposer(bare, cfg, {})
+        make_proposer(bare, cfg, {})
     with pytest.raises(ConfigError, match="method 'mtp'"):
-        make_mtp_proposer(object(), None, {})
+        make_proposer(object(), None, {})
 
 
 # ---------------------------------------------------------------- the trained demo
@@ -366,7 +366,7 @@ def test_trained_demo_mtp_agreement_matches_the_recorded_number():
     windows = heldout_windows(TRAINED)
     ck = Checkpoint.open(TRAINED)
     model = ck.build("float32")
-    prop = make_mtp_proposer(model, ck.cfg, {})
+    prop = make_proposer(model, ck.cfg, {})
     agree = rows = 0
     for w in windows.tolist():
         logits, taps = with_taps(model, [(model.new_state(), w)])
@@ -464,10 +464,10 @@ def dspark_reference(model, T: dict, cfg, taps: torch.Tensor, y: int):
 def test_dspark_round_equals_the_formula():
     """Three stages over a context longer than the window (13 positions, window 8), two sequences in one
     batch: the drafts, the base logits and the confidence of each equal the reference."""
-    from moesaic.spec.dspark import make_dspark_proposer
+    from moesaic.spec.dspark import make_proposer as make_dspark
 
     cfg, T, model = v41_tiny()
-    prop = make_dspark_proposer(model, cfg, {})
+    prop = make_dspark(model, cfg, {})
     assert isinstance(prop, DraftProposer) and prop.max_k == cfg.dspark.block_size == 5
     assert prop.taps == (1, 2, 4)  # the inputs of layers 2, 3, 5
     prompts = [random_ids(13, cfg.vocab_size, seed=21), random_ids(6, cfg.vocab_size, seed=22)]
@@ -504,15 +504,15 @@ def test_dspark_on_its_demo_keeps_committed_context_only():
     """The V4.1 demo (release layout: fp8 stages and main_proj, fp4 experts): drafting rounds that keep
     some drafts leave each stage's ring equal to a fresh drafter's fed only the committed rows, and
     both draft the same."""
-    from moesaic.spec.dspark import make_dspark_proposer
+    from moesaic.spec.dspark import make_proposer as make_dspark
 
     ck, model = demo_model("demo-deepseek-v41", "float32")
     assert model.dspark is not None and len(model.dspark.stages) == 3
-    prop = make_dspark_proposer(model, ck.cfg, {"num_speculative_tokens": 4})
+    prop = make_dspark(model, ck.cfg, {"num_speculative_tokens": 4})
     prompts = [random_ids(10, ck.cfg.vocab_size, seed=31), random_ids(3, ck.cfg.vocab_size, seed=32)]
     seqs = simulate(model, prop, prompts, [(4, 1), (2, 0), (4, 4), (3, 2)])
     for i, (tokens, hidden, last, _) in enumerate(seqs):
-        fresh = make_dspark_proposer(model, ck.cfg, {"num_speculative_tokens": 4})
+        fresh = make_dspark(model, ck.cfg, {"num_speculative_tokens": 4})
         fresh.start(0)
         fresh.observe(0, 0, tokens, hidden)
         assert prop.propose([(i, last, 4)])[0].tokens == fresh.propose([(0, last, 4)])[0].tokens
@@ -531,7 +531,7 @@ def test_dspark_stages_in_the_release_layout(tmp_path):
     from moesaic.demo import deepseek_v41 as v41demo
     from moesaic.errors import CheckpointError
     from moesaic.models import Checkpoint
-    from moesaic.spec.dspark import make_dspark_proposer
+    from moesaic.spec.dspark import make_proposer as make_dspark
     from moesaic.weights.store import save_safetensors
 
     ckpt = v41demo.write_checkpoint(tmp_path / "q", quantized=True)
@@ -560,14 +560,14 @@ def test_dspark_stages_in_the_release_layout(tmp_path):
             bare = Checkpoint.open(folder).build("float32")
             assert bare.dspark is None
             with pytest.raises(ConfigError, match="DSpark stages"):
-                make_dspark_proposer(bare, bare.cfg, {})
+                make_dspark(bare, bare.cfg, {})
         else:
             with pytest.raises(CheckpointError, match="incomplete"):
                 Checkpoint.open(folder).build("float32")
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
-        make_dspark_proposer(model, model.cfg, {"num_speculative_tokens": 6})  # more than the block of 5
+        make_dspark(model, model.cfg, {"num_speculative_tokens": 6})  # more than the block of 5
     with pytest.raises(ConfigError, match="method 'dspark'"):
-        make_dspark_proposer(object(), None, {})
+        make_dspark(object(), None, {})
 
 
 @pytest.mark.parametrize(
@@ -588,3 +588,54 @@ def test_dspark_config_errors_name_the_field(over, field):
 
     with pytest.raises(ConfigError, match=field):
         v41.parse_config(v41demo.release_config(dict(v41demo.DEMO_TEXT_CONFIG, **over)))
+
+
+# ---------------------------------------------------------------- what the engine may also do
+
+
+@pytest.mark.parametrize("demo, method", [("demo-glm5-next-nvfp4", "mtp"), ("demo-deepseek-v41", "dspark")])
+def test_prefix_rows_without_hidden_fork_and_the_registry_signature(demo, method):
+    """The registry's call `factory(model, cfg, spec, folder)` with a parsed config (an object with
+    `num_speculative_tokens`); rows a prefix cache served come with no hidden states and still leave
+    the head drafting from the rows it has; `fork` gives a parallel sample the parent's rows, and the
+    two then move apart without touching each other. A drafter folder does not apply to a model's own
+    heads."""
+    import types
+
+    from moesaic.spec import dspark, mtp
+
+    factory = {"mtp": mtp.make_proposer, "dspark": dspark.make_proposer}[method]
+    ck, model = demo_model(demo, "float32")
+    prop = factory(model, ck.cfg, types.SimpleNamespace(num_speculative_tokens=3), None)
+    assert prop.max_k == 3 and prop.method == method
+    with pytest.raises(ConfigError, match="'model'"):
+        factory(model, ck.cfg, types.SimpleNamespace(num_speculative_tokens=3), ROOT)
+    ids = random_ids(12, ck.cfg.vocab_size, seed=41)
+    st = model.new_state(rollback_window=4)
+    with_taps(model, [(st, ids[:7])], prop.taps)  # the cached prefix: computed once, its taps not kept
+    logits, taps = with_taps(model, [(st, ids[7:])], prop.taps)
+    prop.start(0)
+    prop.observe(0, 0, ids[:7], {})
+    prop.observe(0, 7, ids[7:], taps)
+    last = int(logits[-1].argmax())
+    prop.fork(0, 1)
+    a, b = prop.propose([(0, last, 3), (1, last, 3)])
+    assert len(a.tokens) == 3 and a.tokens == b.tokens
+    st2 = model.new_state(rollback_window=4)
+    st2.restore(st.snapshot())
+    _, t0 = with_taps(model, [(st, [last, a.tokens[0]])], prop.taps)
+    _, t1 = with_taps(model, [(st2, [last, 5])], prop.taps)
+    prop.observe(0, 12, [last, a.tokens[0]], t0)
+    prop.observe(1, 12, [last, 5], t1)
+    c, d = prop.propose([(0, 7, 3), (1, 7, 3)])
+    fresh = factory(model, ck.cfg, {"num_speculative_tokens": 3}, None)
+    fresh.start(0)
+    fresh.observe(0, 0, ids[:7], {})
+    fresh.observe(0, 7, ids[7:] + [last, a.tokens[0]], {L: torch.cat([taps[L], t0[L]]) for L in taps})
+    fresh.start(1)
+    fresh.observe(1, 0, ids[:7], {})
+    fresh.observe(1, 7, ids[7:] + [last, 5], {L: torch.cat([taps[L], t1[L]]) for L in taps})
+    e, f = fresh.propose([(0, 7, 3), (1, 7, 3)])
+    assert c.tokens == e.tokens and d.tokens == f.tokens  # parent and child each drafted from their own rows
+    prop.finish(1)
+    prop.finish(1)  # finishing twice (or a sequence never started) is harmless

@@ -94,11 +94,22 @@ class DsparkProposer:
         x = torch.cat([hidden[L].to(device=m.device, dtype=m.dtype) for L in self.taps], dim=-1)
         return rms_norm_cast_once(linear(x, self.w.main_proj), self.w.main_norm, eps)
 
+    def fork(self, parent: int, child: int) -> None:
+        """A parallel sample of `parent` (n > 1): `child` starts with its context rows."""
+        p = self.seqs[parent]
+        self.start(child)
+        for ring, src in zip(self.seqs[child].rings, p.rings):
+            ring.restore(src.snapshot())
+        self.seqs[child].seen = p.seen
+
     @torch.inference_mode()
     def observe(self, seq_id: int, start: int, tokens: list[int], hidden: dict[int, torch.Tensor]) -> None:
         s = self.seqs[seq_id]
         if start != s.seen:
             raise ValueError(f"sequence {seq_id}: observe at position {start}, the drafter has seen {s.seen}")
+        if not hidden:  # rows the target did not compute (a prefix-cache hit): no context rows for them
+            s.seen = start + len(tokens)
+            return
         c = self.context(hidden)
         pos = torch.arange(start, start + c.shape[0], device=c.device)
         for ring, stage in zip(s.rings, self.w.stages):
@@ -166,14 +177,19 @@ class DsparkProposer:
         return [Draft(d) for d in drafts]
 
 
-def make_dspark_proposer(
-    target_model, cfg=None, spec_config: dict | None = None, folder=None
-) -> DsparkProposer:
-    """The DSpark proposer of a DeepSeek-V4.1 model built by moesaic whose checkpoint ships its stages."""
+def make_proposer(target_model, cfg=None, spec=None, folder=None) -> DsparkProposer:
+    """The registry's factory for "dspark" (moesaic/spec/__init__.py): the DSpark proposer of a
+    DeepSeek-V4.1 model built by moesaic whose checkpoint ships its stages, drafting up to
+    `spec.num_speculative_tokens` (default and most: the block size) a round."""
+    if folder is not None:
+        raise ConfigError(
+            "speculative config: field 'model': external DSpark drafter folders (e.g. Kimi K3's) are not "
+            "supported yet; method 'dspark' runs DeepSeek-V4.1's own stages"
+        )
     if not isinstance(target_model, deepseek_v41.Model):
         raise ConfigError(
-            f"speculative config: method 'dspark' runs DeepSeek-V4.1's own stages (an external DSpark drafter "
-            f"folder is not supported yet); this is {type(target_model).__module__}"
+            f"speculative config: method 'dspark' runs DeepSeek-V4.1's own stages; this is "
+            f"{type(target_model).__module__}"
         )
     if target_model.dspark is None:
         raise ConfigError(
@@ -185,6 +201,4 @@ def make_dspark_proposer(
             "speculative config: the DSpark stages need V4.1's delayed-pre mHC (mhc_delayed_pre)"
         )
     block = target_model.cfg.dspark.block_size
-    return DsparkProposer(
-        target_model, draft_count(dict({"num_speculative_tokens": block}, **(spec_config or {})), block)
-    )
+    return DsparkProposer(target_model, draft_count(spec, block, default=block))

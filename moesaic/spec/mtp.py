@@ -34,6 +34,7 @@ rows back and appends the committed ones from the verify forward's hiddens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -184,6 +185,14 @@ class MtpProposer:
     def finish(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
 
+    def fork(self, parent: int, child: int) -> None:
+        """A parallel sample of `parent` (n > 1): `child` starts with its committed rows."""
+        p = self.seqs[parent]
+        self._forget_drafts(p)
+        state = self.head.new_state(self.max_k)
+        state.restore(p.state.snapshot())
+        self.seqs[child] = dataclasses.replace(p, state=state)
+
     def _forget_drafts(self, s: _Seq) -> None:
         s.state.rollback(s.state.num_tokens - s.committed)
 
@@ -208,7 +217,11 @@ class MtpProposer:
         ):  # row start-1: other token
             s.state.rollback(1)
             s.committed -= 1
-        h = self.head.hidden(hidden[FINAL])
+        if FINAL in hidden:
+            h = self.head.hidden(hidden[FINAL])
+        else:  # rows the target did not compute (a prefix-cache hit): the head sees their tokens only
+            m = self.head.model
+            h = torch.zeros(len(tokens), m.cfg.hidden_size, dtype=m.dtype, device=m.device)
         first = s.committed  # the first row to build: rows r in [first, start + m - 2]
         rows_h = [
             h[r - start : r - start + 1] if r >= start else s.pending
@@ -266,9 +279,15 @@ class MtpProposer:
 # ---------------------------------------------------------------- factory
 
 
-def draft_count(spec_config: dict | None, limit: int | None = None) -> int:
-    """`num_speculative_tokens` of a speculative config (default DEFAULT_K), checked."""
-    k = (spec_config or {}).get("num_speculative_tokens", DEFAULT_K)
+def draft_count(spec, limit: int | None = None, default: int = DEFAULT_K) -> int:
+    """`num_speculative_tokens` of a speculative config (spec.SpecConfig, a dict, or None: `default`),
+    checked against `limit`."""
+    if spec is None:
+        k = default
+    elif isinstance(spec, dict):
+        k = spec.get("num_speculative_tokens", default)
+    else:
+        k = spec.num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (limit is not None and k > limit):
         bound = "" if limit is None else f" and at most {limit}"
         raise ConfigError(
@@ -277,9 +296,15 @@ def draft_count(spec_config: dict | None, limit: int | None = None) -> int:
     return k
 
 
-def make_mtp_proposer(target_model, cfg=None, spec_config: dict | None = None, folder=None) -> MtpProposer:
-    """The MTP proposer of a target model built by moesaic (GLM-5.3, DeepSeek-V4, Nemotron-H) whose
-    checkpoint ships its MTP weights; a ConfigError otherwise."""
+def make_proposer(target_model, cfg=None, spec=None, folder=None) -> MtpProposer:
+    """The registry's factory for "mtp" (moesaic/spec/__init__.py): the MTP proposer of a target model
+    built by moesaic (GLM-5.3, DeepSeek-V4, Nemotron-H) whose checkpoint ships its MTP weights, drafting
+    up to `spec.num_speculative_tokens` a round; a ConfigError otherwise."""
+    if folder is not None:
+        raise ConfigError(
+            "speculative config: method 'mtp' runs the checkpoint's own MTP heads; field 'model' (a drafter "
+            "folder) does not apply to it"
+        )
     head = next((h for cls, h in HEADS.items() if isinstance(target_model, cls)), None)
     if head is None:
         raise ConfigError(
@@ -291,4 +316,4 @@ def make_mtp_proposer(target_model, cfg=None, spec_config: dict | None = None, f
             "speculative config: method 'mtp' needs the checkpoint's MTP weights, and this checkpoint has "
             "none (num_nextn_predict_layers is set but its tensors are absent)"
         )
-    return MtpProposer(head(target_model), draft_count(spec_config))
+    return MtpProposer(head(target_model), draft_count(spec))
