@@ -32,7 +32,7 @@ DEMO_NAME = "demo"
 # 2: the V4.1 demo in the release layout (fp4 experts, fp8 Engram rows); 3: chat: each family's markers are
 # single tokens (the vocabulary grows by them), its end-of-turn markers end generation, and the families
 # that ship a Jinja template get it as chat_template.jinja
-DEMO_VERSION = 3
+DEMO_VERSION = 4  # 4: Nemotron-H demo with an MTP block, V4.1 demo with its DSpark stages; 3: chat markers
 
 
 class Demo(NamedTuple):

@@ -1,4 +1,5 @@
-"""Nemotron-H demos: a tiny hybrid (Mamba-2, MoE, GQA attention, dense MLP); the NVFP4 one in ModelOpt's
+"""Nemotron-H demos: a tiny hybrid (Mamba-2, MoE, GQA attention, dense MLP) with one MTP block (attention,
+then MoE: the default `*E` block of `mtp_layers_block_type`); the NVFP4 one in ModelOpt's
 layout, as NVIDIA's releases are."""
 
 from . import Demo, chat_tokens
@@ -23,6 +24,8 @@ DEMO_CONFIG = {
     "moe_intermediate_size": 64,
     "moe_shared_expert_intermediate_size": 128,
     "max_position_embeddings": 4096,
+    "num_nextn_predict_layers": 1,
+    "mtp_layers_block_type": ["attention", "moe"],
     "bos_token_id": 1,
     "pad_token_id": 0,
     "moesaic_tokenizer": "bytes",
