@@ -8,8 +8,8 @@ from pathlib import Path
 
 from .config import is_demo
 from .errors import CheckpointError
-from .models import family_for
-from .weights.contract import plan_load, quantization_config
+from .models import num_layers, read_config
+from .weights.contract import check_scale, plan_load, quantization_config
 from .weights.experts import parse_size, plan_bytes
 from .weights.precision import PrecisionSchedule
 from .weights.store import WeightStore
@@ -20,8 +20,9 @@ def inspect_checkpoint(
 ) -> dict:
     """expert_cache (a size, as LLM takes it): also plan expert streaming (`expert_streaming`)."""
     store = WeightStore(path, require_files=False)
-    family, raw = family_for(store.config, store.layout)
-    cfg = family.parse_config(raw, store.layout)
+    family, raw, cfg = read_config(store)
+    # the tensors count only when their headers were read (an index alone may list a few, as a sketch)
+    check_scale(num_layers(family, cfg), len(store.infos) if not store.unread else 0)
     specs = family.tensor_specs(cfg)
     params_by_role: Counter = Counter()
     for s in specs:
@@ -54,7 +55,7 @@ def inspect_checkpoint(
     }
     info.update(family.facts(cfg) if hasattr(family, "facts") else {})
     schedule = PrecisionSchedule.parse(precision)
-    schedule.check_roles(specs)
+    schedule.check(specs)
     info["precision"] = schedule.describe(specs)
     plan = None
     if store.infos and not store.unread:

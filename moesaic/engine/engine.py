@@ -333,7 +333,8 @@ class Engine:
         with self.lock:
             seq.samples = p.n
             seq.generator = make_generator(p, self.model.device, seq.index)
-            seq.detok = Detokenizer(self.tokenizer, p.stop_strings)
+            seq.detok = Detokenizer(self.tokenizer, p.stop_strings, p.skip_special_tokens)
+            seq.processor = p.logits_processor() if p.logits_processor is not None else None
             seq.logprobs = [] if p.logprobs is not None else None
             seq.times["arrival"] = time.perf_counter()
             self.counters["requests"] += 1
@@ -547,7 +548,10 @@ class Engine:
             child.hashes = list(seq.hashes)
             child.last_step = seq.last_step
             child.generator = make_generator(seq.params, self.model.device, i)
-            child.detok = Detokenizer(self.tokenizer, seq.params.stop_strings)
+            child.detok = Detokenizer(self.tokenizer, seq.params.stop_strings, seq.params.skip_special_tokens)
+            child.processor = (
+                seq.params.logits_processor() if seq.params.logits_processor is not None else None
+            )
             child.logprobs = [] if seq.params.logprobs is not None else None
             group.append(child)
             self.scheduler.running.append(child)
@@ -572,7 +576,8 @@ class Engine:
     def _sample(self, seq: Sequence, row: torch.Tensor) -> tuple[int, dict | None]:
         p = seq.params
         self._finite(row)
-        tok = sample(row, p, seq.generator, seq.prompt_ids, seq.output_ids, self._banned(seq))
+        x = row if seq.processor is None else seq.processor.mask(row)
+        tok = sample(x, p, seq.generator, seq.prompt_ids, seq.output_ids, self._banned(seq))
         lp = top_logprobs(row, p.logprobs, tok) if p.logprobs is not None else None
         return tok, lp
 
@@ -674,6 +679,8 @@ class Engine:
             if snapshots:  # a round never jumps over a block boundary, so the state stops on each one
                 pending = s.num_computed  # the pending token's position
                 limit = min(limit, (pending // BLOCK_SIZE + 1) * BLOCK_SIZE - 1 - pending)
+            if s.processor is not None:  # structured output: its grammar state cannot take drafts back
+                limit = 0
             k = self.draft_length.length(s.acceptance, decoders, limit)
             if k > 0:
                 requests.append((s, k))
@@ -706,6 +713,8 @@ class Engine:
         if lp is not None:
             seq.logprobs.append(lp)
         try:
+            if seq.processor is not None:
+                seq.processor.accept(tok)
             self._check_stop(seq, tok)
         except Exception as e:  # a detokenizer failing on this request ends it, and only it
             self._fail(seq, e)
@@ -713,8 +722,9 @@ class Engine:
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p, d = seq.params, seq.detok
         searched = len(d.text)
-        d.feed(tok)
         may_stop = len(seq.output_ids) >= p.min_tokens
+        if not (may_stop and (tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos))):
+            d.feed(tok)  # the token that ends the request as EOS or a stop id is not text
         reason = None
         if may_stop and tok in p.stop_token_ids:
             reason = ("stop", tok)

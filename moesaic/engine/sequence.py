@@ -68,6 +68,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     text: str = ""
     detok: object = None
+    processor: object = None  # params.logits_processor's object for this sample
     times: dict = field(default_factory=dict)  # arrival / first_token / finished (perf_counter)
 
     def __post_init__(self):

@@ -41,7 +41,7 @@ PROPOSERS: dict[str, str] = {
     "mtp": "moesaic.spec.mtp:make_proposer",
     "dspark": "moesaic.spec.dspark:make_proposer",
 }
-EXTERNAL = ("dflash", "dspark")  # methods served by a separate drafter folder ("model")
+EXTERNAL = ("dflash",)  # methods served by a separate drafter folder ("model")
 
 _KEYS = {
     "method",
