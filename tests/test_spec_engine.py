@@ -129,6 +129,32 @@ def test_ngram_greedy_equals_plain_on_every_family(name, monkeypatch):
     assert llm.stats()["blocks"]["used"] == 0
 
 
+@pytest.mark.parametrize(
+    "name, method",
+    [
+        ("demo-glm5-next-nvfp4", "mtp"),
+        ("demo-deepseek-v4", "mtp"),
+        ("demo-nemotron-h", "mtp"),
+        ("demo-deepseek-v41", "dspark"),
+    ],
+)
+def test_the_models_own_heads_greedy_equals_plain(name, method, monkeypatch):
+    """The demos' (random) MTP / DSpark heads through the engine: drafts mostly rejected, rolled back,
+    and the tokens are plain decoding's, with prompts prefilling next to verify rounds and n = 2."""
+    ps, sp = prompts(), greedy(12)
+    want = plain(name, ps, sp, max_num_batched_tokens=24)
+    llm = spec_llm(name, method, 3, max_num_batched_tokens=24)
+    kinds = record_forwards(llm, monkeypatch)
+    assert [o.token_ids for o in llm.generate(ps, sp)] == [o.token_ids for o in want]
+    s = llm.stats()["speculative"]
+    assert s["method"] == method and s["drafted"] > 0 and s["rolled_back_rows"] > 0
+    assert any({"verify", "prefill"} <= k for k in kinds)
+    two = moesaic.SamplingParams(max_tokens=8, temperature=1.0, seed=2, n=2, ignore_eos=True)
+    assert [c.token_ids for c in llm.generate(ps[:1], two)[0].outputs] == [
+        c.token_ids for c in plain(name, ps[:1], two)[0].outputs
+    ]
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("mode", ["accept", "reject", "mixed"])
 def test_forced_drafters_give_plain_tokens_and_roll_back_every_state_kind(name, mode, monkeypatch):
@@ -348,18 +374,31 @@ class SamplingDrafter:
 def test_sampling_with_a_probabilistic_drafter_runs_and_reproduces():
     ps = prompts()[:2]
     sp = moesaic.SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
-    runs = [spec_llm("demo-mistral4", SamplingDrafter(VOCAB + 1), 4).generate(ps, sp) for _ in range(2)]
+    vocab = moesaic.LLM("demo-mistral4", dtype="float32").cfg.vocab_size
+    llms = [spec_llm("demo-mistral4", SamplingDrafter(vocab), 4) for _ in range(2)]
+    runs = [llm.generate(ps, sp) for llm in llms]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
     assert all(len(o.token_ids) == 16 for o in runs[0])
+    s = llms[0].stats()["speculative"]
+    assert s["drafted"] > 0 and s["proposer_errors"] == 0
+    # probs of the wrong width are refused, not used
+    wrong = spec_llm("demo-mistral4", SamplingDrafter(vocab - 1), 4)
+    assert [o.token_ids for o in wrong.generate(ps, sp)] == [
+        o.token_ids for o in plain("demo-mistral4", ps, sp)
+    ]
+    assert wrong.stats()["speculative"]["proposer_errors"] > 0
 
 
 # ---------------------------------------------------------------- prefix cache, preemption, parameters
 
 
-@pytest.mark.parametrize("name", ["demo-kimi-linear", "demo-mistral4"])
-def test_prefix_cache_with_drafting_equals_no_cache_no_drafting(name):
+@pytest.mark.parametrize(
+    "name, method", [("demo-kimi-linear", None), ("demo-mistral4", None), ("demo-glm5-next-nvfp4", "mtp")]
+)
+def test_prefix_cache_with_drafting_equals_no_cache_no_drafting(name, method):
     """Shared system prompts and a follow-up turn whose prefix holds a block written by verify rounds
-    (rejected drafts included), on a hybrid (snapshots) and on an all-paged family."""
+    (rejected drafts included), on hybrids (snapshots; the MTP head gets no hidden states for the rows the
+    cache served) and on an all-paged family."""
     system = random_ids(2 * BLOCK_SIZE + 10, VOCAB, seed=50)
     turns = [system + random_ids(7 + i, VOCAB, seed=60 + i) for i in range(3)]
     sp = greedy(72)
@@ -368,12 +407,12 @@ def test_prefix_cache_with_drafting_equals_no_cache_no_drafting(name):
     follow = turns[0] + want[0] + random_ids(5, VOCAB, seed=70)  # a second turn: the first one's text + more
     want.append(base.generate([follow], sp)[0].token_ids)
     refs = [t + w for t, w in zip(turns + [follow], want)]
-    llm = spec_llm(name, ForcedProposer(refs, VOCAB + 1, lambda r: r % 4), 3)
+    llm = spec_llm(name, method or ForcedProposer(refs, VOCAB + 1, lambda r: r % 4), 3)
     got = [llm.generate([t], sp)[0].token_ids for t in turns + [follow]]
     assert got == want
     stats = llm.stats()
     assert stats["speculative"]["rollbacks"] > 0
-    if name == "demo-kimi-linear":
+    if name != "demo-mistral4":
         assert stats["snapshots"] > 0
     # the follow-up reused the block of positions 128..191, which verify rounds wrote
     follow_hit = llm.engine.scheduler.cached_tokens - sum(

@@ -704,6 +704,17 @@ class Engine:
                     break
                 tokens.append(t)
             probs = draft.probs[: len(tokens)] if draft.probs is not None and tokens else None
+            if probs is not None and tuple(probs.shape) != (len(tokens), vocab):
+                self.spec_counters["proposer_errors"] += 1
+                log.warning(
+                    "moesaic: the %s draft proposer gave probs of shape %s for %d drafts (vocabulary %d); "
+                    "draft dropped",
+                    self.proposer.method,
+                    tuple(probs.shape),
+                    len(tokens),
+                    vocab,
+                )
+                tokens, probs = [], None
             s.draft = Draft(tokens, probs)
 
     def _append(self, seq: Sequence, tok: int, lp) -> None:
