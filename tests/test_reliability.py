@@ -293,14 +293,11 @@ def test_an_empty_path_never_opens_the_current_directory(small, monkeypatch, cap
         assert cli.main(cmd) == 2 and "empty path" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: llm.py's resolve_model_path makes Path('') (= '.') of '' before the store sees it (reported)",
-)
-def test_llm_of_an_empty_path_is_refused(small, monkeypatch):
-    monkeypatch.chdir(small)
+@pytest.mark.parametrize("model", ["", " ", "\t\n"])  # (Path("") is Path("."): a folder named on purpose)
+def test_llm_of_an_empty_path_is_refused(small, monkeypatch, model):
+    monkeypatch.chdir(small)  # a valid checkpoint is right here: it must not be picked up
     with pytest.raises(CheckpointError, match="empty path"):
-        moesaic.LLM("")
+        moesaic.LLM(model)
 
 
 # ---------------------------------------------------------------- config field types (item 5)
@@ -886,3 +883,102 @@ def test_inspect_says_ok_only_where_load_succeeds(small, tmp_path, edit):
     assert said_ok == (edit == "nan")
     assert inspect_checkpoint(small)["contract"] == "ok"
     assert Checkpoint.open(small).build("float32") is not None
+
+
+# ---------------------------------------------------------------- API arguments (items 9, 11, 12)
+
+
+@pytest.fixture(scope="module")
+def small_llm(small):
+    return moesaic.LLM(str(small), dtype="float32")
+
+
+@pytest.mark.parametrize(
+    "prompt,words",
+    [
+        ([True, 5], "bool"),  # one prompt of ids that starts with a bool
+        ([[5, True]], "item 1 is bool"),
+        ([[5, False]], "item 1 is bool"),
+        ([[-1, 5]], r"\[-1\] are outside the vocabulary \(0\.\.272\)"),  # SMALL's vocab is 273
+        ([[5, 273]], r"\[273\] are outside the vocabulary"),
+        ([[2**70]], "outside the vocabulary"),
+    ],
+)
+def test_bool_and_out_of_range_token_ids_are_refused(small_llm, prompt, words):
+    sp = moesaic.SamplingParams(max_tokens=1)
+    with pytest.raises(RequestError, match=words):
+        small_llm.generate(prompt, sp)
+    with pytest.raises(RequestError, match=words.replace("item 1 is ", "")):
+        small_llm.score(prompt[0] if isinstance(prompt[0], list) else prompt)
+    assert not small_llm.engine.has_work()
+
+
+@pytest.mark.parametrize("ids", [[True, 5], [5, False], [5, 2.0], [5, "6"], [5, None]])
+def test_the_engine_refuses_ids_that_are_not_integers(small_llm, ids):
+    # the engine's own check (AsyncLLM, the server and direct callers do not go through LLM.encode)
+    from moesaic.engine.sequence import Sequence
+
+    with pytest.raises(RequestError, match="token ids must be integers"):
+        small_llm.engine.add(Sequence(ids, moesaic.SamplingParams(max_tokens=1)))
+    assert not small_llm.engine.has_work()
+
+
+@pytest.mark.parametrize("prompts", [{"a": 1}, {"hi": "there"}, {}, {1, 2}, frozenset({"a"})])
+def test_prompts_in_a_dict_or_set_are_refused_saying_what_is_accepted(small_llm, prompts):
+    with pytest.raises(RequestError, match="not accepted") as e:
+        small_llm.generate(prompts, moesaic.SamplingParams(max_tokens=1))
+    assert type(prompts).__name__ in str(e.value) and "list of token ids" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "arg,words",
+    [
+        (None, "got NoneType"),
+        (5, "got int"),
+        ({"a": 1}, "got dict"),
+        (b"hi", "got bytes"),
+        (torch.zeros(2, 3, dtype=torch.long), "2-D"),
+        (torch.tensor(3), "0-D"),
+        (torch.tensor([1.0, 2.0]), "torch.float32"),
+        (torch.tensor([True]), "torch.bool"),
+        ([[1, 2], [3]], "a list of prompts"),
+        (["hi", "there"], "a list of prompts"),
+    ],
+)
+def test_score_says_what_it_takes(small_llm, arg, words):
+    with pytest.raises(RequestError, match=words) as e:
+        small_llm.score(arg)
+    assert str(e.value).startswith("score takes one prompt")
+    assert small_llm.score(range(3)).shape == (3, small_llm.cfg.vocab_size)
+    assert torch.equal(small_llm.score(torch.tensor([1, 2])), small_llm.score([1, 2]))
+
+
+def test_score_of_text_without_a_tokenizer_says_so(tmp_path):
+    llm = moesaic.LLM(str(write(tmp_path / "m", dict(SMALL, moesaic_tokenizer=None))), dtype="float32")
+    assert llm.tokenizer is None
+    with pytest.raises(RequestError, match="score takes one prompt.*has no tokenizer for the text 'hi'"):
+        llm.score("hi")
+    assert llm.score([1, 2]).shape == (2, llm.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("bad", [object(), "greedy", 0.5, [1]])
+def test_a_bad_entry_in_a_list_of_params_is_named_by_its_index(small_llm, bad):
+    sp = moesaic.SamplingParams(max_tokens=1)
+    with pytest.raises(RequestError, match=r"params\[1\] must be a SamplingParams"):
+        small_llm.generate([[1], [2], [3]], [sp, bad, sp])
+    with pytest.raises(RequestError, match=r"params\[0\]"):
+        small_llm.generate([[1]], (bad,))
+    # None is the default params, as for a single prompt
+    outs = small_llm.generate([[1], [2]], [sp, None])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, moesaic.SamplingParams().max_tokens]
+    assert not small_llm.engine.has_work()
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**64, 2**64 + 5, True, 1.0, "7"])
+def test_seeds_outside_uint64_are_refused(small_llm, seed):
+    # torch.Generator.manual_seed takes [-2**63, 2**64) and wraps negatives; vLLM's seeds are
+    # None (random) or a non-negative int: moesaic takes 0 .. 2**64 - 1
+    with pytest.raises(RequestError, match="seed"):
+        small_llm.generate([[1]], moesaic.SamplingParams(max_tokens=1, temperature=1.0, seed=seed))
+    for ok in (0, 2**64 - 1):
+        small_llm.generate([[1]], moesaic.SamplingParams(max_tokens=1, temperature=1.0, seed=ok))

@@ -17,6 +17,7 @@ reserved for `max_num_seqs` sequences. Snapshots for the prefix cache have their
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 import time
@@ -46,6 +47,9 @@ SNAPSHOT_FRACTION = 8  # default snapshot budget: 1/8 of the cache budget, on to
 def check_prompt(ids: list[int], vocab: int) -> None:
     if not ids:
         raise RequestError("the prompt is empty: give at least one token")
+    odd = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]  # True: id 1
+    if odd:
+        raise RequestError(f"token ids must be integers; got {odd[:5]!r} ({type(odd[0]).__name__})")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
