@@ -406,6 +406,87 @@ def test_issue_config_cases_are_config_errors(small, tmp_path, edit, words):
         Checkpoint.open(path).build("float32")
 
 
+def _text_config(demo: str) -> tuple[dict, dict]:
+    """(the whole config, the dict that holds the text model's fields) of a demo's config.json."""
+    raw, _ = _raw(demo)
+    return raw, raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+
+
+@pytest.mark.parametrize(
+    "demo", ["demo-kimi-linear", "demo-kimi-k3", "demo-deepseek-v4", "demo-deepseek-v41"]
+)
+@pytest.mark.parametrize("layers", [10**15, 2**62, 10_001])
+def test_layer_counts_are_bounded_before_per_layer_lists_are_built(demo, layers):
+    # these parsers build a kind per layer: 10**15 layers hung (Kimi) or ran out of memory (DeepSeek)
+    raw, text = _text_config(demo)
+    text["num_hidden_layers"] = layers
+    with pytest.raises(
+        ConfigError, match=r"'num_hidden_layers' has invalid value \d+ \(must be in 1\.\.10000\)"
+    ):
+        _contract_of(raw, "hf")
+
+
+@pytest.mark.parametrize("demo", ["demo-kimi-linear", "demo-kimi-k3"])
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (dict(linear_attn_config=[1]), "'linear_attn_config' must be an object"),
+        (dict(linear_attn_config="kda"), "'linear_attn_config' must be an object"),
+        (dict(linear_attn_config={"kda_layers": [[1]]}), "'kda_layers' must be a list of integers"),
+        (dict(linear_attn_config={"kda_layers": "1,2"}), "'kda_layers' must be a list of integers"),
+        (
+            dict(linear_attn_config={"full_attn_layers": [True]}),
+            "'full_attn_layers' must be a list of integers",
+        ),
+        (
+            dict(linear_attn_config={"full_attn_layers": [2**64]}),
+            "'full_attn_layers' must be a list of integers",
+        ),
+        (dict(layer_types=[["linear_attention"]]), "'layer_types' must list"),
+    ],
+)
+def test_kimi_layer_lists_of_the_wrong_kind_name_the_field(demo, edit, words):
+    raw, text = _text_config(demo)
+    for k, v in edit.items():
+        if isinstance(v, dict) and isinstance(text.get(k), dict):
+            v = {**text[k], **v}
+        if k == "layer_types":  # one entry per layer: the entries' kind is at fault, not the count
+            v = v * text["num_hidden_layers"]
+        text[k] = v
+    with pytest.raises(ConfigError, match=words):
+        _contract_of(raw, "hf")
+
+
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (dict(compress_rates=[4, 128]), "'compress_rates' must be an object"),
+        (dict(compress_rates="4"), "'compress_rates' must be an object"),
+        (
+            dict(compress_rates={"compressed_sparse_attention": "4"}),
+            "'compressed_sparse_attention' must be int",
+        ),
+        (
+            dict(compress_rates={"heavily_compressed_attention": 1.5}),
+            "'heavily_compressed_attention' must be int",
+        ),
+        (
+            dict(compress_rates={"heavily_compressed_attention": 0}),
+            "'heavily_compressed_attention' has invalid",
+        ),
+        (dict(compress_rate_csa="x"), "'compressed_sparse_attention' must be int"),
+        (dict(compress_ratios=[[4]] * 8), "'compress_ratios' must list"),
+        (dict(layer_types=[["sliding_attention"]] * 8), "'layer_types' must list"),
+    ],
+)
+def test_deepseek_v4_compression_fields_name_the_field(edit, words):
+    raw, _ = _text_config("demo-deepseek-v4")
+    raw.pop("layer_types", None) if "compress_ratios" in edit else None
+    raw.update(edit)
+    with pytest.raises(ConfigError, match=words):
+        _contract_of(raw, "hf")
+
+
 @pytest.mark.parametrize("field", ["moe", "yarn", "llama_4_scaling"])
 @pytest.mark.parametrize("value", [[1], "x", 3])
 def test_params_json_sections_must_be_objects(field, value, tmp_path):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import MAX_LAYERS
 from ..errors import CheckpointError, ConfigError
 from .dtypes import FLOAT_CODES, INTEGER_CODES, NAMES
 from .precision import MAX_SHOWN, PrecisionSchedule, packable
@@ -219,9 +220,6 @@ def check_scale(num_layers: int, tensor_count: int) -> None:
         raise ConfigError(
             f"config.json describes {num_layers} layers, more than the {MAX_LAYERS} any model comes near"
         )
-
-
-MAX_LAYERS = 10_000
 
 
 class _Problems:
