@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_errors_cli import SMALL, write
 
@@ -343,9 +343,6 @@ def edited_configs(draw):
     paths = [(k,) for k in raw] + [(k, k2) for k in raw if isinstance(raw[k], dict) for k2 in raw[k]]
     path = draw(st.sampled_from(paths))
     value = draw(HOSTILE)
-    # layers/engram.py reads the Engram sizes with its own integer reader, unbounded: 2**63 and up there
-    # allocate or loop without end (reported, not this test's to hang on)
-    assume(not (path[-1].startswith("engram_") and isinstance(value, int) and abs(value) >= 2**40))
     target = raw
     for k in path[:-1]:
         target = target[k]
@@ -454,6 +451,49 @@ def test_kimi_layer_lists_of_the_wrong_kind_name_the_field(demo, edit, words):
             v = v * text["num_hidden_layers"]
         text[k] = v
     with pytest.raises(ConfigError, match=words):
+        _contract_of(raw, "hf")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("engram_max_ngram_size", 2**62),
+        ("engram_max_ngram_size", 17),
+        ("engram_max_ngram_size", 1),
+        ("engram_n_heads", 10**30),
+        ("engram_n_heads", 10**15),
+        ("engram_n_heads", 65),
+        ("engram_head_dim", 2**40),
+        ("engram_vocab_size", 2**62),
+        ("engram_vocab_size", [16, 2**41, 16]),
+        ("engram_vocab_size", [[64]]),
+        ("engram_vocab_size", "64"),
+        ("engram_layer_ids", {}),
+        ("engram_layer_ids", [True]),
+        ("engram_num_embeddings", [462, "630"]),
+        ("engram_num_embeddings", 2**64),
+        ("engram_pad_id", 2**62),
+    ],
+)
+def test_engram_sizes_are_bounded_and_name_the_field(field, value):
+    # the sizes drive a prime search and per-token gathers: unbounded, 2**62 ran out of memory and
+    # 10**15 heads searched primes without end
+    raw, text = _text_config("demo-deepseek-v41")
+    text[field] = value
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        _contract_of(raw, "hf")
+
+
+def test_engram_tables_past_the_bound_on_primes_are_refused_naming_the_heads():
+    raw, text = _text_config("demo-deepseek-v41")
+    text.update(engram_max_ngram_size=16, engram_n_heads=64)  # 2 layers x 15 sizes x 64 heads = 1920
+    with pytest.raises(ConfigError, match="'engram_num_embeddings'"):  # within the bound: the rows decide
+        _contract_of(raw, "hf")
+    text.update(engram_layer_ids=[1, 2, 4], engram_num_embeddings=[1] * 3)  # 2880
+    with pytest.raises(ConfigError, match="'engram_num_embeddings'.*primes"):
+        _contract_of(raw, "hf")
+    text.update(engram_layer_ids=[1, 2, 3, 4, 5], engram_num_embeddings=[1] * 5)  # 4800 > 4096
+    with pytest.raises(ConfigError, match="'engram_n_heads'.*4800 tables, more than 4096"):
         _contract_of(raw, "hf")
 
 
