@@ -497,6 +497,15 @@ def test_engram_tables_past_the_bound_on_primes_are_refused_naming_the_heads():
         _contract_of(raw, "hf")
 
 
+@pytest.mark.parametrize("demo", ["demo-kimi-k3", "demo-deepseek-v4"])
+@pytest.mark.parametrize("eos", ["7", True, [1, "2"], [1, None], {}, -1, 2**64, 1.5])
+def test_eos_token_ids_of_the_wrong_kind_name_the_field(demo, eos):
+    raw, _ = _text_config(demo)
+    raw["eos_token_id"] = eos  # K3 reads it at the top level of its wrapped config
+    with pytest.raises(ConfigError, match="'eos_token_id'"):
+        _contract_of(raw, "hf")
+
+
 @pytest.mark.parametrize(
     "edit,words",
     [
@@ -523,6 +532,74 @@ def test_deepseek_v4_compression_fields_name_the_field(edit, words):
     raw, _ = _text_config("demo-deepseek-v4")
     raw.pop("layer_types", None) if "compress_ratios" in edit else None
     raw.update(edit)
+    with pytest.raises(ConfigError, match=words):
+        _contract_of(raw, "hf")
+
+
+QC_CT = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+
+
+def _ct(**weights) -> dict:
+    w = {"num_bits": 4, "group_size": 32, "type": "float", "strategy": "group", **weights}
+    return dict(QC_CT, config_groups={"group_0": {"targets": ["Linear"], "weights": w}})
+
+
+@pytest.mark.parametrize(
+    "qc,words",
+    [
+        (_ct(group_size="32"), r"config_groups\['group_0'\]\.weights\.'group_size' must be an integer"),
+        (_ct(group_size=32.0), "'group_size' must be an integer"),
+        (_ct(num_bits=8.0), "'num_bits' must be an integer"),
+        (_ct(num_bits="4"), "'num_bits' must be an integer"),
+        (_ct(type=4), "'type' must be a name"),
+        (_ct(strategy=["group"]), "'strategy' must be a name"),
+        (_ct(block_structure="128x128"), "'block_structure' must be a list of integers"),
+        (_ct(block_structure=[128, "128"]), "'block_structure' must be a list of integers"),
+        (
+            dict(QC_CT, config_groups={"g": {"targets": ["Linear"], "weights": [4]}}),
+            "weights must be an object",
+        ),
+        (dict(QC_CT, config_groups={"g": {"targets": ["Linear"], "format": 4}}), "'format' must be a name"),
+        (dict(QC_CT, config_groups=[1]), "'config_groups' must be an object"),
+        (
+            {"quant_method": "fp8", "weight_block_size": "128"},
+            "'weight_block_size' must be a list of integers",
+        ),
+        ({"quant_method": "fp8", "weight_block_size": [128.0, 128]}, "'weight_block_size' must be"),
+        ({"quant_algo": "NVFP4", "group_size": "16"}, "'group_size' must be an integer"),
+        ({"quantization": {"quant_algo": "NVFP4", "group_size": [16]}}, r"\.quantization: 'group_size'"),
+        ({"quant_method": "modelopt", "quantized_layers": {"x": {"quant_algo": 4}}}, "'quant_algo' must be"),
+    ],
+)
+def test_quantization_config_values_of_the_wrong_type_name_the_key(small, tmp_path, qc, words):
+    from moesaic.weights.quant import resolve_format
+
+    # through the reader directly (a packed weight, so it reads the config) ...
+    with pytest.raises(ConfigError, match=words):
+        resolve_format(qc, {"x.weight_packed": "U8", "x.weight_scale": "U8"}, "x")
+    # ... and through a checkpoint's config.json
+    path = copy_of(small, tmp_path / "m")
+    (path / "config.json").write_text(json.dumps(dict(SMALL, quantization_config=qc)))
+    with pytest.raises(ConfigError, match=f"quantization_config.*{words}"):
+        Checkpoint.open(path).build("float32")
+
+
+@pytest.mark.parametrize(
+    "qc,words",
+    [
+        ("mxfp4", "'quantization_config' must be an object"),
+        ([1], "'quantization_config' must be an object"),
+        (
+            dict(QC_CT, config_groups={"g": {"weights": {"group_size": "32"}}}),
+            "'group_size' must be an integer",
+        ),
+        (dict(QC_CT, config_groups={"g": {"weights": {"group_size": -32}}}), "group_size"),
+        (dict(QC_CT, config_groups={"g": 5}), r"config_groups\['g'\] must be an object"),
+    ],
+)
+def test_kimi_k3_quantization_config_names_the_key(qc, words):
+    raw, _ = _text_config("demo-kimi-k3")
+    raw["quantization_config"] = qc
     with pytest.raises(ConfigError, match=words):
         _contract_of(raw, "hf")
 
