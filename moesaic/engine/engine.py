@@ -26,6 +26,7 @@ that the state stops on each one for its decode-time snapshot).
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 import time
@@ -59,6 +60,9 @@ SNAPSHOT_FRACTION = 8  # default snapshot budget: 1/8 of the cache budget, on to
 def check_prompt(ids: list[int], vocab: int) -> None:
     if not ids:
         raise RequestError("the prompt is empty: give at least one token")
+    odd = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]  # True: id 1
+    if odd:
+        raise RequestError(f"token ids must be integers; got {odd[:5]!r} ({type(odd[0]).__name__})")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
@@ -100,6 +104,24 @@ class EngineLimits:
             raise ConfigError(
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
             )
+
+
+def non_finite(sched, logits: torch.Tensor, rows: list[torch.Tensor] | None = None) -> dict:
+    """{seq id: RequestError} for the sequences of a forward whose logits rows (`logits`, all of them;
+    `rows`, each sequence's, by default one row each) hold a NaN or an Inf (a model overflowing at run time): those requests
+    end, the others of the batch go on. One reduction and one host sync per step: a row's sum is finite
+    unless the row holds NaN/Inf (or the sum overflows, which only makes the exact check run)."""
+    if bool(torch.isfinite(logits.sum(-1)).all()):
+        return {}
+    bad = [not bool(torch.isfinite(r).all()) for r in (list(logits) if rows is None else rows)]
+    return {
+        s.id: RequestError(
+            "the model produced non-finite logits (NaN or Inf) for this request: its weights or scales "
+            "are likely broken, or its activations overflow the model dtype"
+        )
+        for (s, _), b in zip(sched, bad)
+        if b
+    }
 
 
 def free_memory(device) -> int:
@@ -390,8 +412,9 @@ class Engine:
             return pending[:n]
         return pending + seq.draft.tokens[: n - len(pending)]
 
-    def _forward(self, items: list[tuple[Sequence, int]]) -> tuple[list[torch.Tensor], list[dict]]:
-        """Per sequence: its logits rows (every row of a verify round, else the last) and its taps."""
+    def _forward(self, items: list[tuple[Sequence, int]]) -> tuple[list[torch.Tensor], list[dict], torch.Tensor]:
+        """Per sequence: its logits rows (every row of a verify round, else the last) and its taps; and all
+        the rows as one tensor."""
         batch = ForwardBatch.build(
             [(s.state, self._tokens(s, n)) for s, n in items], logits="all", device=self.model.device
         )
@@ -406,13 +429,19 @@ class Engine:
         logits = self.model.forward(batch)
         self.spec_counters["target_forwards"] += 1
         taps = [{L: t[c.start : c.start + c.n] for L, t in batch.tapped.items()} for c in batch.seqs]
-        return list(logits.split(counts)), taps
+        return list(logits.split(counts)), taps, logits
 
     def _forward_atomic(self, sched, marks) -> tuple[list, list, dict]:
         """Logits rows and taps per scheduled sequence (None for a failed one) and {seq id: exception}. A
-        forward that raises is undone for every sequence in it (`marks`); then each sequence runs alone."""
+        forward that raises is undone for every sequence in it (`marks`); then each sequence runs alone. A
+        sequence whose logits are not finite fails too (`non_finite`)."""
         try:
-            return (*self._forward(sched), {})
+            rows, taps, logits = self._forward(sched)
+            failed = non_finite(sched, logits, rows)
+            for (s, _), m in zip(sched, marks):
+                if s.id in failed:
+                    s.state.revert(m)
+            return rows, taps, failed
         except BaseException as e:
             for (s, _), m in zip(sched, marks):
                 s.state.revert(m)
@@ -426,7 +455,10 @@ class Engine:
         rows, taps, failed = [], [], {}
         for (s, n), mark in zip(sched, marks):
             try:
-                r, t = self._forward([(s, n)])
+                r, t, whole = self._forward([(s, n)])
+                failed.update(non_finite([(s, n)], whole, r))
+                if s.id in failed:
+                    s.state.revert(mark)
                 rows.append(r[0])
                 taps.append(t[0])
             except BaseException as e:
@@ -565,17 +597,8 @@ class Engine:
             return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         return set()
 
-    @staticmethod
-    def _finite(rows: torch.Tensor) -> None:
-        if not bool(torch.isfinite(rows).all()):
-            raise RequestError(
-                "the model produced non-finite logits (NaN or Inf) for this request: its weights or scales "
-                "are likely broken"
-            )
-
     def _sample(self, seq: Sequence, row: torch.Tensor) -> tuple[int, dict | None]:
         p = seq.params
-        self._finite(row)
         x = row if seq.processor is None else seq.processor.mask(row)
         tok = sample(x, p, seq.generator, seq.prompt_ids, seq.output_ids, self._banned(seq))
         lp = top_logprobs(row, p.logprobs, tok) if p.logprobs is not None else None
@@ -586,7 +609,6 @@ class Engine:
         their logprobs. Row i is the target's distribution after the drafts before it, with the penalties and
         min_tokens of that point, exactly as plain decoding would have it."""
         p = seq.params
-        self._finite(rows)
 
         def target(i: int) -> torch.Tensor:
             return adjusted(rows[i], p, seq.prompt_ids, seq.output_ids + draft[:i], self._banned(seq, i))
