@@ -149,8 +149,7 @@ class WeightStore:
             mm = _map(info.file)
             self._maps[info.file] = mm
         if count:
-            self.bytes_read += info.nbytes
-            self.reads[name] = self.reads.get(name, 0) + 1
+            self.count_read(name, info.nbytes)
         dtype = SAFETENSORS[info.dtype]
         numel = 1
         for s in info.shape:
@@ -167,6 +166,11 @@ class WeightStore:
         with warnings.catch_warnings():  # a read-only map (see _map) is fine: nothing writes to these
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(mm, dtype=dtype, count=numel, offset=info.start).reshape(info.shape)
+
+    def count_read(self, name: str, nbytes: int) -> None:
+        """Counts a read of `nbytes` of tensor `name` (all of it, or a tensor-parallel rank's piece)."""
+        self.bytes_read += nbytes
+        self.reads[name] = self.reads.get(name, 0) + 1
 
     def close(self) -> None:
         self._maps.clear()  # the tensors handed out keep their buffers alive
