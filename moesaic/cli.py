@@ -25,10 +25,12 @@ def main(argv=None) -> int:
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--device", default="cpu")
     g.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
+    parallel_flags(g)
     i = sub.add_parser("inspect", help="describe a checkpoint (config.json alone is enough)")
     i.add_argument("model")
     i.add_argument("--json", action="store_true")
     i.add_argument("--precision", default=None, help="show how this precision schedule resolves")
+    parallel_flags(i)
     args = ap.parse_args(argv)
     try:
         return {"generate": _generate, "inspect": _inspect}[args.cmd](args)
@@ -39,13 +41,36 @@ def main(argv=None) -> int:
         return 130
 
 
+def parallel_flags(p) -> None:
+    """-tp N / --enable-expert-parallel (generate, inspect; the server takes the same)."""
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over N ranks (worker processes, or torchrun's; docs/parallel.md)",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split the routed experts by expert (E/N a rank) instead of by width",
+    )
+
+
 def _generate(args) -> int:
     from .config import is_demo
     from .engine.sampler import SamplingParams
     from .llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, precision=args.precision)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        precision=args.precision,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
+    )
     if is_demo(llm.raw_config):
         print(
             f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
@@ -89,7 +114,12 @@ def _inspect(args) -> int:
     from .inspect import format_text, inspect_checkpoint
     from .llm import resolve_model_path
 
-    info = inspect_checkpoint(resolve_model_path(args.model), precision=args.precision)
+    info = inspect_checkpoint(
+        resolve_model_path(args.model),
+        precision=args.precision,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
+    )
     print(json.dumps(info, indent=1) if args.json else format_text(info))
     return 0
 

@@ -3,13 +3,16 @@ event loops. Both drive one engine core (engine/engine.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
+import resource
 import threading
 from pathlib import Path
 
 import torch
 
+from . import parallel
 from .cache.batch import ForwardBatch
 from .demo import DEMO_NAME, DEMOS, ensure_demo, is_demo_name
 from .engine.async_engine import AsyncEngine
@@ -58,6 +61,17 @@ def check_device(device) -> str:
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {device!r} is not supported (cpu or cuda)")
     return str(dev)
+
+
+def check_parallel(tensor_parallel_size, expert_parallel) -> None:
+    if (
+        not isinstance(tensor_parallel_size, int)
+        or isinstance(tensor_parallel_size, bool)
+        or tensor_parallel_size < 1
+    ):
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+    if not isinstance(expert_parallel, bool):
+        raise ConfigError(f"expert_parallel must be true or false, got {expert_parallel!r}")
 
 
 def _is_token(t) -> bool:
@@ -160,11 +174,17 @@ class LLM:
         max_cache_bytes: int | None = None,
         max_snapshot_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        expert_parallel: bool = False,
+        _rank=None,
     ):
         """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py).
         max_num_batched_tokens (old name max_batch_tokens): the tokens one step computes; max_cache_bytes:
         the paged cache and fixed state (default: a fraction of free memory, logged); max_state_bytes: an
-        optional cap on the planner's worst case of the running requests (each reserved at admission)."""
+        optional cap on the planner's worst case of the running requests (each reserved at admission).
+        tensor_parallel_size: the ranks the model is split over (worker processes spawned here, or
+        torchrun's; docs/parallel.md); expert_parallel: routed experts split by expert (E/N a rank)
+        instead of by width. `_rank` is a worker's place in such a run (moesaic/parallel)."""
         # everything a caller can get wrong is checked before the checkpoint is read
         tokens = max_num_batched_tokens if max_num_batched_tokens is not None else max_batch_tokens
         EngineLimits(
@@ -178,17 +198,13 @@ class LLM:
         parse_dtype(dtype)
         if precision is not None and not isinstance(precision, str):
             raise ConfigError(f"precision must be a string like 'router=bf16,expert=fp8', got {precision!r}")
+        check_parallel(tensor_parallel_size, expert_parallel)
         device = check_device(device)
         self.path = resolve_model_path(model)
         ckpt = Checkpoint.open(self.path)
         self.family, self.cfg, self.raw_config = ckpt.family, ckpt.cfg, ckpt.raw
-        self.model = ckpt.build(dtype, device, precision)
-        self.dtype, self.device = self.model.dtype, device
         self.tokenizer = load_tokenizer(self.path, ckpt.store.config, self.cfg.eos_token_ids)
-        eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
-        self.engine = Engine(
-            self.model,
-            eos,
+        engine_args = dict(
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -196,11 +212,35 @@ class LLM:
             max_cache_bytes=max_cache_bytes,
             max_snapshot_bytes=max_snapshot_bytes,
             enable_prefix_caching=enable_prefix_caching,
-            max_context=self.family.max_context(self.cfg),
-            state_bytes=self.family.state_bytes(self.cfg, self.model.dtype.itemsize),
-            tokenizer=self.tokenizer,
         )
+        self.rank = _rank
+        if self.rank is None and tensor_parallel_size > 1:  # checks the split before any process starts
+            self.rank = parallel.start(ckpt, tensor_parallel_size, expert_parallel, device)
+        if self.rank is None:
+            self.model = ckpt.build(dtype, device, precision)
+            self.load_stats = {"bytes_read": [ckpt.store.bytes_read]}
+            self._engine(device, engine_args, None)
+        else:  # every rank runs this same code: rank 0 sends it to the workers as "load"
+            device = self.rank.device
+            args = dict(engine_args, dtype=dtype, device=device, precision=precision)
+            with self.rank.command("load", type(self), (str(self.path),), args, self.rank.expert_parallel):
+                self.model = parallel.build_model(ckpt, self.rank, dtype, device, precision)
+                self.load_stats = self.rank.load_stats
+                self._engine(device, engine_args, self.rank.lockstep())
         self._lock = threading.RLock()  # generate / stream calls from several threads take turns
+
+    def _engine(self, device, engine_args: dict, spmd) -> None:
+        self.dtype, self.device = self.model.dtype, device
+        eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
+        self.engine = Engine(
+            self.model,
+            eos,
+            **engine_args,
+            max_context=self.family.max_context(self.cfg),
+            state_bytes=self.family.state_bytes(self.model.cfg, self.model.dtype.itemsize),  # this rank's
+            tokenizer=self.tokenizer,
+            spmd=spmd,
+        )
 
     # ---- prompts
     def encode(self, prompt) -> list[int]:
@@ -299,12 +339,44 @@ class LLM:
         check_prompt(ids, self.cfg.vocab_size)
         if len(ids) > self.engine.max_context:
             raise CapacityError(f"{len(ids)} tokens exceed this model's context of {self.engine.max_context}")
-        state = self.model.new_state()
-        return self.model.forward(ForwardBatch.build([(state, ids)], logits="all", device=self.device))
+        with self._lock, self._command("score", ids):
+            state = self.model.new_state()
+            return self.model.forward(ForwardBatch.build([(state, ids)], logits="all", device=self.device))
 
     def stats(self) -> dict:
         """The engine's counters (requests, tokens, prefix cache, preemptions, blocks, step times)."""
         return self.engine.stats()
+
+    # ---- tensor parallelism
+    def _command(self, name: str, *args):
+        return contextlib.nullcontext() if self.rank is None else self.rank.command(name, *args)
+
+    def parallel_stats(self) -> dict:
+        """Per rank (lists in rank order): bytes read from the checkpoint at load (and, tensor-parallel,
+        held as weights), collectives since (count, seconds waited, bytes), peak resident memory. One
+        rank: lists of one."""
+        with self._command("stats"):
+            group = None if self.rank is None else self.rank.group
+            mine = {
+                "collectives": 0 if group is None else group.stats["collectives"],
+                "collective_seconds": 0.0 if group is None else group.stats["seconds"],
+                "collective_bytes": 0 if group is None else group.stats["bytes"],
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            }
+            every = [mine] if group is None else group.gather(mine)
+        return {**{k: [e[k] for e in every] for k in mine}, **self.load_stats}
+
+    def close(self) -> None:
+        """Frees this model on the workers of a tensor-parallel run (they stay up for the next LLM)."""
+        rank, self.rank = getattr(self, "rank", None), None
+        if rank is not None and rank.rank == 0:
+            rank.drop()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class AsyncLLM:

@@ -16,6 +16,7 @@ reserved for `max_num_seqs` sequences. Snapshots for the prefix cache have their
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -119,9 +120,12 @@ class Engine:
         max_cache_bytes: int | None = None,
         max_snapshot_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        spmd=None,
     ):
         """state_bytes: the family planner's (bytes per token, fixed bytes per sequence) of a state with no
-        rollback window. max_batch_tokens is the old name of max_num_batched_tokens."""
+        rollback window. max_batch_tokens is the old name of max_num_batched_tokens. spmd: the hooks of a
+        tensor-parallel run (moesaic/parallel/workers.py `Lockstep`): the same engine runs on every rank,
+        rank 0 sends each step's new requests and aborts and the tokens it samples, the others never sample."""
         if max_batch_tokens is not None and max_num_batched_tokens is not None:
             if max_batch_tokens != max_num_batched_tokens:
                 raise ConfigError(
@@ -145,6 +149,7 @@ class Engine:
         self.max_num_seqs = self.limits.max_num_seqs
         self.max_num_batched_tokens = self.limits.max_num_batched_tokens
         self.max_state_bytes = max_state_bytes
+        self.spmd = spmd
         self.lock = threading.RLock()
         self._plan_memory(state_bytes)
         self.counters = dict(
@@ -185,6 +190,8 @@ class Engine:
                 )
         else:
             source = "max_cache_bytes"
+        if self.spmd is not None:  # every rank plans the same blocks: the smallest budget of any
+            budget = self.spmd.agree(budget)
         if budget - reserve < max(block_cost, 1):
             raise ConfigError(
                 f"max_cache_bytes: {budget} bytes cannot hold the fixed state of max_num_seqs="
@@ -303,10 +310,14 @@ class Engine:
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(seq.prompt_ids)
             self.scheduler.add(seq)
+            if self.spmd is not None:
+                self.spmd.added(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Ends a request (every sample of it) now, freeing its blocks."""
         with self.lock:
+            if self.spmd is not None:
+                self.spmd.aborted(seq)
             for s in list(seq.group):
                 if not s.finished:
                     s.finish_reason = "abort"
@@ -317,7 +328,7 @@ class Engine:
     # ---- one step
     def step(self) -> list[tuple[Sequence, int]]:
         """Runs one forward; returns the (sequence, new token) pairs sampled in it."""
-        with self.lock:
+        with self.lock, self.spmd.turn(self) if self.spmd is not None else contextlib.nullcontext():
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             if not sched:
@@ -388,12 +399,20 @@ class Engine:
                     draws.extend((s, row) for s in seq.group)
                 else:
                     draws.append((seq, row))
-            picked = []
-            for seq, row in draws:
+            outcomes = []  # (token, logprobs) or the exception, per draw
+            for seq, row in draws if self.spmd is None or self.spmd.rank == 0 else ():
                 try:
-                    picked.append((seq, self._sample(seq, row)))
+                    outcomes.append(self._sample(seq, row))
                 except Exception as e:
-                    failed[seq.id] = e
+                    outcomes.append(e)
+            if self.spmd is not None:  # rank 0's draws, on every rank
+                outcomes = self.spmd.share(outcomes)
+            picked = []
+            for (seq, _), got in zip(draws, outcomes):
+                if isinstance(got, BaseException):
+                    failed[seq.id] = got
+                else:
+                    picked.append((seq, got))
         except BaseException:
             for (s, _), m in zip(sched, marks):  # nothing of this step is kept
                 if s.state is not None:
@@ -577,6 +596,8 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         with self.lock:
+            if self.spmd is not None:
+                self.spmd.reset()
             self.blocks.reset_cache()
             if self.snapshots is not None:
                 for h in list(self.snapshots.entries):
