@@ -63,6 +63,15 @@ def check_device(device) -> str:
     return str(dev)
 
 
+def _anon_rss() -> int:
+    """This process's private resident bytes (not the checkpoint's mapped file pages); 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 def check_parallel(tensor_parallel_size, expert_parallel) -> None:
     if (
         not isinstance(tensor_parallel_size, int)
@@ -353,8 +362,9 @@ class LLM:
 
     def parallel_stats(self) -> dict:
         """Per rank (lists in rank order): bytes read from the checkpoint at load (and, tensor-parallel,
-        held as weights), collectives since (count, seconds waited, bytes), peak resident memory. One
-        rank: lists of one."""
+        held as weights), collectives since (count, seconds waited, bytes), peak resident memory (file
+        pages of the mapped checkpoint included) and the private resident memory now (Linux; 0
+        elsewhere). One rank: lists of one."""
         with self._command("stats"):
             group = None if self.rank is None else self.rank.group
             mine = {
@@ -362,6 +372,7 @@ class LLM:
                 "collective_seconds": 0.0 if group is None else group.stats["seconds"],
                 "collective_bytes": 0 if group is None else group.stats["bytes"],
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "anon_rss_bytes": _anon_rss(),
             }
             every = [mine] if group is None else group.gather(mine)
         return {**{k: [e[k] for e in every] for k in mine}, **self.load_stats}

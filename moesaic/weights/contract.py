@@ -252,6 +252,8 @@ def load_tensors(
     with a `shard` gives rank `rank`'s piece only, and only that piece is read."""
     schedule = schedule or PrecisionSchedule()
     schedule.check_roles(plan.specs.values())
+    if world > 1:
+        store.advise_random()
     out = {}
     for name, src in plan.sources.items():
         spec = plan.specs[name]
@@ -446,8 +448,9 @@ def shard_bytes(plan: LoadPlan, store: WeightStore, rank: int, world: int) -> in
             fmt = plan.quantized.get(n)
             get = lambda k: store.get(k, count=False)  # noqa: E731
             if fmt is None:
-                t = get(n) if cut is not None else None
-                total += store.info(n).nbytes if cut is None else _nbytes(cut(t))
+                info = store.info(n)  # a meta tensor of its shape: the cut copies nothing
+                t = torch.empty(info.shape, dtype=get(n).dtype, device="meta") if cut is not None else None
+                total += info.nbytes if cut is None else _nbytes(cut(t))
                 continue
             q = load_quantized(_base(n), get, fmt, plan.quant_config, names=store, shape=shape)
             total += _nbytes(q if cut is None else cut(q))
