@@ -12,8 +12,12 @@ With the cache on, one warm-up request first puts the system prompt in the cache
 server with a shared system prompt); with it off there is nothing to warm.
 
 The load generator (`run_rung`) talks to a `Backend` with one method, `stream(prompt_ids, max_tokens)`,
-an async iterator of token-id lists; `InProcess` drives moesaic.AsyncLLM. A backend for an HTTP server
-(`--server URL`) plugs in the same way.
+an async iterator of token-id lists; `InProcess` drives moesaic.AsyncLLM, `Http` a `moesaic serve`
+process through the official `openai` client (streamed /v1/completions of token ids, `return_token_ids`).
+
+`--server` runs the ladder through both, cache on, rung by rung alternately: the AsyncLLM in this process
+and `moesaic serve` on the same checkpoint in a child process (the same engine settings), and reports the
+HTTP layer's cost as server tok/s / in-process tok/s per rung (the summary: at the lowest and highest C).
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -146,6 +154,111 @@ class InProcess:
         return self.llm.stats()
 
 
+class Http:
+    """The backend of a `moesaic serve` process, through the openai client (made per event loop)."""
+
+    def __init__(self, url: str):
+        import openai
+
+        self.url = url
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600)
+
+    async def stream(self, prompt_ids: list[int], max_tokens: int):
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        s = await self.client.completions.create(
+            model="bench",
+            prompt=prompt_ids,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body=extra,
+        )
+        async for chunk in s:
+            yield [t for c in chunk.choices for t in (c.model_extra or {}).get("token_ids") or ()]
+
+    def stats(self) -> dict:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=60).read().decode()
+
+        def value(name):
+            m = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        return dict(
+            cached_prompt_tokens=value("moesaic_prefix_cache_hits_total"),
+            preemptions=int(value("moesaic_num_preemptions_total")),
+        )
+
+
+def start_server(folder: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
+    """`moesaic serve` on `folder` with the in-process engine's settings; (process, URL) once it is ready."""
+    cmd = [sys.executable, "-m", "moesaic.cli", "serve", str(folder), "--port", "0", "--dtype", args.dtype]
+    cmd += ["--served-model-name", "bench", "--max-num-seqs", str(max(args.ladder))]
+    cmd += ["--max-num-batched-tokens", str(args.batch_tokens)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 600
+    while True:
+        m = re.search(r"ready at (http://\S+)/v1", log.read_text())
+        if m:
+            return proc, m.group(1)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"moesaic serve did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def rung(make_backend, prompts, concurrency, max_tokens) -> tuple[dict, dict, dict]:
+    """One rung on a backend made inside its own event loop: (row, stats before, stats after)."""
+
+    async def go():
+        backend = make_backend()
+        before = backend.stats()
+        row = await run_rung(backend, prompts, concurrency, max_tokens)
+        after = backend.stats()
+        if isinstance(backend, Http):
+            await backend.client.close()
+        return row, before, after
+
+    return asyncio.run(go())
+
+
+def bench_server(name: str, folder: Path, args) -> list[dict]:
+    """The ladder in process and through `moesaic serve`, cache on, rung by rung alternately."""
+    llm = moesaic.AsyncLLM(
+        str(folder), dtype=args.dtype, max_num_seqs=max(args.ladder), max_num_batched_tokens=args.batch_tokens
+    )
+    log = Path(tempfile.mkstemp(prefix="moesaic-serve-", suffix=".log")[1])
+    proc, url = start_server(folder, args, log)
+    backends = {"in-process": lambda: InProcess(llm), "server": lambda: Http(url)}
+    system = torch.randint(3, args.vocab, (args.system,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    try:
+        for make in backends.values():  # warm-up: the system prompt into each cache
+            rung(make, make_prompts(system, args.question, 1, 0, args.vocab), 1, 2)
+        for c in args.ladder:
+            prompts = make_prompts(system, args.question, c * args.waves, seed=c, vocab=args.vocab)
+            for backend, make in backends.items():
+                row, before, after = rung(make, prompts, c, args.new)
+                row.update(
+                    model=name,
+                    cache="on",
+                    backend=backend,
+                    hit_rate=(after["cached_prompt_tokens"] - before["cached_prompt_tokens"])
+                    / sum(len(p) for p in prompts),
+                    preemptions=after["preemptions"] - before["preemptions"],
+                )
+                rows.append(row)
+                print(fmt(row), flush=True)
+    finally:
+        llm.shutdown(timeout=5)
+        proc.terminate()
+        code = proc.wait(120)
+        print(f"moesaic serve exited {code}; its log: {log}", flush=True)
+    return rows
+
+
 async def one_request(backend, prompt_ids: list[int], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
@@ -184,10 +297,12 @@ async def run_rung(backend, prompts: list[list[int]], concurrency: int, max_toke
     )
 
 
-def make_prompts(system: list[int], question: int, count: int, seed: int) -> list[list[int]]:
+def make_prompts(
+    system: list[int], question: int, count: int, seed: int, vocab: int = VOCAB
+) -> list[list[int]]:
     """`count` requests: the system prompt plus a distinct random question each."""
     g = torch.Generator().manual_seed(seed)
-    return [system + torch.randint(3, VOCAB, (question,), generator=g).tolist() for _ in range(count)]
+    return [system + torch.randint(3, vocab, (question,), generator=g).tolist() for _ in range(count)]
 
 
 def bench_model(name: str, folder: Path, args) -> list[dict]:
@@ -203,13 +318,15 @@ def bench_model(name: str, folder: Path, args) -> list[dict]:
         )
         for cache in ("on", "off")
     }
-    system = torch.randint(3, VOCAB, (args.system,), generator=torch.Generator().manual_seed(0)).tolist()
+    system = torch.randint(3, args.vocab, (args.system,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
     try:
         for llm in engines.values():  # warm-up; with the cache on it puts the system prompt in the cache
-            asyncio.run(run_rung(InProcess(llm), make_prompts(system, args.question, 1, 0), 1, 2))
+            asyncio.run(run_rung(InProcess(llm), make_prompts(system, args.question, 1, 0, args.vocab), 1, 2))
         for c in args.ladder:
-            prompts = make_prompts(system, args.question, c * args.waves, seed=c)  # distinct per rung
+            prompts = make_prompts(
+                system, args.question, c * args.waves, seed=c, vocab=args.vocab
+            )  # distinct per rung
             for cache, llm in engines.items():
                 backend = InProcess(llm)
                 before = backend.stats()
@@ -232,7 +349,7 @@ def bench_model(name: str, folder: Path, args) -> list[dict]:
 
 def fmt(r: dict) -> str:
     return (
-        f"{r['model']:<12} cache {r['cache']:<3} C={r['concurrency']:<3} {r['tok_s']:7.1f} tok/s  "
+        f"{r['model']:<12} {r.get('backend', 'in-process'):<10} cache {r['cache']:<3} C={r['concurrency']:<3} {r['tok_s']:7.1f} tok/s  "
         f"TTFT p50 {r['ttft_p50'] * 1e3:7.0f} ms p90 {r['ttft_p90'] * 1e3:7.0f} ms  "
         f"TPOT p50 {r['tpot_p50'] * 1e3:6.0f} ms p90 {r['tpot_p90'] * 1e3:6.0f} ms  "
         f"hit {r['hit_rate']:.0%}  preempt {r['preemptions']}"
@@ -241,7 +358,9 @@ def fmt(r: dict) -> str:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="mistral4,kimi_linear")
+    ap.add_argument(
+        "--models", default="mistral4,kimi_linear", help="mistral4, kimi_linear or a built-in demo name"
+    )
     ap.add_argument("--ladder", default="1,2,4,8,16")
     ap.add_argument("--system", type=int, default=512)
     ap.add_argument("--question", type=int, default=64)
@@ -253,6 +372,9 @@ def main():
     )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument(
+        "--server", action="store_true", help="the ladder in process and through `moesaic serve` (cache on)"
+    )
     args = ap.parse_args()
     args.ladder = [int(c) for c in args.ladder.split(",")]
     if args.threads:
@@ -261,9 +383,26 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            n = write_checkpoint(Path(tmp) / name, MODELS[name], getattr(torch, args.dtype))
-            print(f"{name}: {n / 1e6:.0f}M parameters (random weights)", flush=True)
-            rows += bench_model(name, Path(tmp) / name, args)
+            if name in MODELS:
+                folder, args.vocab = Path(tmp) / name, VOCAB
+                n = write_checkpoint(folder, MODELS[name], getattr(torch, args.dtype))
+                print(f"{name}: {n / 1e6:.0f}M parameters (random weights)", flush=True)
+            else:  # a built-in demo (tiny: the per-token cost of everything around the model shows)
+                from moesaic.demo import ensure_demo
+
+                folder, args.vocab = ensure_demo(name), 259  # prompts of byte ids
+            rows += (bench_server if args.server else bench_model)(name, folder, args)
+    if args.server:
+        print("\nsummary (HTTP overhead: server tok/s / in-process tok/s, cache on):")
+        for name in args.models.split(","):
+            by = {(r["backend"], r["concurrency"]): r for r in rows if r["model"] == name}
+            ratios = [
+                f"C={c}: {by['server', c]['tok_s'] / by['in-process', c]['tok_s']:.2f}" for c in args.ladder
+            ]
+            print(f"{name}: " + ", ".join(ratios))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     print("\nsummary (cache on vs off):")
     for name in args.models.split(","):
         on = {r["concurrency"]: r for r in rows if r["model"] == name and r["cache"] == "on"}

@@ -1,13 +1,25 @@
-"""The command line: `moesaic generate | inspect`."""
+"""The command line: `moesaic generate | inspect | serve`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from .errors import MoesaicError
+
+
+def _seed(text: str) -> int:
+    """--seed: a 64-bit unsigned integer (what a torch generator takes)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v < 2**64:
+        raise argparse.ArgumentTypeError(f"{text} is outside 0..2**64-1")
+    return v
 
 
 def main(argv=None) -> int:
@@ -20,29 +32,83 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=_seed, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--device", default="cpu")
     g.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
+    g.add_argument(
+        "--expert-cache", default=None, help='stream routed experts into a cache of SIZE ("8GiB", "10%%")'
+    )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        '(methods: ngram, mtp, dspark, dflash with "model": a drafter folder)',
+    )
     parallel_flags(g)
     i = sub.add_parser("inspect", help="describe a checkpoint (config.json alone is enough)")
     i.add_argument("model")
     i.add_argument("--json", action="store_true")
     i.add_argument("--precision", default=None, help="show how this precision schedule resolves")
+    i.add_argument("--expert-cache", default=None, help="plan expert streaming with a cache of SIZE")
     parallel_flags(i)
+    s = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server")
+    s.add_argument(
+        "model", nargs="?", default="demo", help="checkpoint folder, or a demo name (default: demo)"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument(
+        "--port", type=int, default=8000, help="port (0: any free port; the ready line says which)"
+    )
+    s.add_argument(
+        "--api-key", nargs="+", action="extend", default=None, metavar="KEY", help="keys /v1 routes require"
+    )
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", help="the model's name(s)")
+    s.add_argument("--max-num-seqs", type=int, default=32)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument(
+        "--max-cache-bytes", type=int, default=None, help="cache budget (default: from free memory)"
+    )
+    s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
+    s.add_argument(
+        "--chat-template", default=None, metavar="FILE", help="a Jinja chat template to use instead"
+    )
+    s.add_argument(
+        "--tool-call-parser", default=None, metavar="NAME", help="output parser (default: by family)"
+    )
+    s.add_argument(
+        "--reasoning-parser", default=None, metavar="NAME", help="the same parser, by its other flag"
+    )
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds to drain requests on a signal"
+    )
+    s.add_argument("--max-queued-requests", type=int, default=1024, help="requests in flight before 503")
+    s.add_argument("--max-body-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parallel_flags(s)
     args = ap.parse_args(argv)
     try:
-        return {"generate": _generate, "inspect": _inspect}[args.cmd](args)
+        if args.model == "":  # Path("") is the current directory: never open it by accident
+            raise MoesaicError("an empty path names no checkpoint folder (--model / MODEL)")
+        return {"generate": _generate, "inspect": _inspect, "serve": _serve}[args.cmd](args)
     except MoesaicError as e:
         print(f"moesaic: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`moesaic generate | head -c1`): stop quietly, as a SIGPIPE'd tool does.
+        # Output still buffered for the closed pipe goes to /dev/null so that the exit flush is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def parallel_flags(p) -> None:
-    """-tp N / --enable-expert-parallel (generate, inspect; the server takes the same)."""
+    """-tp N / --enable-expert-parallel (generate, inspect, serve)."""
     p.add_argument(
         "-tp",
         "--tensor-parallel-size",
@@ -68,6 +134,8 @@ def _generate(args) -> int:
         dtype=args.dtype,
         device=args.device,
         precision=args.precision,
+        expert_cache=args.expert_cache,
+        speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel,
     )
@@ -102,12 +170,82 @@ def _generate(args) -> int:
     t2 = time.perf_counter()
     decode_s = t2 - (first or t2)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    spec = llm.stats()["speculative"]
+    drafted = (
+        f"; drafting ({spec['method']}): acceptance {spec['acceptance']:.0%}, tau {spec['tau']:.2f}"
+        if spec is not None
+        else ""
+    )
     print(
         f"\n[moesaic] {n} tokens ({stream.finish_reason}); load {t1 - t0:.2f}s, "
-        f"first token {((first or t2) - t1) * 1e3:.0f} ms, decode {rate:.1f} tokens/s",
+        f"first token {((first or t2) - t1) * 1e3:.0f} ms, decode {rate:.1f} tokens/s{drafted}",
         file=sys.stderr,
     )
     return 0
+
+
+def _serve(args) -> int:
+    import logging
+    from pathlib import Path
+
+    from .config import is_demo
+    from .errors import ConfigError
+    from .llm import LLM
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise ConfigError(f"--chat-template {args.chat_template}: no such file")
+        template = path.read_text(encoding="utf-8")
+    for flag, value in (
+        ("--max-queued-requests", args.max_queued_requests),
+        ("--max-body-bytes", args.max_body_bytes),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        precision=args.precision,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_cache_bytes=args.max_cache_bytes,
+        enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
+    )
+    if is_demo(llm.raw_config):
+        print(
+            f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
+            "its answers are noise, not a language model's.",
+            file=sys.stderr,
+        )
+    from .server.main import serve
+
+    names = args.served_model_name or [args.model]
+    return serve(
+        llm,
+        host=args.host,
+        port=args.port,
+        api_keys=args.api_key,
+        served_model_names=names,
+        chat_template=template,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        drain_timeout=args.shutdown_timeout,
+        max_pending=args.max_queued_requests,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+    )
 
 
 def _inspect(args) -> int:
@@ -117,6 +255,7 @@ def _inspect(args) -> int:
     info = inspect_checkpoint(
         resolve_model_path(args.model),
         precision=args.precision,
+        expert_cache=args.expert_cache,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel,
     )

@@ -51,6 +51,8 @@ def field(
             ):
                 raise TypeError
             v = int(v)
+            if not -(2**63) <= v < 2**63:
+                raise ConfigError(f"{where}: field {key!r} = {raw[key]!r} does not fit in 64 bits")
         elif kind is float:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError
@@ -80,7 +82,7 @@ def eos_ids(value, where: str = "config.json") -> tuple[int, ...]:
     if value is None:
         return ()
     items = value if isinstance(value, (list, tuple)) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in items):
         raise ConfigError(
             f"{where}: field 'eos_token_id' must be a token id or a list of them, got {value!r}"
         )

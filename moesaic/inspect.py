@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
 from . import parallel
 from .config import is_demo
 from .errors import CheckpointError
-from .models import family_for
-from .weights.contract import plan_load, quantization_config, shard_bytes
+from .models import num_layers, read_config
+from .weights.contract import check_scale, plan_load, quantization_config, shard_bytes
+from .weights.experts import parse_size, plan_bytes
 from .weights.precision import PrecisionSchedule
 from .weights.store import WeightStore
 
@@ -18,14 +20,17 @@ def inspect_checkpoint(
     path: str | Path,
     kv_dtype_bytes: int = 2,
     precision: str | None = None,
+    expert_cache=None,
     tensor_parallel_size: int = 1,
     expert_parallel: bool = False,
 ) -> dict:
-    """tensor_parallel_size > 1 adds `tensor_parallel`: what each rank holds (parameters, state, and with
+    """expert_cache (a size, as LLM takes it): also plan expert streaming (`expert_streaming`).
+    tensor_parallel_size > 1 adds `tensor_parallel`: what each rank holds (parameters, state, and with
     the tensor files present the bytes each rank reads), checked as a load would check it."""
     store = WeightStore(path, require_files=False)
-    family, raw = family_for(store.config, store.layout)
-    cfg = family.parse_config(raw, store.layout)
+    family, raw, cfg = read_config(store)
+    # the tensors count only when their headers were read (an index alone may list a few, as a sketch)
+    check_scale(num_layers(family, cfg), len(store.infos) if not store.unread else 0)
     specs = family.tensor_specs(cfg)
     params_by_role: Counter = Counter()
     for s in specs:
@@ -58,8 +63,9 @@ def inspect_checkpoint(
     }
     info.update(family.facts(cfg) if hasattr(family, "facts") else {})
     schedule = PrecisionSchedule.parse(precision)
-    schedule.check_roles(specs)
+    schedule.check(specs)
     info["precision"] = schedule.describe(specs)
+    plan = None
     if store.infos and not store.unread:
         try:
             plan = plan_load(specs, store, family.namings(cfg, store.layout, store.names()))
@@ -69,6 +75,8 @@ def inspect_checkpoint(
             info["contract"] = str(e)
     else:
         info["contract"] = "not checked (tensor files absent)"
+    if expert_cache is not None:
+        info["expert_streaming"] = _streaming_plan(expert_cache, plan, store, specs, info)
     if tensor_parallel_size > 1:
         info["tensor_parallel"] = _per_rank(
             store, family, cfg, kv_dtype_bytes, tensor_parallel_size, expert_parallel
@@ -86,6 +94,44 @@ def _per_rank(store, family, cfg, kv_dtype_bytes: int, world: int, expert_parall
         plan = plan_load(specs, store, family.namings(cfg, store.layout, store.names()))
         out["weight_bytes_per_rank"] = [shard_bytes(plan, store, r, world) for r in range(world)]
     return out
+
+
+def _streaming_plan(expert_cache, plan, store, specs, info) -> dict:
+    """What `LLM(..., expert_cache=...)` would hold: the trunk (everything but the routed experts), the
+    experts left in the shards, the expert bytes one token reads cold (each MoE layer's top-k), and the
+    planned resident total. Sizes as stored, from the headers; without them, bf16 from the config."""
+    budget = parse_size(expert_cache)
+    if plan is not None:
+        units = plan_bytes(plan, store).values()
+        source = "checkpoint headers"
+        total = store.total_bytes
+    else:  # no tensor files: 2 bytes a parameter
+        units = {}
+        for s in specs:
+            if s.streamable:
+                u = units.setdefault(s.name.rsplit(".", 1)[0], {"layer": s.layer, "experts": s.shape[0]})
+                u["expert_bytes"] = u.get("expert_bytes", 0) + 2 * math.prod(s.shape[1:])
+        units = units.values()
+        source = "config (bf16 estimate: no tensor files)"
+        total = 2 * info["params_total"]
+    expert_bytes = sum(u["experts"] * u["expert_bytes"] for u in units)
+    top_k = info.get("experts_per_token") or 0
+    main = [u for u in units if u["layer"] is None or u["layer"] < info["num_layers"]]  # not MTP
+    per_token = sum(top_k * u["expert_bytes"] for u in main)
+    experts = sum(u["experts"] for u in units)
+    each = max((u["expert_bytes"] for u in units), default=0)
+    cache = int(budget * experts) * each if isinstance(budget, float) else min(budget, expert_bytes)
+    return {
+        "source": source,
+        "trunk_bytes": total - expert_bytes,
+        "expert_bytes": expert_bytes,
+        "moe_layers": len(main),
+        "expert_bytes_each": each,
+        "per_token_expert_bytes": per_token,
+        "cache_bytes": cache,
+        "cache_experts": cache // each if each else 0,
+        "planned_resident_bytes": total - expert_bytes + cache,
+    }
 
 
 def format_text(info: dict) -> str:
@@ -135,10 +181,19 @@ def format_text(info: dict) -> str:
             "contract",
             "precision",
             "tensor_parallel",
+            "expert_streaming",
         }:
             lines.append(f"  {k}: {v}")
     if any(v != "inherit" for v in info["precision"].values()):
         lines.append(f"  precision: {info['precision']}")
+    if "expert_streaming" in info:
+        x = info["expert_streaming"]
+        lines.append(
+            f"  expert streaming ({x['source']}): trunk {x['trunk_bytes']:,} B, experts {x['expert_bytes']:,} B "
+            f"({x['moe_layers']} MoE layers, {x['expert_bytes_each']:,} B an expert), "
+            f"{x['per_token_expert_bytes']:,} B of experts per cold token; cache {x['cache_bytes']:,} B "
+            f"({x['cache_experts']} experts); planned resident {x['planned_resident_bytes']:,} B"
+        )
     lines.append(f"  contract: {info['contract']}")
     tp = info.get("tensor_parallel")
     if tp:

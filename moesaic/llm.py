@@ -22,6 +22,7 @@ from .engine.sampler import SamplingParams
 from .engine.sequence import Sequence
 from .errors import CapacityError, CheckpointError, ConfigError, RequestError
 from .models import Checkpoint
+from .spec import build_proposer, parse_speculative_config
 from .tokenizer import load_tokenizer
 from .weights.dtypes import parse_dtype
 
@@ -72,7 +73,9 @@ def _anon_rss() -> int:
         return 0
 
 
-def check_parallel(tensor_parallel_size, expert_parallel) -> None:
+def check_parallel(tensor_parallel_size, expert_parallel, spec=None, expert_cache=None) -> None:
+    """The parallel arguments, and what does not run on several ranks yet (speculative decoding, expert
+    streaming), refused before the checkpoint is read."""
     if (
         not isinstance(tensor_parallel_size, int)
         or isinstance(tensor_parallel_size, bool)
@@ -81,6 +84,16 @@ def check_parallel(tensor_parallel_size, expert_parallel) -> None:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
     if not isinstance(expert_parallel, bool):
         raise ConfigError(f"expert_parallel must be true or false, got {expert_parallel!r}")
+    if tensor_parallel_size > 1 and spec is not None:
+        raise ConfigError(
+            f"speculative decoding ({spec.method}) does not run tensor-parallel yet: drop speculative_config "
+            f"or use tensor_parallel_size=1 (got {tensor_parallel_size})"
+        )
+    if tensor_parallel_size > 1 and expert_cache is not None:
+        raise ConfigError(
+            "expert streaming (expert_cache) does not run tensor-parallel yet: drop expert_cache or use "
+            f"tensor_parallel_size=1 (got {tensor_parallel_size}); each rank holds 1/N of the experts instead"
+        )
 
 
 def _is_token(t) -> bool:
@@ -183,6 +196,10 @@ class LLM:
         max_cache_bytes: int | None = None,
         max_snapshot_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        expert_cache=None,
+        expert_cache_policy: str = "lfru",
+        expert_prefetch: bool = True,
+        speculative_config: dict | str | None = None,
         tensor_parallel_size: int = 1,
         expert_parallel: bool = False,
         _rank=None,
@@ -191,6 +208,12 @@ class LLM:
         max_num_batched_tokens (old name max_batch_tokens): the tokens one step computes; max_cache_bytes:
         the paged cache and fixed state (default: a fraction of free memory, logged); max_state_bytes: an
         optional cap on the planner's worst case of the running requests (each reserved at admission).
+        expert_cache: routed experts stay in the shards and are read on demand into a cache of at most
+        this many bytes (an int, "8GiB", or "10%": room for that share of the experts; weights/experts.py), with
+        policy "lru" or "lfru" and, unless expert_prefetch=False, the next layer's experts read ahead.
+        speculative_config: drafting, off by default; {"method": "ngram" | "mtp" | "dspark" | "dflash",
+        "num_speculative_tokens": k, "model": drafter folder (dflash, external dspark), "adaptive": true}
+        or the same as a JSON string (moesaic/spec/__init__.py).
         tensor_parallel_size: the ranks the model is split over (worker processes spawned here, or
         torchrun's; docs/parallel.md); expert_parallel: routed experts split by expert (E/N a rank)
         instead of by width. `_rank` is a worker's place in such a run (moesaic/parallel)."""
@@ -205,14 +228,16 @@ class LLM:
             enable_prefix_caching,
         ).validate()
         parse_dtype(dtype)
+        spec = parse_speculative_config(speculative_config)
         if precision is not None and not isinstance(precision, str):
             raise ConfigError(f"precision must be a string like 'router=bf16,expert=fp8', got {precision!r}")
-        check_parallel(tensor_parallel_size, expert_parallel)
+        check_parallel(tensor_parallel_size, expert_parallel, spec, expert_cache)
         device = check_device(device)
         self.path = resolve_model_path(model)
         ckpt = Checkpoint.open(self.path)
         self.family, self.cfg, self.raw_config = ckpt.family, ckpt.cfg, ckpt.raw
         self.tokenizer = load_tokenizer(self.path, ckpt.store.config, self.cfg.eos_token_ids)
+        self.expert_cache = None
         engine_args = dict(
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
@@ -226,28 +251,37 @@ class LLM:
         if self.rank is None and tensor_parallel_size > 1:  # checks the split before any process starts
             self.rank = parallel.start(ckpt, tensor_parallel_size, expert_parallel, device)
         if self.rank is None:
-            self.model = ckpt.build(dtype, device, precision)
+            self.model = ckpt.build(
+                dtype, device, precision, expert_cache, expert_cache_policy, expert_prefetch
+            )
+            self.expert_cache = ckpt.expert_cache
             self.load_stats = {"bytes_read": [ckpt.store.bytes_read]}
-            self._engine(device, engine_args, None)
+            self._engine(device, engine_args, None, spec)
         else:  # every rank runs this same code: rank 0 sends it to the workers as "load"
             device = self.rank.device
             args = dict(engine_args, dtype=dtype, device=device, precision=precision)
             with self.rank.command("load", type(self), (str(self.path),), args, self.rank.expert_parallel):
                 self.model = parallel.build_model(ckpt, self.rank, dtype, device, precision)
                 self.load_stats = self.rank.load_stats
-                self._engine(device, engine_args, self.rank.lockstep())
+                self._engine(device, engine_args, self.rank.lockstep(), None)
         self._lock = threading.RLock()  # generate / stream calls from several threads take turns
 
-    def _engine(self, device, engine_args: dict, spmd) -> None:
+    def _engine(self, device, engine_args: dict, spmd, spec) -> None:
         self.dtype, self.device = self.model.dtype, device
         eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
+        proposer = None if spec is None else build_proposer(self.family, self.model, self.cfg, spec)
+        window = 0 if spec is None else spec.k + 1  # the rows a verify round may roll back, and one more
         self.engine = Engine(
             self.model,
             eos,
             **engine_args,
             max_context=self.family.max_context(self.cfg),
-            state_bytes=self.family.state_bytes(self.model.cfg, self.model.dtype.itemsize),  # this rank's
+            state_bytes=self.family.state_bytes(
+                self.model.cfg, self.model.dtype.itemsize, window
+            ),  # this rank's
             tokenizer=self.tokenizer,
+            proposer=proposer,
+            spec=spec,
             spmd=spmd,
         )
 
@@ -353,8 +387,14 @@ class LLM:
             return self.model.forward(ForwardBatch.build([(state, ids)], logits="all", device=self.device))
 
     def stats(self) -> dict:
-        """The engine's counters (requests, tokens, prefix cache, preemptions, blocks, step times)."""
-        return self.engine.stats()
+        """The engine's counters (requests, tokens, prefix cache, preemptions, blocks, step times, and
+        `speculative`: drafted, accepted, per-position acceptance, tau, target forwards; None when off), and
+        the expert cache's (bytes read, hits and misses, prefetch, stall; ExpertCache.stats) under
+        "expert_cache" when one is configured."""
+        out = self.engine.stats()
+        if self.expert_cache is not None:
+            out["expert_cache"] = self.expert_cache.stats()
+        return out
 
     # ---- tensor parallelism
     def _command(self, name: str, *args):
@@ -416,7 +456,10 @@ class AsyncLLM:
         return self.engine.abort(request_id)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        out = self.engine.stats()
+        if self.llm.expert_cache is not None:
+            out["expert_cache"] = self.llm.expert_cache.stats()
+        return out
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self.engine.shutdown(timeout)

@@ -1,20 +1,32 @@
-"""The optional fused CPU fp4 kernel (moesaic/kernels/cpu_fp4.py) against the fp32 reference
-(dequantize in fp32, then matmul), and QuantizedTensor.matmul's dispatch to it / its fallback."""
+"""The optional compiled CPU kernels (moesaic/kernels/cpu.py) against the fp32 reference (dequantize in
+fp32, then matmul): bf16, FP8 (block scales fp32 / UE8M0, per channel, per tensor), MXFP4 and NVFP4
+(compressed-tensors and ModelOpt global scales), single and grouped; QuantizedTensor / ConcatRows
+dispatch and fallback; thread-count selection; the quantized demos give the same tokens either way."""
 
 import pytest
 import torch
 
-from moesaic.kernels import cpu_fp4
-from moesaic.weights.quant import QuantizedTensor, from_suffix_dict, quantize_mxfp4, quantize_nvfp4
+import moesaic
+from moesaic.kernels import cpu
+from moesaic.weights.quant import (
+    ConcatRows,
+    QuantizedTensor,
+    from_suffix_dict,
+    quantize_fp8_block,
+    quantize_fp8_tensor,
+    quantize_mxfp4,
+    quantize_nvfp4,
+    stack,
+)
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not cpu_fp4.enabled():
+    if not cpu.enabled():
         pytest.skip("MOESAIC_CPU_KERNELS=0 in the environment")
-    mod = cpu_fp4.load()
+    mod = cpu.load()
     if mod is None:
-        pytest.skip(f"the fused CPU kernel could not be built here: {cpu_fp4._state['error']}")
+        pytest.skip(f"the CPU kernels could not be built here: {cpu._state['error']}")
     return mod
 
 
@@ -35,9 +47,25 @@ def _random_fp4(fmt, n, k, gen, divides=True, lead=()):
     return QuantizedTensor("nvfp4", codes, scale, global_scale=g, global_divides=divides)
 
 
+def _random_fp8(n, k, gen, block, e8m0, lead=()):
+    """fp8_block (block given) or fp8_tensor (block None) with random codes: every byte but the two
+    NaN codes, so subnormals, -0 and +-448 all occur; random scales."""
+    codes = torch.randint(0, 255, lead + (n, k), generator=gen, dtype=torch.int64)
+    codes = torch.where(codes == 0x7F, 0x7E, codes).to(torch.uint8).view(torch.float8_e4m3fn)  # 0xFF excluded
+    if block is None:
+        return QuantizedTensor("fp8_tensor", codes, torch.rand(lead, generator=gen) + 0.01)
+    shape = lead + (-(-n // block[0]), -(-k // block[1]))
+    if e8m0:
+        scale = torch.randint(110, 135, shape, generator=gen, dtype=torch.int64).to(torch.uint8)
+        scale = scale.view(torch.float8_e8m0fnu)
+    else:
+        scale = torch.rand(shape, generator=gen) * 1e-2 + 1e-4
+    return QuantizedTensor("fp8_block", codes, scale, block=block)
+
+
 def _reference(qt, x):
     """fp32: dequantize the whole weight in fp32, then matmul."""
-    w = qt.dequantize(torch.float32)
+    w = qt.dequantize(torch.float32) if not isinstance(qt, torch.Tensor) else qt.float()
     return x.float() @ w.transpose(-1, -2)
 
 
@@ -47,31 +75,92 @@ def _assert_fp32_close(got, ref):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=float(scale) * 2e-6)
 
 
-CASES = [("mxfp4", True), ("nvfp4", True), ("nvfp4", False)]
+def _assert_bf16_rounding(got, ref):
+    """bf16 output: within one bf16 rounding of the fp32 reference."""
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    torch.testing.assert_close(got.float(), ref, rtol=2**-8, atol=float(ref.abs().amax()) * 1e-5)
 
 
-@pytest.mark.parametrize("fmt,divides", CASES)
-@pytest.mark.parametrize("n,k", [(67, 96), (131, 48), (200, 256), (5, 32)])
-@pytest.mark.parametrize("m", [1, 3, 8, 11])
+def _raw(qt, x, **kw):
+    """The raw kernel on qt's plain tensors (what QuantizedTensor._kernel passes)."""
+    if isinstance(qt, torch.Tensor):
+        return cpu.bf16_matmul(x, qt, **kw)
+    if qt.format in ("mxfp4", "nvfp4"):
+        group = 32 if qt.format == "mxfp4" else 16
+        return cpu.fp4_matmul(x, qt.codes, qt.scale, group, qt.global_scale, qt.global_divides, **kw)
+    if qt.format == "fp8_block":
+        return cpu.fp8_matmul(x, qt.codes, qt.scale, qt.block, **kw)
+    n, k = qt.shape[-2:]
+    return cpu.fp8_matmul(x, qt.codes, qt.scale.reshape(*qt.scale.shape, 1, 1), (n, k), **kw)
+
+
+# every format and scale layout: name -> (min K multiple, builder(n, k, gen))
+FORMATS = {
+    "mxfp4": (32, lambda n, k, g: _random_fp4("mxfp4", n, k, g)),
+    "nvfp4-ct": (16, lambda n, k, g: _random_fp4("nvfp4", n, k, g, divides=True)),
+    "nvfp4-modelopt": (16, lambda n, k, g: _random_fp4("nvfp4", n, k, g, divides=False)),
+    "fp8-128x128-f32": (1, lambda n, k, g: _random_fp8(n, k, g, (128, 128), False)),
+    "fp8-32x32-f32": (1, lambda n, k, g: _random_fp8(n, k, g, (32, 32), False)),
+    "fp8-32x32-ue8m0": (1, lambda n, k, g: _random_fp8(n, k, g, (32, 32), True)),
+    "fp8-128x128-ue8m0": (1, lambda n, k, g: _random_fp8(n, k, g, (128, 128), True)),
+    "fp8-channel": (1, lambda n, k, g: _random_fp8(n, k, g, (1, k), False)),
+    "fp8-tensor": (1, lambda n, k, g: _random_fp8(n, k, g, None, False)),
+    "bf16": (1, lambda n, k, g: (torch.randn(n, k, generator=g) * 0.1).bfloat16()),
+}
+SHAPES = [(67, 96), (131, 48), (200, 256), (5, 32), (3, 97), (33, 200), (9, 1088)]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("generic", [False, True])
-def test_raw_kernel_matches_fp32_reference(kernel, fmt, divides, n, k, m, generic):
-    if k % (32 if fmt == "mxfp4" else 16):
+def test_raw_kernel_matches_fp32_reference(kernel, fmt, n, k, generic):
+    multiple, make = FORMATS[fmt]
+    if k % multiple:
         pytest.skip("K not a multiple of the group")
-    gen = torch.Generator().manual_seed(n * 1000 + k + m)
-    qt = _random_fp4(fmt, n, k, gen, divides)
-    x = torch.randn(m, k, generator=gen)
-    stab = cpu_fp4._scale_table(fmt, qt.global_scale, qt.global_divides)
-    for threads in (1, 3):
-        y = cpu_fp4.fp4_matmul(
-            x,
-            qt.codes,
-            qt.scale.view(torch.uint8),
-            stab,
-            32 if fmt == "mxfp4" else 16,
-            threads=threads,
-            generic=generic,
-        )
-        _assert_fp32_close(y, _reference(qt, x))
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = make(n, k, gen)
+    for m in range(1, 17):
+        x = torch.randn(m, k, generator=gen)
+        ref = _reference(w, x)
+        for threads in (1, 3) if m in (1, 5, 16) else (1,):
+            _assert_fp32_close(_raw(w, x, threads=threads, generic=generic), ref)
+        if m in (1, 4, 11):  # bf16 activations: exact in fp32, one rounding of the output
+            xb = x.bfloat16()
+            _assert_bf16_rounding(_raw(w, xb, generic=generic), _reference(w, xb))
+
+
+ENCODE = {  # real weights quantized (values in fp16 range, unlike random codes and scales)
+    "bf16": lambda w: w.bfloat16(),
+    "mxfp4": lambda w: from_suffix_dict(quantize_mxfp4(w)),
+    "nvfp4-ct": lambda w: from_suffix_dict(quantize_nvfp4(w)),
+    "fp8-32x32-ue8m0": lambda w: from_suffix_dict(quantize_fp8_block(w, (32, 32), "ue8m0")),
+}
+
+
+@pytest.mark.parametrize("fmt", list(ENCODE))
+def test_fp16_activations(kernel, fmt):
+    """fp16 x (exact in fp32) -> fp16 output: one fp16 rounding of the fp32 reference."""
+    gen = torch.Generator().manual_seed(9)
+    w = ENCODE[fmt](torch.randn(45, 160, generator=gen) * 0.1)
+    x = torch.randn(3, 160, generator=gen).half()
+    y, ref = _raw(w, x), _reference(w, x)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), ref, rtol=2**-10, atol=float(ref.abs().amax()) * 1e-5)
+
+
+def test_scale_edge_values(kernel):
+    """E8M0 0 (2^-127), E4M3 scale subnormals: the kernel's multipliers are the reference's."""
+    gen = torch.Generator().manual_seed(11)
+    qt = _random_fp4("mxfp4", 20, 128, gen)
+    qt.scale[1, :] = 150
+    qt.scale[2, :] = 0
+    x = torch.randn(3, 128, generator=gen)
+    y, ref = _raw(qt, x), _reference(qt, x)
+    _assert_fp32_close(y[:, [0, 1, 3, 19]], ref[:, [0, 1, 3, 19]])
+    _assert_fp32_close(y[:, 2:3] * 2.0**127, ref[:, 2:3] * 2.0**127)  # rows whose values are ~1e-38
+    nv = _random_fp4("nvfp4", 20, 64, gen)
+    nv.scale.view(torch.uint8)[3, :] = torch.arange(1, 5, dtype=torch.uint8)  # E4M3 subnormal scales
+    _assert_fp32_close(_raw(nv, x[:, :64]), _reference(nv, x[:, :64]))
 
 
 def test_nan_scale_propagates(kernel):
@@ -86,9 +175,15 @@ def test_nan_scale_propagates(kernel):
     torch.testing.assert_close(
         y, ref, rtol=1e-5, atol=1e-5 * float(ref.nan_to_num().abs().amax()), equal_nan=True
     )
+    f8 = _random_fp8(70, 96, gen, (32, 32), True)
+    f8.scale[1, 2] = 255  # rows 32..63, columns 64..95
+    y = f8.matmul(x.repeat(1, 2)[:, :96])
+    assert torch.isnan(y[:, 32:64]).all() and not torch.isnan(y[:, :32]).any()
 
 
-@pytest.mark.parametrize("naming", ["mxfp4", "nvfp4-compressed-tensors", "nvfp4-modelopt"])
+@pytest.mark.parametrize(
+    "naming", ["mxfp4", "nvfp4-compressed-tensors", "nvfp4-modelopt", "fp8", "fp8-tensor"]
+)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_dispatches_to_kernel(kernel, naming, m, dtype):
@@ -97,82 +192,298 @@ def test_matmul_dispatches_to_kernel(kernel, naming, m, dtype):
     w = torch.randn(n, k, generator=gen) * 0.05
     if naming == "mxfp4":
         qt = from_suffix_dict(quantize_mxfp4(w))
+    elif naming == "fp8":
+        qt = from_suffix_dict(quantize_fp8_block(w, (32, 32), "ue8m0", naming="deepseek"))
+    elif naming == "fp8-tensor":
+        qt = from_suffix_dict(quantize_fp8_tensor(w))
     else:
         qt = from_suffix_dict(quantize_nvfp4(w, naming=naming.split("-", 1)[1]))
         assert qt.global_divides == (naming == "nvfp4-compressed-tensors")
     x = torch.randn(2, m, k, generator=gen).to(dtype)  # leading batch dims flatten to 2*m rows
-    before = dict(cpu_fp4.stats)
+    before = dict(cpu.stats)
     y = qt.matmul(x)
-    assert cpu_fp4.stats["kernel_calls"] == before["kernel_calls"] + 1
+    assert cpu.stats["kernel_calls"] == before["kernel_calls"] + 1
     assert y.dtype == dtype and y.shape == (2, m, n)
     ref = _reference(qt, x)
     if dtype == torch.float32:
         _assert_fp32_close(y, ref)
     else:  # one rounding of the fp32 result to bf16
-        torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=float(ref.abs().amax()) * 1e-5)
+        _assert_bf16_rounding(y, ref)
         # and exactly the rounding of the fp32 kernel result
-        codes, scale, g = qt._matrix(0)
-        y32 = cpu_fp4.fp4_matmul(
-            x.reshape(-1, k),
-            codes,
-            scale.view(torch.uint8),
-            cpu_fp4._scale_table(qt.format, g, qt.global_divides),
-            32 if qt.format == "mxfp4" else 16,
-        )
+        y32 = _raw(qt, x.reshape(-1, k), out=torch.empty(2 * m, n))
         assert torch.equal(y.reshape(-1, n), y32.to(dtype))
 
 
-@pytest.mark.parametrize("fmt,divides", CASES)
+@pytest.mark.parametrize("fmt,divides", [("mxfp4", True), ("nvfp4", True), ("nvfp4", False)])
 def test_stacked_experts(kernel, fmt, divides):
     gen = torch.Generator().manual_seed(7)
     e, n, k, m = 3, 90, 128, 4
     qt = _random_fp4(fmt, n, k, gen, divides, lead=(e,))
     x = torch.randn(e, m, k, generator=gen)
-    before = cpu_fp4.stats["kernel_calls"]
+    before = cpu.stats["kernel_calls"]
     y = qt.matmul(x)  # one kernel call per expert
-    assert cpu_fp4.stats["kernel_calls"] == before + e
+    assert cpu.stats["kernel_calls"] == before + e
     for i in range(e):
         ref = _reference(qt[i], x[i])
         _assert_fp32_close(y[i], ref)
         _assert_fp32_close(qt[i].matmul(x[i]), ref)  # the expert view
 
 
+def test_bias_and_strided_output(kernel):
+    """bf16 weights with a bias, written into a column slice of a wider output (ConcatRows' use)."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(70, 99, generator=gen).bfloat16()
+    bias = torch.randn(70, generator=gen)
+    x = torch.randn(5, 99, generator=gen)
+    wide = torch.full((5, 100), 7.0)
+    y = cpu.bf16_matmul(x, w, bias, out=wide[:, 20:90])
+    assert y.data_ptr() == wide[:, 20:90].data_ptr()
+    _assert_fp32_close(wide[:, 20:90], _reference(w, x) + bias)
+    assert (wide[:, :20] == 7).all() and (wide[:, 90:] == 7).all()
+
+
+# ------------------------------------------------------------------------ dense entry points
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+def test_linear_bf16(kernel, m):
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(130, 200, generator=gen).bfloat16()
+    b = torch.randn(130, generator=gen).bfloat16()
+    x = torch.randn(m, 200, generator=gen).bfloat16()
+    before = cpu.stats["kernel_calls"]
+    y = cpu.linear(x, w, b)
+    assert cpu.stats["kernel_calls"] == before + 1
+    _assert_bf16_rounding(y, _reference(w, x) + b.float())
+    # fp32 activations compute like layers/linear.py: x cast to bf16, the result cast back
+    xf = torch.randn(m, 200, generator=gen)
+    yf = cpu.linear(xf, w)
+    assert yf.dtype == torch.float32
+    assert torch.equal(yf, cpu.linear(xf.bfloat16(), w).float())
+    # beyond MAX_ROWS and for fp32 weights: F.linear itself
+    big = torch.randn(cpu.MAX_ROWS + 1, 200, generator=gen).bfloat16()
+    assert torch.equal(cpu.linear(big, w), torch.nn.functional.linear(big, w))
+    w32 = w.float()
+    assert torch.equal(cpu.linear(xf, w32), torch.nn.functional.linear(xf, w32))
+
+
+# ------------------------------------------------------------------------ grouped
+
+
+def _offsets(counts):
+    return torch.tensor(counts).cumsum(0)
+
+
+STACKS = {
+    "bf16": lambda e, n, k, g: (torch.randn(e, n, k, generator=g) * 0.1).bfloat16(),
+    "mxfp4": lambda e, n, k, g: _random_fp4("mxfp4", n, k, g, lead=(e,)),
+    "nvfp4-ct": lambda e, n, k, g: _random_fp4("nvfp4", n, k, g, True, lead=(e,)),
+    "nvfp4-modelopt": lambda e, n, k, g: _random_fp4("nvfp4", n, k, g, False, lead=(e,)),
+    "fp8-128x128-f32": lambda e, n, k, g: _random_fp8(n, k, g, (128, 128), False, lead=(e,)),
+    "fp8-32x32-ue8m0": lambda e, n, k, g: _random_fp8(n, k, g, (32, 32), True, lead=(e,)),
+    "fp8-tensor": lambda e, n, k, g: _random_fp8(n, k, g, None, False, lead=(e,)),
+}
+
+
+@pytest.mark.parametrize("fmt", list(STACKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_equals_per_expert_loop(kernel, fmt, dtype):
+    """All experts of a step in one call = one call per expert, bit for bit (the same tiles), and the
+    fp32 reference; experts without rows are skipped."""
+    gen = torch.Generator().manual_seed(21)
+    counts = [3, 0, 1, 16, 0, 2, 5, 0]
+    e, n, k = len(counts), 72, 160
+    w = STACKS[fmt](e, n, k, gen)
+    x = torch.randn(sum(counts), k, generator=gen).to(dtype)
+    offs = _offsets(counts)
+    for threads in (1, 2, 5):
+        y = _raw(w, x, offs=offs, threads=threads)
+        start = 0
+        for i, c in enumerate(counts):
+            if c:
+                one = _raw(w[i], x[start : start + c], threads=1)
+                assert torch.equal(y[start : start + c], one)
+                ref = _reference(w[i], x[start : start + c])
+                (_assert_fp32_close if dtype == torch.float32 else _assert_bf16_rounding)(one, ref)
+            start += c
+    # the public entry points: QuantizedTensor.grouped_matmul / cpu.grouped_linear
+    before = cpu.stats["kernel_calls"]
+    if fmt == "bf16":  # computed in the weights' dtype, like layers/linear.py
+        got = cpu.grouped_linear(x, w, offs)
+        want = _raw(w, x.bfloat16(), offs=offs).to(dtype)
+    else:
+        got = w.grouped_matmul(x, offs.to(torch.int32))
+        want = _raw(w, x, offs=offs)
+    assert cpu.stats["kernel_calls"] == before + 2  # got, want: one call each
+    assert torch.equal(got, want)
+
+
+def test_grouped_concat_rows_and_fallback(kernel, monkeypatch):
+    """ConcatRows (gate | up quantized separately) grouped: one call per part into its columns; with
+    the kernels off the plain path gives the same values within fp32 rounding."""
+    gen = torch.Generator().manual_seed(5)
+    counts = [2, 0, 4, 1]
+    e, i, k = len(counts), 40, 96
+    gate = stack([from_suffix_dict(quantize_nvfp4(torch.randn(i, k, generator=gen) * 0.1)) for _ in range(e)])
+    up = stack([from_suffix_dict(quantize_nvfp4(torch.randn(i, k, generator=gen) * 0.1)) for _ in range(e)])
+    cr = ConcatRows([gate, up])
+    x = torch.randn(sum(counts), k, generator=gen)
+    offs = _offsets(counts)
+    before = cpu.stats["kernel_calls"]
+    y = cr.grouped_matmul(x, offs)
+    assert cpu.stats["kernel_calls"] == before + 2 and y.shape == (7, 2 * i)
+    start = 0
+    for j, c in enumerate(counts):
+        if c:
+            _assert_fp32_close(y[start : start + c], _reference(cr[j], x[start : start + c]))
+            _assert_fp32_close(cr[j].matmul(x[start : start + c]), y[start : start + c])
+        start += c
+    monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")
+    before = dict(cpu.stats)
+    plain = cr.grouped_matmul(x, offs)
+    assert cpu.stats["kernel_calls"] == before["kernel_calls"]
+    assert cpu.stats["fallback_calls"] == before["fallback_calls"] + 2 * 3  # 2 parts x 3 experts with rows
+    _assert_fp32_close(plain, y)
+
+
+# ------------------------------------------------------------------------ dispatch and fallback
+
+
 def test_large_m_uses_plain_path(kernel):
     gen = torch.Generator().manual_seed(3)
     qt = _random_fp4("nvfp4", 40, 64, gen)
-    x = torch.randn(cpu_fp4.MAX_ROWS + 1, 64, generator=gen)
-    before = dict(cpu_fp4.stats)
+    x = torch.randn(cpu.MAX_ROWS + 1, 64, generator=gen)
+    before = dict(cpu.stats)
     y = qt.matmul(x)
-    assert cpu_fp4.stats["kernel_calls"] == before["kernel_calls"]
-    assert cpu_fp4.stats["fallback_calls"] == before["fallback_calls"] + 1
+    assert cpu.stats["kernel_calls"] == before["kernel_calls"]
+    assert cpu.stats["fallback_calls"] == before["fallback_calls"] + 1
     _assert_fp32_close(y, _reference(qt, x))
 
 
 def test_env_var_disables_kernel(monkeypatch):
     """MOESAIC_CPU_KERNELS=0: the plain path (no build needed), same results."""
     monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")
-    assert not cpu_fp4.enabled() and not cpu_fp4.available()
+    assert not cpu.enabled() and not cpu.available()
     gen = torch.Generator().manual_seed(4)
     qt = _random_fp4("mxfp4", 50, 64, gen)
     x = torch.randn(2, 64, generator=gen)
-    before = dict(cpu_fp4.stats)
+    before = dict(cpu.stats)
     y = qt.matmul(x)
-    assert cpu_fp4.stats["kernel_calls"] == before["kernel_calls"]
-    assert cpu_fp4.stats["fallback_calls"] == before["fallback_calls"] + 1
+    assert cpu.stats["kernel_calls"] == before["kernel_calls"]
+    assert cpu.stats["fallback_calls"] == before["fallback_calls"] + 1
     _assert_fp32_close(y, _reference(qt, x))
+    w = torch.randn(30, 64, generator=gen).bfloat16()
+    assert torch.equal(cpu.linear(x.bfloat16(), w), torch.nn.functional.linear(x.bfloat16(), w))
+    assert cpu.stats["kernel_calls"] == before["kernel_calls"]
 
 
 def test_build_failure_falls_back(monkeypatch):
     """A failed build (simulated) leaves matmul on the plain path, working."""
     monkeypatch.setenv("MOESAIC_CPU_KERNELS", "1")
-    monkeypatch.setattr(cpu_fp4, "_state", {"tried": True, "mod": None, "error": "simulated"})
-    assert not cpu_fp4.available()
+    monkeypatch.setattr(cpu, "_state", {"tried": True, "mod": None, "error": "simulated"})
+    assert not cpu.available()
     gen = torch.Generator().manual_seed(5)
     qt = _random_fp4("nvfp4", 33, 48, gen, divides=False)
     x = torch.randn(1, 48, generator=gen).bfloat16()
-    before = dict(cpu_fp4.stats)
+    before = dict(cpu.stats)
     y = qt.matmul(x)
-    assert cpu_fp4.stats["kernel_calls"] == before["kernel_calls"]
+    assert cpu.stats["kernel_calls"] == before["kernel_calls"]
     assert y.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="simulated"):
-        cpu_fp4.fp4_matmul(x, qt.codes, qt.scale.view(torch.uint8), torch.ones(256), 16)
+        cpu.fp4_matmul(x, qt.codes, qt.scale, 16, qt.global_scale)
+    w = torch.randn(8, 48, generator=gen).bfloat16()
+    assert torch.equal(cpu.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_fp8_block_not_multiple_of_32_uses_plain_path(kernel):
+    gen = torch.Generator().manual_seed(6)
+    qt = _random_fp8(40, 96, gen, (16, 48), False)
+    assert not cpu.fp8_block_ok(qt.block, 96)
+    x = torch.randn(2, 96, generator=gen)
+    before = dict(cpu.stats)
+    y = qt.matmul(x)
+    assert cpu.stats["kernel_calls"] == before["kernel_calls"]
+    _assert_fp32_close(y, _reference(qt, x))
+
+
+# ------------------------------------------------------------------------ threads
+
+
+def test_thread_count_never_above_torch_threads():
+    saved = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            picks = [
+                cpu.threads_for(b, r) for b in (0, 1 << 10, 1 << 20, 1 << 24, 1 << 34) for r in (1, 4, 16)
+            ]
+            assert all(1 <= p <= n for p in picks)
+            assert cpu.threads_for(1 << 34) == n  # a large matrix uses every thread torch has
+            assert cpu.threads_for(1 << 10, 1) == 1  # a tiny one runs on one thread
+    finally:
+        torch.set_num_threads(saved)
+
+
+# ------------------------------------------------------------------------ whole models
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "demo-deepseek-v4",
+        "demo-deepseek-v41",
+        "demo-kimi-k3-mxfp4",
+        "demo-glm5-next-nvfp4",
+        "demo-mistral4-nvfp4",
+        "demo-nemotron-h-nvfp4",
+    ],
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_demo_tokens_kernel_vs_plain(kernel, monkeypatch, name, dtype):
+    """Greedy tokens of the quantized demos with the kernels (MOESAIC_CPU_KERNELS=1) and without."""
+    llm = moesaic.LLM(name, dtype=dtype)
+    params = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["Hello, world", [5, 17, 3, 9]]
+    monkeypatch.setenv("MOESAIC_CPU_KERNELS", "1")
+    before = cpu.stats["kernel_calls"]
+    fast = [o.token_ids for o in llm.generate(prompts, params)]
+    assert cpu.stats["kernel_calls"] > before  # the packed weights went through the kernels
+    monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")
+    before = cpu.stats["kernel_calls"]
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    assert cpu.stats["kernel_calls"] == before
+    assert fast == plain
+
+
+# ------------------------------------------------------------------------ import direction
+
+
+def test_kernels_import_no_moesaic_package_but_codecs():
+    """kernels/*.py import torch, the standard library and each other (the codec module, the C++
+    source) only; weights/quant.py imports the kernels, never the reverse (no cycle)."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    root = Path(cpu.__file__).parent
+    allowed_local = {"codecs", "cpu", "cpu_src"}
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: only siblings inside kernels/
+                    assert node.level == 1 and (node.module or "") in allowed_local | {""}, (
+                        path.name,
+                        node.module,
+                    )
+                    if not node.module:
+                        assert {a.name for a in node.names} <= allowed_local, (path.name, node.names)
+                    continue
+                mod = node.module or ""
+            elif isinstance(node, ast.Import):
+                mod = node.names[0].name
+            else:
+                continue
+            top = mod.split(".")[0]
+            assert top == "torch" or top == "__future__" or top in sys.stdlib_module_names, (path.name, mod)
+    quant = (root.parent / "weights" / "quant.py").read_text()
+    assert "from ..kernels import cpu" in quant and "from ..kernels.codecs import" in quant

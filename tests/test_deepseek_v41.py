@@ -545,8 +545,15 @@ def test_inspect_reports_the_release_config(tmp_path):
     assert [round(t["table_bytes"] / GIB, 1) for t in tables] == [94.4, 94.4]  # "94.4 GiB per table"
     assert round(info["engram_table_bytes"] / GIB, 1) == 188.8  # "Engram 188.8 GiB"
     assert info["params_by_role"]["engram_table"] == (384006168 + 384016682) * 256  # ≈196.6B
+    drafter = info["params_by_role"][
+        "mtp"
+    ]  # the three DSpark stages, mostly 3 x 128 experts of 3 x 2304 x 5120
+    assert 13.5e9 < drafter < 14.5e9
     backbone = (
-        info["params_total"] - info["params_by_role"]["engram_table"] - info["params_by_role"]["engram_scale"]
+        info["params_total"]
+        - info["params_by_role"]["engram_table"]
+        - info["params_by_role"]["engram_scale"]
+        - drafter
     )
     assert 551e9 < backbone < 553e9  # "≈552B backbone"
     assert info["expert_bytes_fp4"] == 18_800_640  # 3 x (2304 x 5120 / 2 nibble bytes + 1 E8M0 byte per 32)

@@ -4,6 +4,10 @@ naming and, for the quantized ones, its release's quantized formats. They exerci
 without downloading anything; their text is noise, and they say so. `demo` (the default model) is
 Mistral-Small-4-shaped.
 
+They serve chat (`moesaic serve`): the byte tokenizer keeps the markers of the family's chat format and
+output parser as single tokens (`chat_tokens`), and the families whose releases ship a Jinja template get
+moesaic's template of that format as `chat_template.jinja`.
+
 Each family's demos live in `moesaic/demo/<family>.py` (its configs, quantized layouts and writers),
 imported only when one of its demos is used; nothing in the library below the entry points (llm.py,
 cli.py) imports this package.
@@ -22,8 +26,13 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import ConfigError
+
 DEMO_NAME = "demo"
-DEMO_VERSION = 2  # 2: the V4.1 demo in the release layout (fp4 experts, fp8 Engram rows)
+# 2: the V4.1 demo in the release layout (fp4 experts, fp8 Engram rows); 3: chat: each family's markers are
+# single tokens (the vocabulary grows by them), its end-of-turn markers end generation, and the families
+# that ship a Jinja template get it as chat_template.jinja
+DEMO_VERSION = 4  # 4: Nemotron-H demo with an MTP block, V4.1 demo with its DSpark stages; 3: chat markers
 
 
 class Demo(NamedTuple):
@@ -69,7 +78,8 @@ RELEASE_NAMINGS: dict[str, Callable] = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOESAIC_CACHE", Path.home() / ".cache" / "moesaic"))
+    # an empty MOESAIC_CACHE is unset (Path("") would be the current directory)
+    return Path(os.environ.get("MOESAIC_CACHE") or Path.home() / ".cache" / "moesaic")
 
 
 def demo_path(name: str = DEMO_NAME) -> Path:
@@ -78,6 +88,30 @@ def demo_path(name: str = DEMO_NAME) -> Path:
 
 def is_demo_name(name: str) -> bool:
     return str(name) in DEMOS
+
+
+# the markers that end an assistant turn in each family's chat format (the release's eos_token_id list)
+END_OF_TURN = {
+    "glm5_next": ("<|user|>", "<|observation|>"),
+    "deepseek_v4": ("<｜end▁of▁sentence｜>",),
+    "deepseek_v41": ("<｜end▁of▁sentence｜>",),
+    "kimi_k3": ("<|end_of_msg|>",),
+    "kimi_linear": ("<|im_end|>",),
+    "mistral4": ("</s>",),
+    "nemotron_h": ("<|im_end|>",),
+}
+
+
+def chat_tokens(model_type: str) -> dict:
+    """The config fields that make a byte-tokenizer demo of `model_type` speak its family's chat format:
+    `vocab_size` (256 bytes + 3 + the markers), `eos_token_id` (</s> and the end-of-turn markers) and the
+    top-level `moesaic_special_tokens` the tokenizer reads."""
+    from ..server.chat import SPECIAL_TOKENS
+    from ..tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(SPECIAL_TOKENS[model_type])
+    eos = sorted({2} | {tok.special[t] for t in END_OF_TURN[model_type]})
+    return dict(vocab_size=tok.vocab_size, eos_token_id=eos, moesaic_special_tokens=list(tok.added))
 
 
 def random_tensors(specs, seed: int) -> dict[str, torch.Tensor]:
@@ -108,12 +142,26 @@ def ensure_demo(name: str = DEMO_NAME) -> Path:
     config = dict(
         demo.config, moesaic_demo={"random_weights": True, "seed": 0, "version": DEMO_VERSION, "name": name}
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".demo-"))
-    if demo.write is not None:
-        demo.write(tmp, config)
-    else:
-        _write(tmp, config, demo.quant)
+    from ..server.chat import demo_template
+
+    tmp = None
+    try:  # a cache that is a file, unwritable or full: say where and what to do, not an OSError
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".demo-"))
+        if demo.write is not None:
+            demo.write(tmp, config)
+        else:
+            _write(tmp, config, demo.quant)
+        template = demo_template(config["model_type"])
+        if template is not None:  # as the family's release ships its template
+            (tmp / "chat_template.jinja").write_text(template)
+    except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = "it is a file" if path.parent.is_file() else e.strerror or str(e)
+        raise ConfigError(
+            f"the demo cache {path.parent} cannot be written ({why}); set MOESAIC_CACHE to a writable folder"
+        ) from None
     try:
         tmp.rename(path)
     except OSError:  # another process wrote it first
@@ -154,6 +202,7 @@ def _write(folder: Path, config: dict, quant) -> None:
             family.params_json(config),
             quantization_config=config["quantization_config"],
             moesaic_tokenizer="bytes",
+            moesaic_special_tokens=config["moesaic_special_tokens"],
             moesaic_demo=config["moesaic_demo"],
         )
         save_safetensors(tensors, folder / "consolidated.safetensors")

@@ -1,15 +1,15 @@
-"""DeepSeek-V4-Flash demos: the tiny model of tests/test_deepseek_v4.py (vocab 259 for the byte tokenizer)
+"""DeepSeek-V4-Flash demos: the tiny model of tests/test_deepseek_v4.py (the byte tokenizer and
+the chat markers)
 as the release's config.json states it (`compress_ratios` per layer plus the MTP slot, `num_hash_layers`,
 `rope_scaling`), with the tiny HCA rate 8 in transformers' `compress_rates`. Widths are multiples of 32, so
 the experts take DeepSeek's fp4."""
 
 from ..models.deepseek_v4 import CSA, HCA
-from . import Demo
+from . import Demo, chat_tokens
 
 DEMO_CONFIG = {
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",
-    "vocab_size": 259,
     "hidden_size": 64,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
@@ -51,9 +51,9 @@ DEMO_CONFIG = {
     "num_nextn_predict_layers": 1,
     "tie_word_embeddings": False,
     "bos_token_id": 1,
-    "eos_token_id": 2,
     "pad_token_id": 0,
     "moesaic_tokenizer": "bytes",
+    **chat_tokens("deepseek_v4"),  # vocab 259 + its chat markers, eos_token_id
 }
 
 # as released: dense attention and shared experts fp8 E4M3 with fp32 128x128 `.scale` blocks, routed experts

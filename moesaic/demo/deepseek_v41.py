@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..layers.engram import build_token_map
 from ..models.deepseek_v41 import (
     RELEASE_QUANTIZATION,
     RELEASE_TEXT_CONFIG,
@@ -16,12 +17,14 @@ from ..models.deepseek_v41 import (
     parse_config,
     release_naming,
     tensor_specs,
+    tokenizer_vocab,
 )
+from ..tokenizer import ByteTokenizer
 from ..weights.contract import to_checkpoint
 from ..weights.quant import quantize_fp8_block
 from ..weights.store import save_safetensors
 from ..weights.writers import quantize_checkpoint
-from . import Demo
+from . import Demo, chat_tokens
 from . import random_tensors as base_random_tensors
 
 
@@ -85,6 +88,16 @@ TINY_TEXT_CONFIG = {
     "hc_eps": 1e-6,
     "rms_norm_eps": 1e-6,
     "num_nextn_predict_layers": 1,
+    "dspark_target_layer_ids": [
+        2,
+        3,
+        5,
+    ],  # not 4: the drafter reads a layer's input, and 4 is an Engram layer
+    "dspark_block_size": 5,
+    "dspark_markov_rank": 16,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+    "dspark_noise_token_id": 0,
     "engram_layer_ids": [1, 4],
     "engram_num_embeddings": [462, 630],
     "engram_max_ngram_size": 4,
@@ -96,11 +109,32 @@ TINY_TEXT_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-DEMO_CONFIG = release_config(TINY_TEXT_CONFIG, moesaic_tokenizer="bytes")
-# the release's quantized layout: dense fp8 (E4M3 + UE8M0 32x32 `.scale`), routed experts fp4 (`.weight` I8 +
-# E8M0 `.scale`)
-DENSE_FP8 = r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight"
-EXPERTS_FP4 = r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight"
+# the demo: the tiny model with three DSpark stages, as released (stage 0 owns main_proj and main_norm, the
+# last the norm, Markov and confidence heads)
+DEMO_TEXT_CONFIG = dict(
+    TINY_TEXT_CONFIG, num_nextn_predict_layers=3, compress_ratios=TINY_TEXT_CONFIG["compress_ratios"] + [0, 0]
+)
+DEMO_CONFIG = release_config(DEMO_TEXT_CONFIG, moesaic_tokenizer="bytes")
+
+
+def chat_config() -> dict:
+    """The demo's config: the tiny model with the chat markers as tokens (the vocabulary and Engram's
+    compressed classes grow by them) and the end of a turn as EOS."""
+    chat = chat_tokens("deepseek_v41")
+    specials = chat.pop("moesaic_special_tokens")
+    classes = int(build_token_map(tokenizer_vocab(ByteTokenizer(specials))).max()) + 1
+    text = dict(DEMO_TEXT_CONFIG, **chat, engram_compressed_vocab_size=classes)
+    return release_config(text, moesaic_tokenizer="bytes", moesaic_special_tokens=specials)
+
+
+CHAT_DEMO_CONFIG = chat_config()
+# the release's quantized layout: dense fp8 (E4M3 + UE8M0 32x32 `.scale`; the DSpark stages' too, main_proj
+# included), routed experts fp4 (`.weight` I8 + E8M0 `.scale`)
+DENSE_FP8 = (
+    r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123]|engram\.wkv|main_proj)"
+    r"\.weight"
+)
+EXPERTS_FP4 = r"(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight"
 
 
 def random_tensors(cfg: DeepseekV41Config, seed: int = 0) -> dict[str, Tensor]:
@@ -136,7 +170,8 @@ def write_checkpoint(
     DEMO_CONFIG) and `tensors` (model names, default `random_tensors`) as float32, or with quantized=True in
     the release's formats: dense weights fp8 E4M3 + UE8M0 32x32 scales, routed experts fp4, Engram tables
     as fp8 rows + E8M0 scales (quantization_config as released). `extra`: checkpoint tensors written as
-    they are (e.g. ones the release ships and this model ignores). Returns the checkpoint's tensors."""
+    they are (e.g. ones the release ships and this model ignores; a weight given here replaces a quantized
+    one and its `.scale`). Returns the checkpoint's tensors."""
     path = Path(path)
     raw = json.loads(json.dumps(config or DEMO_CONFIG))
     cfg = parse_config(raw)
@@ -149,6 +184,9 @@ def write_checkpoint(
             rows = quantize_table(ckpt[name])
             ckpt[name], ckpt[name[: -len("weight")] + "scale"] = rows["weight"], rows["scale"]
         raw["quantization_config"] = qc
+    for name in extra or {}:
+        if name.endswith(".weight"):
+            ckpt.pop(name[: -len("weight")] + "scale", None)
     ckpt.update(extra or {})
     path.mkdir(parents=True, exist_ok=True)
     save_safetensors(ckpt, path / "model.safetensors")
@@ -160,7 +198,7 @@ DEMOS = {
     # Engram, shared KV/index sources, candidate blocks, as released: dense fp8 E4M3 + UE8M0 32x32 `.scale`
     # blocks, routed experts fp4, Engram tables fp8 rows
     "demo-deepseek-v41": Demo(
-        DEMO_CONFIG,
+        CHAT_DEMO_CONFIG,
         ((DENSE_FP8, "fp8-ue8m0"), (EXPERTS_FP4, "fp4-deepseek")),
         lambda folder, config: write_checkpoint(folder, config, quantized=True),
     ),

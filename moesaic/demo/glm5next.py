@@ -1,15 +1,18 @@
-"""GLM-5.3-Flash demos: the tiny text model of tests/test_glm5next.py (vocab 259 for the byte tokenizer) in
+"""GLM-5.3-Flash demos: the tiny text model of tests/test_glm5next.py (the byte tokenizer and
+the chat markers) in
 the release's config.json layout (the multimodal wrapper; no vision tower is written), with its MTP layer.
 Widths are multiples of 16, so the experts take NVFP4."""
 
-from . import Demo
+from . import Demo, chat_tokens
+
+CHAT = chat_tokens("glm5_next")  # vocab 259 + the chat markers, eos_token_id
 
 DEMO_CONFIG = {
     "architectures": ["Glm5NextForConditionalGeneration"],
     "model_type": "glm5_next",
     "text_config": {
         "model_type": "glm5_next_text",
-        "vocab_size": 259,
+        "vocab_size": CHAT["vocab_size"],
         "hidden_size": 64,
         "num_hidden_layers": 4,
         "layer_types": ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
@@ -45,14 +48,15 @@ DEMO_CONFIG = {
         "num_nextn_predict_layers": 1,
         "tie_word_embeddings": False,
         "bos_token_id": 1,
-        "eos_token_id": 2,
+        "eos_token_id": CHAT["eos_token_id"],
         "pad_token_id": 0,
     },
     "tie_word_embeddings": False,
     "bos_token_id": 1,
-    "eos_token_id": 2,
+    "eos_token_id": CHAT["eos_token_id"],
     "pad_token_id": 0,
     "moesaic_tokenizer": "bytes",
+    "moesaic_special_tokens": CHAT["moesaic_special_tokens"],
 }
 
 # the NVFP4 release: compressed-tensors NVFP4 routed and shared experts, the rest bf16

@@ -12,7 +12,7 @@ from ..models.kimi_k3 import K3Config, parse_config, release_naming, tensor_spec
 from ..weights.contract import to_checkpoint
 from ..weights.store import save_safetensors
 from ..weights.writers import quantize_checkpoint
-from . import Demo
+from . import Demo, chat_tokens
 
 TINY_TEXT_CONFIG = {
     "model_type": "kimi_linear",
@@ -105,9 +105,12 @@ def random_tensors(cfg: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-# The demos' text config: the tiny model at widths the MXFP4 group (32) divides
+# The demos' text config: the tiny model at widths the MXFP4 group (32) divides, its vocabulary grown by
+# the chat markers (K3's XTML specials)
+CHAT = chat_tokens("kimi_k3")
 DEMO_TEXT_CONFIG = dict(
     TINY_TEXT_CONFIG,
+    vocab_size=CHAT["vocab_size"],
     hidden_size=64,
     intermediate_size=96,
     routed_expert_hidden_size=32,
@@ -136,7 +139,12 @@ def release_config(text_config: dict, **top) -> dict:
 
 
 DEMO_CONFIG = release_config(
-    DEMO_TEXT_CONFIG, bos_token_id=1, eos_token_id=2, pad_token_id=0, moesaic_tokenizer="bytes"
+    DEMO_TEXT_CONFIG,
+    bos_token_id=1,
+    eos_token_id=CHAT["eos_token_id"],
+    pad_token_id=0,
+    moesaic_tokenizer="bytes",
+    moesaic_special_tokens=CHAT["moesaic_special_tokens"],
 )
 
 

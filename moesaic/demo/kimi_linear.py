@@ -1,12 +1,12 @@
-"""Kimi Linear demo: the tiny model of tests/test_kimi_linear.py (vocab 259 for the byte tokenizer) as the
+"""Kimi Linear demo: the tiny model of tests/test_kimi_linear.py (the byte tokenizer and
+the chat markers) as the
 release's config.json states it (transformers' field names, 1-based `linear_attn_config` lists)."""
 
-from . import Demo
+from . import Demo, chat_tokens
 
 DEMO_CONFIG = {
     "architectures": ["KimiLinearForCausalLM"],
     "model_type": "kimi_linear",
-    "vocab_size": 259,
     "hidden_size": 32,
     "num_hidden_layers": 4,
     "intermediate_size": 48,
@@ -38,9 +38,9 @@ DEMO_CONFIG = {
     },
     "tie_word_embeddings": False,
     "bos_token_id": 1,
-    "eos_token_id": 2,
     "pad_token_id": 0,
     "moesaic_tokenizer": "bytes",
+    **chat_tokens("kimi_linear"),  # vocab 259 + its chat markers, eos_token_id
 }
 
 DEMOS = {"demo-kimi-linear": Demo(DEMO_CONFIG)}

@@ -1,12 +1,11 @@
-"""Mistral Small 4 demos: a tiny Mistral-Small-4-shaped model (transformers layout; the NVFP4 one in
+"""Mistral Small 4 demos: a tiny Mistral-Small-4-shaped model (byte tokenizer + the chat markers) (transformers layout; the NVFP4 one in
 Mistral's native layout, as that release is: params.json + consolidated, per-expert tensors)."""
 
-from . import Demo
+from . import Demo, chat_tokens
 
 DEMO_CONFIG = {
     "model_type": "mistral4",
     "architectures": ["Mistral4ForCausalLM"],
-    "vocab_size": 259,
     "hidden_size": 128,
     "intermediate_size": 256,
     "moe_intermediate_size": 64,
@@ -43,10 +42,10 @@ DEMO_CONFIG = {
     },
     "tie_word_embeddings": False,
     "bos_token_id": 1,
-    "eos_token_id": 2,
     "pad_token_id": 0,
     "torch_dtype": "float32",
     "moesaic_tokenizer": "bytes",
+    **chat_tokens("mistral4"),  # vocab 259 + its chat markers, eos_token_id
 }
 
 DEMOS = {

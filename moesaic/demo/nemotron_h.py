@@ -1,12 +1,12 @@
-"""Nemotron-H demos: a tiny hybrid (Mamba-2, MoE, GQA attention, dense MLP); the NVFP4 one in ModelOpt's
+"""Nemotron-H demos: a tiny hybrid (Mamba-2, MoE, GQA attention, dense MLP) with one MTP block (attention,
+then MoE: the default `*E` block of `mtp_layers_block_type`); the NVFP4 one in ModelOpt's
 layout, as NVIDIA's releases are."""
 
-from . import Demo
+from . import Demo, chat_tokens
 
 DEMO_CONFIG = {
     "model_type": "nemotron_h",
     "architectures": ["NemotronHForCausalLM"],
-    "vocab_size": 259,
     "hidden_size": 128,
     "layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba", "moe"],
     "num_attention_heads": 4,
@@ -24,10 +24,12 @@ DEMO_CONFIG = {
     "moe_intermediate_size": 64,
     "moe_shared_expert_intermediate_size": 128,
     "max_position_embeddings": 4096,
+    "num_nextn_predict_layers": 1,
+    "mtp_layers_block_type": ["attention", "moe"],
     "bos_token_id": 1,
-    "eos_token_id": 2,
     "pad_token_id": 0,
     "moesaic_tokenizer": "bytes",
+    **chat_tokens("nemotron_h"),  # vocab 259 + its chat markers, eos_token_id
 }
 
 DEMOS = {

@@ -12,6 +12,15 @@ Memory (planned once, here): the per-token rows of the paged layers live in a bl
 held in the sequence's own state) for its 64 tokens, so every byte that grows with a sequence is
 accounted through the blocks it holds. The fixed per-sequence state (recurrent states, windows) is
 reserved for `max_num_seqs` sequences. Snapshots for the prefix cache have their own budget.
+
+Speculative decoding (spec/): with a draft proposer, every forward also leaves the hidden states the
+proposer taps, and each step ends by giving the proposer the rows committed in it and asking it for the
+next drafts of the decoding sequences (their length set per sequence by spec/adaptive.py). The next
+step verifies each sequence's [pending token, d1..dk] in the same forward as everything else, accepts
+exactly (spec/verify.py) and rolls the rejected rows back in every state kind (states are made with a
+rollback window of k + 1 rows). Draft rows are never in the prefix cache: the blocks and snapshots only
+ever see committed tokens (and for a family with unpaged state a round never crosses a block boundary, so
+that the state stops on each one for its decode-time snapshot).
 """
 
 from __future__ import annotations
@@ -29,9 +38,13 @@ from ..cache.batch import ForwardBatch
 from ..cache.paged import BLOCK_SIZE, BlockTable, PagePool
 from ..cache.state import TokenRows
 from ..errors import CapacityError, ConfigError, RequestError
+from ..spec import SpecConfig
+from ..spec.adaptive import DraftLength
+from ..spec.base import Draft, DraftProposer
+from ..spec.verify import accept_greedy, accept_sampled
 from .block_manager import BlockManager, SnapshotStore
 from .output import CompletionOutput, Detokenizer, RequestOutput
-from .sampler import SamplingParams, make_generator, sample, top_logprobs
+from .sampler import SamplingParams, adjusted, distribution, make_generator, sample, top_logprobs, uniform
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -120,12 +133,21 @@ class Engine:
         max_cache_bytes: int | None = None,
         max_snapshot_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        proposer: DraftProposer | None = None,
+        spec: SpecConfig | None = None,
         spmd=None,
     ):
-        """state_bytes: the family planner's (bytes per token, fixed bytes per sequence) of a state with no
-        rollback window. max_batch_tokens is the old name of max_num_batched_tokens. spmd: the hooks of a
-        tensor-parallel run (moesaic/parallel/workers.py `Lockstep`): the same engine runs on every rank,
-        rank 0 sends each step's new requests and aborts and the tokens it samples, the others never sample."""
+        """state_bytes: the family planner's (bytes per token, fixed bytes per sequence) of a state with the
+        rollback window the engine uses (spec.k + 1 with a proposer, else 0). max_batch_tokens is the old
+        name of max_num_batched_tokens. proposer / spec: speculative decoding (spec/__init__.py). spmd: the
+        hooks of a tensor-parallel run (moesaic/parallel/workers.py `Lockstep`): the same engine runs on
+        every rank, rank 0 sends each step's new requests and aborts and the tokens it samples, the others
+        never sample."""
+        if spmd is not None and proposer is not None:
+            raise ConfigError(
+                "speculative decoding does not run tensor-parallel yet: use tensor_parallel_size=1 with a "
+                "speculative config, or no speculative config with tensor_parallel_size > 1"
+            )
         if max_batch_tokens is not None and max_num_batched_tokens is not None:
             if max_batch_tokens != max_num_batched_tokens:
                 raise ConfigError(
@@ -151,12 +173,32 @@ class Engine:
         self.max_state_bytes = max_state_bytes
         self.spmd = spmd
         self.lock = threading.RLock()
+        if (proposer is None) != (spec is None):
+            raise ConfigError("a draft proposer needs its speculative config (and the config its proposer)")
+        self.proposer = proposer
+        self.spec = spec
+        self.rollback_window = spec.k + 1 if spec is not None else 0
+        self.draft_length = DraftLength(spec.k, spec.adaptive) if spec is not None else None
         self._plan_memory(state_bytes)
         self.counters = dict(
             requests=0, finished=0, aborted=0, failed=0, prompt_tokens=0, generated_tokens=0, steps=0
         )
         self.step_time = dict(count=0, sum=0.0, last=0.0)
         self.step_tokens = dict(sum=0, last=0)
+        k = spec.k if spec is not None else 0
+        self.spec_counters = dict(
+            rounds=0,  # verify rounds (a sequence's drafts checked in one forward)
+            drafted=0,
+            accepted=0,
+            drafted_at=[0] * k,  # per draft position
+            accepted_at=[0] * k,
+            committed=0,  # tokens the rounds committed (accepted + 1 each, before stops)
+            target_forwards=0,  # forwards of the target model (every step's, drafting or not)
+            rollbacks=0,  # rounds that rolled rows back
+            rolled_back=0,  # rows rolled back
+            draft_s=0.0,
+            proposer_errors=0,
+        )
 
     # ---- memory
     def _plan_memory(self, state_bytes) -> None:
@@ -234,7 +276,7 @@ class Engine:
         )
 
     def _new_state(self, table: BlockTable):
-        return self.pool.page(self.model.new_state(), table)
+        return self.pool.page(self.model.new_state(rollback_window=self.rollback_window), table)
 
     # ---- what the tests and the API read
     @property
@@ -304,7 +346,8 @@ class Engine:
         with self.lock:
             seq.samples = p.n
             seq.generator = make_generator(p, self.model.device, seq.index)
-            seq.detok = Detokenizer(self.tokenizer, p.stop_strings)
+            seq.detok = Detokenizer(self.tokenizer, p.stop_strings, p.skip_special_tokens)
+            seq.processor = p.logits_processor() if p.logits_processor is not None else None
             seq.logprobs = [] if p.logprobs is not None else None
             seq.times["arrival"] = time.perf_counter()
             self.counters["requests"] += 1
@@ -323,11 +366,18 @@ class Engine:
                     s.finish_reason = "abort"
                     self.counters["aborted"] += 1
                     s.times["finished"] = time.perf_counter()
-                self.scheduler.finish(s)
+                self._finish(s)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.proposer is not None:
+            seq.observed = -2
+            self._call_proposer(seq, self.proposer.finish, seq.id)
 
     # ---- one step
     def step(self) -> list[tuple[Sequence, int]]:
-        """Runs one forward; returns the (sequence, new token) pairs sampled in it."""
+        """Runs one forward; returns the (sequence, new token) pairs sampled in it (with drafting, a
+        sequence may get several)."""
         with self.lock, self.spmd.turn(self) if self.spmd is not None else contextlib.nullcontext():
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
@@ -350,65 +400,97 @@ class Engine:
             self.step_tokens["last"] = n
             return events
 
-    def _forward(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
-        batch = ForwardBatch.build(
-            [(s.state, s.pending()[:n]) for s, n in items], logits="last", device=self.model.device
-        )
-        return self.model.forward(batch)
+    def _tokens(self, seq: Sequence, n: int) -> list[int]:
+        """The n tokens a scheduled sequence computes: pending ones, then (a verify round) its drafts."""
+        pending = seq.pending()
+        if n <= len(pending):
+            return pending[:n]
+        return pending + seq.draft.tokens[: n - len(pending)]
 
-    def _forward_atomic(self, sched, marks) -> tuple[list, dict]:
-        """Logits rows per scheduled sequence (None for a failed one) and {seq id: exception}. A forward
-        that raises is undone for every sequence in it (`marks`); then each sequence runs alone."""
+    def _forward(self, items: list[tuple[Sequence, int]]) -> tuple[list[torch.Tensor], list[dict]]:
+        """Per sequence: its logits rows (every row of a verify round, else the last) and its taps."""
+        batch = ForwardBatch.build(
+            [(s.state, self._tokens(s, n)) for s, n in items], logits="all", device=self.model.device
+        )
+        rows, counts = [], []
+        for (s, n), c in zip(items, batch.seqs):
+            verify = n > s.num_pending
+            rows.extend(range(c.start, c.start + c.n) if verify else [c.start + c.n - 1])
+            counts.append(c.n if verify else 1)
+        batch.logit_rows = torch.tensor(rows, dtype=torch.long, device=self.model.device)
+        if self.proposer is not None:
+            batch.taps = tuple(self.proposer.taps)
+        logits = self.model.forward(batch)
+        self.spec_counters["target_forwards"] += 1
+        taps = [{L: t[c.start : c.start + c.n] for L, t in batch.tapped.items()} for c in batch.seqs]
+        return list(logits.split(counts)), taps
+
+    def _forward_atomic(self, sched, marks) -> tuple[list, list, dict]:
+        """Logits rows and taps per scheduled sequence (None for a failed one) and {seq id: exception}. A
+        forward that raises is undone for every sequence in it (`marks`); then each sequence runs alone."""
         try:
-            return list(self._forward(sched)), {}
+            return (*self._forward(sched), {})
         except BaseException as e:
             for (s, _), m in zip(sched, marks):
                 s.state.revert(m)
             if not isinstance(e, Exception):
                 raise
             if len(sched) == 1:
-                return [None], {sched[0][0].id: e}
+                return [None], [{}], {sched[0][0].id: e}
             log.warning(
                 "moesaic: a forward of %d sequences failed (%r); retrying them one by one", len(sched), e
             )
-        rows, failed = [], {}
+        rows, taps, failed = [], [], {}
         for (s, n), mark in zip(sched, marks):
             try:
-                rows.append(self._forward([(s, n)])[0])
+                r, t = self._forward([(s, n)])
+                rows.append(r[0])
+                taps.append(t[0])
             except BaseException as e:
                 s.state.revert(mark)
                 if not isinstance(e, Exception):
                     raise
                 rows.append(None)
+                taps.append({})
                 failed[s.id] = e
-        return rows, failed
+        return rows, taps, failed
 
     def _run(self, sched) -> list[tuple[Sequence, int]]:
+        if self.proposer is not None:
+            self._start_drafting(sched)
         marks = [s.state.mark() for s, _ in sched]
-        rows, failed = self._forward_atomic(sched, marks)
+        drafts = {s.id: n - s.num_pending for s, n in sched if n > s.num_pending}  # verify rounds
+        t0 = time.perf_counter()
+        rows, taps, failed = self._forward_atomic(sched, marks)
+        if self.draft_length is not None and not failed:
+            self.draft_length.forward_done(sum(n for _, n in sched), time.perf_counter() - t0)
         try:
-            draws = []  # (sequence, logits row) of every sample that draws a token now
+            draws = []  # (sequence, logits rows, its drafts) of every sample that draws tokens now
             for (seq, n), row in zip(sched, rows):
                 if seq.id in failed:
+                    continue
+                if seq.id in drafts:
+                    seq.speculative = drafts[seq.id]
+                    draws.append((seq, row, seq.draft.tokens[: drafts[seq.id]]))
                     continue
                 self.scheduler.computed(seq, n)
                 if seq.num_pending:  # a prompt chunk: its logits are not needed
                     continue
                 if seq.samples > 1:
                     self._fork(seq)
-                    draws.extend((s, row) for s in seq.group)
+                    draws.extend((s, row, []) for s in seq.group)
                 else:
-                    draws.append((seq, row))
-            outcomes = []  # (token, logprobs) or the exception, per draw
-            for seq, row in draws if self.spmd is None or self.spmd.rank == 0 else ():
+                    draws.append((seq, row, []))
+            outcomes = []  # the [(token, logprobs)] drawn, or the exception, per draw
+            for seq, row, draft in draws if self.spmd is None or self.spmd.rank == 0 else ():
                 try:
-                    outcomes.append(self._sample(seq, row))
+                    outcomes.append(self._verify(seq, row, draft) if draft else [self._sample(seq, row[-1])])
                 except Exception as e:
                     outcomes.append(e)
             if self.spmd is not None:  # rank 0's draws, on every rank
                 outcomes = self.spmd.share(outcomes)
             picked = []
-            for (seq, _), got in zip(draws, outcomes):
+            for (seq, _, _), got in zip(draws, outcomes):
                 if isinstance(got, BaseException):
                     failed[seq.id] = got
                 else:
@@ -417,18 +499,54 @@ class Engine:
             for (s, _), m in zip(sched, marks):  # nothing of this step is kept
                 if s.state is not None:
                     s.state.revert(m)
+                s.speculative = 0
             raise
         events = []
-        for seq, (tok, lp) in picked:
-            self._append(seq, tok, lp)
-            events.append((seq, tok))
+        for seq, tokens in picked:
+            seq.draft = None  # verified, or (not scheduled with it) stale
+            for tok, lp in tokens:
+                self._append(seq, tok, lp)
+                events.append((seq, tok))
+                if seq.finished:
+                    break
+            if seq.id in drafts:
+                self._end_round(seq, drafts[seq.id], len(tokens) - 1, len(seq.output_ids))
         for s, _ in sched:
             for g in s.group:
                 if g.id in failed and not g.finished:
                     self._fail(g, failed[g.id])
                 elif g.finished and g.status is not Status.FINISHED:
-                    self.scheduler.finish(g)
+                    self._finish(g)
+        if self.proposer is not None:
+            for (s, _), t in zip(sched, taps):
+                if s.id not in failed:
+                    self._observe(s, t)
+            self._propose()
         return events
+
+    def _end_round(self, seq: Sequence, drafted: int, accepted: int, outputs: int) -> None:
+        """After a verify round's tokens are committed: its rejected rows (and those past a stop) leave
+        the state, its counters, and the prefix cache indexes what is now committed."""
+        c = self.spec_counters
+        c["rounds"] += 1
+        c["drafted"] += drafted
+        c["accepted"] += accepted
+        c["committed"] += accepted + 1
+        for i in range(drafted):
+            c["drafted_at"][i] += 1
+            c["accepted_at"][i] += i < accepted
+        seq.acceptance.record(drafted, accepted)
+        seq.speculative = 0
+        if seq.state is None:  # failed while committing
+            return
+        committed = len(seq.token_ids) - 1  # the newest token is pending, as after a plain decode
+        extra = seq.state.num_tokens - committed
+        if extra:
+            seq.state.rollback(extra)
+            c["rollbacks"] += 1
+            c["rolled_back"] += extra
+        if not seq.finished:
+            self.scheduler.computed(seq, 1)
 
     def _fork(self, seq: Sequence) -> None:
         """A request with n > 1 samples, its prompt computed: n - 1 more sequences sharing its blocks."""
@@ -453,26 +571,174 @@ class Engine:
             child.hashes = list(seq.hashes)
             child.last_step = seq.last_step
             child.generator = make_generator(seq.params, self.model.device, i)
-            child.detok = Detokenizer(self.tokenizer, seq.params.stop_strings)
+            child.detok = Detokenizer(self.tokenizer, seq.params.stop_strings, seq.params.skip_special_tokens)
+            child.processor = (
+                seq.params.logits_processor() if seq.params.logits_processor is not None else None
+            )
             child.logprobs = [] if seq.params.logprobs is not None else None
             group.append(child)
             self.scheduler.running.append(child)
         for s in group:
             s.group = group
 
-    def _sample(self, seq: Sequence, row: torch.Tensor) -> tuple[int, dict | None]:
+    def _banned(self, seq: Sequence, ahead: int = 0) -> set:
+        """Ids a sample may not draw `ahead` tokens from now: EOS and the stop ids before min_tokens."""
         p = seq.params
-        if not bool(torch.isfinite(row).all()):
+        if len(seq.output_ids) + ahead < p.min_tokens:
+            return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        return set()
+
+    @staticmethod
+    def _finite(rows: torch.Tensor) -> None:
+        if not bool(torch.isfinite(rows).all()):
             raise RequestError(
                 "the model produced non-finite logits (NaN or Inf) for this request: its weights or scales "
                 "are likely broken"
             )
-        banned = ()
-        if len(seq.output_ids) < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-        tok = sample(row, p, seq.generator, seq.prompt_ids, seq.output_ids, banned)
+
+    def _sample(self, seq: Sequence, row: torch.Tensor) -> tuple[int, dict | None]:
+        p = seq.params
+        self._finite(row)
+        x = row if seq.processor is None else seq.processor.mask(row)
+        tok = sample(x, p, seq.generator, seq.prompt_ids, seq.output_ids, self._banned(seq))
         lp = top_logprobs(row, p.logprobs, tok) if p.logprobs is not None else None
         return tok, lp
+
+    def _verify(self, seq: Sequence, rows: torch.Tensor, draft: list[int]) -> list[tuple[int, dict | None]]:
+        """The tokens a verify round commits (accepted drafts, then the correction or the bonus token) with
+        their logprobs. Row i is the target's distribution after the drafts before it, with the penalties and
+        min_tokens of that point, exactly as plain decoding would have it."""
+        p = seq.params
+        self._finite(rows)
+
+        def target(i: int) -> torch.Tensor:
+            return adjusted(rows[i], p, seq.prompt_ids, seq.output_ids + draft[:i], self._banned(seq, i))
+
+        if p.greedy and not p.penalized and not self._banned(seq):  # every row's argmax at once
+            top = rows.argmax(-1).tolist()
+            tokens = accept_greedy(lambda i: top[i], draft)
+        elif p.greedy:
+            tokens = accept_greedy(lambda i: int(target(i).argmax()), draft)
+        else:
+            q = seq.draft.probs
+            tokens = accept_sampled(
+                lambda i: distribution(target(i), p),
+                draft,
+                None if q is None else q[: len(draft)],
+                lambda i, slot: uniform(seq.generator, rows.device),
+            )
+        return [
+            (t, top_logprobs(rows[i], p.logprobs, t) if p.logprobs is not None else None)
+            for i, t in enumerate(tokens)
+        ]
+
+    # ---- the draft proposer
+    def _call_proposer(self, seq: Sequence | None, fn, *args):
+        """A proposer call; one that raises turns drafting off for that sequence (or, for a whole-step
+        call, for every sequence asked) and is logged: the target's output never depends on a drafter."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self.spec_counters["proposer_errors"] += 1
+            log.warning(
+                "moesaic: the %s draft proposer failed (%r); drafting off for it", self.proposer.method, e
+            )
+            for s in [seq] if seq is not None else [s for s in self.running if s.draft is None]:
+                s.observed = -2  # never again for this sequence
+            return None
+
+    def _start_drafting(self, sched) -> None:
+        """Sequences scheduled with no proposer state (new, or back from a preemption) start one; the
+        rows the prefix cache gave them are observed without hidden states."""
+        for seq, _ in sched:
+            if seq.observed == -1:
+                self._call_proposer(seq, self.proposer.start, seq.id)
+                if seq.observed == -1:
+                    seq.observed = 0
+                    hit = seq.num_computed
+                    if hit:
+                        self._call_proposer(seq, self.proposer.observe, seq.id, 0, seq.token_ids[:hit], {})
+                        if seq.observed == 0:
+                            seq.observed = hit
+
+    def _observe(self, seq: Sequence, taps: dict) -> None:
+        """Gives the proposer the rows this step committed for `seq` (and starts its new samples)."""
+        if seq.state is not None and 0 <= seq.observed < seq.num_computed and not seq.finished:
+            start, end = seq.observed, seq.num_computed
+            hidden = {L: t[: end - start] for L, t in taps.items()}
+            self._call_proposer(seq, self.proposer.observe, seq.id, start, seq.token_ids[start:end], hidden)
+            if seq.observed == start:
+                seq.observed = end
+        for child in seq.group:
+            if child is seq or child.observed != -1 or child.state is None or seq.observed < 0:
+                continue
+            fork = getattr(self.proposer, "fork", None)
+            if fork is not None:
+                self._call_proposer(child, fork, seq.id, child.id)
+            else:
+                self._call_proposer(child, self.proposer.start, child.id)
+                self._call_proposer(
+                    child, self.proposer.observe, child.id, 0, child.token_ids[: seq.observed], {}
+                )
+            if child.observed == -1:
+                child.observed = seq.observed
+
+    def _propose(self) -> None:
+        """Asks the proposer, in one call, for the next drafts of every decoding sequence that has none."""
+        ready = [
+            s
+            for s in self.running
+            if s.draft is None and s.state is not None and s.observed == s.num_computed and s.num_pending == 1
+        ]
+        if not ready:
+            return
+        decoders = sum(s.num_pending == 1 for s in self.running)
+        requests = []
+        snapshots = self.hybrid and self.limits.enable_prefix_caching
+        for s in ready:
+            limit = s.params.max_tokens - len(s.output_ids) - 1
+            if self.max_context is not None:
+                limit = min(limit, self.max_context - len(s.token_ids) - 1)
+            if snapshots:  # a round never jumps over a block boundary, so the state stops on each one
+                pending = s.num_computed  # the pending token's position
+                limit = min(limit, (pending // BLOCK_SIZE + 1) * BLOCK_SIZE - 1 - pending)
+            if s.processor is not None:  # structured output: its grammar state cannot take drafts back
+                limit = 0
+            k = self.draft_length.length(s.acceptance, decoders, limit)
+            if k > 0:
+                requests.append((s, k))
+            else:
+                s.draft = Draft([])
+        if not requests:
+            return
+        t0 = time.perf_counter()
+        out = self._call_proposer(
+            None, self.proposer.propose, [(s.id, s.token_ids[-1], k) for s, k in requests]
+        )
+        dt = time.perf_counter() - t0
+        self.spec_counters["draft_s"] += dt
+        self.draft_length.draft_done(dt)
+        vocab = self.model.cfg.vocab_size
+        for i, (s, k) in enumerate(requests):
+            draft = out[i] if out is not None and i < len(out) else Draft([])
+            tokens = []
+            for t in draft.tokens[:k]:  # a drafter's out-of-vocabulary id ends its draft
+                if not isinstance(t, int) or not 0 <= t < vocab:
+                    break
+                tokens.append(t)
+            probs = draft.probs[: len(tokens)] if draft.probs is not None and tokens else None
+            if probs is not None and tuple(probs.shape) != (len(tokens), vocab):
+                self.spec_counters["proposer_errors"] += 1
+                log.warning(
+                    "moesaic: the %s draft proposer gave probs of shape %s for %d drafts (vocabulary %d); "
+                    "draft dropped",
+                    self.proposer.method,
+                    tuple(probs.shape),
+                    len(tokens),
+                    vocab,
+                )
+                tokens, probs = [], None
+            s.draft = Draft(tokens, probs)
 
     def _append(self, seq: Sequence, tok: int, lp) -> None:
         seq.append_token(tok)
@@ -481,6 +747,8 @@ class Engine:
         if lp is not None:
             seq.logprobs.append(lp)
         try:
+            if seq.processor is not None:
+                seq.processor.accept(tok)
             self._check_stop(seq, tok)
         except Exception as e:  # a detokenizer failing on this request ends it, and only it
             self._fail(seq, e)
@@ -488,8 +756,9 @@ class Engine:
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p, d = seq.params, seq.detok
         searched = len(d.text)
-        d.feed(tok)
         may_stop = len(seq.output_ids) >= p.min_tokens
+        if not (may_stop and (tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos))):
+            d.feed(tok)  # the token that ends the request as EOS or a stop id is not text
         reason = None
         if may_stop and tok in p.stop_token_ids:
             reason = ("stop", tok)
@@ -517,7 +786,7 @@ class Engine:
         seq.finish_reason = "error"
         seq.times["finished"] = time.perf_counter()
         self.counters["failed"] += 1
-        self.scheduler.finish(seq)
+        self._finish(seq)
 
     # ---- outputs and counters
     def output(self, seq: Sequence) -> RequestOutput:
@@ -592,7 +861,33 @@ class Engine:
                 ),
                 cache_bytes=self.cache_bytes,
                 prefix_caching=self.limits.enable_prefix_caching,
+                speculative=self.spec_stats(),
             )
+
+    def spec_stats(self) -> dict | None:
+        """Speculative decoding's counters (None when it is off): drafted and accepted drafts, the
+        acceptance at each draft position, tau = mean tokens committed per verify round (accepted + the
+        bonus or correction), and the target's forwards (every step's, drafting or not)."""
+        if self.spec is None:
+            return None
+        c = self.spec_counters
+        return dict(
+            method=self.proposer.method,
+            num_speculative_tokens=self.spec.k,
+            adaptive=self.spec.adaptive,
+            rounds=c["rounds"],
+            drafted=c["drafted"],
+            accepted=c["accepted"],
+            acceptance=c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
+            per_position_acceptance=[a / d if d else 0.0 for a, d in zip(c["accepted_at"], c["drafted_at"])],
+            per_position_drafted=list(c["drafted_at"]),
+            tau=c["committed"] / c["rounds"] if c["rounds"] else 0.0,
+            target_forwards=c["target_forwards"],
+            rollbacks=c["rollbacks"],
+            rolled_back_rows=c["rolled_back"],
+            draft_time_s=c["draft_s"],
+            proposer_errors=c["proposer_errors"],
+        )
 
     def reset_prefix_cache(self) -> None:
         with self.lock:

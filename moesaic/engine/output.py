@@ -14,8 +14,9 @@ class Detokenizer:
     starts. While a stop string could still be completing, its possible beginning is held back from
     `visible()` (what a stream may show), so a stream never shows part of a stop string."""
 
-    def __init__(self, tokenizer, stops: list[str] = ()):
+    def __init__(self, tokenizer, stops: list[str] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix = self.read = 0
         self.text = ""
@@ -23,7 +24,11 @@ class Detokenizer:
         self.longest = max((len(s) for s in self.stops), default=0)
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return ""
+        if self.skip_special_tokens:
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def feed(self, tok: int) -> None:
         self.ids.append(tok)

@@ -8,6 +8,13 @@ multiplied); `min_tokens` keeps EOS and the stop ids (and stop strings) from end
 that many tokens; `logprobs` (at most MAX_LOGPROBS) are those of the model's own distribution (fp32
 log_softmax of the logits before penalties and temperature), the sampled token always included.
 
+`min_p` drops the tokens whose probability (after temperature) is below min_p times the most likely
+one's, as vLLM does. `logits_processor` is a factory the server uses for structured output: called once
+per sample, it makes an object whose `mask(logits)` returns the logits to sample from (e.g. with the
+tokens a grammar forbids at -inf; logprobs stay those of the model) and whose `accept(token)` is told
+each token sampled. `skip_special_tokens=False` keeps special tokens in the text (output parsers read
+markers such as `<think>` from it); the token that ends a request as EOS or a stop id is never in it.
+
 Seeds: sample i of a request with `n` samples and seed s draws from a generator seeded with
 (s + i) mod 2**64 (vLLM's choice for parallel sampling), so sample i equals the same request with
 n=1 and seed (s + i) mod 2**64.
@@ -16,11 +23,13 @@ n=1 and seed (s + i) mod 2**64.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from ..errors import RequestError
+from ..spec.verify import inverse_cdf
 
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
@@ -51,6 +60,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0  # 0 = off
+    skip_special_tokens: bool = True
+    logits_processor: Callable | None = None  # () -> an object with mask(logits) and accept(token)
 
     @staticmethod
     def from_dict(d: dict) -> SamplingParams:
@@ -102,6 +114,12 @@ class SamplingParams:
                 raise RequestError(f"{name} must be a number in [-2, 2], got {v!r}")
         if not _number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise RequestError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise RequestError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
+        if self.logits_processor is not None and not callable(self.logits_processor):
+            raise RequestError("logits_processor must be a callable that makes one processor per sample")
 
     @property
     def greedy(self) -> bool:
@@ -151,24 +169,27 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids, ou
     return x
 
 
-def sample(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    prompt_ids=(),
-    output_ids=(),
-    banned=(),
-) -> int:
-    """One token from one row of fp32 logits; `banned` ids (EOS before min_tokens) are never drawn."""
+def adjusted(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids=(), output_ids=(), banned=()
+) -> torch.Tensor:
+    """One row of logits after the penalties, with the `banned` ids (EOS before min_tokens) at -inf: what
+    greedy decoding takes the argmax of."""
     x = logits
     if params.penalized:
         x = apply_penalties(x, params, prompt_ids, output_ids)
     if banned:
         x = x.float().clone()
         x[torch.tensor(list(banned), dtype=torch.long, device=x.device)] = float("-inf")
-    if params.greedy:
-        return int(x.argmax())
+    return x
+
+
+def distribution(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The probabilities a (non-greedy) sample draws from: `adjusted` logits through temperature, top-k
+    and top-p."""
     x = x.float() / params.temperature
+    if params.min_p:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = x.topk(params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -179,8 +200,30 @@ def sample(
         drop = probs.cumsum(-1) - probs >= params.top_p
         drop[0] = False
         x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = x.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return x.softmax(-1)
+
+
+def uniform(generator: torch.Generator | None, device="cpu") -> float:
+    """One uniform in [0, 1) from a request's random stream: every sampled token takes exactly one, drawn
+    or not with speculative decoding (spec/verify.py), so a seeded request gives the same tokens either way."""
+    dev = generator.device if generator is not None else device
+    return float(torch.rand((), generator=generator, device=dev, dtype=torch.float64))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt_ids=(),
+    output_ids=(),
+    banned=(),
+) -> int:
+    """One token from one row of fp32 logits; `banned` ids (EOS before min_tokens) are never drawn. A
+    sample is the inverse CDF of the distribution at one uniform of the request's stream."""
+    x = adjusted(logits, params, prompt_ids, output_ids, banned)
+    if params.greedy:
+        return int(x.argmax())
+    return inverse_cdf(distribution(x, params), uniform(generator, x.device))
 
 
 def top_logprobs(logits: torch.Tensor, k: int, token: int) -> dict[int, float]:

@@ -92,6 +92,13 @@ class Scheduler:
                 break
             if seq.status is Status.RUNNING and self._place(seq, 1, chosen, partial=False):
                 take(seq, 1)
+        for i, (seq, _) in enumerate(batch):  # then their drafts, as far as budget and free blocks go
+            if budget == 0:
+                break
+            if seq.draft is not None and seq.draft.tokens:
+                extra = self._place_draft(seq, min(len(seq.draft.tokens), budget))
+                batch[i] = (seq, 1 + extra)
+                budget -= extra
         prefilling = [s for s in self.running if not s.paused and s.num_pending > 1]
         for seq in sorted(prefilling, key=_key):
             if budget == 0:
@@ -160,6 +167,15 @@ class Scheduler:
         ok = self.blocks.prepare(seq.block_table, start, start + fit)
         assert ok, "blocks counted free were not"
         return fit
+
+    def _place_draft(self, seq: Sequence, k: int) -> int:
+        """Holds the blocks for up to k draft rows after the sequence's placed pending token, without
+        preempting anyone (a draft is worth less than another sequence's progress); returns how many."""
+        start = seq.num_computed
+        fit = self._fit(seq, start, 1 + k)
+        ok = self.blocks.prepare(seq.block_table, start, start + fit)
+        assert ok, "blocks counted free were not"
+        return fit - 1
 
     def _fits(self, seq: Sequence, start: int, n: int) -> bool:
         return self.blocks.blocks_needed(seq.block_table, start, start + n) <= self.blocks.num_free
@@ -256,6 +272,9 @@ class Scheduler:
         seq.state = None
         seq.hashes = []
         seq.tail_snapshot = None
+        seq.draft = None  # the drafter starts again with its state
+        seq.observed = -1
+        seq.speculative = 0
 
     def preempt(self, seq: Sequence) -> None:
         """By recompute: its blocks and state go; it keeps its tokens and waits at the front."""

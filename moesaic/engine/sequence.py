@@ -10,6 +10,8 @@ import torch
 
 from ..cache.paged import BlockTable
 from ..cache.state import SequenceState
+from ..spec.adaptive import Acceptance
+from ..spec.base import Draft
 from .sampler import SamplingParams
 
 _ids = itertools.count()
@@ -29,7 +31,11 @@ class Sequence:
     The state holds `token_ids[:num_computed]`; the tokens after that are pending (the prompt, or after a
     preemption by recompute the prompt and the generated tokens, then each sampled token). `speculative`
     counts trailing tokens of the state that are not committed (a draft being verified): the prefix cache
-    never indexes or snapshots them."""
+    never indexes or snapshots them.
+
+    Speculative decoding: `draft` is the proposal for the next round (None: not asked yet; verified
+    together with the pending token, then cleared), `observed` how many of its committed rows the draft
+    proposer has seen (-1: not started, e.g. after a preemption), `acceptance` its acceptance record."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -41,6 +47,9 @@ class Sequence:
     block_table: BlockTable = field(default_factory=BlockTable)
     hashes: list[int] = field(default_factory=list)  # chain hashes of its indexed full blocks
     speculative: int = 0
+    draft: Draft | None = None
+    observed: int = -1
+    acceptance: Acceptance = field(default_factory=Acceptance)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string matched
     error: BaseException | None = None
@@ -59,6 +68,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     text: str = ""
     detok: object = None
+    processor: object = None  # params.logits_processor's object for this sample
     times: dict = field(default_factory=dict)  # arrival / first_token / finished (perf_counter)
 
     def __post_init__(self):

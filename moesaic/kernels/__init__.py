@@ -1,1 +1,4 @@
-"""Optional compiled kernels (built lazily on first use; the plain-torch paths stay the reference)."""
+"""Optional compiled kernels (built lazily on first use; the plain-torch paths stay the reference).
+
+`codecs` holds the bit-level tables of the packed formats; `cpu` the compiled CPU decode kernels.
+Nothing here imports another moesaic package: weights/quant.py imports these, never the reverse."""

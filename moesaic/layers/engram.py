@@ -626,6 +626,7 @@ class EngramHash:
         self.token_map = token_map
         self.pad_cid = int(token_map[cfg.pad_id])
         self.layouts = engram_layouts(cfg)
+        self.on_rows = None  # called with every rows() result (expert streaming's row prefetch)
 
     def compress(self, token_ids, image_mask=None) -> Tensor:
         return compress_ids(token_ids, self.token_map, image_mask)
@@ -636,7 +637,10 @@ class EngramHash:
         cids = self.compress(token_ids, image_mask)
         tok = _shifted_tokens(cids, state.lookback_ids(), self.pad_cid, self.cfg.max_ngram_size)
         state.append(cids)
-        return torch.stack([_rows_from_tokens(tok, lay) for lay in self.layouts], dim=1)
+        rows = torch.stack([_rows_from_tokens(tok, lay) for lay in self.layouts], dim=1)
+        if self.on_rows is not None:  # streamed tables: start reading these rows before the first layer
+            self.on_rows(rows)
+        return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -654,6 +658,12 @@ def _e4m3(codes: Tensor) -> Tensor:
 def _e8m0(exps: Tensor) -> Tensor:
     """E8M0 exponent bytes -> float32 2^(e - 127) (e = 255 -> NaN), by torch's own conversion."""
     return exps.view(torch.float8_e8m0fnu).float()
+
+
+def _take(table, idx: Tensor) -> Tensor:
+    """Rows `idx` of a table: a view of the file's map, or one read through expert streaming's row
+    reader (`read_rows`, preadv with a row cache: weights/experts.py FileRows)."""
+    return table.read_rows(idx) if hasattr(table, "read_rows") else table[idx]
 
 
 class EngramTable:
@@ -705,13 +715,13 @@ class EngramTable:
                 f"{self.name}: row ids {int(idx.min())}..{int(idx.max())} outside its {self.rows} rows"
             )
         if not self.fp8:
-            vals = self.weight[idx].to(torch.float32)
+            vals = _take(self.weight, idx).to(torch.float32)
         else:
-            codes = self.weight.view(torch.uint8)[idx]  # touches only these rows' pages
+            codes = _take(self.weight, idx).view(torch.uint8)  # touches only these rows' pages
             if self.scale.dtype in _E8M0_LIKE:
-                s = _e8m0(self.scale.view(torch.uint8)[idx])
+                s = _e8m0(_take(self.scale, idx).view(torch.uint8))
             else:
-                s = self.scale[idx].to(torch.float32)
+                s = _take(self.scale, idx).to(torch.float32)
             vals = (_e4m3(codes).view(-1, s.shape[1], self.block) * s[..., None]).view(-1, self.head_dim)
         return vals.view(*rows.shape, self.head_dim)
 

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from .linear import linear
 from .norms import rms_norm
 
+PREFETCH_MAX_TOKENS = 32  # streamed experts: a batch this large (a prefill chunk) reads, not guesses
+
 
 def limit_groups(scores: torch.Tensor, n_group: int, topk_group: int, fill: float) -> torch.Tensor:
     """DeepSeek group limiting: keep the `topk_group` expert groups whose top-2 scores sum highest,
@@ -98,11 +100,13 @@ def glu_mlp(x: torch.Tensor, w_gate, w_up, w_down, glu=silu_glu) -> torch.Tensor
     return linear(glu(linear(x, w_gate), linear(x, w_up)), w_down)
 
 
-def run_experts(x, weights, ids, w_in, w_out, act=swiglu):
+def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None):
     """Sum over each token's chosen experts of weight * w_out[e](act(w_in[e] x)).
 
     x [N, d]; weights/ids [N, k]; w_in [E, *, d] and w_out [E, d, *] (dense stacks or stacked
-    quantized tensors indexable by expert). Each token's terms are added in ascending expert id.
+    quantized tensors indexable by expert, or streamed stacks that `fetch` their experts: all of
+    the batch's experts are asked for at once, each read once, and computed as they arrive; `then()`
+    runs once those reads are issued). Each token's terms are added in ascending expert id.
     Weighting and the sum run in the routing weights' dtype when it is wider (an fp32 router over
     bf16 activations, as transformers does), cast to x's dtype at the end. Ids outside 0..E-1 are
     experts this rank does not hold (expert parallelism): their terms are left out."""
@@ -115,7 +119,17 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu):
     order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=E + 1)[:E]
     xs = x[order // k]
-    if _grouped(x, w_in, w_out):
+    if hasattr(w_in, "fetch"):  # streamed (weights/experts.py): the same per-expert products
+        ys = torch.empty_like(xs)
+        starts = (counts.cumsum(0) - counts).tolist()
+        used = counts.nonzero().flatten().tolist()
+        with w_in.fetch(used, w_out) as got:
+            if then is not None:
+                then()
+            for e, (wi, wo) in got:
+                s, c = starts[e], int(counts[e])
+                ys[s : s + c] = linear(act(linear(xs[s : s + c], wi)), wo)
+    elif _grouped(x, w_in, w_out):
         # one grouped GEMM per projection over every expert's rows: no per-expert Python loop
         offs = counts.cumsum(0).to(torch.int32)
         ys = F.grouped_mm(
@@ -218,6 +232,7 @@ class MoeWeights:
     latent_in: object | None = None  # [d', d]
     latent_norm: torch.Tensor | None = None  # RMSNorm over the experts' latent output
     latent_out: object | None = None  # [d, d']
+    next_moe: MoeWeights | None = None  # the next MoE layer, when its streamed experts are prefetched
     # tensor / expert parallelism (moesaic/parallel): the routed experts held here are the router's
     # first_expert.. (all of them, or each one's share of the width), and `reduce` sums the ranks' partial
     # outputs; None on one rank
@@ -249,12 +264,22 @@ def route(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor | N
     return route_sqrtsoftplus(logits, r.top_k, w.bias, r.scale)
 
 
+def prefetch(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor | None = None) -> None:
+    """Starts reading the streamed experts layer `w` would choose for x: its router (selection only)
+    run on the previous MoE layer's input, while that layer computes. Routing is never changed."""
+    if w.hash_ids is None or token_ids is not None:
+        w.experts_in.prefetch(route(x, w, r, token_ids)[1].unique().tolist())
+
+
 def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE block on packed tokens x [N, d] (token_ids: for a hash layer's table)."""
     weights, ids = route(x, w, spec.router, token_ids)
     h = x if w.latent_in is None else linear(x, w.latent_in)
     act = (lambda gu: spec.glu(*gu.chunk(2, dim=-1))) if spec.gated else spec.act
-    y = run_experts(h, weights, ids - w.first_expert, w.experts_in, w.experts_out, act)
+    then = None
+    if w.next_moe is not None and x.shape[0] <= PREFETCH_MAX_TOKENS:  # a prefill chunk reads, not guesses
+        then = lambda: prefetch(x, w.next_moe, spec.router, token_ids)  # noqa: E731
+    y = run_experts(h, weights, ids - w.first_expert, w.experts_in, w.experts_out, act, then)
     reduce = w.reduce  # split over ranks: y (and the shared expert's output) are this rank's part
     if w.latent_norm is not None:
         if reduce is not None:  # the norm needs the whole sum

@@ -17,10 +17,11 @@ import torch
 
 from ..cache.batch import ForwardBatch
 from ..cache.state import SequenceState
-from ..errors import ConfigError
+from ..errors import ConfigError, MoesaicError
 from ..weights.bind import Tensors
-from ..weights.contract import LoadPlan, Naming, TensorSpec, load_tensors, plan_load
+from ..weights.contract import LoadPlan, Naming, TensorSpec, check_scale, load_tensors, plan_load
 from ..weights.dtypes import parse_dtype
+from ..weights.experts import DEFAULT_POLICY, ExpertCache
 from ..weights.precision import PrecisionSchedule
 from ..weights.store import WeightStore
 
@@ -112,6 +113,31 @@ def family_for(raw: dict, layout: str) -> tuple[ModuleType, dict]:
     raise ConfigError(f"config.json: model_type {mt!r} is not supported (supported: {known})")
 
 
+def read_config(store: WeightStore) -> tuple[ModuleType, dict, object]:
+    """(family module, its (text) config dict, the parsed config) of an opened store. A family parser
+    that trips over a value of an unexpected type (a list where it reads an object, a string where it
+    does arithmetic) gives a ConfigError like every other bad value, never a raw Python error."""
+    family, raw = family_for(store.config, store.layout)
+    name = "params.json" if store.layout == "mistral" else "config.json"
+    try:
+        cfg = family.parse_config(raw, store.layout)
+    except MoesaicError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+        short = family.__name__.rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"{store.folder / name}: a field has a value of the wrong kind for a {short} config "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    return family, raw, cfg
+
+
+def num_layers(family: ModuleType, cfg) -> int:
+    """The decoder layer count, read without building the schedule (a list of that length)."""
+    n = getattr(cfg, "num_hidden_layers", None)
+    return n if isinstance(n, int) else len(family.layer_schedule(cfg))
+
+
 def _module(model_type: str, raw: dict) -> ModuleType:
     module = importlib.import_module(FAMILIES[model_type])
     other = module.handoff(raw)
@@ -126,23 +152,45 @@ class Checkpoint:
     family: ModuleType
     cfg: object
     raw: dict
+    expert_cache: ExpertCache | None = None  # set by build(expert_cache=...)
 
     @staticmethod
     def open(path) -> Checkpoint:
         store = WeightStore(path)
-        family, raw = family_for(store.config, store.layout)
-        return Checkpoint(store, family, family.parse_config(raw, store.layout), raw)
+        family, raw, cfg = read_config(store)
+        return Checkpoint(store, family, cfg, raw)
 
     def plan(self) -> LoadPlan:
+        self.store.require_weights()
+        check_scale(num_layers(self.family, self.cfg), len(self.store.infos))
         naming = self.family.namings(self.cfg, self.store.layout, self.store.names())
         return plan_load(self.family.tensor_specs(self.cfg), self.store, naming)
 
-    def build(self, dtype="float32", device="cpu", precision: PrecisionSchedule | str | None = None) -> Model:
+    def build(
+        self,
+        dtype="float32",
+        device="cpu",
+        precision: PrecisionSchedule | str | None = None,
+        expert_cache=None,
+        expert_cache_policy: str = DEFAULT_POLICY,
+        expert_prefetch: bool = True,
+    ) -> Model:
+        """expert_cache: a byte budget (int, "8GiB", "10%": room for that share of the experts) for routed experts
+        streamed from the shards (weights/experts.py); None loads them all."""
         dt = parse_dtype(dtype)
         if not isinstance(precision, PrecisionSchedule):
             precision = PrecisionSchedule.parse(precision)
         plan = self.plan()
-        tensors = Tensors(load_tensors(plan, self.store, dt, device, precision), plan.skipped_optional)
+        cache = None
+        if expert_cache is not None:
+            cache = ExpertCache(expert_cache, expert_cache_policy, expert_prefetch)
+        tensors = Tensors(
+            load_tensors(plan, self.store, dt, device, precision, experts=cache), plan.skipped_optional
+        )
         model = self.family.build(self.cfg, tensors, dt, device, self.store.folder)
         tensors.check_all_taken()
+        if cache is not None:
+            cache.finalize()
+            cache.link(model)
+            self.expert_cache = cache
         return model

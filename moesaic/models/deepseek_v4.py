@@ -40,8 +40,8 @@ checkpoint namings are read: those module names (a `state_dict()` dump); what tr
 `ffn.experts.E.w1.weight`, `head.weight`); and the upstream release names (`embed.weight`,
 `layers.L.attn.wq_a.weight`, `attn.kv_norm.weight`, `attn.attn_sink`, `hc_head_fn`, `mtp.0.*`).
 The MTP layer (`mtp.J.*`: e_proj, h_proj, enorm, hnorm, norm, hc_head_*, and one sliding-window
-block) is declared optional and bound into `Model.mtp` (`MtpBlock`) for a drafter; nothing runs it
-yet (no oracle). Quantized weights (fp8 / fp4 with `.scale` companions) stay packed.
+block) is declared optional and bound into `Model.mtp` (`MtpBlock`); spec/mtp.py drafts with it
+(`Model.block`; no oracle: docs/families/deepseek_v4.md). Quantized weights (fp8 / fp4 with `.scale` companions) stay packed.
 
 Where DeepSeek's own inference code (`inference/model.py` of the release) and the oracle disagree,
 moesaic follows the oracle:
@@ -687,8 +687,12 @@ def attention_inputs(
     qr = rms_norm_cast_once(linear(x, w.q_a), w.q_a_norm, eps)
     q = linear(qr, w.q_b).view(N, cfg.num_attention_heads, cfg.head_dim)
     q = rope(head_rms(q, eps) if q_head_norm else q, positions)
-    kv = rope(rms_norm_cast_once(linear(x, w.kv), w.kv_norm, eps), positions)
-    return qr, q, kv
+    return qr, q, attention_kv(w, x, cfg, rope, positions)
+
+
+def attention_kv(w: Attention, x: Tensor, cfg, rope: RopeTail, positions: Tensor) -> Tensor:
+    """kv [N, D] = rope(RMSNorm(x Wkv)), the one key (= value) row of each input row."""
+    return rope(rms_norm_cast_once(linear(x, w.kv), w.kv_norm, cfg.rms_norm_eps), positions)
 
 
 def index_query(w: IndexQuery, qr: Tensor, x: Tensor, cfg, rope: RopeTail, positions: Tensor):
@@ -763,9 +767,13 @@ class Model:
         )
 
     # -- blocks
-    def attention(self, L: int, w: Attention, x: Tensor, batch: ForwardBatch) -> Tensor:
+    def attention(
+        self, L: int, w: Attention, x: Tensor, batch: ForwardBatch, kind: str | None = None
+    ) -> Tensor:
+        """Layer L's attention (L indexes the sequences' states); `kind` for a block outside the decoder
+        (the MTP layer's sliding window)."""
         c = self.cfg
-        kind, eps = c.layer_types[L], c.rms_norm_eps
+        kind, eps = kind or c.layer_types[L], c.rms_norm_eps
         rope, pos = self.rope[kind], batch.positions
         qr, q, kv = attention_inputs(w, x, c, rope, pos)
         comp, idx = w.compressor, w.index_compressor
@@ -802,6 +810,16 @@ class Model:
             )
         return attention_output(w, out, c, rope, pos)
 
+    def block(self, L: int, w: Layer, h: Tensor, batch: ForwardBatch, kind: str | None = None) -> Tensor:
+        """One decoder block over the streams h [N, n, d] (the MTP layer's too: `kind` SLIDING)."""
+        eps = self.cfg.rms_norm_eps
+        x, post, comb = mhc.site_input(h, w.attn_hc, self.hc)
+        y = self.attention(L, w.attn, rms_norm_cast_once(x, w.attn_norm, eps), batch, kind)
+        h = mhc.update(h, y, post, comb)
+        x, post, comb = mhc.site_input(h, w.mlp_hc, self.hc)
+        y = moe(rms_norm_cast_once(x, w.mlp_norm, eps), w.mlp, self.moe, batch.token_ids)
+        return mhc.update(h, y, post, comb)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
@@ -809,12 +827,7 @@ class Model:
         eps = c.rms_norm_eps
         h = mhc.expand(embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
         for L, w in enumerate(self.layers):
-            x, post, comb = mhc.site_input(h, w.attn_hc, self.hc)
-            y = self.attention(L, w.attn, rms_norm_cast_once(x, w.attn_norm, eps), batch)
-            h = mhc.update(h, y, post, comb)
-            x, post, comb = mhc.site_input(h, w.mlp_hc, self.hc)
-            y = moe(rms_norm_cast_once(x, w.mlp_norm, eps), w.mlp, self.moe, batch.token_ids)
-            h = mhc.update(h, y, post, comb)
+            h = self.block(L, w, h, batch)
             batch.tap(L, h, mhc.head_mean)
         batch.finish()
         head = self.hc_head

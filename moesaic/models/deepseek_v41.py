@@ -45,7 +45,11 @@ back with its compressor) and the Engram binding.
 
 Config (`config.json`: the release nests it in `text_config`; top-level ids are read too):
 * `compress_ratios`: one per layer (0 = sliding window only, r > 0 = compressed, ratio r), then one
-  per MTP stage (`num_nextn_predict_layers`; kept in `mtp_compress_ratios`, not run).
+  per MTP stage (`num_nextn_predict_layers`; kept in `mtp_compress_ratios`: the DSpark stages are
+  window-only, 0).
+* DSpark (`DsparkConfig`, when there are MTP stages): `dspark_target_layer_ids` (the layers whose input
+  the drafter reads), `dspark_block_size`, `dspark_markov_rank`, `dspark_n_routed_experts`,
+  `dspark_num_experts_per_tok`, `dspark_noise_token_id`.
 * `kv_source_layer_ids` (default: every compressed layer): layers that own a compressor. Any other
   compressed layer reads the entries of the nearest KV source at or below it with its ratio (and
   kind); there must be one. `index_source_layer_ids` (default: every compressed layer but V4's HCA
@@ -67,9 +71,11 @@ Absent scalar fields take the release's values (`RELEASE_TEXT_CONFIG`).
 Names: the model's own names are deepseek_v4's (transformers' module names), plus
 `model.layers.L.self_attn.indexer.{wk,k_norm}` and `model.layers.L.engram.*`. Checkpoints are read in
 the release naming: deepseek_v4's upstream names plus `layers.L.attn.indexer.{wk,k_norm}.weight`,
-`layers.L.engram.{embed.weight, embed.scale, wkv.weight, q_weight, k_weight}`. Not loaded (ignored):
-`mtp.*` (the DSpark drafter stages; `draft_heads` reports them), `ffn.gate.bias_vl` and the vision
-tower (text only). Quantized weights (fp8 E4M3 + UE8M0 32x32 `.scale`, fp4 experts) stay packed;
+`layers.L.engram.{embed.weight, embed.scale, wkv.weight, q_weight, k_weight}`. The DSpark stages
+`mtp.{j}.*` (a block's release names, `mtp.0.main_proj`/`main_norm`, the last stage's `norm`,
+`markov_head.{embed,head}`, `confidence_head.proj`) are optional, all or none, and bound into
+`Model.dspark` for the drafter (spec/dspark.py; docs/families/deepseek_v41.md). Not loaded (ignored):
+`ffn.gate.bias_vl` (of the layers and the stages) and the vision tower (text only). Quantized weights (fp8 E4M3 + UE8M0 32x32 `.scale`, fp4 experts) stay packed;
 `attn.wo_a` (used as a grouped view) is dequantized at load. The Engram tables stay in the file (the
 contract marks them `mapped`: a read-only view of the file's map) and are read row by row; `build`
 makes the token map from the checkpoint's tokenizer, or it is passed as `token_map` to `Model`.
@@ -101,8 +107,8 @@ from torch import Tensor
 
 from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import SequenceState, TailRows, TokenRows
-from ..config import declared, field, positive, read_config
-from ..errors import ConfigError
+from ..config import declared, field, non_negative, positive, read_config, require
+from ..errors import CheckpointError, ConfigError
 from ..layers import mhc
 from ..layers.csa import (
     CSA,
@@ -149,7 +155,7 @@ from .deepseek_v4 import (
     index_query_specs,
     moe_layer_specs,
 )
-from .parts import bind_moe
+from .parts import bind_moe, moe_specs
 
 MODEL_TYPES = ("deepseek_v41",)
 
@@ -237,6 +243,21 @@ _DEFAULTS = {
 
 
 @dataclass(frozen=True, kw_only=True)
+class DsparkConfig:
+    """The DSpark drafter the MTP stages make up (`dspark_*`; absent keys take the release's values):
+    stage 0 projects the concatenated hidden states of the target layers `target_layer_ids` (their input
+    streams' mean); a block of `block_size` rows, [token, noise x (block_size - 1)], drafts one token per
+    row; the stages' MoE has its own expert count and top-k; the Markov head has rank `markov_rank`."""
+
+    target_layer_ids: tuple[int, ...]
+    block_size: int = declared(5, key="dspark_block_size", check=positive)
+    markov_rank: int = declared(256, key="dspark_markov_rank", check=positive)
+    n_routed_experts: int = declared(128, key="dspark_n_routed_experts", check=positive)
+    num_experts_per_tok: int = declared(3, key="dspark_num_experts_per_tok", check=positive)
+    noise_token_id: int = declared(128799, key="dspark_noise_token_id", check=non_negative)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeepseekV41Config(DeepseekV4Config):
     """DeepSeek-V4's config (`layer_types` may also hold CSA2; `mlp_layer_types` is all "moe") plus:"""
 
@@ -252,6 +273,7 @@ class DeepseekV41Config(DeepseekV4Config):
     index_keys: tuple[bool, ...]  # per layer: a KV source whose entries an index source scores
     uses_candidates: tuple[bool, ...]  # per layer: an index source restricted to the candidate blocks
     engram: EngramConfig | None
+    dspark: DsparkConfig | None  # the MTP stages' drafter (None: the config has no stages)
     q_head_norm: bool = declared(False)
     delayed_pre: bool = declared(True, key="mhc_delayed_pre")
     model_type: str = "deepseek_v41"
@@ -403,6 +425,7 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
     roles = _roles(text, kinds, ratios, n, w)
     model = {"hc_mult": base.hc_mult, "rms_norm_eps": base.rms_norm_eps, "hidden_size": base.hidden_size}
     engram = EngramConfig.from_config({**text, **model, "vocab_size": base.vocab_size}, w)
+    dspark = _dspark(text, base, n, mtp_ratios, engram, w)
     common = {
         f.name: getattr(base, f.name)
         for f in dataclasses.fields(base)
@@ -419,7 +442,49 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
         **roles,
         **_candidates(text, roles, n, w),
         engram=engram,
+        dspark=dspark,
     )
+
+
+def _dspark(
+    text: dict, base: DeepseekV4Config, n: int, mtp_ratios: list, engram, w: str
+) -> DsparkConfig | None:
+    """The DSpark stages' config, when the config has stages (`num_nextn_predict_layers`)."""
+    if not base.num_nextn_predict_layers:
+        return None
+    raw = {k: v for k, v in RELEASE_TEXT_CONFIG.items() if k.startswith("dspark_")} | text
+    ids = raw["dspark_target_layer_ids"]
+    engram_layers = () if engram is None else engram.layer_ids
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 < i < n or i in engram_layers for i in ids
+        )
+    ):
+        raise ConfigError(
+            f"{w}: field 'dspark_target_layer_ids' must list layers in 1..{n - 1} (the drafter reads their "
+            f"input, i.e. the previous layer's output; not an Engram layer {list(engram_layers)}), got {ids!r}"
+        )
+    require(
+        not any(mtp_ratios), w, "compress_ratios", mtp_ratios, "the DSpark stages are window-only (ratio 0)"
+    )
+    ds = read_config(DsparkConfig, raw, w, target_layer_ids=tuple(ids))
+    require(
+        ds.num_experts_per_tok <= ds.n_routed_experts,
+        w,
+        "dspark_num_experts_per_tok",
+        ds.num_experts_per_tok,
+        f"must be at most dspark_n_routed_experts = {ds.n_routed_experts}",
+    )
+    require(
+        ds.noise_token_id < base.vocab_size,
+        w,
+        "dspark_noise_token_id",
+        ds.noise_token_id,
+        f"must be a token id below vocab_size = {base.vocab_size}",
+    )
+    return ds
 
 
 # ---------------------------------------------------------------- tensor contract
@@ -471,6 +536,36 @@ def _layer_specs(cfg: DeepseekV41Config, L: int) -> list[TensorSpec]:
     return specs
 
 
+def dspark_specs(cfg: DeepseekV41Config) -> list[TensorSpec]:
+    """The DSpark stages `mtp.{j}.` (optional, role "mtp", all or none): each a V4.1 block's norms, mHC
+    sites and window-only attention core with its own MoE (dspark experts, one shared expert); stage 0
+    also `main_proj` [d, taps·d] and `main_norm`; the last stage `norm`, the Markov head `markov_head.
+    {embed,head}` [V, r] and the confidence head `confidence_head.proj` [1, d + r]."""
+    ds, d, I = cfg.dspark, cfg.hidden_size, cfg.moe_intermediate_size
+    if ds is None:
+        return []
+    specs, last = [], cfg.num_nextn_predict_layers - 1
+    for j in range(cfg.num_nextn_predict_layers):
+        p, L = f"mtp.{j}.", cfg.num_hidden_layers + j
+        specs += attention_block_specs(cfg, p, L, optional=True)
+        specs += moe_specs(p + "mlp.", ds.n_routed_experts, I, d, L, shared=I, optional=True)
+        opt = dict(layer=L, optional=True)
+        if j == 0:
+            specs += [
+                TensorSpec(p + "main_proj.weight", (d, len(ds.target_layer_ids) * d), "mtp", **opt),
+                TensorSpec(p + "main_norm.weight", (d,), "norm", keep_fp32=True, **opt),
+            ]
+        if j == last:
+            r = ds.markov_rank
+            specs += [
+                TensorSpec(p + "norm.weight", (d,), "norm", keep_fp32=True, **opt),
+                TensorSpec(p + "markov_head.embed.weight", (cfg.vocab_size, r), "mtp", **opt),
+                TensorSpec(p + "markov_head.head.weight", (cfg.vocab_size, r), "mtp", **opt),
+                TensorSpec(p + "confidence_head.proj.weight", (1, d + r), "mtp", keep_fp32=True, **opt),
+            ]
+    return [dataclasses.replace(s, role="mtp") for s in specs]
+
+
 def tensor_specs(cfg: DeepseekV41Config) -> list[TensorSpec]:
     d = cfg.hidden_size
     specs = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding")]
@@ -482,7 +577,7 @@ def tensor_specs(cfg: DeepseekV41Config) -> list[TensorSpec]:
     specs.append(
         TensorSpec("lm_head.weight", (cfg.vocab_size, d), "lm_head", optional=cfg.tie_word_embeddings)
     )
-    return specs
+    return specs + dspark_specs(cfg)
 
 
 _V41_NAMES = {
@@ -490,8 +585,7 @@ _V41_NAMES = {
     "self_attn.indexer.k_norm.weight": "attn.indexer.k_norm.weight",
 }
 IGNORED = [
-    r"mtp\..*",  # the DSpark drafter stages (spec/)
-    r"layers\.\d+\.ffn\.gate\.bias_vl",  # the router bias of image tokens (vision is not supported)
+    r"(layers|mtp)\.\d+\.ffn\.gate\.bias_vl",  # the router bias of image tokens (vision is not supported)
     r"(vision|visual|vision_model|vision_tower|aligner|mm_projector|projector)\..*",
 ]  # inferred names
 
@@ -592,15 +686,59 @@ def bind_layer(t: Tensors, cfg: DeepseekV41Config, L: int, device) -> Layer:
     )
 
 
+@dataclass
+class Dspark:
+    """The bound DSpark drafter (spec/dspark.py runs it): its stages (V4.1 blocks, window-only attention),
+    stage 0's input projection and norm, the last stage's norm, Markov and confidence heads."""
+
+    stages: list[Layer]
+    main_proj: object  # [d, taps·d]
+    main_norm: Tensor
+    norm: Tensor
+    markov_embed: Tensor  # [V, r]
+    markov_head: Tensor  # [V, r]
+    confidence: Tensor  # [1, d + r]
+
+
+def bind_dspark(t: Tensors, cfg: DeepseekV41Config, device) -> Dspark | None:
+    """The DSpark stages when the checkpoint has them: all of their tensors or none (a CheckpointError)."""
+    specs = dspark_specs(cfg)
+    missing = [s.name for s in specs if not t.has(s.name)]
+    if len(missing) == len(specs):
+        return None
+    if missing:
+        raise CheckpointError(
+            f"the DSpark stages (mtp.*) are incomplete: {len(missing)} of their {len(specs)} tensor(s) "
+            f"missing, e.g. {missing[:3]} (ship all of them or none)"
+        )
+    stages = []
+    for j in range(cfg.num_nextn_predict_layers):
+        w = t.under(f"mtp.{j}.")
+        attn = bind_attention(w.under("self_attn."), None, None, False, device)
+        stages.append(deepseek_v4.bind_layer(w, attn, bind_moe(w.under("mlp.")), cls=Layer))
+    first, last = t.under("mtp.0."), t.under(f"mtp.{cfg.num_nextn_predict_layers - 1}.")
+    return Dspark(
+        stages,
+        first("main_proj.weight"),
+        first("main_norm.weight"),
+        last("norm.weight"),
+        last("markov_head.embed.weight"),
+        last("markov_head.head.weight"),
+        last("confidence_head.proj.weight"),
+    )
+
+
 def tokenizer_vocab(tok):
     """What `engram.build_token_map` reads from a tokenizer: the tokenizer itself, or, for moesaic's byte
     tokenizer, (decoded, raw token) pairs (specials decode to their names, as tokenizers' decode with
     skip_special_tokens=False does; a lone byte >= 0x80 decodes to U+FFFD and keys on its raw name)."""
     if isinstance(tok, ByteTokenizer):
         names = ["<pad>", "<s>", "</s>"]
-        return [(s, s) for s in names] + [
-            (tok.decode([i]), f"<0x{i - BYTE_OFFSET:02X}>") for i in range(BYTE_OFFSET, tok.vocab_size)
-        ]
+        return (
+            [(s, s) for s in names]
+            + [(tok.decode([i]), f"<0x{i - BYTE_OFFSET:02X}>") for i in range(BYTE_OFFSET, 256 + BYTE_OFFSET)]
+            + [(s, s) for s in tok.added]  # a demo's chat markers, after the bytes
+        )
     return tok
 
 
@@ -645,6 +783,7 @@ class Model:
         self.layers = [
             bind_layer(t.under(f"model.layers.{L}."), cfg, L, device) for L in range(cfg.num_hidden_layers)
         ]
+        self.dspark = bind_dspark(t, cfg, device)  # the MTP stages, for the drafter (spec/); None when absent
         self.hasher = None
         if cfg.engram is not None and token_map is not None:
             self.hasher = EngramHash(cfg.engram, token_map)
@@ -751,6 +890,22 @@ class Model:
             [self.hasher.rows(ids[s.start : s.start + s.n], s.state.layers[-1]) for s in batch.seqs]
         )
 
+    def block(self, w: Layer, h: Tensor, pre: Tensor | None, attention, moe_spec=None):
+        """One block over the streams h [N, n, d]: each site collapses with the previous site's pre
+        (delayed pre) or its own, then attention(x) -> y (the caller's: a decoder layer's, or a DSpark
+        stage's) and the MoE (`moe_spec`: a DSpark stage's top-k). Returns (streams, the pre to carry)."""
+        eps = self.cfg.rms_norm_eps
+        for site, norm, attend in ((w.attn_hc, w.attn_norm, True), (w.mlp_hc, w.mlp_norm, False)):
+            if self.cfg.delayed_pre:
+                site_pre, post, comb = mhc.site_maps(h, site, self.hc)
+                x, pre = mhc.collapse(h, pre), site_pre
+            else:
+                x, post, comb = mhc.site_input(h, site, self.hc)
+            x = rms_norm_cast_once(x, norm, eps)
+            y = attention(x) if attend else moe(x, w.mlp, moe_spec or self.moe)
+            h = mhc.update(h, y, post, comb)
+        return h, pre
+
     @torch.inference_mode()
     def final_hidden(self, h: Tensor, pre: Tensor | None) -> Tensor:
         """The final norm's input: the streams collapsed by the delayed pre map, or V4's weighted head."""
@@ -772,19 +927,7 @@ class Model:
         for L, w in enumerate(self.layers):
             if w.engram is not None:
                 h = engram_forward(h, rows[:, c.engram.layer_ids.index(L)], w.engram, c.engram)
-            for site, norm, block in ((w.attn_hc, w.attn_norm, "attention"), (w.mlp_hc, w.mlp_norm, "moe")):
-                if c.delayed_pre:
-                    site_pre, post, comb = mhc.site_maps(h, site, self.hc)
-                    x, pre = mhc.collapse(h, pre), site_pre
-                else:
-                    x, post, comb = mhc.site_input(h, site, self.hc)
-                x = rms_norm_cast_once(x, norm, eps)
-                y = (
-                    self.attention(L, w, x, batch, published)
-                    if block == "attention"
-                    else moe(x, w.mlp, self.moe)
-                )
-                h = mhc.update(h, y, post, comb)
+            h, pre = self.block(w, h, pre, lambda x, L=L, w=w: self.attention(L, w, x, batch, published))
             batch.tap(L, h, mhc.head_mean)
         batch.finish()
         batch.tap(FINAL, h, lambda s: self.final_hidden(s, pre))

@@ -196,9 +196,9 @@ def parse_config(raw: dict, layout: str = "hf") -> Mistral4Config:
 
 def _from_params_json(p: dict) -> dict:
     """Mistral native params.json -> the transformers field names (keys as the converter reads them)."""
-    moe = p.get("moe") or {}
-    yarn = p.get("yarn")
-    l4 = p.get("llama_4_scaling") or {}
+    moe = section(p, "moe", "params.json")
+    yarn = section(p, "yarn", "params.json")
+    l4 = section(p, "llama_4_scaling", "params.json")
     need = [
         "dim",
         "n_layers",

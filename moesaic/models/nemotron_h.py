@@ -24,8 +24,8 @@ as `mtp.layers.{k}.` (k = block * P + position), each a Nemotron-H layer, with `
 `eh_proj [d, 2d]` on a block's first layer and `final_layernorm` on its last: the names vLLM
 `vllm/model_executor/models/nemotron_h_mtp.py` (`NemotronHMTP.load_weights`), SGLang
 `python/sglang/srt/models/nemotron_h_mtp.py` and Megatron-Bridge
-`src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py` load. They are bound into `Model.mtp` and
-not run yet (transformers builds no MTP module: no oracle).
+`src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py` load. They are bound into `Model.mtp`; spec/mtp.py
+drafts with them (transformers builds no MTP module: no oracle; docs/families/nemotron_h.md).
 
 dt convention. softplus(dt + dt_bias) is clamped below at `time_step_min` in prefill AND decode
 (moesaic/layers/mamba2.py); transformers clamps in its chunked prefill only.
@@ -505,13 +505,14 @@ class Model:
         self.mtp = bind_mtp(cfg, t)  # for the MTP drafter; [] when the checkpoint has none
 
     # -- state
-    def new_state(self, rollback_window: int = 0) -> SequenceState:
+    def new_state(self, rollback_window: int = 0, kinds: tuple[str, ...] | None = None) -> SequenceState:
         """K and V rows per attention layer; a Mamba-2 state per Mamba layer, keeping one snapshot per
-        token of `rollback_window` (the last tokens it can forget exactly); nothing for MLP/MoE layers."""
+        token of `rollback_window` (the last tokens it can forget exactly); nothing for MLP/MoE layers.
+        `kinds`: other layers than the decoder's (an MTP block's)."""
         c = self.cfg
         kv = c.num_key_value_heads * c.head_dim
         layers = []
-        for kind in c.layer_types:
+        for kind in c.layer_types if kinds is None else kinds:
             if kind == MAMBA:
                 layers.append(RecurrentState(Mamba2State.zeros(self.dims, self.device), rollback_window))
             elif kind == ATTENTION:

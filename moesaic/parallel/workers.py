@@ -336,7 +336,9 @@ class Lockstep:
     # rank 0
     def added(self, seq: Sequence) -> None:
         if self.rank == 0:
-            self.journal.append(("add", seq.id, list(seq.prompt_ids), seq.params, seq.request_id))
+            # the workers never sample: a structured-output processor (a closure over a grammar) stays here
+            params = dataclasses.replace(seq.params, logits_processor=None)
+            self.journal.append(("add", seq.id, list(seq.prompt_ids), params, seq.request_id))
 
     def aborted(self, seq: Sequence) -> None:
         if self.rank == 0:
@@ -353,7 +355,7 @@ class Lockstep:
         return self.rank_.command("step", journal, paused)
 
     def share(self, outcomes: list) -> list:
-        """Rank 0's sampled (token, logprobs) or failure per draw, on every rank (failures as text)."""
+        """Rank 0's sampled [(token, logprobs)] or failure per draw, on every rank (failures as text)."""
         sent = [
             RuntimeError(f"{type(o).__name__}: {o}") if isinstance(o, BaseException) else o for o in outcomes
         ]

@@ -11,6 +11,13 @@ Row convention: `observe(seq, start, tokens, hidden)` gives the committed tokens
 and, for each of those positions, the target's taps of the forward that consumed that token (so
 `hidden[layer][i]` is the target's hidden state at position start + i, computed from t_0 .. t_{start+i}).
 The newest committed token, sampled from the last row, has no hidden yet; it is the `last` of `propose`.
+Rows the target did not compute (a prompt prefix served by the prefix cache) come with `hidden` = {}: a
+drafter that reads hidden states has no features for them and drafts from the rows it has (verification
+keeps the output exact whatever it proposes).
+
+Parallel samples (n > 1): when a request forks after its prompt, the engine calls `fork(parent, child)`
+where a proposer has it (the child starts with the parent's rows); otherwise `start(child)` and an
+`observe` of the prompt's tokens with `hidden` = {}.
 """
 
 from __future__ import annotations
@@ -48,4 +55,5 @@ class DraftProposer(Protocol):
         requests of one step come together, so a drafter can batch its forward."""
 
     def finish(self, seq_id: int) -> None:
-        """The sequence ended or was aborted: free what is held for it."""
+        """The sequence ended or was aborted: free what is held for it (if anything: it may have been
+        preempted before, or never started)."""

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from .dtypes import FLOAT_CODES, INTEGER_CODES, NAMES
-from .precision import PrecisionSchedule
+from .precision import MAX_SHOWN, PrecisionSchedule, packable
 from .quant import (
     COMPANION_SUFFIXES,
     ConcatRows,
@@ -88,9 +88,8 @@ class Source:
     split: Callable[[torch.Tensor], list[torch.Tensor]] | None = None  # the inverse, for checkpoint writers
 
 
-# Roles whose weights may stay packed when the checkpoint stores them quantized (they are only
-# used through `linear`). Anything else, or a spec marked dense, is dequantized at load.
-PACKABLE_ROLES = {"expert", "shared_expert", "mlp", "attention", "lm_head", "mamba", "kda", "engram"}
+# Which weights may stay packed when the checkpoint stores them quantized (those used only through
+# `linear`) is precision.py's `packable`: anything else, or a spec marked dense, is dequantized at load.
 
 
 def direct(name: str, shape) -> Source:
@@ -144,13 +143,59 @@ class LoadPlan:
 
 
 def quantization_config(store: WeightStore) -> dict | None:
-    """config.json's `quantization_config` (also in a nested text_config), or Mistral's `quantization`."""
+    """config.json's `quantization_config` (also in a nested text_config), or Mistral's `quantization`,
+    its containers checked (a ConfigError naming the field, not a TypeError deep in a format reader)."""
     c = store.config
-    return (
-        c.get("quantization_config")
-        or (c.get("text_config") or {}).get("quantization_config")
-        or c.get("quantization")
-    )
+    text = c.get("text_config")
+    found = [
+        (where, v)
+        for where, v in (
+            ("quantization_config", c.get("quantization_config")),
+            (
+                "text_config.quantization_config",
+                text.get("quantization_config") if isinstance(text, dict) else None,
+            ),
+            ("quantization", c.get("quantization")),
+        )
+        if v is not None
+    ]
+    if not found:
+        return None
+    where, qc = found[0]
+    _check_quant_config(qc, f"config: field {where!r}")
+    return qc or None
+
+
+def _check_quant_config(qc, where: str) -> None:
+    """The containers the format readers walk (weights/quant.py) have the types they expect."""
+
+    def want(ok: bool, what: str, v) -> None:
+        if not ok:
+            raise ConfigError(f"{where}: {what}, got {type(v).__name__}: {v!r:.200}")
+
+    strings = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)  # noqa: E731
+    want(isinstance(qc, dict), "must be an object", qc)
+    for k in ("quant_method", "quant_algo", "format"):
+        if qc.get(k) is not None:
+            want(isinstance(qc[k], str), f"{k!r} must be a name", qc[k])
+    for k in ("ignore", "exclude_modules", "modules_to_not_convert", "ignored_layers"):
+        if qc.get(k) is not None:
+            want(strings(qc[k]), f"{k!r} must be a list of module names", qc[k])
+    if qc.get("quantization") is not None:  # ModelOpt's hf_quant_config.json nests the config
+        want(isinstance(qc["quantization"], dict), "'quantization' must be an object", qc["quantization"])
+        _check_quant_config(qc["quantization"], f"{where}.quantization")
+    for k in ("config_groups", "quantized_layers"):
+        groups = qc.get(k)
+        if groups is None:
+            continue
+        want(isinstance(groups, dict), f"{k!r} must be an object of name -> object", groups)
+        for name, g in groups.items():
+            want(isinstance(g, dict), f"{k}[{name!r}] must be an object", g)
+            if g.get("targets") is not None:
+                want(strings(g["targets"]), f"{k}[{name!r}].targets must be a list of names", g["targets"])
+            for sub in ("weights", "input_activations"):
+                if g.get(sub) is not None:
+                    want(isinstance(g[sub], dict), f"{k}[{name!r}].{sub} must be an object", g[sub])
 
 
 _FLOAT_DTYPES = FLOAT_CODES
@@ -168,30 +213,94 @@ def _quant_format(store: WeightStore, name: str, qc, dtypes) -> str | None:
     packed_weight = name in store and store.info(name).dtype in ("U8", "I8", "F8_E4M3")
     if not (has_companion or packed_weight):
         return None
-    return resolve_format(qc, dtypes, base)
+    try:
+        return resolve_format(qc, dtypes, base)
+    except (
+        TypeError,
+        ValueError,
+        AttributeError,
+        KeyError,
+    ) as e:  # a value of a type the reader did not expect
+        raise ConfigError(f"{base}: quantization_config cannot be read ({type(e).__name__}: {e})") from e
+
+
+def check_scale(num_layers: int, tensor_count: int) -> None:
+    """Refuses a config whose size cannot belong to the checkpoint before its contract is built: each
+    decoder layer needs at least one tensor, so more layers than the checkpoint has tensors is a config
+    of another model (and building a contract of 10**6 layers would take minutes and gigabytes). With no
+    tensor listed at all (`inspect` on a bare config), a layer count no model comes near is refused."""
+    if tensor_count and num_layers > tensor_count:
+        raise CheckpointError(
+            f"config.json describes {num_layers} layers but the checkpoint holds only {tensor_count} "
+            "tensors (every layer needs several): the config does not belong to these weights"
+        )
+    if not tensor_count and num_layers > MAX_LAYERS:
+        raise ConfigError(
+            f"config.json describes {num_layers} layers, more than the {MAX_LAYERS} any model comes near"
+        )
+
+
+MAX_LAYERS = 10_000
+
+
+class _Problems:
+    """The problems of one plan by kind, each kind's list capped at MAX_SHOWN (the count stays exact)."""
+
+    def __init__(self):
+        self.shown: dict[str, list[str]] = {}
+        self.hidden: dict[str, int] = {}
+        self.count = 0
+
+    def add(self, kind: str, text: str) -> None:
+        self.count += 1
+        shown = self.shown.setdefault(kind, [])
+        if len(shown) < MAX_SHOWN:
+            shown.append(text)
+        else:
+            self.hidden[kind] = self.hidden.get(kind, 0) + 1
+
+    def lines(self) -> list[str]:
+        out = []
+        for kind, shown in self.shown.items():
+            out += shown
+            if self.hidden.get(kind):
+                out.append(f"... and {self.hidden[kind]} more {kind}")
+        return out
 
 
 def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> LoadPlan:
-    problems: list[str] = []
+    store.require_weights()
+    problems = _Problems()
     sources: dict[str, Source] = {}
     used: set[str] = set()
     skipped: list[str] = []
     quantized: dict[str, str] = {}
     qc = quantization_config(store)
     dtypes = {n: (i.dtype, i.shape) for n, i in store.infos.items()}
+    needed: set[str] = (
+        set()
+    )  # checkpoint tensors the contract needs; more than the store holds = wrong config
     for spec in specs:
         src = naming.source(spec)
+        if not spec.optional:
+            needed.update(n for n, _ in src.parts)
+            if len(needed) > 2 * len(store.infos) + 16:
+                raise CheckpointError(
+                    f"checkpoint {store.folder} holds {len(store.infos)} tensors, but the config asks for "
+                    f"more than {len(needed)} (at {spec.name}): config.json does not belong to these weights"
+                )
         formats = {}
         if spec.mapped and len(src.parts) != 1:
-            problems.append(
-                f"{spec.name}: a mapped tensor must come from one checkpoint tensor, not {len(src.parts)}"
+            problems.add(
+                "problems",
+                f"{spec.name}: a mapped tensor must come from one checkpoint tensor, not {len(src.parts)}",
             )
             continue
         for n, _ in [] if spec.mapped else src.parts:  # a mapped tensor is taken as stored
             try:
                 fmt = _quant_format(store, n, qc, dtypes)
             except CheckpointError as e:
-                problems.append(f"bad quantized weight: {e}")
+                problems.add("bad quantized weights", f"bad quantized weight: {e}")
                 fmt = "bad"
             if fmt:
                 formats[n] = fmt
@@ -201,17 +310,20 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
                 skipped.append(spec.name)
                 continue
             shown = ", ".join(absent[:3]) + (f" (+{len(absent) - 3} more)" if len(absent) > 3 else "")
-            problems.append(f"missing: {shown} (for {spec.name}, shape {list(spec.shape)})")
+            problems.add("missing", f"missing: {shown} (for {spec.name}, shape {list(spec.shape)})")
             continue
         for n, shape in src.parts:
             fmt = formats.get(n)
             if fmt is None:
                 info = store.info(n)
                 if not shape_matches(info.shape, shape):
-                    problems.append(f"misshaped: {n} is {list(info.shape)}, expected {list(shape)}")
+                    problems.add("misshaped", f"misshaped: {n} is {list(info.shape)}, expected {list(shape)}")
                 kinds = _INTEGER_DTYPES if spec.integer else _FLOAT_DTYPES
                 if info.dtype not in kinds and not spec.mapped:  # a mapped tensor is taken as stored
-                    problems.append(f"wrong dtype: {n} is {info.dtype}, expected one of {', '.join(kinds)}")
+                    problems.add(
+                        "wrong dtypes",
+                        f"wrong dtype: {n} is {info.dtype}, expected one of {', '.join(kinds)}",
+                    )
                 used.add(n)
             elif fmt != "bad":
                 base = _base(n)
@@ -220,19 +332,21 @@ def plan_load(specs: list[TensorSpec], store: WeightStore, naming: Naming) -> Lo
                         base, lambda k: store.get(k, count=False), fmt, qc, names=store, shape=shape
                     )
                 except CheckpointError as e:
-                    problems.append(f"bad quantized weight: {e}")
+                    problems.add("bad quantized weights", f"bad quantized weight: {e}")
+                except (TypeError, ValueError, AttributeError, KeyError) as e:
+                    raise ConfigError(
+                        f"{base}: quantization_config cannot be read ({type(e).__name__}: {e})"
+                    ) from e
                 used.update(f"{base}.{s}" for s in ("weight",) + COMPANION_SUFFIXES if f"{base}.{s}" in store)
                 quantized[n] = fmt
         sources[spec.name] = src
-    unexpected = [n for n in store.names() if n not in used and not naming.ignores(n)]
-    for n in unexpected[:20]:
-        problems.append(f"unexpected: {n} {list(store.info(n).shape)}")
-    if len(unexpected) > 20:
-        problems.append(f"... and {len(unexpected) - 20} more unexpected tensors")
-    if problems:
+    for n in store.names():
+        if n not in used and not naming.ignores(n):
+            problems.add("unexpected tensors", f"unexpected: {n} {list(store.info(n).shape)}")
+    if problems.count:
         raise CheckpointError(
             f"checkpoint {store.folder} does not match the {naming.name} naming of this model "
-            f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
+            f"({problems.count} problem(s)):\n  " + "\n  ".join(problems.lines())
         )
     return LoadPlan(sources, {s.name: s for s in specs}, skipped, quantized, qc)
 
@@ -245,31 +359,37 @@ def load_tensors(
     schedule: PrecisionSchedule | None = None,
     rank: int = 0,
     world: int = 1,
+    experts=None,
 ) -> dict:
     """Reads each planned checkpoint tensor once and converts it as the spec and the precision
     schedule say. Quantized weights of packable roles stay packed (codes and scales copied out of
     the mmap, never dequantized as a whole); the rest become dense tensors. With world > 1, a spec
-    with a `shard` gives rank `rank`'s piece only, and only that piece is read."""
+    with a `shard` gives rank `rank`'s piece only, and only that piece is read. With `experts` (an
+    ExpertCache, weights/experts.py) the streamable stacks and the 1-byte mapped tables stay in the
+    shards: their places hold objects that read them on demand (one rank only: LLM refuses both)."""
     schedule = schedule or PrecisionSchedule()
-    schedule.check_roles(plan.specs.values())
+    schedule.check(plan.specs.values())
     if world > 1:
         store.advise_random()
     out = {}
     for name, src in plan.sources.items():
         spec = plan.specs[name]
         if spec.mapped:
-            out[name] = store.get(src.parts[0][0], count=False)  # a view of the file map: not read here
+            info = store.info(src.parts[0][0])
+            if experts is not None and info.dtype in ("F8_E4M3", "F8_E8M0", "U8", "I8"):
+                out[name] = experts.add_rows(info)  # rows read through the expert cache's reader
+            else:
+                out[name] = store.get(src.parts[0][0], count=False)  # a view of the file map: not read here
             continue
-        want = schedule.dtype_for(spec.layer, spec.role)
-        packable = (
-            spec.role in PACKABLE_ROLES and not spec.dense and not spec.keep_fp32 and len(spec.shape) >= 2
-        )
+        want = schedule.resolve(spec)  # "inherit" where the rule cannot apply (precision.py)
+        linear_only = packable(spec)
         if spec.keep_fp32:
             target = torch.float32
-        elif isinstance(want, torch.dtype) or want in ("inherit", "fp8"):
-            target = dtype if want in ("inherit", "fp8") else want
         else:
-            target = _precision_dtype(want)
+            target = dtype if want in ("inherit", "fp8") else NAMES[want]
+        if experts is not None and spec.streamable:  # left in the shards, read on demand
+            out[name] = experts.add_stack(spec, src, plan, store, target, want, packable, device)
+            continue
         # Parts that are combined (stacked experts) stay views of the file mapping until the
         # combine copies them once; a single part is copied here. Either way one copy per tensor.
         combined = src.combine is not None
@@ -280,7 +400,7 @@ def load_tensors(
             t = _read(store, n, shape, fmt, plan, cut)
             if fmt is None:
                 parts.append(t if combined else t.to(device=device, dtype=target, copy=True))
-            elif packable and want in ("inherit", "fp8"):
+            elif linear_only and want in ("inherit", "fp8"):
                 parts.append(t if combined else _own(t, device))
             else:  # small tensor or an explicit float precision: dense at load
                 parts.append(t.dequantize(target).to(device))
@@ -289,7 +409,9 @@ def load_tensors(
             t = after(t)
         if combined:
             t = t.to(device=device, dtype=target) if isinstance(t, torch.Tensor) else t.to(device)
-        if want == "fp8" and packable and isinstance(t, torch.Tensor):
+        if not spec.integer:
+            check_finite(t, name, src)
+        if want == "fp8" and linear_only and isinstance(t, torch.Tensor):
             t = _to_fp8(t, name)
         out[name] = t
     return out
@@ -457,8 +579,86 @@ def shard_bytes(plan: LoadPlan, store: WeightStore, rank: int, world: int) -> in
     return total
 
 
-def _precision_dtype(want: str) -> torch.dtype:
-    return NAMES[want]
+_CHUNK = 1 << 24  # elements located at a time: the bool mask of a chunk is 16 MB, not the tensor's size
+
+
+def _first_bad(t: torch.Tensor, bad) -> list[int] | None:
+    """The index of the first element of `t` for which `bad(chunk)` holds, or None (chunked)."""
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        mask = bad(flat[start : start + _CHUNK])
+        if mask.any():
+            i = start + int(mask.nonzero()[0, 0])
+            return [int(x) for x in torch.unravel_index(torch.tensor(i), t.shape)] if t.dim() else []
+    return None
+
+
+# The tests are reductions (one fast pass; an elementwise mask is several times slower than the load's own
+# copy) and only a tensor that fails one is searched for the element to name. A sum is finite unless an
+# element is NaN or Inf (or the sum overflows, which only makes the search run).
+def _floats_ok(x: torch.Tensor) -> bool:
+    return bool(torch.isfinite(x.sum()))
+
+
+def _e4m3_ok(x: torch.Tensor) -> bool:  # E4M3 "fn" NaN is 0x7F / 0xFF: int8 127 / uint8 255
+    b = x.view(torch.uint8)
+    return x.numel() == 0 or (int(b.amax()) != 0xFF and int(b.view(torch.int8).amax()) != 0x7F)
+
+
+def _e8m0_ok(x: torch.Tensor) -> bool:  # 0xFF is NaN in E8M0
+    return x.numel() == 0 or int(x.view(torch.uint8).amax()) != 0xFF
+
+
+def _e4m3_nan(c: torch.Tensor) -> torch.Tensor:
+    return (c.view(torch.uint8) & 0x7F) == 0x7F
+
+
+def check_finite(t, name: str, src: Source | None = None) -> None:
+    """A CheckpointError naming the tensor (and the element) when a loaded weight holds NaN or Inf
+    (also a finite value the model dtype cannot hold, e.g. 1e5 in fp16), or a quantized weight has a
+    scale that makes it so: a NaN or Inf scale, an E8M0 0xFF byte (NaN by the OCP MX spec), an NVFP4
+    global scale of 0 or NaN, or an FP8 code that is NaN."""
+    single = src is not None and len(src.parts) == 1 and src.parts[0][0] != name
+    where = f"{name} ({src.parts[0][0]})" if single else name
+    if isinstance(t, ConcatRows):
+        for part in t.parts:
+            check_finite(part, name, src)
+        return
+    if isinstance(t, torch.Tensor):
+        if t.is_floating_point() and not _floats_ok(t):
+            at = _first_bad(t, lambda c: ~torch.isfinite(c))
+            if at is not None:
+                raise CheckpointError(
+                    f"weight {where} holds {t[tuple(at)].item()} at {at} (in "
+                    f"{str(t.dtype).replace('torch.', '')}): the checkpoint is corrupt, or its values "
+                    "overflow this dtype (load it in another)"
+                )
+        return
+    q = t
+    names = getattr(q, "tensor_names", {})
+    checks = []  # (part, tensor, fast test, elementwise test, what a bad element is)
+    if q.codes.dtype == torch.float8_e4m3fn:  # fp4 codes have no NaN
+        checks.append(("codes", q.codes, _e4m3_ok, _e4m3_nan, "a NaN FP8 code"))
+    if q.scale_kind == "e8m0":
+        checks.append(
+            ("scale", q.scale, _e8m0_ok, lambda c: c.view(torch.uint8) == 0xFF, "an E8M0 0xFF (NaN)")
+        )
+    elif q.scale_kind == "e4m3":
+        checks.append(("scale", q.scale, _e4m3_ok, _e4m3_nan, "a NaN E4M3 scale"))
+    else:
+        checks.append(("scale", q.scale, _floats_ok, lambda c: ~torch.isfinite(c), "a NaN or Inf scale"))
+    if q.global_scale is not None:
+        zero_or_nan = lambda c: ~torch.isfinite(c) | (c == 0)  # noqa: E731
+        checks.append(
+            ("global_scale", q.global_scale, lambda c: not zero_or_nan(c).any(), zero_or_nan, "0, NaN or Inf")
+        )
+    for part, x, ok, bad, what in checks:
+        if not ok(x) and (at := _first_bad(x, bad)) is not None:
+            which = f"[{', '.join(map(str, at))}]" if at else ""
+            raise CheckpointError(
+                f"quantized weight {where}: {names.get(part, f'{q.name} ({part})')}{which} is {what}: "
+                "the checkpoint is corrupt"
+            )
 
 
 def _own(q: QuantizedTensor, device) -> QuantizedTensor:

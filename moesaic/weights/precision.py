@@ -10,10 +10,18 @@ mlp, router, lm_head, embedding, norm, ...) or `*`; layers a comma-free list lik
   fp32 | bf16 | fp16   dense in that dtype (quantized weights are dequantized to it at load)
   fp8      quantized at load to FP8 E4M3 with 128x128 block scales (kept packed)
 Resolution: a rule naming the layer beats one naming only the role, which beats `*`.
+
+What a rule can change: a weight used only through `linear` (which casts the activations to the
+weight's dtype and the result back), and a router's matrix (routing casts the same way). Every other
+tensor meets the activations directly (norm gains, embeddings, matrices used as views in einsums),
+so it keeps the model dtype, or fp32 where the reference keeps it: a rule gives such a tensor no other
+dtype, and a rule that could change none of the tensors it names is refused, like one whose role or
+layers name nothing.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -21,12 +29,77 @@ from .dtypes import NAMES
 
 DTYPES = {"inherit": None, **NAMES, "fp8": "fp8"}  # a rule's dtype: a float name, or a format kept packed
 
+# Roles whose matrices are used only through `linear` (so they may stay packed when the checkpoint
+# stores them quantized, or take any dtype): unless a spec is marked dense (used as a view).
+PACKABLE_ROLES = {"expert", "shared_expert", "mlp", "attention", "lm_head", "mamba", "kda", "engram"}
+
+_ROLE = re.compile(r"\*|[A-Za-z_][A-Za-z0-9_]*")
+_LAYERS = re.compile(r"([0-9]+)(?:-([0-9]+))?", re.ASCII)
+MAX_SHOWN = 20  # rules, roles, ... named in one error
+
+
+def packable(spec) -> bool:
+    """Whether tensor `spec` is used only through `linear`: it may stay packed or be packed at load."""
+    return (
+        spec.role in PACKABLE_ROLES
+        and not (spec.dense or spec.keep_fp32 or spec.integer or spec.mapped)
+        and len(spec.shape) >= 2
+    )
+
+
+def takes(spec, dtype: str) -> bool:
+    """Whether a rule's `dtype` applies to tensor `spec` (see the module docstring)."""
+    if dtype == "inherit":
+        return True
+    if dtype == "fp8":
+        return packable(spec)
+    router = spec.role == "router" and len(spec.shape) == 2 and not (spec.keep_fp32 or spec.integer)
+    return packable(spec) or router
+
+
+def _why_fixed(spec, dtype: str) -> str:
+    """Why rule dtype `dtype` cannot apply to `spec` (for the error of a rule that changes nothing)."""
+    if spec.keep_fp32:
+        return "they stay fp32, as the reference keeps them"
+    if spec.integer or spec.mapped:
+        return "they are tables read as stored"
+    if dtype == "fp8" and spec.role == "router":
+        return "fp8 packs only projection weights, not a router"
+    return (
+        "they are used other than through a matrix product (norms, lookups, views), so they keep "
+        "the model dtype"
+    )
+
 
 @dataclass(frozen=True)
 class Rule:
     role: str
-    layers: frozenset[int] | None
+    layers: tuple[tuple[int, int], ...] | None  # inclusive ranges; None = every layer (and none)
     dtype: str
+    text: str  # as written, for errors
+
+    def matches(self, layer: int | None, role: str) -> bool:
+        if self.role not in (role, "*"):
+            return False
+        if self.layers is None:
+            return True
+        return layer is not None and any(a <= layer <= b for a, b in self.layers)
+
+
+def _shown(items: list) -> str:
+    more = f" (+{len(items) - MAX_SHOWN} more)" if len(items) > MAX_SHOWN else ""
+    return ", ".join(items[:MAX_SHOWN]) + more
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2+5'."""
+    out, start = [], None
+    for i, v in enumerate(layers):
+        start = v if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != v + 1:
+            out.append(str(v) if v == start else f"{start}-{v}")
+            start = None
+    return "+".join(out)
 
 
 @dataclass(frozen=True)
@@ -35,9 +108,13 @@ class PrecisionSchedule:
 
     @staticmethod
     def parse(text: str | None) -> PrecisionSchedule:
-        if not text:
+        if text is None:
             return PrecisionSchedule()
-        rules = []
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"a precision schedule is text like 'router=bf16,expert=fp8', got {type(text).__name__}"
+            )
+        rules, seen = [], {}
         for item in text.split(","):
             item = item.strip()
             if not item:
@@ -49,47 +126,86 @@ class PrecisionSchedule:
                 raise ConfigError(
                     f"precision rule {item!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}"
                 )
-            role, _, layer_text = lhs.partition("@")
+            role, at, layer_text = (x.strip() for x in lhs.partition("@"))
+            if not role:
+                raise ConfigError(f"precision rule {item!r}: the role is empty (e.g. expert, attention or *)")
+            if not _ROLE.fullmatch(role):
+                raise ConfigError(f"precision rule {item!r}: role {role!r} is not a role name or *")
             layers = None
-            if layer_text:
-                layers = set()
-                try:
-                    for part in layer_text.split("+"):
-                        a, _, b = part.partition("-")
-                        layers.update(range(int(a), int(b or a) + 1))
-                except ValueError:
-                    raise ConfigError(
-                        f"precision rule {item!r}: layers {layer_text!r} are not like 0-2+7"
-                    ) from None
-                layers = frozenset(layers)
-            rules.append(Rule(role.strip(), layers, dtype))
+            if at:
+                layers = []
+                for part in layer_text.split("+"):
+                    m = _LAYERS.fullmatch(part.strip())
+                    if m is None:
+                        raise ConfigError(
+                            f"precision rule {item!r}: layers {layer_text!r} are not like 0-2+7"
+                        )
+                    a, b = int(m[1]), int(m[2] or m[1])
+                    if b < a:
+                        raise ConfigError(
+                            f"precision rule {item!r}: layer range {part.strip()!r} is empty "
+                            f"(write the lower layer first: {b}-{a})"
+                        )
+                    layers.append((a, b))
+                layers = tuple(sorted(set(layers)))
+            key = (role, layers)
+            if key in seen:
+                raise ConfigError(
+                    f"precision rules {seen[key]!r} and {item!r} name the same tensors: give one"
+                )
+            seen[key] = item
+            rules.append(Rule(role, layers, dtype, item))
         return PrecisionSchedule(tuple(rules))
 
     def dtype_for(self, layer: int | None, role: str) -> str:
+        """The dtype the most specific matching rule gives (layer, role); "inherit" if none does."""
         best, rank = "inherit", 0
         for r in self.rules:
-            if r.role not in (role, "*"):
-                continue
-            if r.layers is not None and (layer is None or layer not in r.layers):
+            if not r.matches(layer, role):
                 continue
             k = (2 if r.role == role else 1) + (2 if r.layers is not None else 0)
             if k > rank:
                 best, rank = r.dtype, k
         return best
 
-    def check_roles(self, specs) -> None:
-        """A rule naming a role this model has no tensor of is a typo: refuse it."""
+    def resolve(self, spec) -> str:
+        """The dtype tensor `spec` is loaded in: its rule's, unless that rule cannot apply to it
+        (then "inherit": the model dtype, or fp32 for a kept-fp32 tensor)."""
+        want = self.dtype_for(spec.layer, spec.role)
+        return want if takes(spec, want) else "inherit"
+
+    def check(self, specs) -> None:
+        """Refuses a rule that changes nothing: a role this model has no tensor of (a typo), layers that
+        hold none of its tensors, or tensors whose dtype no rule can set."""
+        specs = list(specs)
         roles = {s.role for s in specs}
         unknown = sorted({r.role for r in self.rules if r.role != "*" and r.role not in roles})
         if unknown:
             raise ConfigError(
-                f"precision rule role(s) {', '.join(unknown)} match no tensor of this model "
+                f"precision rule role(s) {_shown(unknown)} match no tensor of this model "
                 f"(its roles: {', '.join(sorted(roles))})"
             )
+        for r in self.rules:
+            matched = [s for s in specs if r.matches(s.layer, s.role)]
+            if not matched:
+                have = sorted({s.layer for s in specs if s.layer is not None and r.role in (s.role, "*")})
+                where = f"layers {_ranges(have)}" if have else "no numbered layer"
+                what = (
+                    "this model's tensors are in"
+                    if r.role == "*"
+                    else f"this model's {r.role} tensors are in"
+                )
+                raise ConfigError(f"precision rule {r.text!r} matches no tensor ({what} {where})")
+            if not any(takes(s, r.dtype) for s in matched):
+                why = sorted({_why_fixed(s, r.dtype) for s in matched})
+                raise ConfigError(
+                    f"precision rule {r.text!r} can change none of the {len(matched)} tensor(s) it names: "
+                    + "; ".join(why)
+                )
 
     def describe(self, specs) -> dict[str, str]:
         """role -> resolved dtype (or per-layer detail when layers differ), for `inspect`."""
         out: dict[str, set] = {}
         for s in specs:
-            out.setdefault(s.role, set()).add(self.dtype_for(s.layer, s.role))
+            out.setdefault(s.role, set()).add(self.resolve(s))
         return {role: "/".join(sorted(v)) for role, v in sorted(out.items())}

@@ -1,6 +1,6 @@
 """Quantized weights as the releases ship them, kept packed.
 
-Four formats (byte layouts and names: `reference/quant_formats.md`):
+Four formats (element and scale codecs: `kernels/codecs.py`):
 
   "fp8_block"   E4M3 codes [.., N, K] + one scale per [bn, bk] block, scale tensor
                 [.., ceil(N/bn), ceil(K/bk)], either fp32 *inverse* scales (a multiplier:
@@ -31,7 +31,8 @@ Scale decoding conventions:
 
 A `QuantizedTensor` may be stacked ([E, N, K] for the experts of a layer); `qt[e]` is one expert
 as views of the stacked storage. `matmul(x)` computes `x @ W.T` by dequantizing `tile_rows` rows
-of W at a time (bounded temporaries), never the whole matrix. Activation scales (`input_scale`,
+of W at a time (bounded temporaries, fp32 for half-precision x), never the whole matrix, or through the
+compiled CPU kernels (`kernels/cpu.py`) at decode sizes. Activation scales (`input_scale`,
 `input_global_scale`) are kept on the object but not applied: the matmul is weight-only
 (activations stay in the compute dtype), as engines without FP8/FP4 tensor cores run it.
 
@@ -54,7 +55,24 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CheckpointError
-from ..kernels.cpu_fp4 import try_matmul_2d
+from ..kernels import cpu
+from ..kernels.codecs import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    MXFP4_GROUP,
+    NVFP4_GROUP,
+    e2m1_to_float,
+    e4m3_to_float,
+    e8m0_to_float,
+    float_to_e2m1_codes,
+    float_to_e4m3,
+    pack_fp4_codes,
+    pow2_ceil_e8m0,
+    unpack_fp4,
+    unpack_fp4_codes,
+)
+from ..kernels.codecs import as_u8 as _as_u8
 
 __all__ = [
     "FORMATS",
@@ -80,125 +98,6 @@ __all__ = [
 ]
 
 FORMATS = ("fp8_block", "fp8_tensor", "mxfp4", "nvfp4")
-MXFP4_GROUP = 32
-NVFP4_GROUP = 16
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-
-# --------------------------------------------------------------------------------------------
-# Element and scale types
-# --------------------------------------------------------------------------------------------
-
-# index = 4-bit code: bit 3 is the sign, bits 0-2 the magnitude (code 8 is -0.0)
-E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=torch.float32,
-)
-
-_PAIR_TABLES: dict = {}
-_E8M0_TABLES: dict = {}
-
-
-def _as_u8(t: torch.Tensor) -> torch.Tensor:
-    """Byte view (no copy) of a uint8 / int8 / 1-byte float tensor."""
-    if t.dtype == torch.uint8:
-        return t
-    if t.element_size() != 1:
-        raise TypeError(f"expected a 1-byte dtype, got {t.dtype}")
-    return t.view(torch.uint8)
-
-
-def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit E2M1 codes (uint8, 0..15) -> float32 values."""
-    return E2M1_VALUES.to(codes.device)[codes.long()]
-
-
-def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
-    """[..., C] bytes -> [..., 2C] uint8 codes; element 2j is the low nibble of byte j."""
-    p = _as_u8(packed)
-    return torch.stack((p & 0x0F, p >> 4), dim=-1).flatten(-2)
-
-
-def pack_fp4_codes(codes: torch.Tensor) -> torch.Tensor:
-    """[..., 2C] uint8 codes (0..15) -> [..., C] uint8 bytes (low nibble = even element)."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"fp4 packing needs an even last dimension, got {tuple(codes.shape)}")
-    c = codes.to(torch.uint8).unflatten(-1, (-1, 2))
-    return (c[..., 0] & 0x0F) | ((c[..., 1] & 0x0F) << 4)
-
-
-def _pair_table(dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.dtype]:
-    """A [256, 1] table whose entry b holds (value(b & 15), value(b >> 4)) of `dtype` packed into
-    one element twice as wide, so that one embedding gather decodes a byte into two values."""
-    key = (dtype, str(device))
-    if key not in _PAIR_TABLES:
-        b = torch.arange(256)
-        pair = torch.stack((E2M1_VALUES[b & 15], E2M1_VALUES[b >> 4]), dim=1).to(dtype)  # [256, 2]
-        wide = {1: torch.int16, 2: torch.int32, 4: torch.float64, 8: None}[dtype.itemsize]
-        table = pair.contiguous() if wide is None else pair.contiguous().view(wide)  # [256, 1] or [256, 2]
-        _PAIR_TABLES[key] = (table.to(device), wide)
-    return _PAIR_TABLES[key]
-
-
-def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[..., C] packed E2M1 bytes (uint8 or int8) -> [..., 2C] values of `dtype` (exact)."""
-    p = _as_u8(packed)
-    table, wide = _pair_table(dtype, p.device)
-    out = F.embedding(p.to(torch.int32), table)  # [..., C, 1] (wide) or [..., C, 2]
-    if wide is not None:
-        out = out.view(dtype)
-    return out.flatten(-2)
-
-
-def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """E8M0 exponent bytes (uint8, int8 or float8_e8m0fnu) -> float32 2^(e-127).
-    e = 0 -> 2^-127 (a float32 subnormal), e = 255 -> NaN."""
-    key = str(e.device)
-    if key not in _E8M0_TABLES:
-        t = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256, dtype=torch.float64) - 127)
-        t = t.to(torch.float32)
-        t[255] = float("nan")
-        _E8M0_TABLES[key] = t.to(e.device)
-    return _E8M0_TABLES[key][_as_u8(e).long()]
-
-
-def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
-    """FP8 E4M3 ("fn": no inf, 0x7F/0xFF NaN), as float8_e4m3fn or raw bytes -> float32."""
-    if x.dtype != torch.float8_e4m3fn:
-        x = _as_u8(x).view(torch.float8_e4m3fn)
-    return x.to(torch.float32)
-
-
-# encoders (used by the checkpoint writers of the tests and by runtime quantisation)
-
-
-def float_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest E2M1 value, ties to the even code, saturating at +-6 -> uint8 codes.
-    The sign bit follows the input's sign (so -0.1 -> code 8, -0.0)."""
-    a = x.float().abs()
-    mag = (
-        (a > 0.25).to(torch.uint8)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    )
-    return mag.to(torch.uint8) | (torch.signbit(x.float()).to(torch.uint8) << 3)
-
-
-def float_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Round to nearest even E4M3, saturating to +-448 (NaN stays NaN)."""
-    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-
-
-def pow2_ceil_e8m0(x: torch.Tensor) -> torch.Tensor:
-    """The E8M0 byte of the smallest power of two >= x (x > 0), clamped to 2^-127..2^127."""
-    m, e = torch.frexp(x.float())  # x = m * 2^e, m in [0.5, 1)
-    exp = torch.where(m == 0.5, e - 1, e)
-    return (exp + 127).clamp(0, 254).to(torch.uint8)
-
 
 # --------------------------------------------------------------------------------------------
 # QuantizedTensor
@@ -218,6 +117,115 @@ def _shape(t) -> list:
     return list(t.shape)
 
 
+class _Check:
+    """Validation of one weight's tensors, raising CheckpointErrors that name them."""
+
+    def __init__(self, format: str, codes: torch.Tensor, names: Mapping[str, str]):
+        self.format, self.codes, self.names = format, codes, names
+        self.lead = tuple(codes.shape[:-2])
+
+    def dtype(self, role: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+        if t.dtype not in allowed:
+            raise CheckpointError(
+                f"{self.names[role]}: dtype {t.dtype} is not valid for {self.format} "
+                f"(expected {' or '.join(str(a).replace('torch.', '') for a in allowed)})"
+            )
+
+    def scale_shape(self, scale: torch.Tensor, expected: tuple, why: str) -> None:
+        if tuple(scale.shape) != tuple(expected):
+            raise CheckpointError(
+                f"{self.names['scale']}: shape {_shape(scale)} does not match {self.names['codes']} "
+                f"{_shape(self.codes)} ({why}; expected {list(expected)}). The checkpoint is corrupt or "
+                f"its quantization_config names the wrong block/group size."
+            )
+
+    def per_matrix(self, role: str, t: torch.Tensor) -> torch.Tensor:
+        """One float per matrix of the stack -> fp32 [*lead]."""
+        if t.numel() != math.prod(self.lead):
+            raise CheckpointError(
+                f"{self.names[role]}: expected one value per matrix ({math.prod(self.lead)} "
+                f"for {self.names['codes']} {_shape(self.codes)}), got shape {_shape(t)}"
+            )
+        self.dtype(role, t, _FLOAT_SCALE_DTYPES)
+        return t.reshape(self.lead).to(torch.float32)
+
+    def fp4_codes(self, group: int) -> tuple[torch.Tensor, int]:
+        """Packed codes as bytes and the input dim they hold (a multiple of the group)."""
+        self.dtype("codes", self.codes, _PACKED_DTYPES)
+        k = 2 * self.codes.shape[-1]
+        if k % group:
+            raise CheckpointError(
+                f"{self.names['codes']}: {self.format} needs the input dim ({k}) to be a "
+                f"multiple of its group size {group}"
+            )
+        return _as_u8(self.codes), k
+
+
+# Per format: (check, scale, block, global_scale) -> (codes, scale, K, block, global_scale), stored
+# as the QuantizedTensor holds them (scale bytes as uint8, per-matrix scalars as fp32 [*lead]).
+
+
+def _valid_fp8_block(c: _Check, scale, block, global_scale):
+    c.dtype("codes", c.codes, (torch.float8_e4m3fn,))
+    if (
+        block is None
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise CheckpointError(
+            f"{c.names['codes']}: unsupported fp8 block size {block!r} "
+            f"(need two positive integers [rows, cols], e.g. [128, 128])"
+        )
+    bn, bk = int(block[0]), int(block[1])
+    c.dtype("scale", scale, _FLOAT_SCALE_DTYPES + _E8M0_DTYPES)
+    if scale.dtype in _E8M0_DTYPES:
+        scale = _as_u8(scale)
+    n, k = c.codes.shape[-2:]
+    c.scale_shape(scale, c.lead + (_ceil_div(n, bn), _ceil_div(k, bk)), f"block {[bn, bk]}")
+    return c.codes, scale, k, (bn, bk), None
+
+
+def _valid_fp8_tensor(c: _Check, scale, block, global_scale):
+    c.dtype("codes", c.codes, (torch.float8_e4m3fn,))
+    return c.codes, c.per_matrix("scale", scale), c.codes.shape[-1], None, None
+
+
+def _valid_mxfp4(c: _Check, scale, block, global_scale):
+    codes, k = c.fp4_codes(MXFP4_GROUP)
+    c.dtype("scale", scale, _E8M0_DTYPES + (torch.int8,))
+    scale = _as_u8(scale)
+    c.scale_shape(scale, c.lead + (codes.shape[-2], k // MXFP4_GROUP), f"one scale per {MXFP4_GROUP} inputs")
+    return codes, scale, k, None, None
+
+
+def _valid_nvfp4(c: _Check, scale, block, global_scale):
+    codes, k = c.fp4_codes(NVFP4_GROUP)
+    c.dtype("scale", scale, (torch.float8_e4m3fn,))
+    if global_scale is None:
+        raise CheckpointError(
+            f"{c.names['global_scale']}: nvfp4 needs a global scale "
+            f"(weight_global_scale or weight_scale_2) and none was given"
+        )
+    g = c.per_matrix("global_scale", global_scale)
+    c.scale_shape(scale, c.lead + (codes.shape[-2], k // NVFP4_GROUP), f"one scale per {NVFP4_GROUP} inputs")
+    return codes, scale, k, None, g
+
+
+_VALIDATE = {
+    "fp8_block": _valid_fp8_block,
+    "fp8_tensor": _valid_fp8_tensor,
+    "mxfp4": _valid_mxfp4,
+    "nvfp4": _valid_nvfp4,
+}
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul with x computes and returns in: x's float dtype, else fp32."""
+    return (
+        x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64) else torch.float32
+    )
+
+
 class QuantizedTensor:
     """Packed codes + scales of one weight [N, K] (or a stack [..., N, K] of them).
 
@@ -230,6 +238,8 @@ class QuantizedTensor:
     block         fp8_block only: (bn, bk)
     input_scale   the activation scale as stored (ModelOpt `input_scale` multiplies, compressed-tensors
                   `input_global_scale` divides, like the weight's global scale); not used by matmul
+    name          the weight's name; `tensor_names` the checkpoint names of its codes / scale /
+                  global_scale, used in error messages
     """
 
     def __init__(
@@ -246,113 +256,34 @@ class QuantizedTensor:
         name: str = "<weight>",
         tensor_names: Mapping[str, str] | None = None,
     ):
-        self.name = name
         names = {
             "codes": f"{name} (codes)",
             "scale": f"{name} (scale)",
             "global_scale": f"{name} (global scale)",
         }
         names.update(tensor_names or {})
-        self.tensor_names = names
         if format not in FORMATS:
             raise CheckpointError(
                 f"{name}: unknown quantized format {format!r} (one of {', '.join(FORMATS)})"
             )
-        self.format = format
-        self.block = None
-        self.global_scale = None
-        self.global_divides = bool(global_divides)
-        self.input_scale = input_scale
         if codes.ndim < 2:
             raise CheckpointError(
                 f"{names['codes']}: a quantized weight needs at least 2 dims, got shape {_shape(codes)}"
             )
-        lead = tuple(codes.shape[:-2])
-        n = codes.shape[-2]
-
-        def bad_dtype(role, t, allowed):
-            raise CheckpointError(
-                f"{names[role]}: dtype {t.dtype} is not valid for {format} "
-                f"(expected {' or '.join(str(a).replace('torch.', '') for a in allowed)})"
-            )
-
-        def check_scale_shape(expected, why):
-            if tuple(scale.shape) != tuple(expected):
-                raise CheckpointError(
-                    f"{names['scale']}: shape {_shape(scale)} does not match {names['codes']} "
-                    f"{_shape(codes)} ({why}; expected {list(expected)}). The checkpoint is corrupt or "
-                    f"its quantization_config names the wrong block/group size."
-                )
-
-        def per_matrix(role, t):
-            if t.numel() != math.prod(lead):
-                raise CheckpointError(
-                    f"{names[role]}: expected one value per matrix ({math.prod(lead)} "
-                    f"for {names['codes']} {_shape(codes)}), got shape {_shape(t)}"
-                )
-            if t.dtype not in _FLOAT_SCALE_DTYPES:
-                bad_dtype(role, t, _FLOAT_SCALE_DTYPES)
-            return t.reshape(lead).to(torch.float32)
-
-        if format in ("fp8_block", "fp8_tensor"):
-            if codes.dtype != torch.float8_e4m3fn:
-                bad_dtype("codes", codes, (torch.float8_e4m3fn,))
-            k = codes.shape[-1]
-            if format == "fp8_block":
-                if (
-                    block is None
-                    or len(block) != 2
-                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-                ):
-                    raise CheckpointError(
-                        f"{names['codes']}: unsupported fp8 block size {block!r} "
-                        f"(need two positive integers [rows, cols], e.g. [128, 128])"
-                    )
-                self.block = (int(block[0]), int(block[1]))
-                if scale.dtype not in _FLOAT_SCALE_DTYPES + _E8M0_DTYPES:
-                    bad_dtype("scale", scale, _FLOAT_SCALE_DTYPES + _E8M0_DTYPES)
-                if scale.dtype in _E8M0_DTYPES:
-                    scale = _as_u8(scale)
-                bn, bk = self.block
-                check_scale_shape(lead + (_ceil_div(n, bn), _ceil_div(k, bk)), f"block {list(self.block)}")
-            else:
-                scale = per_matrix("scale", scale)
-        else:  # fp4
-            if codes.dtype not in _PACKED_DTYPES:
-                bad_dtype("codes", codes, _PACKED_DTYPES)
-            codes = _as_u8(codes)
-            k = 2 * codes.shape[-1]
-            group = MXFP4_GROUP if format == "mxfp4" else NVFP4_GROUP
-            if k % group:
-                raise CheckpointError(
-                    f"{names['codes']}: {format} needs the input dim ({k}) to be a "
-                    f"multiple of its group size {group}"
-                )
-            if format == "mxfp4":
-                if scale.dtype not in _E8M0_DTYPES + (torch.int8,):
-                    bad_dtype("scale", scale, _E8M0_DTYPES + (torch.int8,))
-                scale = _as_u8(scale)
-            else:
-                if scale.dtype != torch.float8_e4m3fn:
-                    bad_dtype("scale", scale, (torch.float8_e4m3fn,))
-                if global_scale is None:
-                    raise CheckpointError(
-                        f"{names['global_scale']}: nvfp4 needs a global scale "
-                        f"(weight_global_scale or weight_scale_2) and none was given"
-                    )
-                self.global_scale = per_matrix("global_scale", global_scale)
-            check_scale_shape(lead + (n, k // group), f"one scale per {group} inputs")
+        check = _Check(format, codes, names)
+        codes, scale, k, block, g = _VALIDATE[format](check, scale, block, global_scale)
         if format != "nvfp4" and global_scale is not None:
             raise CheckpointError(
                 f"{names['global_scale']}: a global scale is only valid for nvfp4, not {format}"
             )
-        self.codes = codes
-        self.scale = scale
-        self.shape = torch.Size(lead + (n, k))
+        self.name, self.tensor_names, self.format = name, names, format
+        self.codes, self.scale, self.block, self.global_scale = codes, scale, block, g
+        self.global_divides = bool(global_divides)
+        self.input_scale = input_scale
+        self.shape = torch.Size(check.lead + (codes.shape[-2], k))
         if shape is not None and tuple(shape) != tuple(self.shape):
             raise CheckpointError(
-                f"{names['codes']}: holds a {format} weight of shape {list(self.shape)}, "
-                f"expected {list(shape)}"
+                f"{names['codes']}: holds a {format} weight of shape {list(self.shape)}, expected {list(shape)}"
             )
 
     # --- introspection ---------------------------------------------------------------------
@@ -553,19 +484,21 @@ class QuantizedTensor:
 
     def matmul(self, x: torch.Tensor, tile_rows: int | None = None) -> torch.Tensor:
         """x @ W.T for W [N, K] with x [..., K] -> [..., N] in x's dtype (fp32 for non-float x).
-        For a stacked W [E, N, K], x is [E, ..., K] and the result [E, ..., N] (expert e on x[e])."""
+        For a stacked W [E, N, K], x is [E, ..., K] and the result [E, ..., N] (expert e on x[e]).
+        Up to cpu.MAX_ROWS rows per matrix run through the compiled CPU kernels when they are
+        available; otherwise (or with an explicit `tile_rows`) W is dequantized tile by tile."""
         n, k = self.shape[-2:]
         if x.shape[-1] != k:
             raise ValueError(
                 f"{self.name}: matmul of x {list(x.shape)} with weight {list(self.shape)}: last dims differ"
             )
-        cd = (
-            x.dtype
-            if x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-            else torch.float32
-        )
-        tr = tile_rows or self.tile_rows()
         lead = self.shape[:-2]
+        if not lead and tile_rows is None:  # the common case first: one matrix, the kernels
+            x2 = x if x.dim() == 2 else x.reshape(-1, k)
+            y = self._kernel(x2)
+            if y is not None:
+                return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+        cd = _compute_dtype(x)
         if lead:
             if tuple(x.shape[: len(lead)]) != tuple(lead):
                 raise ValueError(
@@ -575,21 +508,78 @@ class QuantizedTensor:
             xs = x.to(cd).reshape(math.prod(lead), -1, k)
             out = torch.empty(xs.shape[:2] + (n,), dtype=cd, device=x.device)
             for b in range(xs.shape[0]):
-                self._matmul_2d(xs[b], out[b], tr, b)
+                self._matmul_2d(xs[b], out[b], b, tile_rows)
             return out.view(*x.shape[:-1], n)
         x2 = x.to(cd).reshape(-1, k)
         out = torch.empty(x2.shape[0], n, dtype=cd, device=x.device)
-        self._matmul_2d(x2, out, tr, 0)
+        self._matmul_2d(x2, out, 0, tile_rows, kernel=False)
         return out.view(*x.shape[:-1], n)
 
-    def _matmul_2d(self, x2: torch.Tensor, out: torch.Tensor, tr: int, b: int) -> None:
-        if try_matmul_2d(self, x2, out, b):  # the fused CPU kernel (fp4, small M) when it is built
+    def grouped_matmul(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """The rows of x [T, K] grouped by expert against this stack [E, N, K] -> [T, N] in x's
+        dtype: expert e owns rows offs[e-1]:offs[e] (offs [E]: end rows, as torch's grouped_mm
+        takes them). One call of the compiled CPU kernel for every expert with rows when it
+        applies (at most cpu.MAX_ROWS rows per expert on average), else expert by expert."""
+        n, k = self.shape[-2:]
+        if self.ndim != 3 or x.ndim != 2 or x.shape[-1] != k or offs.shape != (self.shape[0],):
+            raise ValueError(
+                f"{self.name}: grouped_matmul needs a stack [E, N, K], x [T, K] and offs [E]; got "
+                f"{list(self.shape)}, x {list(x.shape)}, offs {list(offs.shape)}"
+            )
+        x = x.to(_compute_dtype(x))
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        self._grouped_2d(x, offs, out)
+        return out
+
+    # out[:] = x2 @ W.T (out may be a column slice of a wider output: ConcatRows)
+    def _matmul_2d(self, x2: torch.Tensor, out: torch.Tensor, b: int, tile_rows=None, kernel=True) -> None:
+        if kernel and tile_rows is None and self._kernel(x2, out, matrix=b) is not None:
             return
+        cpu.stats["fallback_calls"] += 1
+        # half-precision x: fp32 tiles and products, one rounding of the output (the kernels' numbers;
+        # bf16 tiles would round the nvfp4 / fp8 weight values themselves)
+        wd = torch.float32 if x2.dtype in (torch.bfloat16, torch.float16) else x2.dtype
+        xw = x2.to(wd)
         n = self.shape[-2]
+        tr = tile_rows or self.tile_rows()
         for r0 in range(0, n, tr):
             r1 = min(n, r0 + tr)
-            w = self.dequantize_rows(r0, r1, x2.dtype, matrix=b)
-            out[:, r0:r1] = x2 @ w.T
+            w = self.dequantize_rows(r0, r1, wd, matrix=b)
+            out[:, r0:r1] = xw @ w.T
+
+    def _grouped_2d(self, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+        if x.shape[0] <= cpu.MAX_ROWS * self.shape[0] and self._kernel(x, out, offs=offs) is not None:
+            return
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            if end > start:
+                self._matmul_2d(x[start:end], out[start:end], e)
+            start = end
+
+    def _kernel(self, x2: torch.Tensor, out=None, matrix: int = 0, offs=None) -> torch.Tensor | None:
+        """x2 @ W.T (into `out`, or a new tensor of x2's dtype) through the compiled CPU kernels, for
+        matrix `matrix` of the stack or, with offs, the grouped form over the whole stack; None,
+        nothing written, where they do not apply."""
+        n, k = self.shape[-2:]
+        rows = cpu.MAX_ROWS if offs is None else x2.shape[0]
+        if not cpu.usable(x2, self.codes, rows):
+            return None
+        if self.format == "fp8_block" and not cpu.fp8_block_ok(self.block, k):
+            return None
+        if offs is None:
+            codes, scale, g = self._matrix(matrix)
+        else:  # the whole stack as [E, ...]
+            codes = self.codes.reshape(-1, *self.codes.shape[-2:])
+            scale = self.scale.reshape(-1, *self.scale.shape[-2:]) if self.scale.ndim >= 2 else self.scale
+            g = self.global_scale
+        if self.format in ("mxfp4", "nvfp4"):
+            group = MXFP4_GROUP if self.format == "mxfp4" else NVFP4_GROUP
+            return cpu.fp4_matmul(x2, codes, scale, group, g, self.global_divides, offs=offs, out=out)
+        if self.format == "fp8_block":
+            return cpu.fp8_matmul(x2, codes, scale, self.block, offs=offs, out=out)
+        # fp8_tensor: one block spanning the matrix
+        scale = scale.reshape(-1, 1, 1) if offs is not None else scale.reshape(1, 1)
+        return cpu.fp8_matmul(x2, codes, scale, (n, k), offs=offs, out=out)
 
 
 def stack(tensors: Sequence[QuantizedTensor], name: str | None = None) -> QuantizedTensor:
@@ -1280,10 +1270,41 @@ class ConcatRows:
         return ConcatRows([p[i] for p in self.parts])
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat(
-            [p.matmul(x) if not isinstance(p, torch.Tensor) else x @ p.transpose(-1, -2) for p in self.parts],
-            dim=-1,
-        )
+        """x @ W.T like QuantizedTensor.matmul; each part writes its own columns of one output."""
+        k, n = self.shape[-1], self.shape[-2]
+        cd = _compute_dtype(x)
+        lead = self.shape[:-2]
+        xs = x.to(cd).reshape(math.prod(lead) if lead else 1, -1, k)
+        out = torch.empty(xs.shape[:2] + (n,), dtype=cd, device=x.device)
+        c0 = 0
+        for p in self.parts:
+            c1 = c0 + p.shape[-2]
+            for b in range(xs.shape[0]):
+                if isinstance(p, torch.Tensor):
+                    out[b, :, c0:c1] = xs[b] @ p.reshape(-1, *p.shape[-2:])[b].to(cd).T
+                else:
+                    p._matmul_2d(xs[b], out[b, :, c0:c1], b)
+            c0 = c1
+        return out.view(*x.shape[:-1], n)
+
+    def grouped_matmul(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Like QuantizedTensor.grouped_matmul: one grouped call per part, into its own columns."""
+        if self.ndim != 3 or x.ndim != 2 or x.shape[-1] != self.shape[-1] or offs.shape != (self.shape[0],):
+            raise ValueError(
+                f"ConcatRows.grouped_matmul needs a stack [E, N, K], x [T, K] and offs [E]; got "
+                f"{list(self.shape)}, x {list(x.shape)}, offs {list(offs.shape)}"
+            )
+        x = x.to(_compute_dtype(x))
+        out = torch.empty(x.shape[0], self.shape[-2], dtype=x.dtype, device=x.device)
+        c0 = 0
+        for p in self.parts:
+            c1 = c0 + p.shape[-2]
+            if isinstance(p, torch.Tensor):
+                out[:, c0:c1] = cpu.grouped_linear(x, p, offs)
+            else:
+                p._grouped_2d(x, offs, out[:, c0:c1])
+            c0 = c1
+        return out
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat(

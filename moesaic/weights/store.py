@@ -10,9 +10,11 @@ one `model.safetensors`, a sharded `*.safetensors.index.json`, and Mistral's nat
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import mmap
 import os
+import stat
 import struct
 import warnings
 from dataclasses import dataclass
@@ -38,22 +40,94 @@ class TensorInfo:
         return self.end - self.start
 
 
+MAX_JSON_BYTES = 100 * 2**20  # a config, an index or a safetensors header larger than this is not plausible
+
+
 def read_header(path: Path) -> tuple[dict, int]:
     """Returns (header dict, offset of the data section) of one safetensors file."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointError(f"{path}: too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 2**20:
-            raise CheckpointError(f"{path}: safetensors header of {n} bytes is not plausible")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    _check_regular(path, "safetensors file", CheckpointError)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{path}: too short to be a safetensors file")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_JSON_BYTES:
+                raise CheckpointError(f"{path}: safetensors header of {n} bytes is not plausible")
+            text = f.read(n)
+            if len(text) != n:
+                raise CheckpointError(
+                    f"{path}: the header says it is {n} bytes but the file ends after {len(text)}: the file "
+                    "is truncated, download it again"
+                )
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     return header, 8 + n
+
+
+def _no_duplicates(pairs: list) -> dict:
+    """A JSON object whose keys are unique: a name given twice would silently hide one of its values."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {twice!r} appears twice")
+    return out
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def parse_entry(path: Path, name: str, h, data_start: int, size: int) -> TensorInfo:
+    """One header entry checked the way the safetensors reader checks it: a known dtype, a shape of
+    non-negative ints, two ordered offsets inside the file that hold exactly shape x itemsize bytes."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(h, dict) or not {"dtype", "shape", "data_offsets"} <= h.keys():
+        raise CheckpointError(f"{where}: malformed header entry (needs dtype, shape and data_offsets)")
+    dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS:
+        raise CheckpointError(f"{where} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} are not two non-negative integers")
+    begin, end = offsets
+    if end < begin:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
+    if data_start + end > size:
+        raise CheckpointError(
+            f"{where} lies beyond the end of the file (its data ends at byte {data_start + end}, the file "
+            f"has {size}): the file is truncated, download it again"
+        )
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * SAFETENSORS[dtype].itemsize != end - begin:
+        raise CheckpointError(
+            f"{where}: header says {dtype}{shape} ({numel * SAFETENSORS[dtype].itemsize} bytes) "
+            f"but its data_offsets [{begin}, {end}] hold {end - begin} bytes"
+        )
+    return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
+
+
+def check_disjoint(path: Path, infos: list[TensorInfo]) -> None:
+    """No two tensors of a file share bytes. The safetensors reader (huggingface/safetensors,
+    safetensors/src/tensor.rs, `Metadata::validate`) refuses such a file; read as it is, writing one
+    tensor's copy-on-write view would change the other."""
+    spans = sorted((i.start, i.end, i.name) for i in infos if i.end > i.start)
+    for (_, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise CheckpointError(
+                f"{path}: tensors {a!r} and {b!r} share bytes {s1}..{min(e0, e1)} of the file "
+                "(overlapping data_offsets): the file is corrupt"
+            )
 
 
 class WeightStore:
@@ -62,16 +136,21 @@ class WeightStore:
     def __init__(self, folder: str | os.PathLike, require_files: bool = True):
         """require_files=False opens a folder that holds only config.json (+ an index): tensors whose
         shard is absent are listed in `unread` by name only (used by `inspect`)."""
+        if not isinstance(folder, (str, os.PathLike)):
+            raise CheckpointError(f"a checkpoint is a folder path, got {type(folder).__name__} {folder!r}")
+        if str(folder) == "":  # Path("") is the current directory: never open it by accident
+            raise CheckpointError("an empty path names no checkpoint folder")
         self.folder = Path(folder)
         self.require_files = require_files
         self.unread: list[str] = []
         if not self.folder.is_dir():
-            raise CheckpointError(f"{self.folder}: no such checkpoint folder")
+            why = "is not a folder" if os.path.lexists(self.folder) else "no such checkpoint folder"
+            raise CheckpointError(f"{self.folder}: {why}")
         self.layout = "hf"
         self.config: dict = {}
-        if (self.folder / "config.json").exists():
+        if os.path.lexists(self.folder / "config.json"):  # lexists: a broken link is reported, not skipped
             self.config = _read_json(self.folder / "config.json")
-        elif (self.folder / "params.json").exists():
+        elif os.path.lexists(self.folder / "params.json"):
             self.layout = "mistral"
             self.config = _read_json(self.folder / "params.json")
         else:
@@ -82,27 +161,18 @@ class WeightStore:
         self.random = False  # reads are pieces of tensors (a tensor-parallel rank's): no read-ahead
         self.bytes_read = 0
         self.reads: dict[str, int] = {}
-        for path in self._files():
+        self.files = self._files()
+        for path in self.files:
             header, data_start = read_header(path)
             size = path.stat().st_size
-            self.metadata.update(header.pop("__metadata__", None) or {})
-            for name, h in header.items():
-                try:
-                    begin, end = h["data_offsets"]
-                    info = TensorInfo(
-                        name, h["dtype"], tuple(h["shape"]), path, data_start + begin, data_start + end
-                    )
-                except (KeyError, TypeError, ValueError):
-                    raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
-                if info.dtype not in SAFETENSORS:
-                    raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.dtype}")
-                if not data_start <= info.start <= info.end <= size:
-                    raise CheckpointError(
-                        f"{path}: tensor {name!r} lies beyond the end of the file "
-                        f"({info.end} > {size} bytes): the file is truncated, download it again"
-                    )
-                if self.layout == "mistral":
-                    name = _native_scale_name(name)
+            meta = header.pop("__metadata__", None) or {}
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise CheckpointError(f"{path}: __metadata__ must be an object of strings, got {meta!r:.200}")
+            self.metadata.update(meta)
+            infos = [parse_entry(path, name, h, data_start, size) for name, h in header.items()]
+            check_disjoint(path, infos)
+            for info in infos:
+                name = _native_scale_name(info.name) if self.layout == "mistral" else info.name
                 if name in self.infos:
                     raise CheckpointError(
                         f"tensor {name!r} is in both {self.infos[name].file.name} and {path.name}"
@@ -116,9 +186,19 @@ class WeightStore:
             indexes = [p for p in indexes if p.name.startswith("consolidated")]
         if indexes:
             index = _read_json(indexes[0])
-            weight_map = index.get("weight_map") or {}
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(
+                    f"{indexes[0]}: 'weight_map' must be a non-empty object of tensor name -> shard file, "
+                    f"got {type(weight_map).__name__}"
+                )
+            for n, f in weight_map.items():
+                if not isinstance(f, str) or not _plain_file_name(f):
+                    raise CheckpointError(
+                        f"{indexes[0]}: weight_map[{n!r}] = {f!r} is not a shard file name in this folder"
+                    )
             files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not (self.folder / f).exists()]
+            missing = [f for f in files if not os.path.lexists(self.folder / f)]
             if missing and not self.require_files:
                 self.unread = [n for n, f in weight_map.items() if f in missing]
                 files = [f for f in files if f not in missing]
@@ -127,6 +207,15 @@ class WeightStore:
             return [self.folder / f for f in files]
         pattern = "consolidated*.safetensors" if self.layout == "mistral" else "*.safetensors"
         return sorted(self.folder.glob(pattern))
+
+    def require_weights(self) -> None:
+        """Loading needs weight files: a folder without any says so once (not one line per tensor)."""
+        if not self.files:
+            pattern = "consolidated*.safetensors" if self.layout == "mistral" else "*.safetensors"
+            raise CheckpointError(
+                f"{self.folder}: no {pattern} here (and no *.safetensors.index.json): the weight files "
+                "are missing; put them next to the config"
+            )
 
     # ---- queries ----
     def names(self) -> list[str]:
@@ -220,14 +309,42 @@ def _advise_random(mm: mmap.mmap) -> None:
         mm.madvise(mmap.MADV_RANDOM)
 
 
+def _check_regular(path: Path, what: str, error) -> None:
+    """`path` is a regular file: a folder, a broken link, a link loop or a device (a FIFO would block,
+    /dev/zero never ends) raises `error` saying which."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        if os.path.islink(path):
+            why = "a symlink loop" if e.errno == errno.ELOOP else f"a broken symlink (to {os.readlink(path)})"
+        else:
+            why = e.strerror or str(e)
+        raise error(f"{path}: the {what} cannot be read: {why}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{path}: the {what} is a folder, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: the {what} is not a regular file")
+
+
+def _plain_file_name(name: str) -> bool:
+    """A file of the folder itself (an index naming '../x' or '/x' would read outside the checkpoint)."""
+    p = Path(name)
+    return bool(name) and not p.is_absolute() and ".." not in p.parts
+
+
 def _read_json(path: Path) -> dict:
+    _check_regular(path, "JSON file", ConfigError)
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size} bytes is not a plausible config or index")
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            data = json.load(f, object_pairs_hook=_no_duplicates)  # a key given twice: which one is meant?
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 

@@ -1,0 +1,147 @@
+"""Speculative decoding benchmark: decode tok/s with and without drafting, at batch 1 and 4, for each method,
+in one run, with tau and the per-position acceptance.
+
+    .venv/bin/python benchmarks/speculative.py [--model demo-glm5-code] [--drafter DIR] [--methods ngram,dflash,mtp]
+        [--batches 1,4] [--new 96] [--k 7] [--dtype float32] [--threads 1]
+
+Model: the trained demo (GLM-5.3-shaped, with its MTP layer and the DFlash drafter `glm5-code-dflash`),
+docs/train_demo.md. Prompts: the first lines of the Python standard library files the demo was not trained on
+(its held-out files, listed in its config), and for n-gram a repetitive set (the same file start, then its
+first lines again: the continuation copies). Each configuration (plain, then each method with a fixed draft
+length and with adaptive drafting) is one `LLM`; a run generates `--new` greedy tokens (EOS ignored) for each
+prompt of a batch. Decode tok/s = generated tokens / (wall time - the same run's time for one token), so the
+prefill is not counted; the best of `--reps` runs (the machine is shared). tau and the acceptance are those
+of all the runs of that row. Outputs are checked equal to plain decoding (they are, in fp32; in bf16 rows verified
+together round differently than rows computed one at a time, so a near-tie may flip a token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moesaic  # noqa: E402
+from moesaic.errors import ConfigError  # noqa: E402
+from moesaic.llm import resolve_model_path  # noqa: E402
+
+
+def code_prompts(model_path: Path, n: int, lines: int = 12) -> list[str]:
+    """The first lines of the held-out stdlib files of the trained demo (any stdlib files otherwise)."""
+    cfg = json.loads((model_path / "config.json").read_text())
+    held = (cfg.get("moesaic_demo") or {}).get("corpus", {}).get("heldout_files") or []
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [root / f for f in held if (root / f).exists()] or sorted(root.glob("*.py"))
+    out = []
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace").splitlines()
+        body = [x for x in text if x.strip() and not x.startswith("#")][:lines]
+        if len(body) == lines:
+            out.append("\n".join(body) + "\n")
+        if len(out) == n:
+            break
+    return out
+
+
+def repetitive_prompts(prompts: list[str]) -> list[str]:
+    """A prompt, then its own first half again: the continuation is most likely the rest of it again."""
+    out = []
+    for p in prompts:
+        lines = p.splitlines(keepends=True)
+        out.append(p + "".join(lines[: len(lines) // 2]))
+    return out
+
+
+def timed(llm, prompts, params) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - t0, outs
+
+
+def measure(llm, prompts: list[str], new: int, reps: int) -> tuple[float, list[list[int]]]:
+    """Decode tok/s of one batch (the best of `reps` runs: the machine is shared), and its tokens."""
+    one = moesaic.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    full = moesaic.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, one)  # warm-up
+    first = min(timed(llm, prompts, one)[0] for _ in range(reps))
+    runs = [timed(llm, prompts, full) for _ in range(reps)]
+    best = min(t for t, _ in runs)
+    return len(prompts) * (new - 1) / (best - first), [o.token_ids for o in runs[0][1]]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="demo-glm5-code")
+    ap.add_argument("--drafter", default=None, help="DFlash drafter folder (default: the demo's own)")
+    ap.add_argument("--methods", default="ngram,dflash,mtp")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--ngram-k", type=int, default=4)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    path = resolve_model_path(a.model)
+    drafter = Path(a.drafter) if a.drafter else path.parent / (path.name + "-dflash")
+    batches = [int(b) for b in a.batches.split(",")]
+    code = code_prompts(path, max(batches))
+    sets = {"code": code, "repetitive": repetitive_prompts(code)}
+    print(
+        f"# {path.name}: dtype {a.dtype}, {a.threads} thread(s), {a.new} new tokens, torch {torch.__version__}"
+    )
+    print(
+        "| method | k | adaptive | prompts | batch | tok/s | x plain | tau | acceptance by position | equal |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    plain = moesaic.LLM(str(path), dtype=a.dtype)
+    base = {}
+    for name, prompts in sets.items():
+        for b in batches:
+            rate, toks = measure(plain, prompts[:b], a.new, a.reps)
+            base[name, b] = rate, toks
+            print(f"| plain | - | - | {name} | {b} | {rate:.1f} | 1.00 | 1.00 | - | - |")
+    for method in a.methods.split(","):
+        k = a.ngram_k if method == "ngram" else a.k
+        for adaptive in (False, True):
+            config = {"method": method, "num_speculative_tokens": k, "adaptive": adaptive}
+            if method in ("dflash", "dspark"):
+                config["model"] = str(drafter)
+            try:
+                llm = moesaic.LLM(str(path), dtype=a.dtype, speculative_config=config)
+            except ConfigError as e:
+                print(f"| {method} | {k} | {adaptive} | - | - | n/a: {e} | | | | |")
+                break
+            for name, prompts in sets.items():
+                if method == "ngram" and name == "code" or method != "ngram" and name == "repetitive":
+                    continue
+                for b in batches:
+                    c = llm.engine.spec_counters
+                    before = {**c, "drafted_at": list(c["drafted_at"]), "accepted_at": list(c["accepted_at"])}
+                    rate, toks = measure(llm, prompts[:b], a.new, a.reps)
+                    c = llm.engine.spec_counters
+                    rounds = c["rounds"] - before["rounds"]
+                    tau = (c["committed"] - before["committed"]) / rounds if rounds else 1.0
+                    per = [
+                        (x - x0) / (d - d0) if d > d0 else 0.0
+                        for x, x0, d, d0 in zip(
+                            c["accepted_at"], before["accepted_at"], c["drafted_at"], before["drafted_at"]
+                        )
+                    ]
+                    ref_rate, ref_toks = base[name, b]
+                    print(
+                        f"| {method} | {k} | {adaptive} | {name} | {b} | {rate:.1f} | {rate / ref_rate:.2f} | "
+                        f"{tau:.2f} | {' '.join(f'{x:.2f}' for x in per)} | {'yes' if toks == ref_toks else 'no'} |"
+                    )
+
+
+if __name__ == "__main__":
+    main()

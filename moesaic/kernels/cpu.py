@@ -1,0 +1,287 @@
+"""Compiled CPU decode kernels: `x @ W.T` at small batch straight from bf16, FP8-block or packed FP4
+weights, for one matrix or all selected experts of a MoE step in one call.
+
+    linear(x, w, bias=None)                      dense bf16 weight [N, K] (F.linear otherwise)
+    grouped_linear(x, w, offs)                   dense bf16 expert stack [E, N, K], x rows grouped
+    bf16_matmul / fp8_matmul / fp4_matmul        the raw kernels over plain tensors (codes, scales,
+                                                 block or group sizes); `offs` makes them grouped
+
+Grouped form (what `run_experts` builds): x [T, K] holds the rows of expert 0, then expert 1, ...;
+`offs` [E] (int32/int64, as for torch's grouped_mm) are the cumulative end rows, so expert e owns rows
+offs[e-1]:offs[e]; experts with no rows cost nothing. Threads share (expert, block of rows) items.
+
+Strictly optional; the plain-torch paths (F.linear, QuantizedTensor's tiled dequantize) stay the
+reference. The C++ (`kernels/cpu_src.py`, which documents the decoding) is compiled on first use with
+torch.utils.cpp_extension.load_inline (-O3 -march=native -fopenmp), cached by torch under
+TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions in a directory named after a hash of the source,
+the flags and this CPU's feature flags, so a cache shared between different CPUs never runs foreign
+instructions. If the build fails (no compiler, no ninja, ...) one RuntimeWarning is issued and
+`available()` is False. MOESAIC_CPU_KERNELS=0 (or false/off/no) disables the kernels, read at each call.
+
+Numerics: each weight value is decoded exactly (bf16, E4M3 and E2M1 values are exact in fp32, the
+group/block scale is applied in fp32 to each group's partial sum), products accumulate in fp32 (FMA)
+and each output is rounded once to the output's dtype. The result matches the fp32 reference
+(dequantize in fp32, then matmul) to fp32 rounding; only the summation order differs. One exception:
+E4M3 NaN codes (0x7F/0xFF, which no encoder writes) decode as +-480 instead of NaN.
+
+Thread count: `threads_for` picks it per call from the weight bytes and rows (small matrices run on
+one thread: see the oversubscription trap in docs/perf.md), never more than torch.get_num_threads().
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_src import CPP
+
+__all__ = [
+    "MAX_ROWS",
+    "enabled",
+    "load",
+    "available",
+    "usable",
+    "threads_for",
+    "linear",
+    "grouped_linear",
+    "bf16_matmul",
+    "fp8_matmul",
+    "fp4_matmul",
+    "fp8_block_ok",
+    "stats",
+]
+
+MAX_ROWS = 16  # rows of x per matrix the kernels serve (decode); more rows take the GEMM paths
+MIN_THREAD_BYTES = 1 << 18  # weight bytes (per row of x) below which one more thread does not pay
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BF16, _FP8, _FP4 = 0, 1, 2
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+stats = {"kernel_calls": 0, "fallback_calls": 0}  # counters (tests, benchmarks)
+_state: dict = {"tried": False, "mod": None, "error": None}
+
+
+def enabled() -> bool:
+    """False when MOESAIC_CPU_KERNELS=0 (or 'false'/'off'/'no')."""
+    return os.environ.get("MOESAIC_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _build_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    key = "\n".join([CPP, " ".join(_FLAGS), flags, torch.__version__])
+    return "moesaic_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def load(verbose: bool = False):
+    """The compiled module (building it on the first call), or None when it cannot be built."""
+    if _state["tried"]:
+        return _state["mod"]
+    _state["tried"] = True
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        _state["mod"] = load_inline(
+            name=_build_name(),
+            cpp_sources=CPP,
+            functions=["gemm", "read_bytes", "has_avx2"],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=verbose,
+        )
+    except Exception as e:  # no compiler, no ninja, unsupported flags, ...: plain paths
+        msg = str(e).strip()
+        _state["error"] = f"{type(e).__name__}: {msg.splitlines()[-1] if msg else ''}"
+        warnings.warn(
+            f"moesaic: the CPU kernels could not be built ({_state['error']}); matmuls use the "
+            f"plain-torch paths (set MOESAIC_CPU_KERNELS=0 to skip the build)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return _state["mod"]
+
+
+def available() -> bool:
+    """Enabled and built (builds on the first call)."""
+    return enabled() and load() is not None
+
+
+def usable(x: torch.Tensor, w: torch.Tensor, rows: int = MAX_ROWS) -> bool:
+    """Whether the kernels can serve x against weight storage w: enabled and built, both on the CPU,
+    x 2-D fp32/bf16/fp16 with 1..rows rows, w's rows contiguous."""
+    return (
+        x.is_cpu
+        and w.is_cpu
+        and w.stride(-1) == 1
+        and x.dtype in _X_DTYPES
+        and x.dim() == 2
+        and 0 < x.shape[0] <= rows
+        and enabled()
+        and (_state["mod"] if _state["tried"] else load()) is not None
+    )
+
+
+def threads_for(weight_bytes: int, rows: int = 1) -> int:
+    """Threads for one call reading `weight_bytes` of weights against `rows` rows of x: one per
+    MIN_THREAD_BYTES of work (compute grows with the rows), at most torch.get_num_threads()."""
+    work = weight_bytes + weight_bytes * (rows - 1) // 4 if rows > 1 else weight_bytes
+    return max(1, min(torch.get_num_threads(), work // MIN_THREAD_BYTES))
+
+
+def fp8_block_ok(block, k: int) -> bool:
+    """The fp8 kernel applies a block's scale per 32 columns: block columns a multiple of 32, or one
+    block spanning all K columns (per-channel, per-tensor)."""
+    return block[1] % 32 == 0 or block[1] >= k
+
+
+def _gemm(kind, x, w, scales, gscale, divides, offs, out, bias, group, block, threads, generic, nbytes):
+    mod = _state["mod"] if _state["tried"] else load()
+    if mod is None:
+        raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
+    if threads is None:
+        # grouped: at most one expert per row, so rows per expert >= T / min(T, E)
+        rows = x.shape[0] if offs is None else -(-x.shape[0] // max(1, min(x.shape[0], w.shape[0])))
+        threads = threads_for(nbytes, rows)
+    out = mod.gemm(
+        kind, x, w, scales, gscale, divides, offs, out, bias, group, block[0], block[1], threads, generic
+    )
+    stats["kernel_calls"] += 1
+    return out
+
+
+def _active_bytes(w: torch.Tensor, x: torch.Tensor, offs) -> int:
+    """Bytes of the matrices a call reads: all of w, or (grouped) at most one expert per row of x."""
+    if offs is None or w.dim() < 3:
+        return w.nbytes
+    return w.nbytes // w.shape[0] * min(w.shape[0], x.shape[0])
+
+
+def bf16_matmul(x, w, bias=None, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
+    """x [M, K] @ w.T for w bf16 [N, K] (or, with offs, [E, N, K]) -> out [M, N] (default x's dtype),
+    plus bias [N]. Raises if the kernels are unavailable."""
+    nbytes = _active_bytes(w, x, offs)
+    return _gemm(_BF16, x, w, None, None, False, offs, out, bias, 0, (1, 1), threads, generic, nbytes)
+
+
+def fp8_matmul(x, codes, scales, block, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
+    """x [M, K] @ W.T for E4M3 codes [N, K] (float8_e4m3fn or bytes; with offs [E, N, K]) and one scale
+    per `block` = (rows, cols) block: scales [.., ceil(N/rows), ceil(K/cols)] fp32 multipliers or E8M0
+    bytes (uint8 / float8_e8m0fnu). Per-tensor fp8 is the block (N, K) with scales [.., 1, 1]."""
+    if scales.element_size() == 1:
+        scales = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    elif scales.dtype != torch.float32:
+        scales = scales.float()
+    nbytes = _active_bytes(codes, x, offs)
+    codes = codes.view(torch.uint8)
+    return _gemm(
+        _FP8, x, codes, scales.contiguous(), None, False, offs, out, None, 0, block, threads, generic, nbytes
+    )
+
+
+def fp4_matmul(
+    x,
+    codes,
+    scales,
+    group,
+    global_scale=None,
+    divides=False,
+    *,
+    offs=None,
+    out=None,
+    threads=None,
+    generic=False,
+) -> torch.Tensor:
+    """x [M, K] @ W.T for packed E2M1 codes [N, K/2] (uint8/int8, low nibble = even element; with offs
+    [E, N, K/2]) and one scale byte per `group` inputs, scales [.., N, K/group]: group 32 = E8M0
+    (mxfp4), group 16 = E4M3 (nvfp4) with the fp32 global scale (one per matrix) applied as
+    `scale / global` when `divides` (compressed-tensors) else `scale * global` (ModelOpt)."""
+    g = global_scale
+    if g is not None and (g.dtype != torch.float32 or not g.is_contiguous()):
+        g = g.to(torch.float32).contiguous()
+    if codes.dtype != torch.uint8:
+        codes = codes.view(torch.uint8)
+    if scales.dtype != torch.uint8:
+        scales = scales.view(torch.uint8)
+    nbytes = _active_bytes(codes, x, offs) + scales.nbytes
+    return _gemm(
+        _FP4,
+        x,
+        codes,
+        scales,
+        g,
+        bool(divides),
+        offs,
+        out,
+        None,
+        int(group),
+        (1, 1),
+        threads,
+        generic,
+        nbytes,
+    )
+
+
+def _dense_ok(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
+    return w.dtype == torch.bfloat16 and x.dtype == w.dtype and usable(x, w, rows)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T (+ bias)` for a dense [N, K] weight, as `layers/linear.py` computes it (x cast to w's
+    dtype, the result cast back): through the bf16 kernel for bf16 weights and at most MAX_ROWS rows
+    of x, else F.linear."""
+    if x.dtype != w.dtype:
+        b = None if bias is None else bias.to(w.dtype)
+        return linear(x.to(w.dtype), w, b).to(x.dtype)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if not _dense_ok(x2, w, MAX_ROWS):
+        return F.linear(x, w, bias)
+    y = _gemm(_BF16, x2, w, None, None, False, None, None, bias, 0, (1, 1), None, False, w.nbytes)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of x [T, K] grouped by expert (offs [E]: end rows) against a dense stack w [E, N, K] ->
+    [T, N] in x's dtype, computed in w's dtype like `linear`: one kernel call for bf16 stacks (at most
+    MAX_ROWS rows per expert on average), else one F.linear per expert with rows."""
+    if x.dtype != w.dtype:
+        return grouped_linear(x.to(w.dtype), w, offs).to(x.dtype)
+    if _dense_ok(x, w, MAX_ROWS * w.shape[0]):
+        return bf16_matmul(x, w, offs=offs)
+    out = torch.empty(x.shape[0], w.shape[-2], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w[e])
+        start = end
+    return out
+
+
+def read_bandwidth(
+    nbytes: int = 512 << 20, threads: int = 1, slice_bytes: int = 16 << 20, repeats: int = 64
+) -> float:
+    """GB/s of a streaming read (4 rows at a time, like the kernels): the benchmarks' read-bandwidth
+    ceiling, measured in the same run. Timed like a benchmark row: the best of `repeats` reads of
+    `slice_bytes` slices rotating through `nbytes` (more than the last-level cache). Raises if the
+    kernels are unavailable."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
+    row = 16384  # bytes per row, 4 rows read side by side
+    step = max(4 * row, slice_bytes // (4 * row) * 4 * row)
+    buf = torch.ones(max(step, nbytes // step * step), dtype=torch.uint8)
+    slices = [buf[i : i + step] for i in range(0, buf.numel(), step)]
+    mod.read_bytes(buf, row, threads)
+    best = float("inf")
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        mod.read_bytes(slices[i % len(slices)], row, threads)
+        best = min(best, time.perf_counter() - t0)
+    return step / best / 1e9

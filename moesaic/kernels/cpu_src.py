@@ -1,0 +1,610 @@
+"""C++ source of the CPU decode kernels (compiled by `kernels/cpu.py`); see that module for the API.
+
+One routine serves three weight encodings, a single matrix or a stack of experts:
+
+    y[t, n] = sum_k x[t, k] * W_e[n, k]      for the rows t of expert e (offs: end offsets per expert)
+
+  bf16   W bf16 [E, N, K]: 8 values -> fp32 by a 16-bit shift (vpmovzxwd + vpslld).
+  fp8    W E4M3 [E, N, K] + a scale per [bn, bk] block (fp32, or E8M0 bytes): 16 bytes -> sign-extended
+         words, `<< 7` and a mask give the fp16 bits of value * 2^-8 (E4M3 subnormals become fp16
+         subnormals, converted exactly by vcvtph2ps); x is pre-multiplied by 2^8, the block scale is
+         applied to each 32-value partial sum.
+  fp4    E2M1 packed [E, N, K/2] + a scale byte per group of 16 (E4M3, times or over the matrix's
+         global scale: nvfp4) or 32 (E8M0: mxfp4). 32 bytes (64 values) per step: the two nibble
+         planes index two 16-entry byte tables (vpshufb) giving the upper 16 bits of each value's fp32
+         encoding, interleaved (vpunpck*bw) and split into dwords by a shift / a mask: 64 values from
+         one load, no per-16 shuffle. Products are summed per group lane and scaled once per group.
+
+Decoded vectors come out in a fixed order inside each 64-value chunk; x is permuted once per call to
+match (prep_x), so the inner loop has no shuffles on x. Accumulation is fp32 (FMA); each output is
+rounded once to the output dtype (fp32, bf16 or fp16, round to nearest even).
+
+Register tiles: R weight rows x MB <= 4 activation rows per pass (R * MB <= 8 accumulators). One
+activation row streams every weight row once, front to back; more rows go by blocks of K and of 32
+weight rows, so that a block of x stays in L1 and the weights' block in L2 while each block of 4
+activation rows passes over them (run_item). Work items (expert, block of weight rows) are shared out
+by OpenMP with the thread count the caller chooses.
+
+Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compiler targets them
+(`__AVX2__`, `__FMA__`, `__F16C__`), the portable scalar path (same math, row decoded to fp32 first)
+everywhere and on request (`generic`). No AVX-512 path yet: it could not be tested where this was
+written (AMD Zen 3).
+"""
+
+CPP = r"""
+#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+#include <algorithm>
+#include <array>
+#include <optional>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MOESAIC_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// The Python side passes BF16, FP8 or FP4; FP4 becomes MX (groups of 32) or NV (16) here.
+enum Kind { BF16 = 0, FP8 = 1, FP4 = 2, MX = 2, NV = 3 };
+constexpr int64_t CH = 64;                                 // K values per chunk
+constexpr int64_t CHUNK_BYTES[4] = {128, 64, 32, 32};      // bytes of one chunk of one row
+
+float E8M0[256], E4M3[256];
+const float E2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+// fp32 bits 31..24 and 23..16 of each E2M1 value (the lower 16 bits are zero)
+alignas(16) const uint8_t E2M1_B3[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                         0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
+alignas(16) const uint8_t E2M1_B2[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                         0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
+int FP4_PERM[CH];  // position in the decoded chunk -> element of the chunk
+
+float bits_to_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+
+bool init_tables() {
+    for (int e = 0; e < 256; ++e)  // OCP E8M0: 2^(e-127), e = 0 -> 2^-127 (subnormal), 255 -> NaN
+        E8M0[e] = bits_to_float(e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : (uint32_t)e << 23);
+    for (int b = 0; b < 256; ++b) {  // E4M3 "fn": bias 7, no inf, S.1111.111 NaN
+        int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+        float v = (e == 15 && m == 7) ? NAN : (e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.f + m / 8.f, e - 7));
+        E4M3[b] = s ? -v : v;
+    }
+    // fp4 chunk: vector j (0..7) slot i (0..7). Lane = i / 4 covers bytes 16*lane..+15; vectors 0-3 come
+    // from the low 8 bytes of each lane, 4-7 from the high 8; even j the even words, odd j the odd.
+    for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 8; ++i) {
+            int lane = i / 4, t = i % 4, src = j / 2, odd = j & 1;  // src: 0 lo-nibbles/bytes 0-7, 1 hi/0-7,
+            int half = src >= 2, hi = src & 1;                        // 2 lo/8-15, 3 hi/8-15
+            int byte = 16 * lane + 8 * half + 2 * t + odd;
+            FP4_PERM[8 * j + i] = 2 * byte + hi;
+        }
+    return true;
+}
+const bool tables_ready = init_tables();
+
+// One call's shape, shared by every work item.
+struct Ctx {
+    int kind;
+    int64_t K, nfull, tail_bytes;  // full chunks; bytes of the partial last chunk (0: none)
+    int group;                     // fp4 group (16 / 32)
+    int64_t ngroups;               // fp4 groups per row
+    const int32_t* sub2blk;        // fp8: 32-value sub-chunk -> k-block (-1 beyond K)
+};
+
+// The bytes of one weight row and its scales.
+struct Row {
+    const uint8_t* w;
+    const uint8_t* s8;  // fp4: the row's scale bytes; fp8: the row-block's E8M0 bytes
+    const float* sf;    // fp8: the row-block's fp32 scales
+    const float* stab;  // fp4: scale byte -> fp32 multiplier
+};
+
+inline float fp4_scale(const Ctx& C, const Row& r, int64_t g) { return g < C.ngroups ? r.stab[r.s8[g]] : 0.f; }
+inline float fp8_scale(const Row& r, int32_t b) { return b < 0 ? 0.f : (r.sf ? r.sf[b] : E8M0[r.s8[b]]); }
+
+#if defined(MOESAIC_AVX2)
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline __m256 lanes(float lo, float hi) { return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)); }
+
+inline void dec_bf16(const uint8_t* p, __m256 w[8]) {
+    for (int j = 0; j < 8; ++j) {
+        __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j));
+        w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+}
+
+inline void dec_fp8(const uint8_t* p, __m256 w[8]) {
+    const __m256i keep = _mm256_set1_epi16((short)0xBFFF);  // clears the sign-extension bit 14
+    for (int q = 0; q < 4; ++q) {
+        __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q)));
+        h = _mm256_and_si256(_mm256_slli_epi16(h, 7), keep);  // s.0.eeee.mmm.0000000 = fp16 of v * 2^-8
+        w[2 * q] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        w[2 * q + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    }
+}
+
+inline void dec_fp4(const uint8_t* p, __m256 w[8]) {
+    const __m256i t3 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_B3)));
+    const __m256i t2 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_B2)));
+    const __m256i nib = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+    const __m256i l3 = _mm256_shuffle_epi8(t3, lo), l2 = _mm256_shuffle_epi8(t2, lo);
+    const __m256i h3 = _mm256_shuffle_epi8(t3, hi), h2 = _mm256_shuffle_epi8(t2, hi);
+    const __m256i src[4] = {_mm256_unpacklo_epi8(l2, l3), _mm256_unpacklo_epi8(h2, h3),
+                            _mm256_unpackhi_epi8(l2, l3), _mm256_unpackhi_epi8(h2, h3)};
+    for (int s = 0; s < 4; ++s) {
+        w[2 * s] = _mm256_castsi256_ps(_mm256_slli_epi32(src[s], 16));
+        w[2 * s + 1] = _mm256_castsi256_ps(_mm256_and_si256(src[s], top));
+    }
+}
+
+inline void dec(int kind, const uint8_t* p, __m256 w[8]) {
+    if (kind == BF16) dec_bf16(p, w);
+    else if (kind == FP8) dec_fp8(p, w);
+    else dec_fp4(p, w);
+}
+
+// Scales of chunk c of row r for vectors 0-3 (sA) and 4-7 (sB; MX: sA for all 8). FULL: a chunk
+// inside K (the partial last chunk has zero scales beyond K).
+template <int KIND, bool FULL>
+inline void scales(const Ctx& C, const Row& r, int64_t c, __m256& sA, __m256& sB) {
+    if constexpr (KIND == FP8) {
+        sA = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c]));
+        sB = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c + 1]));
+    } else if constexpr (KIND == MX) {  // lane 0 = group 2c, lane 1 = group 2c + 1
+        const int64_t g = 2 * c;
+        sA = FULL ? lanes(r.stab[r.s8[g]], r.stab[r.s8[g + 1]]) : lanes(fp4_scale(C, r, g), fp4_scale(C, r, g + 1));
+    } else if constexpr (KIND == NV) {  // vectors 0-3: groups 4c (lane 0), 4c + 2 (lane 1); 4-7: 4c + 1, 4c + 3
+        const int64_t g = 4 * c;
+        if (FULL) {
+            const uint8_t* s = r.s8 + g;
+            sA = lanes(r.stab[s[0]], r.stab[s[2]]);
+            sB = lanes(r.stab[s[1]], r.stab[s[3]]);
+        } else {
+            sA = lanes(fp4_scale(C, r, g), fp4_scale(C, r, g + 2));
+            sB = lanes(fp4_scale(C, r, g + 1), fp4_scale(C, r, g + 3));
+        }
+    }
+}
+
+// acc[r][m] += chunk c of weight rows r (bytes at p[r]) . x rows m
+template <int KIND, int R, int MB, bool FULL>
+inline void step(const Ctx& C, const Row* rows, const uint8_t* const* p, int64_t c, const float* x, int64_t xs,
+                 __m256 (&acc)[R][MB]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+        __m256 w[8], sA, sB;
+        dec(KIND, p[r], w);
+        scales<KIND, FULL>(C, rows[r], c, sA, sB);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+            const float* xm = x + m * xs + c * CH;
+            if constexpr (KIND == BF16) {
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; ++j) acc[r][m] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), acc[r][m]);
+            } else {
+                __m256 pA = _mm256_mul_ps(w[0], _mm256_loadu_ps(xm));
+                __m256 pB = _mm256_mul_ps(w[4], _mm256_loadu_ps(xm + 32));
+#pragma GCC unroll 4
+                for (int j = 1; j < 4; ++j) {
+                    pA = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), pA);
+                    pB = _mm256_fmadd_ps(w[j + 4], _mm256_loadu_ps(xm + 32 + 8 * j), pB);
+                }
+                if constexpr (KIND == MX) acc[r][m] = _mm256_fmadd_ps(_mm256_add_ps(pA, pB), sA, acc[r][m]);
+                else acc[r][m] = _mm256_fmadd_ps(pB, sB, _mm256_fmadd_ps(pA, sA, acc[r][m]));
+            }
+        }
+    }
+}
+
+// res[m * R + r] = dot over chunks [c0, c1) (+ the partial last chunk if `tail`) of x row m and weight
+// row r, for R weight rows and MB activation rows. The partial chunk is read through zero-padded
+// copies of the rows' tails.
+template <int KIND, int R, int MB>
+void tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0, int64_t c1, bool tail, float* res) {
+    __m256 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    const uint8_t* p[R];
+    for (int64_t c = c0; c < c1; ++c) {
+        for (int r = 0; r < R; ++r) {  // 8 chunks ahead: the first pass over a K block at M > 1 is not
+            p[r] = rows[r].w + c * CHUNK_BYTES[KIND];  // streamed by the hardware prefetcher (measured)
+            _mm_prefetch(reinterpret_cast<const char*>(p[r]) + 8 * CHUNK_BYTES[KIND], _MM_HINT_T0);
+            if (KIND == BF16) _mm_prefetch(reinterpret_cast<const char*>(p[r]) + 8 * CHUNK_BYTES[KIND] + 64, _MM_HINT_T0);
+        }
+        step<KIND, R, MB, true>(C, rows, p, c, x, xs, acc);
+    }
+    if (tail) {
+        alignas(32) uint8_t pad[R][128];
+        std::memset(pad, 0, sizeof(pad));
+        for (int r = 0; r < R; ++r) {
+            std::memcpy(pad[r], rows[r].w + C.nfull * CHUNK_BYTES[KIND], C.tail_bytes);
+            p[r] = pad[r];
+        }
+        step<KIND, R, MB, false>(C, rows, p, C.nfull, x, xs, acc);
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) res[m * R + r] = hsum(acc[r][m]);
+}
+
+template <int KIND, int R>
+void tile_mb(int mb, const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0, int64_t c1, bool tail,
+             float* res) {
+    if constexpr (R == 4) {  // R * MB <= 8 accumulators
+        if (mb == 1) tile<KIND, 4, 1>(C, rows, x, xs, c0, c1, tail, res);
+        else tile<KIND, 4, 2>(C, rows, x, xs, c0, c1, tail, res);
+    } else {
+        switch (mb) {
+            case 1: tile<KIND, R, 1>(C, rows, x, xs, c0, c1, tail, res); break;
+            case 2: tile<KIND, R, 2>(C, rows, x, xs, c0, c1, tail, res); break;
+            case 3: tile<KIND, R, 3>(C, rows, x, xs, c0, c1, tail, res); break;
+            default: tile<KIND, R, 4>(C, rows, x, xs, c0, c1, tail, res); break;
+        }
+    }
+}
+
+// acc[(n - n0) * M + m] += x rows [0, M) . weight rows [n0, n1) over chunks [c0, c1) (+ tail).
+// Activation blocks of up to 4 rows; weight rows in groups of 4 (bf16, memory-bound: four streams)
+// or 1-2 (fp8 / fp4, decode-bound: one row at a time streams best, measured).
+template <int KIND>
+void rows_pass(const Ctx& C, const Row* rows, int64_t n0, int64_t n1, const float* x, int64_t xs, int64_t M,
+               int64_t c0, int64_t c1, bool tail, float* acc) {
+    float res[16];
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mb = (int)std::min<int64_t>(4, M - m0);
+        const float* xm = x + m0 * xs;
+        for (int64_t n = n0; n < n1; n += 4) {
+            const int64_t nr = std::min<int64_t>(4, n1 - n);
+            const Row* rg = rows + (n - n0);
+            auto add = [&](int64_t r0, int R) {
+                for (int m = 0; m < mb; ++m)
+                    for (int r = 0; r < R; ++r) acc[(n - n0 + r0 + r) * M + m0 + m] += res[m * R + r];
+            };
+            int64_t r = 0;
+            if (KIND == BF16 && nr == 4 && mb <= 2) {
+                tile_mb<KIND, 4>(mb, C, rg, xm, xs, c0, c1, tail, res);
+                add(0, 4);
+                r = 4;
+            }
+            if (KIND == BF16 || mb > 2)
+                for (; r + 2 <= nr; r += 2) {
+                    tile_mb<KIND, 2>(mb, C, rg + r, xm, xs, c0, c1, tail, res);
+                    add(r, 2);
+                }
+            for (; r < nr; ++r) {
+                tile_mb<KIND, 1>(mb, C, rg + r, xm, xs, c0, c1, tail, res);
+                add(r, 1);
+            }
+        }
+    }
+}
+#endif  // MOESAIC_AVX2
+
+// Portable path: the row decoded to fp32 (the reference's per-element products), then dot products
+// with the unpermuted x.
+void decode_row_generic(const Ctx& C, const Row& r, float* w) {
+    const int64_t K = C.K;
+    if (C.kind == BF16) {
+        const uint16_t* p = reinterpret_cast<const uint16_t*>(r.w);
+        for (int64_t k = 0; k < K; ++k) w[k] = bits_to_float((uint32_t)p[k] << 16);
+    } else if (C.kind == FP8) {
+        for (int64_t k = 0; k < K; ++k) w[k] = E4M3[r.w[k]] * fp8_scale(r, C.sub2blk[k / 32]);
+    } else {
+        for (int64_t k = 0; k < K; k += 2) {
+            const uint8_t b = r.w[k / 2];
+            const float s = r.stab[r.s8[k / C.group]];
+            w[k] = E2M1[b & 15] * s;
+            w[k + 1] = E2M1[b >> 4] * s;
+        }
+    }
+}
+
+struct Out {
+    void* p;
+    int dtype;  // 0 fp32, 1 bf16, 2 fp16
+    int64_t ld;
+    const float* bias;
+};
+
+inline void put(const Out& O, int64_t t, int64_t n, float v) {
+    if (O.bias) v += O.bias[n];
+    const int64_t i = t * O.ld + n;
+    if (O.dtype == 0) static_cast<float*>(O.p)[i] = v;
+    else if (O.dtype == 1) static_cast<c10::BFloat16*>(O.p)[i] = c10::BFloat16(v);
+    else static_cast<c10::Half*>(O.p)[i] = c10::Half(v);
+}
+
+// Everything a work item needs to find expert e's row n.
+struct Weights {
+    const uint8_t* w;
+    int64_t w_e, w_n;   // byte strides
+    const uint8_t* s;   // scales (bytes or fp32)
+    int64_t s_e, s_n;   // byte strides (fp8: per row-block)
+    bool s_f32;
+    int64_t bn;         // fp8 row block
+    const float* stab;  // fp4: one 256-entry table per active expert (nvfp4) or the E8M0 table
+    bool stab_per_expert;
+};
+
+inline Row row_of(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n) {
+    Row r{W.w + e * W.w_e + n * W.w_n, nullptr, nullptr, nullptr};
+    if (C.kind == MX || C.kind == NV) {
+        r.s8 = W.s + e * W.s_e + n * W.s_n;
+        r.stab = W.stab_per_expert ? W.stab + 256 * slot : W.stab;
+    } else if (C.kind == FP8) {
+        const uint8_t* s = W.s + e * W.s_e + (n / W.bn) * W.s_n;
+        if (W.s_f32) r.sf = reinterpret_cast<const float*>(s);
+        else r.s8 = s;
+    }
+    return r;
+}
+
+// Rows [n0, n1) of expert e against its x rows [t0, t0 + M) (x prepared: row stride xs).
+template <int KIND>
+void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1, const float* x,
+              int64_t xs, int64_t t0, int64_t M, const Out& O, bool generic, std::vector<float>& wbuf) {
+    if (generic) {
+        wbuf.resize(C.K);
+        for (int64_t n = n0; n < n1; ++n) {
+            decode_row_generic(C, row_of(C, W, e, slot, n), wbuf.data());
+            for (int64_t m = 0; m < M; ++m) {
+                const float* xm = x + (t0 + m) * xs;
+                float acc = 0.f;
+                for (int64_t k = 0; k < C.K; ++k) acc += xm[k] * wbuf[k];
+                put(O, t0 + m, n, acc);
+            }
+        }
+        return;
+    }
+#if defined(MOESAIC_AVX2)
+    // One activation row: stream each weight row once, front to back. More rows: blocks of KB chunks,
+    // so that a block of x stays in L1 while every weight row of the item passes over it (x of 16 rows
+    // over the whole of K would be re-read from L2 for each weight row).
+    const int64_t nchunks = C.nfull + (C.tail_bytes ? 1 : 0);
+    const int64_t KB = M == 1 ? nchunks : std::max<int64_t>(8, 64 / std::min<int64_t>(M, 4));
+    // ... and blocks of RB weight rows, so that their bytes of a K block stay in L2 while the blocks of
+    // activation rows pass over them.
+    const int64_t RB = M == 1 ? n1 - n0 : 32;
+    std::vector<Row> rows(n1 - n0);
+    for (int64_t n = n0; n < n1; ++n) rows[n - n0] = row_of(C, W, e, slot, n);
+    wbuf.assign((n1 - n0) * M, 0.f);
+    for (int64_t r0 = n0; r0 < n1; r0 += RB) {
+        const int64_t r1 = std::min(n1, r0 + RB);
+        for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
+            const int64_t c1 = std::min(c0 + KB, nchunks);
+            const bool tail = C.tail_bytes && c1 == nchunks;
+            rows_pass<KIND>(C, rows.data() + (r0 - n0), r0, r1, x + t0 * xs, xs, M, c0, tail ? c1 - 1 : c1, tail,
+                            wbuf.data() + (r0 - n0) * M);
+        }
+    }
+    for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n, wbuf[(n - n0) * M + m]);
+#endif
+}
+
+// x [T, K] (fp32/bf16/fp16) -> fp32 [T, Kp] in the kind's chunk order, zero padded, times `factor`.
+std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool generic) {
+    const int64_t T = x.size(0), K = x.size(1);
+    std::vector<float> out((size_t)(T * Kp), 0.f);
+    const float factor = (kind == FP8 && !generic) ? 256.f : 1.f;
+    const bool perm = (kind == MX || kind == NV) && !generic;
+    auto fill = [&](auto* src) {
+        for (int64_t t = 0; t < T; ++t) {
+            const auto* xr = src + t * K;
+            float* o = out.data() + t * Kp;
+            if (!perm) {
+                for (int64_t k = 0; k < K; ++k) o[k] = (float)xr[k] * factor;
+                continue;
+            }
+            const int64_t full = K / CH * CH;
+            for (int64_t c = 0; c < full; c += CH)
+                for (int p = 0; p < CH; ++p) o[c + p] = (float)xr[c + FP4_PERM[p]];
+            if (full < K)
+                for (int p = 0; p < CH; ++p) {
+                    const int64_t k = full + FP4_PERM[p];
+                    o[full + p] = k < K ? (float)xr[k] : 0.f;
+                }
+        }
+    };
+    if (x.scalar_type() == torch::kFloat32) fill(x.data_ptr<float>());
+    else if (x.scalar_type() == torch::kBFloat16) fill(x.data_ptr<c10::BFloat16>());
+    else fill(x.data_ptr<c10::Half>());
+    return out;
+}
+
+}  // namespace
+
+// out[t, n] (+)= x[t] . W_e[n] for the rows t of each expert e. See cpu.py for the argument contract.
+torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scales,
+                   std::optional<torch::Tensor> gscale, bool divides, std::optional<torch::Tensor> offs,
+                   std::optional<torch::Tensor> out_, std::optional<torch::Tensor> bias, int64_t group, int64_t bn,
+                   int64_t bk, int64_t nthreads, bool generic) {
+    TORCH_CHECK(kind == BF16 || kind == FP8 || kind == FP4, "kind");
+    TORCH_CHECK(x.dim() == 2, "x: [T, K]");
+    x = x.contiguous();
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
+                x.scalar_type() == torch::kHalf, "x: fp32, bf16 or fp16");
+    const int64_t T = x.size(0), K = x.size(1);
+    const bool stacked = w.dim() == 3;
+    TORCH_CHECK(w.dim() == 2 || stacked, "w: [N, K'] or [E, N, K']");
+    TORCH_CHECK(w.stride(-1) == 1, "w: unit stride in the last dim");
+    const int64_t E = stacked ? w.size(0) : 1, N = w.size(-2);
+    TORCH_CHECK(w.size(-1) == (kind == FP4 ? K / 2 : K) && (kind != FP4 || K % 2 == 0), "w: last dim vs K");
+    torch::Tensor out = out_ ? *out_ : torch::empty({T, N}, x.options());
+    TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == N && out.stride(1) == 1, "out: [T, N], unit stride");
+    TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16 ||
+                out.scalar_type() == torch::kHalf, "out: fp32, bf16 or fp16");
+    std::vector<int64_t> ends(E, T);
+    if (offs) {
+        TORCH_CHECK(offs->dim() == 1 && offs->size(0) == E && offs->is_contiguous(), "offs: [E]");
+        auto o = offs->to(torch::kInt64);
+        const int64_t* op = o.data_ptr<int64_t>();
+        for (int64_t e = 0; e < E; ++e) {
+            ends[e] = op[e];
+            TORCH_CHECK(ends[e] >= (e ? ends[e - 1] : 0) && ends[e] <= T, "offs: non-decreasing ends <= T");
+        }
+        TORCH_CHECK(ends[E - 1] == T, "offs: the last end must be T");
+    } else {
+        TORCH_CHECK(E == 1, "a stacked w needs offs");
+    }
+
+    Ctx C{};
+    C.K = K;
+    C.nfull = K / CH;
+    C.tail_bytes = (K % CH) * CHUNK_BYTES[kind] / CH;
+    C.group = (int)group;
+    Weights W{};
+    W.w = reinterpret_cast<const uint8_t*>(w.data_ptr());
+    W.w_n = w.stride(-2) * w.element_size();
+    W.w_e = stacked ? w.stride(0) * w.element_size() : 0;
+    std::vector<int32_t> sub2blk;
+    std::vector<float> tabs;
+    std::vector<int64_t> slot_of(E, -1), active;
+    for (int64_t e = 0; e < E; ++e)
+        if (ends[e] > (e ? ends[e - 1] : 0)) {
+            slot_of[e] = (int64_t)active.size();
+            active.push_back(e);
+        }
+    if (kind == BF16) {
+        TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "w: bf16");
+    } else {
+        TORCH_CHECK(w.element_size() == 1, "w: byte codes");
+        TORCH_CHECK(scales && scales->dim() == w.dim() && scales->stride(-1) == 1, "scales: one dim per w dim");
+        const auto& S = *scales;
+        W.s = reinterpret_cast<const uint8_t*>(S.data_ptr());
+        W.s_n = S.stride(-2) * S.element_size();
+        W.s_e = stacked ? S.stride(0) * S.element_size() : 0;
+        if (kind == FP8) {
+            TORCH_CHECK(bn > 0 && bk > 0, "fp8 block");
+            const int64_t kb = (K + bk - 1) / bk;
+            TORCH_CHECK(bk % 32 == 0 || kb == 1, "fp8: block columns must be a multiple of 32 (or span K)");
+            TORCH_CHECK(S.size(-2) == (N + bn - 1) / bn && S.size(-1) == kb, "fp8: scale shape vs block");
+            TORCH_CHECK(S.scalar_type() == torch::kFloat32 || S.element_size() == 1, "fp8 scales: fp32 or E8M0 bytes");
+            W.s_f32 = S.scalar_type() == torch::kFloat32;
+            W.bn = bn;
+            const int64_t nsub = (K + CH - 1) / CH * 2;
+            sub2blk.resize(nsub);
+            for (int64_t i = 0; i < nsub; ++i) sub2blk[i] = 32 * i < K ? (int32_t)(32 * i / bk) : -1;
+            C.sub2blk = sub2blk.data();
+        } else {
+            TORCH_CHECK(group == 16 || group == 32, "fp4 group 16 or 32");
+            kind = group == 32 ? MX : NV;
+            TORCH_CHECK(K % group == 0 && S.size(-2) == N && S.size(-1) == K / group && S.element_size() == 1,
+                        "fp4 scales: [.., N, K / group] bytes");
+            C.ngroups = K / group;
+            if (gscale) {  // nvfp4: E4M3 byte -> its fp32 value over / times the matrix's global scale
+                TORCH_CHECK(gscale->scalar_type() == torch::kFloat32 && gscale->is_contiguous() &&
+                            gscale->numel() == E, "global scale: fp32, one per matrix (contiguous)");
+                const float* g = gscale->data_ptr<float>();
+                tabs.resize(256 * active.size());
+                for (size_t a = 0; a < active.size(); ++a) {
+                    const float ge = g[active[a]];
+                    float* t = tabs.data() + 256 * a;
+                    if (divides) for (int b = 0; b < 256; ++b) t[b] = E4M3[b] / ge;  // the reference's fp32 op
+                    else for (int b = 0; b < 256; ++b) t[b] = E4M3[b] * ge;
+                }
+                W.stab = tabs.data();
+                W.stab_per_expert = true;
+            } else {  // mxfp4
+                W.stab = E8M0;
+            }
+        }
+    }
+    const float* bp = nullptr;
+    torch::Tensor bias32;
+    if (bias) {
+        bias32 = bias->to(torch::kFloat32).contiguous();
+        TORCH_CHECK(bias32.numel() == N, "bias: [N]");
+        bp = bias32.data_ptr<float>();
+    }
+    Out O{out.data_ptr(), out.scalar_type() == torch::kFloat32 ? 0 : out.scalar_type() == torch::kBFloat16 ? 1 : 2,
+          out.stride(0), bp};
+#if !defined(MOESAIC_AVX2)
+    generic = true;
+#endif
+    C.kind = (int)kind;
+    const int64_t Kp = generic ? K : (K + CH - 1) / CH * CH;
+    std::vector<float> xp = prep_x(x, (int)kind, Kp, generic);
+
+    // work items: (expert, block of rows); enough of them to balance the threads
+    const int nt = (int)std::max<int64_t>(1, nthreads);
+    const int64_t n_act = std::max<int64_t>(1, (int64_t)active.size());
+    const int64_t per_expert = nt == 1 ? 1 : std::max<int64_t>(1, (4 * nt + n_act - 1) / n_act);
+    const int64_t rows = std::max<int64_t>(8, ((N + per_expert - 1) / per_expert + 7) / 8 * 8);
+    std::vector<std::array<int64_t, 3>> items;  // expert, n0, n1
+    for (int64_t e : active)
+        for (int64_t n0 = 0; n0 < N; n0 += rows) items.push_back({e, n0, std::min(N, n0 + rows)});
+    const int64_t n_items = (int64_t)items.size();
+    pybind11::gil_scoped_release no_gil;
+#pragma omp parallel num_threads(nt) if (nt > 1 && n_items > 1)
+    {
+        std::vector<float> wbuf;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; ++i) {
+            const int64_t e = items[i][0];
+            const int64_t t0 = e ? ends[e - 1] : 0;
+            const int64_t slot = slot_of[e];
+            switch (kind) {
+                case BF16: run_item<BF16>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
+                case FP8: run_item<FP8>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
+                case MX: run_item<MX>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
+                default: run_item<NV>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
+            }
+        }
+    }
+    return out;
+}
+
+// Streaming read of a buffer by `nthreads` threads, 4 rows of `row` bytes side by side (the weight
+// access pattern of the kernels): the benchmark's read-bandwidth ceiling. Returns a checksum.
+double read_bytes(torch::Tensor buf, int64_t row, int64_t nthreads) {
+    TORCH_CHECK(buf.is_contiguous() && row % 128 == 0 && buf.nbytes() % (4 * row) == 0, "buf: 4*row | nbytes");
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(buf.data_ptr());
+    const int64_t groups = buf.nbytes() / (4 * row);
+    double total = 0;
+    pybind11::gil_scoped_release no_gil;
+#pragma omp parallel for num_threads((int)nthreads) reduction(+ : total) schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* q = p + g * 4 * row;
+#if defined(MOESAIC_AVX2)
+        __m256i a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_si256();
+        for (int64_t i = 0; i < row; i += 64)
+            for (int r = 0; r < 4; ++r) {
+                const __m256i* v = reinterpret_cast<const __m256i*>(q + r * row + i);
+                a[2 * r] = _mm256_add_epi64(a[2 * r], _mm256_loadu_si256(v));
+                a[2 * r + 1] = _mm256_add_epi64(a[2 * r + 1], _mm256_loadu_si256(v + 1));
+            }
+        for (int j = 1; j < 8; ++j) a[0] = _mm256_add_epi64(a[0], a[j]);
+        alignas(32) int64_t s[4];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(s), a[0]);
+        total += (double)(s[0] + s[1] + s[2] + s[3]);
+#else
+        int64_t a = 0;
+        for (int64_t i = 0; i < row; i += 8)
+            for (int r = 0; r < 4; ++r) a += *reinterpret_cast<const int64_t*>(q + r * row + i);
+        total += (double)a;
+#endif
+    }
+    return total;
+}
+
+bool has_avx2() {
+#if defined(MOESAIC_AVX2)
+    return true;
+#else
+    return false;
+#endif
+}
+"""

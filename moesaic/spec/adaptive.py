@@ -1,0 +1,111 @@
+"""Adaptive draft length: per sequence, how many drafts pay this round, from its measured acceptance and the
+cost of a step at the current batch size.
+
+With a per-draft acceptance rate a (the chance that a draft is accepted given the ones before it were), a
+round of k drafts commits E(a, k) = 1 + a + ... + a^k tokens. Its cost, relative to a plain decode step of
+the same batch, is 1 + beta * k + delta: beta = what one more row per decoding sequence adds to a step
+(from a fitted time model t = t0 + t1 * rows of the target's forwards: beta = t1 * B / (t0 + t1 * B) for B
+decoding sequences, so it grows with the batch), delta = the drafter's time per round over the plain step.
+The draft length is the k in 0..K that maximises E(a, k) / (1 + beta * k + delta [k > 0]); 0 turns
+drafting off for the sequence (it does not pay: colibri's guard, docs/deepseek-v41.md, stops below ~60 %
+acceptance; here the threshold follows from the measured costs). While off, its acceptance record decays
+towards the prior, so drafting is retried now and then, and stops again if it still does not pay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_RATE = 0.6  # the acceptance a sequence is assumed to have before it is measured
+PRIOR_WEIGHT = 1.0  # ... worth this many drafts
+DECAY = 0.9  # weight of the past per measured round (an exponential moving average of the counts)
+OFF_DECAY = 0.95  # per round spent not drafting: the record fades, so drafting is tried again
+TIME_DECAY = 0.98  # weight of the past forwards in the time model
+
+
+@dataclass
+class Acceptance:
+    """One sequence's acceptance record (moving sums of accepted and tried drafts)."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verified round: `accepted` of `drafted` drafts (the first rejection ends the round, so the
+        drafts tried are the accepted ones plus the rejected one)."""
+        tried = min(drafted, accepted + 1)
+        self.accepted = DECAY * self.accepted + accepted
+        self.tried = DECAY * self.tried + tried
+
+    def fade(self) -> None:
+        self.accepted *= OFF_DECAY
+        self.tried *= OFF_DECAY
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    return sum(rate**i for i in range(k + 1))
+
+
+class DraftLength:
+    """The engine's draft-length policy (one per engine): `adaptive` False drafts k every round."""
+
+    def __init__(self, k: int, adaptive: bool = True):
+        self.k = k
+        self.adaptive = adaptive
+        self.sums = [0.0] * 5  # moving sums of 1, rows, seconds, rows^2, rows*seconds (forward times)
+        self.draft_seconds: float | None = None  # moving mean of one propose call
+
+    def forward_done(self, rows: int, seconds: float) -> None:
+        s, r, t = self.sums, float(rows), float(seconds)
+        for i, v in enumerate((1.0, r, t, r * r, r * t)):
+            s[i] = TIME_DECAY * s[i] + v
+
+    def draft_done(self, seconds: float) -> None:
+        d = self.draft_seconds
+        self.draft_seconds = seconds if d is None else 0.9 * d + 0.1 * seconds
+
+    def step_model(self) -> tuple[float, float] | None:
+        """(t0, t1) of t = t0 + t1 * rows, or None while the rows seen do not vary enough to fit it."""
+        n, r, t, rr, rt = self.sums
+        if n < 2:
+            return None
+        var = rr / n - (r / n) ** 2
+        if var <= 1e-9 * max(1.0, (r / n) ** 2):
+            return None
+        t1 = max(0.0, (rt / n - (r / n) * (t / n)) / var)
+        t0 = max(0.0, t / n - t1 * r / n)
+        return t0, t1
+
+    def costs(self, decoders: int) -> tuple[float, float]:
+        """(beta, delta) for a batch of `decoders` decoding sequences (see the module docstring); before
+        anything is measured, a small row cost and no drafter cost, so that drafting starts and is measured."""
+        model = self.step_model()
+        if model is None:
+            return 0.05, 0.0
+        t0, t1 = model
+        plain = t0 + t1 * decoders
+        if plain <= 0:
+            return 0.05, 0.0
+        beta = t1 * decoders / plain
+        delta = (self.draft_seconds or 0.0) / plain
+        return beta, delta
+
+    def length(self, acc: Acceptance, decoders: int, limit: int) -> int:
+        """The draft length for one sequence this round (at most `limit`)."""
+        k = min(self.k, limit)
+        if not self.adaptive or k <= 0:
+            return max(k, 0)
+        beta, delta = self.costs(max(decoders, 1))
+        rate = acc.rate
+        best, best_k = 1.0, 0
+        for j in range(1, k + 1):
+            gain = expected_tokens(rate, j) / (1.0 + beta * j + delta)
+            if gain > best * 1.02:  # a 2 % margin: within noise, plain decoding wins
+                best, best_k = gain, j
+        if best_k == 0:
+            acc.fade()
+        return best_k

@@ -1,0 +1,327 @@
+"""DFlash drafting (arXiv 2602.06036, "DFlash: Block Diffusion for Flash Speculative Decoding"; z-lab's
+`DFlashDraftModel` layout, `z-lab/dflash` dflash/model.py): a few Qwen3-style layers that draft a whole
+block at once, non-causally, from the target's own hidden states.
+
+    c_j = RMSNorm(fc · concat[target layer i's output at row j, for i in target_layer_ids]; hidden_norm)
+    block b = [t_a, MASK × (B - 1)] at positions a .. a + B - 1  (t_a: the newest committed token)
+    x = E[b]                                                      (E, W: the TARGET's embedding and lm_head)
+    each layer:  x̂ = RMSNorm(x; input_layernorm)
+                 Q = rope(q_norm(q_proj x̂));  K = [rope(k_norm(k_proj c_j)) ; rope(k_norm(k_proj x̂))]
+                 V = [v_proj c_j ; v_proj x̂]; x += o_proj(softmax(Q Kᵀ / sqrt(hd)) V)   (no causal mask)
+                 x += down(silu(gate x̃) · up x̃),  x̃ = RMSNorm(x; post_attention_layernorm)
+    drafts d_k = argmax W · RMSNorm(x_k; norm), k = 1 .. B - 1   (row 0, the anchor, predicts nothing)
+
+rope is Qwen3's (halves rotated) with `rope_theta`. The context K/V (each layer's own k_proj / v_proj of c)
+depend only on committed rows, so they are cached per sequence and per layer; the block's K/V are computed
+each round and never kept, so a rejected draft leaves nothing behind (z-lab crops its cache back to the
+committed length; here the context cache only ever receives committed rows). Rows the target did not
+compute (a prefix served by the prefix cache) have no features: the context starts after them.
+The trained demo's drafter (docs/train_demo.md §4) is exactly this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.state import TokenRows
+from ..config import declared, positive, read_config, section
+from ..errors import ConfigError
+from ..layers.linear import linear
+from ..layers.norms import rms_norm
+from ..layers.rope import RopeConfig, cos_sin, inv_freq, rope_half
+from ..weights.bind import Tensors
+from ..weights.contract import Naming, TensorSpec, direct, load_tensors, plan_load
+from ..weights.store import WeightStore
+from .base import Draft
+
+WHERE = "the DFlash drafter's config.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DFlashConfig:
+    hidden_size: int = declared(check=positive)
+    num_hidden_layers: int = declared(check=positive)
+    num_attention_heads: int = declared(check=positive)
+    num_key_value_heads: int = declared(check=positive)
+    head_dim: int = declared(check=positive)
+    intermediate_size: int = declared(check=positive)
+    vocab_size: int = declared(check=positive)
+    rms_norm_eps: float = declared(1e-6, check=positive)
+    rope_theta: float = declared(1e7, check=positive)  # z-lab's default
+    hidden_act: str = declared("silu")
+    num_target_layers: int | None = declared(None, check=positive)
+    draft_vocab_size: int | None = declared(None, check=positive)
+    block_size: int  # dflash_config.block_size, else block_size, else 16
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    layer_types: tuple[str, ...]
+
+
+def parse_config(raw: dict) -> DFlashConfig:
+    dc = section(raw, "dflash_config", WHERE)
+    block = dc.get("block_size", raw.get("block_size", 16))
+    if not isinstance(block, int) or isinstance(block, bool) or block < 2:
+        raise ConfigError(f"{WHERE}: field 'block_size' must be an integer >= 2, got {block!r}")
+    mask = dc.get("mask_token_id")
+    if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
+        raise ConfigError(f"{WHERE}: field 'dflash_config.mask_token_id' must be a token id, got {mask!r}")
+    taps = dc.get("target_layer_ids")
+    if not isinstance(taps, list) or not taps or not all(isinstance(t, int) and t >= 0 for t in taps):
+        raise ConfigError(
+            f"{WHERE}: field 'dflash_config.target_layer_ids' must be a list of layer indices, got {taps!r}"
+        )
+    n = raw.get("num_hidden_layers")
+    types = raw.get("layer_types") or ["full_attention"] * (n if isinstance(n, int) else 0)
+    if any(t != "full_attention" for t in types):
+        raise ConfigError(
+            f"{WHERE}: field 'layer_types' is {types!r}; only full_attention drafter layers are supported "
+            "(sliding-window drafter layers are not implemented)"
+        )
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"{WHERE}: field 'rope_scaling' {rope!r} is not supported (plain rope only)")
+    cfg = read_config(
+        DFlashConfig,
+        raw,
+        WHERE,
+        block_size=block,
+        mask_token_id=mask,
+        target_layer_ids=tuple(taps),
+        layer_types=tuple(types),
+    )
+    if cfg.hidden_act != "silu":
+        raise ConfigError(f"{WHERE}: field 'hidden_act' must be 'silu', got {cfg.hidden_act!r}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(
+            f"{WHERE}: field 'num_key_value_heads' ({cfg.num_key_value_heads}) must divide "
+            f"num_attention_heads ({cfg.num_attention_heads})"
+        )
+    return cfg
+
+
+def check_against_target(cfg: DFlashConfig, model, target_cfg) -> None:
+    """A ConfigError naming the drafter's field that does not fit the target."""
+    d, vocab = target_cfg.hidden_size, target_cfg.vocab_size
+    layers = len(model.layers)
+    if cfg.hidden_size != d:
+        raise ConfigError(
+            f"{WHERE}: field 'hidden_size' is {cfg.hidden_size}, the target's hidden size is {d}"
+        )
+    if cfg.vocab_size != vocab:
+        raise ConfigError(
+            f"{WHERE}: field 'vocab_size' is {cfg.vocab_size}, the target's vocabulary is {vocab}"
+        )
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != vocab:
+        raise ConfigError(
+            f"{WHERE}: field 'draft_vocab_size' is {cfg.draft_vocab_size}: drafters with a reduced vocabulary "
+            f"are not supported (the target's is {vocab})"
+        )
+    if cfg.num_target_layers is not None and cfg.num_target_layers != layers:
+        raise ConfigError(
+            f"{WHERE}: field 'num_target_layers' is {cfg.num_target_layers}, the target has {layers} layers"
+        )
+    bad = [t for t in cfg.target_layer_ids if t >= layers]
+    if bad:
+        raise ConfigError(
+            f"{WHERE}: field 'dflash_config.target_layer_ids' names layers {bad}; the target has {layers}"
+        )
+    if cfg.mask_token_id >= vocab:
+        raise ConfigError(
+            f"{WHERE}: field 'dflash_config.mask_token_id' is {cfg.mask_token_id}, outside the vocabulary ({vocab})"
+        )
+
+
+def tensor_specs(cfg: DFlashConfig) -> list[TensorSpec]:
+    d, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    specs = [
+        TensorSpec("fc.weight", (d, len(cfg.target_layer_ids) * d), "draft"),
+        TensorSpec("hidden_norm.weight", (d,), "norm"),
+        TensorSpec("norm.weight", (d,), "norm"),
+    ]
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        specs += [
+            TensorSpec(p + "self_attn.q_proj.weight", (q, d), "attention", i),
+            TensorSpec(p + "self_attn.k_proj.weight", (kv, d), "attention", i),
+            TensorSpec(p + "self_attn.v_proj.weight", (kv, d), "attention", i),
+            TensorSpec(p + "self_attn.o_proj.weight", (d, q), "attention", i),
+            TensorSpec(p + "self_attn.q_norm.weight", (hd,), "norm", i),
+            TensorSpec(p + "self_attn.k_norm.weight", (hd,), "norm", i),
+            TensorSpec(p + "mlp.gate_proj.weight", (I, d), "mlp", i),
+            TensorSpec(p + "mlp.up_proj.weight", (I, d), "mlp", i),
+            TensorSpec(p + "mlp.down_proj.weight", (d, I), "mlp", i),
+            TensorSpec(p + "input_layernorm.weight", (d,), "norm", i),
+            TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm", i),
+        ]
+    return specs
+
+
+NAMING = Naming(
+    "z-lab DFlash",
+    lambda spec: direct(spec.name, spec.shape),
+    [r"(model\.)?embed_tokens\.weight", r"lm_head\.weight"],
+)
+
+
+@dataclass
+class DraftLayer:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+class DFlashProposer:
+    method = "dflash"
+
+    def __init__(self, model, cfg: DFlashConfig, t: Tensors):
+        self.cfg = cfg
+        self.taps = cfg.target_layer_ids
+        self.max_k = cfg.block_size - 1
+        self.embed, self.lm_head = model.embed, model.lm_head
+        self.dtype, self.device = model.dtype, model.device
+        self.fc = t("fc.weight")
+        self.hidden_norm = t("hidden_norm.weight")
+        self.norm = t("norm.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            w = t.under(f"layers.{i}.")
+            a, m = w.under("self_attn."), w.under("mlp.")
+            self.layers.append(
+                DraftLayer(
+                    a("q_proj.weight"),
+                    a("k_proj.weight"),
+                    a("v_proj.weight"),
+                    a("o_proj.weight"),
+                    a("q_norm.weight"),
+                    a("k_norm.weight"),
+                    w("input_layernorm.weight"),
+                    w("post_attention_layernorm.weight"),
+                    m("gate_proj.weight"),
+                    m("up_proj.weight"),
+                    m("down_proj.weight"),
+                )
+            )
+        self.freqs = inv_freq(RopeConfig(dim=cfg.head_dim, theta=cfg.rope_theta)).to(self.device)
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        self.widths = {f"{x}{i}": kv for i in range(cfg.num_hidden_layers) for x in "kv"}
+        self.context: dict[int, TokenRows] = {}  # per sequence: every layer's context K (roped) and V
+        self.length: dict[int, int] = {}  # committed rows seen (the next anchor's position)
+
+    # -- math
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos_sin(self.freqs, positions)
+        return rope_half(x, cos, sin)
+
+    def _keys(
+        self, w: DraftLayer, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roped, normed keys and values [n, KV * hd] of rows x (context features or normed block rows)."""
+        c = self.cfg
+        n = x.shape[0]
+        k = rms_norm(linear(x, w.k).view(n, c.num_key_value_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
+        return self._rope(k, positions).flatten(1), linear(x, w.v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Non-causal GQA: q [n, H, hd] over k, v [T, KV * hd] -> [n, H * hd]."""
+        c = self.cfg
+        rep = c.num_attention_heads // c.num_key_value_heads
+        T = k.shape[0]
+        k = k.view(T, c.num_key_value_heads, c.head_dim).repeat_interleave(rep, 1).transpose(0, 1)
+        v = v.view(T, c.num_key_value_heads, c.head_dim).repeat_interleave(rep, 1).transpose(0, 1)
+        s = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)).float() * c.head_dim**-0.5  # [H, n, T]
+        o = torch.matmul(torch.softmax(s, -1).to(v.dtype), v)  # [H, n, hd]
+        return o.transpose(0, 1).flatten(1)
+
+    # -- the interface
+    def start(self, seq_id: int) -> None:
+        self.context[seq_id] = TokenRows(self.widths, self.dtype, self.device, 1 << 40)
+        self.length[seq_id] = 0
+
+    def fork(self, parent: int, child: int) -> None:
+        self.start(child)
+        self.context[child].restore(self.context[parent].snapshot())
+        self.length[child] = self.length[parent]
+
+    @torch.inference_mode()
+    def observe(self, seq_id: int, start: int, tokens: list[int], hidden: dict[int, torch.Tensor]) -> None:
+        if start != self.length[seq_id]:
+            raise ValueError(
+                f"dflash: sequence {seq_id} has {self.length[seq_id]} rows, observe starts at {start}"
+            )
+        self.length[seq_id] = start + len(tokens)
+        if not hidden:  # rows the target did not compute: no features for them
+            return
+        c = self.cfg
+        feats = torch.cat([hidden[L].to(self.dtype) for L in self.taps], -1)
+        ctx = rms_norm(linear(feats, self.fc), self.hidden_norm, c.rms_norm_eps)
+        positions = torch.arange(start, start + len(tokens), device=self.device)
+        rows = {}
+        for i, w in enumerate(self.layers):
+            rows[f"k{i}"], rows[f"v{i}"] = self._keys(w, ctx, positions)
+        self.context[seq_id].append(**rows)
+
+    def propose(self, requests: list[tuple[int, int, int]]) -> list[Draft]:
+        drafts = self.block_logits(requests).argmax(-1)  # [S, B - 1]
+        return [Draft(drafts[j, :k].tolist()) for j, (_, _, k) in enumerate(requests)]
+
+    @torch.inference_mode()
+    def block_logits(self, requests: list[tuple[int, int, int]]) -> torch.Tensor:
+        """fp32 logits [S, B - 1, vocab] of block rows 1 .. B - 1 for each (seq, last token, k)."""
+        c, B = self.cfg, self.cfg.block_size
+        S = len(requests)
+        ids = torch.full((S, B), c.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0] = torch.tensor([last for _, last, _ in requests], device=self.device)
+        anchors = torch.tensor([self.length[s] for s, _, _ in requests], device=self.device)
+        positions = (anchors[:, None] + torch.arange(B, device=self.device)).flatten()
+        contexts = []
+        for s, _, _ in requests:
+            held = self.context[s]
+            contexts.append({f: b[: held.length] for f, b in held.bufs.items()})
+        x = F.embedding(ids.flatten(), self.embed).to(self.dtype)  # [S * B, d]
+        H, hd = c.num_attention_heads, c.head_dim
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
+            q = self._rope(rms_norm(linear(h, w.q).view(S * B, H, hd), w.q_norm, c.rms_norm_eps), positions)
+            k, v = self._keys(w, h, positions)
+            out = torch.empty(S * B, H * hd, dtype=x.dtype, device=x.device)
+            for j, ctx in enumerate(contexts):
+                rows = slice(j * B, (j + 1) * B)
+                out[rows] = self._attend(
+                    q[rows], torch.cat([ctx[f"k{i}"], k[rows]]), torch.cat([ctx[f"v{i}"], v[rows]])
+                )
+            x = x + linear(out, w.o)
+            h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
+            x = x + linear(F.silu(linear(h, w.gate)) * linear(h, w.up), w.down)
+        x = x.view(S, B, -1)[:, 1:]  # row 0 is the anchor
+        return linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
+
+    def finish(self, seq_id: int) -> None:
+        self.context.pop(seq_id, None)
+        self.length.pop(seq_id, None)
+
+
+def load(model, target_cfg, folder) -> DFlashProposer:
+    store = WeightStore(folder)
+    cfg = parse_config(store.config)
+    check_against_target(cfg, model, target_cfg)
+    plan = plan_load(tensor_specs(cfg), store, NAMING)
+    tensors = Tensors(load_tensors(plan, store, model.dtype, model.device), plan.skipped_optional)
+    proposer = DFlashProposer(model, cfg, tensors)
+    tensors.check_all_taken()
+    return proposer
+
+
+def make_proposer(model, cfg, spec, folder) -> DFlashProposer:
+    return load(model, cfg, folder)
