@@ -12,8 +12,14 @@ import functools
 import json
 import multiprocessing
 import os
+import re
 import signal
+import subprocess
+import sys
+import time
 
+import httpx
+import jsonschema
 import pytest
 import torch
 
@@ -210,6 +216,12 @@ def test_sizes_that_do_not_divide_are_refused_before_any_process_starts():
             LLM("demo-mistral4", tensor_parallel_size=bad)
     with pytest.raises(ConfigError, match="expert_parallel must be true or false"):
         LLM("demo-mistral4", tensor_parallel_size=2, expert_parallel="yes")
+    # what does not run on several ranks yet says so
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match=r"speculative decoding \(ngram\) does not run tensor-parallel"):
+        LLM("demo-mistral4", tensor_parallel_size=2, speculative_config=ngram)
+    with pytest.raises(ConfigError, match=r"expert streaming \(expert_cache\) does not run tensor-parallel"):
+        LLM("demo-mistral4", tensor_parallel_size=2, expert_cache="50%")
     assert set(multiprocessing.active_children()) == before
     assert set(workers._POOLS) == pools
 
@@ -238,11 +250,64 @@ def test_generate_cli_on_two_ranks(capsys):
     assert capsys.readouterr().out == one
 
 
-@pytest.mark.skip(
-    reason="the server (moesaic serve, issue 14) is not on main yet; test `-tp 2` with it once it is"
-)
-def test_server_on_two_ranks_answers_as_one():
-    pass
+@pytest.mark.timeout(300)
+def test_server_on_two_ranks_answers_as_one(tmp_path):
+    """`moesaic serve -tp 2` (a real server process, its two ranks): a greedy completion is the text one
+    rank generates here, and a structured-output request (its grammar on rank 0 only) gives JSON of the
+    schema; SIGTERM stops the server and its worker."""
+    prompt = "The quick brown fox"
+    llm = LLM("demo", dtype="float32")
+    ref = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0]
+    log = tmp_path / "server.log"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    cmd = [
+        sys.executable,
+        "-m",
+        "moesaic.cli",
+        "serve",
+        "demo",
+        "--dtype",
+        "float32",
+        "--port",
+        "0",
+        "-tp",
+        "2",
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
+    try:
+        deadline = time.monotonic() + 180
+        while not (m := re.search(r"ready at (http://\S+)/v1", log.read_text())):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"moesaic serve -tp 2 did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        url = m.group(1) + "/v1"
+        body = dict(model="demo", prompt=prompt, max_tokens=16, temperature=0)
+        r = httpx.post(url + "/completions", json=body, timeout=120).json()
+        assert r["choices"][0]["text"] == ref.text
+        assert r["usage"]["completion_tokens"] == len(ref.token_ids)
+        schema = {
+            "type": "object",
+            "properties": {
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "ok": {"type": "boolean"},
+            },
+            "required": ["age", "ok"],
+            "additionalProperties": False,
+        }
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        messages = [{"role": "user", "content": "Hello there"}]
+        body = dict(model="demo", messages=messages, max_tokens=60, temperature=0, response_format=fmt)
+        r = httpx.post(url + "/chat/completions", json=body, timeout=120).json()
+        assert r["choices"][0]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 # ---------------------------------------------------------------- the pieces, on one process
