@@ -64,13 +64,19 @@ def check_device(device) -> str:
     return str(dev)
 
 
-def _anon_rss() -> int:
-    """This process's private resident bytes (not the checkpoint's mapped file pages); 0 if unknown."""
+def _status_bytes(field: str) -> int:
+    """A byte count of /proc/self/status (Linux), e.g. RssAnon; 0 if unknown."""
     try:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
     except (OSError, StopIteration, ValueError):
         return 0
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes. VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a
+    process started by a larger one would report its parent's peak."""
+    return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def check_parallel(tensor_parallel_size, expert_parallel, spec=None, expert_cache=None) -> None:
@@ -411,8 +417,8 @@ class LLM:
                 "collectives": 0 if group is None else group.stats["collectives"],
                 "collective_seconds": 0.0 if group is None else group.stats["seconds"],
                 "collective_bytes": 0 if group is None else group.stats["bytes"],
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "anon_rss_bytes": _anon_rss(),
+                "peak_rss_bytes": _peak_rss(),
+                "anon_rss_bytes": _status_bytes("RssAnon"),
             }
             every = [mine] if group is None else group.gather(mine)
         return {**{k: [e[k] for e in every] for k in mine}, **self.load_stats}

@@ -180,6 +180,29 @@ def test_async_llm_on_two_ranks():
     assert all(len(t) == GREEDY.max_tokens for t in got[0])
 
 
+@pytest.mark.parametrize("name", ["demo-kimi-linear", "demo-nemotron-h"])
+def test_a_decode_step_has_as_many_collectives_for_three_sequences_as_for_one(name):
+    """The recurrent mixers (KDA, Mamba-2) run one sequence at a time; their row-parallel output is
+    summed over the ranks once for the batch, so a decode step's collectives do not grow with the batch."""
+    llm = LLM(name, tensor_parallel_size=2, **ENGINE)
+    try:
+
+        def decode_collectives(prompts):
+            counts = []
+            for n in (1, 2):  # prefill + first token, then one more decode step
+                before = llm.parallel_stats()["collectives"][0]
+                llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                counts.append(llm.parallel_stats()["collectives"][0] - before)
+            return counts[1] - counts[0]
+
+        one = decode_collectives([[5, 6, 7]])
+        three = decode_collectives([[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+    finally:
+        llm.close()
+    print(f"{name}: collectives in a decode step: {one} for one sequence, {three} for three")
+    assert one > 0 and three == one
+
+
 def test_each_rank_reads_only_its_shard(capsys):
     """Nemotron-H's demo (Mamba-2, attention, MoE, embedding and head nearly all split): each rank reads
     at most 0.6 of what one rank reads, the ranks together at least all of the split weights once; and
