@@ -274,6 +274,22 @@ def test_generate_cli_on_two_ranks(capsys):
 
 
 @pytest.mark.timeout(300)
+def test_generate_under_torchrun_uses_its_ranks(capsys):
+    """`torchrun --nproc-per-node 2 -m moesaic.cli generate ... -tp 2` (how several machines run it): the
+    launcher's two processes are the ranks; rank 0 prints what one rank prints, the other prints nothing."""
+    args = ["generate", "--model", "demo", "--dtype", "float32", "--max-tokens", "8", "--prompt", "hi"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "moesaic.cli", *args, "-tp", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == one
+
+
+@pytest.mark.timeout(300)
 def test_server_on_two_ranks_answers_as_one(tmp_path):
     """`moesaic serve -tp 2` (a real server process, its two ranks): a greedy completion is the text one
     rank generates here, and a structured-output request (its grammar on rank 0 only) gives JSON of the
