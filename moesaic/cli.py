@@ -84,6 +84,14 @@ def main(argv=None) -> int:
     )
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument(
+        "--expert-cache", default=None, help='stream routed experts into a cache of SIZE ("8GiB", "10%%")'
+    )
+    s.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'',
+    )
+    s.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds to drain requests on a signal"
     )
     s.add_argument("--max-queued-requests", type=int, default=1024, help="requests in flight before 503")
@@ -220,6 +228,8 @@ def _serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_cache_bytes=args.max_cache_bytes,
         enable_prefix_caching=not args.no_prefix_caching,
+        expert_cache=args.expert_cache,
+        speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel,
     )

@@ -506,3 +506,44 @@ def test_grammar_on_a_tokenizer_json_vocabulary(tmp_path):
         other.accept(bad)
     with pytest.raises(RequestError, match="cannot be compiled"):
         g.json_schema({"type": "objectx"})
+
+
+def test_speculative_decoding_behind_the_server_and_its_metrics():
+    """A server whose engine drafts (n-gram): completions equal the plain engine's greedy text, and /metrics
+    carries the drafting counters the engine reports."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = moesaic.LLM("demo-mistral4", dtype="float32", speculative_config=spec)
+    ref = moesaic.LLM("demo-mistral4", dtype="float32")
+    app = build_app(llm, api_keys=[KEY], served_model_names=["spec"])
+    prompt = "abc abc abc abc abc abc abc"
+    want = ref.generate([prompt], moesaic.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[
+        0
+    ].text
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://moesaic", timeout=120) as h:
+            body = {"model": "spec", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            r = (
+                await h.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+            ).json()
+            return r, (await h.get("/metrics")).text
+
+    try:
+        r, metrics = run(go())
+    finally:
+        app.state.moesaic.engine.shutdown(timeout=5)
+    assert r["choices"][0]["text"] == want
+    s = llm.stats()["speculative"]
+    assert s["drafted"] > 0
+
+    def value(metric):
+        m = re.search(rf"^{metric}\{{[^}}]*\}} (\S+)$", metrics, re.M)
+        return float(m.group(1))
+
+    assert value("moesaic_spec_decode_num_draft_tokens_total") == s["drafted"]
+    assert value("moesaic_spec_decode_num_accepted_tokens_total") == s["accepted"]
+    assert value("moesaic_spec_decode_num_drafts_total") == s["rounds"]
+    per = re.findall(r'^moesaic_spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"\} (\S+)$',
+                     metrics, re.M)  # fmt: skip
+    assert [float(v) for _, v in per] == s["per_position_accepted"]

@@ -881,6 +881,7 @@ class Engine:
             acceptance=c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
             per_position_acceptance=[a / d if d else 0.0 for a, d in zip(c["accepted_at"], c["drafted_at"])],
             per_position_drafted=list(c["drafted_at"]),
+            per_position_accepted=list(c["accepted_at"]),
             tau=c["committed"] / c["rounds"] if c["rounds"] else 0.0,
             target_forwards=c["target_forwards"],
             rollbacks=c["rollbacks"],

@@ -3,7 +3,7 @@
 Per request (counted when it ends): requests by finish reason, prompt and generated tokens, time to first
 token, time per output token and end-to-end latency histograms. Read from the engine when scraped:
 running and waiting requests, cache blocks (used, free, total), prefix-cache hits, preemptions and the
-snapshot store. Names follow vLLM's (`vllm:...`) under the `moesaic_` prefix.
+snapshot store, and speculative decoding's counters when it is on. Names follow vLLM's (`vllm:...`) under the `moesaic_` prefix.
 """
 
 from __future__ import annotations
@@ -140,3 +140,24 @@ class _EngineCollector:
             "snapshot_bytes", "Bytes of recurrent-state snapshots kept for prefix reuse", s["snapshot_bytes"]
         )
         yield counter("engine_loop_errors", "Engine steps that failed", s["async"]["loop_errors"])
+        spec = s.get("speculative")
+        if spec is not None:  # vLLM's spec_decode_* names
+            yield counter(
+                "spec_decode_num_drafts", "Verify rounds (one per drafting sequence)", spec["rounds"]
+            )
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed", spec["drafted"])
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec["accepted"])
+            yield counter(
+                "spec_decode_target_forwards", "Target forwards (every step)", spec["target_forwards"]
+            )
+            yield gauge(
+                "spec_decode_mean_accepted_length", "Tokens committed per verify round (tau)", spec["tau"]
+            )
+            per = CounterMetricFamily(
+                "moesaic_spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each draft position",
+                labels=["model_name", "position"],
+            )
+            for i, n in enumerate(spec["per_position_accepted"]):
+                per.add_metric([name[0], str(i)], n)
+            yield per
