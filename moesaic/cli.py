@@ -46,11 +46,13 @@ def main(argv=None) -> int:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         '(methods: ngram, mtp, dspark, dflash with "model": a drafter folder)',
     )
+    parallel_flags(g)
     i = sub.add_parser("inspect", help="describe a checkpoint (config.json alone is enough)")
     i.add_argument("model")
     i.add_argument("--json", action="store_true")
     i.add_argument("--precision", default=None, help="show how this precision schedule resolves")
     i.add_argument("--expert-cache", default=None, help="plan expert streaming with a cache of SIZE")
+    parallel_flags(i)
     s = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server")
     s.add_argument(
         "model", nargs="?", default="demo", help="checkpoint folder, or a demo name (default: demo)"
@@ -95,6 +97,7 @@ def main(argv=None) -> int:
     s.add_argument("--max-queued-requests", type=int, default=1024, help="requests in flight before 503")
     s.add_argument("--max-body-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parallel_flags(s)
     args = ap.parse_args(argv)
     try:
         if args.model == "":  # Path("") is the current directory: never open it by accident
@@ -112,6 +115,22 @@ def main(argv=None) -> int:
         return 141
 
 
+def parallel_flags(p) -> None:
+    """-tp N / --enable-expert-parallel (generate, inspect, serve)."""
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over N ranks (worker processes, or torchrun's; docs/parallel.md)",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split the routed experts by expert (E/N a rank) instead of by width",
+    )
+
+
 def _generate(args) -> int:
     from .config import is_demo
     from .engine.sampler import SamplingParams
@@ -125,6 +144,8 @@ def _generate(args) -> int:
         precision=args.precision,
         expert_cache=args.expert_cache,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
     )
     if is_demo(llm.raw_config):
         print(
@@ -209,6 +230,8 @@ def _serve(args) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         expert_cache=args.expert_cache,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
     )
     if is_demo(llm.raw_config):
         print(
@@ -240,7 +263,11 @@ def _inspect(args) -> int:
     from .llm import resolve_model_path
 
     info = inspect_checkpoint(
-        resolve_model_path(args.model), precision=args.precision, expert_cache=args.expert_cache
+        resolve_model_path(args.model),
+        precision=args.precision,
+        expert_cache=args.expert_cache,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
     )
     print(json.dumps(info, indent=1) if args.json else format_text(info))
     return 0

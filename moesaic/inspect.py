@@ -6,19 +6,27 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from . import parallel
 from .config import is_demo
 from .errors import CheckpointError
 from .models import num_layers, read_config
-from .weights.contract import check_scale, plan_load, quantization_config
+from .weights.contract import check_scale, plan_load, quantization_config, shard_bytes
 from .weights.experts import parse_size, plan_bytes
 from .weights.precision import PrecisionSchedule
 from .weights.store import WeightStore
 
 
 def inspect_checkpoint(
-    path: str | Path, kv_dtype_bytes: int = 2, precision: str | None = None, expert_cache=None
+    path: str | Path,
+    kv_dtype_bytes: int = 2,
+    precision: str | None = None,
+    expert_cache=None,
+    tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
 ) -> dict:
-    """expert_cache (a size, as LLM takes it): also plan expert streaming (`expert_streaming`)."""
+    """expert_cache (a size, as LLM takes it): also plan expert streaming (`expert_streaming`).
+    tensor_parallel_size > 1 adds `tensor_parallel`: what each rank holds (parameters, state, and with
+    the tensor files present the bytes each rank reads), checked as a load would check it."""
     store = WeightStore(path, require_files=False)
     family, raw, cfg = read_config(store)
     # the tensors count only when their headers were read (an index alone may list a few, as a sketch)
@@ -69,7 +77,23 @@ def inspect_checkpoint(
         info["contract"] = "not checked (tensor files absent)"
     if expert_cache is not None:
         info["expert_streaming"] = _streaming_plan(expert_cache, plan, store, specs, info)
+    if tensor_parallel_size > 1:
+        info["tensor_parallel"] = _per_rank(
+            store, family, cfg, kv_dtype_bytes, tensor_parallel_size, expert_parallel
+        )
     return info
+
+
+def _per_rank(store, family, cfg, kv_dtype_bytes: int, world: int, expert_parallel: bool) -> dict:
+    specs = parallel.sharded_specs(family, cfg, expert_parallel)
+    out = {
+        "expert_parallel": expert_parallel,
+        **parallel.rank_bytes(family, cfg, specs, world, kv_dtype_bytes),
+    }
+    if store.infos and not store.unread:
+        plan = plan_load(specs, store, family.namings(cfg, store.layout, store.names()))
+        out["weight_bytes_per_rank"] = [shard_bytes(plan, store, r, world) for r in range(world)]
+    return out
 
 
 def _streaming_plan(expert_cache, plan, store, specs, info) -> dict:
@@ -156,6 +180,7 @@ def format_text(info: dict) -> str:
             "random_weights_demo",
             "contract",
             "precision",
+            "tensor_parallel",
             "expert_streaming",
         }:
             lines.append(f"  {k}: {v}")
@@ -170,4 +195,16 @@ def format_text(info: dict) -> str:
             f"({x['cache_experts']} experts); planned resident {x['planned_resident_bytes']:,} B"
         )
     lines.append(f"  contract: {info['contract']}")
+    tp = info.get("tensor_parallel")
+    if tp:
+        n = tp["tensor_parallel_size"]
+        split = "experts by expert" if tp["expert_parallel"] else "experts by width"
+        read = tp.get("weight_bytes_per_rank")
+        lines.append(
+            f"  per rank of {n} ({split}): {tp['params_per_rank']:,} parameters "
+            f"({tp['params_sharded_per_rank']:,} split, {tp['params_replicated']:,} replicated)"
+            + (f"; weights read {', '.join(f'{b:,}' for b in read)} B" if read else "")
+            + f"; state {tp['state_bytes_per_token_per_rank']:,} B/token + "
+            f"{tp['state_bytes_fixed_per_sequence_per_rank']:,} B/sequence"
+        )
     return "\n".join(lines)

@@ -3,13 +3,16 @@ event loops. Both drive one engine core (engine/engine.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
+import resource
 import threading
 from pathlib import Path
 
 import torch
 
+from . import parallel
 from .cache.batch import ForwardBatch
 from .demo import DEMO_NAME, DEMOS, ensure_demo, is_demo_name
 from .engine.async_engine import AsyncEngine
@@ -60,6 +63,44 @@ def check_device(device) -> str:
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {device!r} is not supported (cpu or cuda)")
     return str(dev)
+
+
+def _status_bytes(field: str) -> int:
+    """A byte count of /proc/self/status (Linux), e.g. RssAnon; 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes. VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a
+    process started by a larger one would report its parent's peak."""
+    return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def check_parallel(tensor_parallel_size, expert_parallel, spec=None, expert_cache=None) -> None:
+    """The parallel arguments, and what does not run on several ranks yet (speculative decoding, expert
+    streaming), refused before the checkpoint is read."""
+    if (
+        not isinstance(tensor_parallel_size, int)
+        or isinstance(tensor_parallel_size, bool)
+        or tensor_parallel_size < 1
+    ):
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+    if not isinstance(expert_parallel, bool):
+        raise ConfigError(f"expert_parallel must be true or false, got {expert_parallel!r}")
+    if tensor_parallel_size > 1 and spec is not None:
+        raise ConfigError(
+            f"speculative decoding ({spec.method}) does not run tensor-parallel yet: drop speculative_config "
+            f"or use tensor_parallel_size=1 (got {tensor_parallel_size})"
+        )
+    if tensor_parallel_size > 1 and expert_cache is not None:
+        raise ConfigError(
+            "expert streaming (expert_cache) does not run tensor-parallel yet: drop expert_cache or use "
+            f"tensor_parallel_size=1 (got {tensor_parallel_size}); each rank holds 1/N of the experts instead"
+        )
 
 
 def _is_token(t) -> bool:
@@ -166,6 +207,9 @@ class LLM:
         expert_cache_policy: str = "lfru",
         expert_prefetch: bool = True,
         speculative_config: dict | str | None = None,
+        tensor_parallel_size: int = 1,
+        expert_parallel: bool = False,
+        _rank=None,
     ):
         """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py).
         max_num_batched_tokens (old name max_batch_tokens): the tokens one step computes; max_cache_bytes:
@@ -176,7 +220,10 @@ class LLM:
         policy "lru" or "lfru" and, unless expert_prefetch=False, the next layer's experts read ahead.
         speculative_config: drafting, off by default; {"method": "ngram" | "mtp" | "dspark" | "dflash",
         "num_speculative_tokens": k, "model": drafter folder (dflash, external dspark), "adaptive": true}
-        or the same as a JSON string (moesaic/spec/__init__.py)."""
+        or the same as a JSON string (moesaic/spec/__init__.py).
+        tensor_parallel_size: the ranks the model is split over (worker processes spawned here, or
+        torchrun's; docs/parallel.md); expert_parallel: routed experts split by expert (E/N a rank)
+        instead of by width. `_rank` is a worker's place in such a run (moesaic/parallel)."""
         # everything a caller can get wrong is checked before the checkpoint is read
         tokens = max_num_batched_tokens if max_num_batched_tokens is not None else max_batch_tokens
         EngineLimits(
@@ -191,20 +238,14 @@ class LLM:
         spec = parse_speculative_config(speculative_config)
         if precision is not None and not isinstance(precision, str):
             raise ConfigError(f"precision must be a string like 'router=bf16,expert=fp8', got {precision!r}")
+        check_parallel(tensor_parallel_size, expert_parallel, spec, expert_cache)
         device = check_device(device)
         self.path = resolve_model_path(model)
         ckpt = Checkpoint.open(self.path)
         self.family, self.cfg, self.raw_config = ckpt.family, ckpt.cfg, ckpt.raw
-        self.model = ckpt.build(dtype, device, precision, expert_cache, expert_cache_policy, expert_prefetch)
-        self.expert_cache = ckpt.expert_cache
-        self.dtype, self.device = self.model.dtype, device
         self.tokenizer = load_tokenizer(self.path, ckpt.store.config, self.cfg.eos_token_ids)
-        eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
-        proposer = None if spec is None else build_proposer(self.family, self.model, self.cfg, spec)
-        window = 0 if spec is None else spec.k + 1  # the rows a verify round may roll back, and one more
-        self.engine = Engine(
-            self.model,
-            eos,
+        self.expert_cache = None
+        engine_args = dict(
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -212,13 +253,44 @@ class LLM:
             max_cache_bytes=max_cache_bytes,
             max_snapshot_bytes=max_snapshot_bytes,
             enable_prefix_caching=enable_prefix_caching,
+        )
+        self.rank = _rank
+        if self.rank is None and tensor_parallel_size > 1:  # checks the split before any process starts
+            self.rank = parallel.start(ckpt, tensor_parallel_size, expert_parallel, device)
+        if self.rank is None:
+            self.model = ckpt.build(
+                dtype, device, precision, expert_cache, expert_cache_policy, expert_prefetch
+            )
+            self.expert_cache = ckpt.expert_cache
+            self.load_stats = {"bytes_read": [ckpt.store.bytes_read]}
+            self._engine(device, engine_args, None, spec)
+        else:  # every rank runs this same code: rank 0 sends it to the workers as "load"
+            device = self.rank.device
+            args = dict(engine_args, dtype=dtype, device=device, precision=precision)
+            with self.rank.command("load", type(self), (str(self.path),), args, self.rank.expert_parallel):
+                self.model = parallel.build_model(ckpt, self.rank, dtype, device, precision)
+                self.load_stats = self.rank.load_stats
+                self._engine(device, engine_args, self.rank.lockstep(), None)
+        self._lock = threading.RLock()  # generate / stream calls from several threads take turns
+
+    def _engine(self, device, engine_args: dict, spmd, spec) -> None:
+        self.dtype, self.device = self.model.dtype, device
+        eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
+        proposer = None if spec is None else build_proposer(self.family, self.model, self.cfg, spec)
+        window = 0 if spec is None else spec.k + 1  # the rows a verify round may roll back, and one more
+        self.engine = Engine(
+            self.model,
+            eos,
+            **engine_args,
             max_context=self.family.max_context(self.cfg),
-            state_bytes=self.family.state_bytes(self.cfg, self.model.dtype.itemsize, window),
+            state_bytes=self.family.state_bytes(
+                self.model.cfg, self.model.dtype.itemsize, window
+            ),  # this rank's
             tokenizer=self.tokenizer,
             proposer=proposer,
             spec=spec,
+            spmd=spmd,
         )
-        self._lock = threading.RLock()  # generate / stream calls from several threads take turns
 
     # ---- prompts
     def encode(self, prompt) -> list[int]:
@@ -327,8 +399,9 @@ class LLM:
         check_prompt(ids, self.cfg.vocab_size)
         if len(ids) > self.engine.max_context:
             raise CapacityError(f"{len(ids)} tokens exceed this model's context of {self.engine.max_context}")
-        state = self.model.new_state()
-        return self.model.forward(ForwardBatch.build([(state, ids)], logits="all", device=self.device))
+        with self._lock, self._command("score", ids):
+            state = self.model.new_state()
+            return self.model.forward(ForwardBatch.build([(state, ids)], logits="all", device=self.device))
 
     def stats(self) -> dict:
         """The engine's counters (requests, tokens, prefix cache, preemptions, blocks, step times, and
@@ -339,6 +412,39 @@ class LLM:
         if self.expert_cache is not None:
             out["expert_cache"] = self.expert_cache.stats()
         return out
+
+    # ---- tensor parallelism
+    def _command(self, name: str, *args):
+        return contextlib.nullcontext() if self.rank is None else self.rank.command(name, *args)
+
+    def parallel_stats(self) -> dict:
+        """Per rank (lists in rank order): bytes read from the checkpoint at load (and, tensor-parallel,
+        held as weights), collectives since (count, seconds waited, bytes), peak resident memory (file
+        pages of the mapped checkpoint included) and the private resident memory now (Linux; 0
+        elsewhere). One rank: lists of one."""
+        with self._command("stats"):
+            group = None if self.rank is None else self.rank.group
+            mine = {
+                "collectives": 0 if group is None else group.stats["collectives"],
+                "collective_seconds": 0.0 if group is None else group.stats["seconds"],
+                "collective_bytes": 0 if group is None else group.stats["bytes"],
+                "peak_rss_bytes": _peak_rss(),
+                "anon_rss_bytes": _status_bytes("RssAnon"),
+            }
+            every = [mine] if group is None else group.gather(mine)
+        return {**{k: [e[k] for e in every] for k in mine}, **self.load_stats}
+
+    def close(self) -> None:
+        """Frees this model on the workers of a tensor-parallel run (they stay up for the next LLM)."""
+        rank, self.rank = getattr(self, "rank", None), None
+        if rank is not None and rank.rank == 0:
+            rank.drop()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class AsyncLLM:

@@ -25,6 +25,7 @@ that the state stops on each one for its decode-time snapshot).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import os
@@ -156,10 +157,19 @@ class Engine:
         enable_prefix_caching: bool = True,
         proposer: DraftProposer | None = None,
         spec: SpecConfig | None = None,
+        spmd=None,
     ):
         """state_bytes: the family planner's (bytes per token, fixed bytes per sequence) of a state with the
         rollback window the engine uses (spec.k + 1 with a proposer, else 0). max_batch_tokens is the old
-        name of max_num_batched_tokens. proposer / spec: speculative decoding (spec/__init__.py)."""
+        name of max_num_batched_tokens. proposer / spec: speculative decoding (spec/__init__.py). spmd: the
+        hooks of a tensor-parallel run (moesaic/parallel/workers.py `Lockstep`): the same engine runs on
+        every rank, rank 0 sends each step's new requests and aborts and the tokens it samples, the others
+        never sample."""
+        if spmd is not None and proposer is not None:
+            raise ConfigError(
+                "speculative decoding does not run tensor-parallel yet: use tensor_parallel_size=1 with a "
+                "speculative config, or no speculative config with tensor_parallel_size > 1"
+            )
         if max_batch_tokens is not None and max_num_batched_tokens is not None:
             if max_batch_tokens != max_num_batched_tokens:
                 raise ConfigError(
@@ -183,6 +193,7 @@ class Engine:
         self.max_num_seqs = self.limits.max_num_seqs
         self.max_num_batched_tokens = self.limits.max_num_batched_tokens
         self.max_state_bytes = max_state_bytes
+        self.spmd = spmd
         self.lock = threading.RLock()
         if (proposer is None) != (spec is None):
             raise ConfigError("a draft proposer needs its speculative config (and the config its proposer)")
@@ -243,6 +254,8 @@ class Engine:
                 )
         else:
             source = "max_cache_bytes"
+        if self.spmd is not None:  # every rank plans the same blocks: the smallest budget of any
+            budget = self.spmd.agree(budget)
         if budget - reserve < max(block_cost, 1):
             raise ConfigError(
                 f"max_cache_bytes: {budget} bytes cannot hold the fixed state of max_num_seqs="
@@ -362,10 +375,14 @@ class Engine:
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(seq.prompt_ids)
             self.scheduler.add(seq)
+            if self.spmd is not None:
+                self.spmd.added(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Ends a request (every sample of it) now, freeing its blocks."""
         with self.lock:
+            if self.spmd is not None:
+                self.spmd.aborted(seq)
             for s in list(seq.group):
                 if not s.finished:
                     s.finish_reason = "abort"
@@ -383,7 +400,7 @@ class Engine:
     def step(self) -> list[tuple[Sequence, int]]:
         """Runs one forward; returns the (sequence, new token) pairs sampled in it (with drafting, a
         sequence may get several)."""
-        with self.lock:
+        with self.lock, self.spmd.turn(self) if self.spmd is not None else contextlib.nullcontext():
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             if not sched:
@@ -412,7 +429,9 @@ class Engine:
             return pending[:n]
         return pending + seq.draft.tokens[: n - len(pending)]
 
-    def _forward(self, items: list[tuple[Sequence, int]]) -> tuple[list[torch.Tensor], list[dict], torch.Tensor]:
+    def _forward(
+        self, items: list[tuple[Sequence, int]]
+    ) -> tuple[list[torch.Tensor], list[dict], torch.Tensor]:
         """Per sequence: its logits rows (every row of a verify round, else the last) and its taps; and all
         the rows as one tensor."""
         batch = ForwardBatch.build(
@@ -496,14 +515,20 @@ class Engine:
                     draws.extend((s, row, []) for s in seq.group)
                 else:
                     draws.append((seq, row, []))
-            picked = []
-            for seq, row, draft in draws:
+            outcomes = []  # the [(token, logprobs)] drawn, or the exception, per draw
+            for seq, row, draft in draws if self.spmd is None or self.spmd.rank == 0 else ():
                 try:
-                    picked.append(
-                        (seq, self._verify(seq, row, draft) if draft else [self._sample(seq, row[-1])])
-                    )
+                    outcomes.append(self._verify(seq, row, draft) if draft else [self._sample(seq, row[-1])])
                 except Exception as e:
-                    failed[seq.id] = e
+                    outcomes.append(e)
+            if self.spmd is not None:  # rank 0's draws, on every rank
+                outcomes = self.spmd.share(outcomes)
+            picked = []
+            for (seq, _, _), got in zip(draws, outcomes):
+                if isinstance(got, BaseException):
+                    failed[seq.id] = got
+                else:
+                    picked.append((seq, got))
         except BaseException:
             for (s, _), m in zip(sched, marks):  # nothing of this step is kept
                 if s.state is not None:
@@ -891,6 +916,8 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         with self.lock:
+            if self.spmd is not None:
+                self.spmd.reset()
             self.blocks.reset_cache()
             if self.snapshots is not None:
                 for h in list(self.snapshots.entries):

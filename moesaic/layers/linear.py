@@ -1,4 +1,5 @@
-"""Matrix products against weights that may be dense tensors or packed quantized tensors."""
+"""Matrix products against weights that may be dense tensors or packed quantized tensors (or a tensor-parallel
+rank's piece of one: moesaic/parallel/comm.py), and embedding lookups."""
 
 import torch
 import torch.nn.functional as F
@@ -15,3 +16,9 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
         return F.linear(x, w, b)
     y = w.matmul(x)
     return y if bias is None else y + bias.to(y.dtype)
+
+
+def embedding(ids: torch.Tensor, w) -> torch.Tensor:
+    """Rows `ids` of an embedding table: a dense [vocab, d] tensor, or a table split over ranks (its
+    own `lookup`)."""
+    return F.embedding(ids, w) if isinstance(w, torch.Tensor) else w.lookup(ids)

@@ -108,13 +108,16 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None):
     the batch's experts are asked for at once, each read once, and computed as they arrive; `then()`
     runs once those reads are issued). Each token's terms are added in ascending expert id.
     Weighting and the sum run in the routing weights' dtype when it is wider (an fp32 router over
-    bf16 activations, as transformers does), cast to x's dtype at the end."""
+    bf16 activations, as transformers does), cast to x's dtype at the end. Ids outside 0..E-1 are
+    experts this rank does not hold (expert parallelism): their terms are left out."""
+    E = w_in.shape[0]
     ids, perm = ids.sort(dim=1)  # a token's experts in ascending id: the order its terms are summed in
     weights = weights.gather(1, perm)
     N, k = ids.shape
     flat = ids.reshape(-1)
+    flat = flat.masked_fill((flat < 0) | (flat >= E), E)  # another rank's: a group after the last, never run
     order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w_in.shape[0])
+    counts = torch.bincount(flat, minlength=E + 1)[:E]
     xs = x[order // k]
     if hasattr(w_in, "fetch"):  # streamed (weights/experts.py): the same per-expert products
         ys = torch.empty_like(xs)
@@ -132,8 +135,9 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None):
         ys = F.grouped_mm(
             act(F.grouped_mm(xs, w_in.transpose(-2, -1), offs=offs)), w_out.transpose(-2, -1), offs=offs
         )
+        ys = ys.masked_fill((torch.arange(len(ys), device=ys.device) >= offs[-1])[:, None], 0)
     else:
-        ys = torch.empty_like(xs)
+        ys = torch.zeros_like(xs)
         start = 0
         for e, c in enumerate(counts.tolist()):
             if c:
@@ -229,6 +233,11 @@ class MoeWeights:
     latent_norm: torch.Tensor | None = None  # RMSNorm over the experts' latent output
     latent_out: object | None = None  # [d, d']
     next_moe: MoeWeights | None = None  # the next MoE layer, when its streamed experts are prefetched
+    # tensor / expert parallelism (moesaic/parallel): the routed experts held here are the router's
+    # first_expert.. (all of them, or each one's share of the width), and `reduce` sums the ranks' partial
+    # outputs; None on one rank
+    first_expert: int = 0
+    reduce: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -270,11 +279,15 @@ def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor |
     then = None
     if w.next_moe is not None and x.shape[0] <= PREFETCH_MAX_TOKENS:  # a prefill chunk reads, not guesses
         then = lambda: prefetch(x, w.next_moe, spec.router, token_ids)  # noqa: E731
-    y = run_experts(h, weights, ids, w.experts_in, w.experts_out, act, then)
+    y = run_experts(h, weights, ids - w.first_expert, w.experts_in, w.experts_out, act, then)
+    reduce = w.reduce  # split over ranks: y (and the shared expert's output) are this rank's part
     if w.latent_norm is not None:
+        if reduce is not None:  # the norm needs the whole sum
+            y = reduce(y)
         y = rms_norm(y, w.latent_norm, spec.eps)
     if w.latent_out is not None:
         y = linear(y, w.latent_out)
     if w.shared is not None:
-        y = y + w.shared(x, spec.glu, spec.act)
-    return y
+        s = w.shared(x, spec.glu, spec.act)
+        y = y + (reduce(s) if reduce is not None and w.latent_norm is not None else s)
+    return y if reduce is None or w.latent_norm is not None else reduce(y)  # one all-reduce of the block

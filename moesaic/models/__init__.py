@@ -184,7 +184,9 @@ class Checkpoint:
         cache = None
         if expert_cache is not None:
             cache = ExpertCache(expert_cache, expert_cache_policy, expert_prefetch)
-        tensors = Tensors(load_tensors(plan, self.store, dt, device, precision, cache), plan.skipped_optional)
+        tensors = Tensors(
+            load_tensors(plan, self.store, dt, device, precision, experts=cache), plan.skipped_optional
+        )
         model = self.family.build(self.cfg, tensors, dt, device, self.store.folder)
         tensors.check_all_taken()
         if cache is not None:

@@ -66,7 +66,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache.batch import FINAL, ForwardBatch
@@ -101,7 +100,7 @@ from ..layers.csa import (
     new_attention_state,
     sink_attention,
 )
-from ..layers.linear import linear
+from ..layers.linear import embedding, linear
 from ..layers.moe import MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
 from ..layers.norms import rms_norm_cast_once
 from ..layers.rope import RopeConfig, cos_sin_attention_factor, inv_freq
@@ -844,7 +843,7 @@ class Model:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         c = self.cfg
         eps = c.rms_norm_eps
-        h = mhc.expand(F.embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
+        h = mhc.expand(embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
         for L, w in enumerate(self.layers):
             h = self.block(L, w, h, batch)
             batch.tap(L, h, mhc.head_mean)
@@ -917,3 +916,21 @@ def handoff(raw: dict) -> str | None:
 def draft_heads(cfg: DeepseekV4Config) -> tuple[str, ...]:
     """The MTP layer(s) the config declares (`num_nextn_predict_layers`) serve MTP drafting."""
     return ("mtp",) if cfg.num_nextn_predict_layers > 0 else ()
+
+
+# ---------------------------------------------------------------- tensor parallelism (moesaic/parallel/plan.py)
+
+# The config counts each of N ranks takes 1/N of, and how the attention's tensors split (axis 0: output
+# rows, 1: input columns; experts, shared experts, embedding and lm_head follow parallel/plan.py's
+# rules). Heads and the grouped output projection's groups (whole heads) split: q_b by heads, the sinks,
+# o_a by groups, o_b by its input groups. The one shared KV head, q's LoRA down-projection, the
+# compressors, the lightning indexer, mHC and the hyper head are replicated.
+TP_HEADS = ("num_attention_heads", "o_groups")
+
+
+def tp_plan(cfg) -> list:
+    return [
+        (r".*\.self_attn\.(q_b_proj|o_a_proj)\.weight", 0),
+        (r".*\.self_attn\.sinks", 0),
+        (r".*\.self_attn\.o_b_proj\.weight", 1),
+    ]

@@ -103,7 +103,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache.batch import FINAL, ForwardBatch
@@ -134,7 +133,7 @@ from ..layers.engram import (
     build_token_map,
     engram_forward,
 )
-from ..layers.linear import linear
+from ..layers.linear import embedding, linear
 from ..layers.moe import moe
 from ..layers.norms import rms_norm_cast_once
 from ..layers.rope import inv_freq
@@ -918,7 +917,7 @@ class Model:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         c = self.cfg
         eps, n = c.rms_norm_eps, c.hc_mult
-        h = mhc.expand(F.embedding(batch.token_ids, self.embed), n)  # [N, n, d]
+        h = mhc.expand(embedding(batch.token_ids, self.embed), n)  # [N, n, d]
         rows = self.engram_rows(batch) if c.engram is not None else None
         pre = None
         if c.delayed_pre:  # layer 0 collapses with a one-hot on stream 0 (the streams are equal copies)
@@ -1092,3 +1091,10 @@ def handoff(raw: dict) -> str | None:
 def draft_heads(cfg: DeepseekV41Config) -> tuple[str, ...]:
     """The release's MTP stages (`mtp.{0,1,2}`, `num_nextn_predict_layers`) are its DSpark drafter."""
     return ("dspark",) if cfg.num_nextn_predict_layers > 0 else ()
+
+
+# ---------------------------------------------------------------- tensor parallelism (moesaic/parallel/plan.py)
+
+# DeepSeek-V4's split; the shared index keys (indexer.wk / k_norm) and Engram are replicated.
+TP_HEADS = deepseek_v4.TP_HEADS
+tp_plan = deepseek_v4.tp_plan

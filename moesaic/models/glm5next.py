@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
@@ -48,13 +47,13 @@ from ..config import declared, eos_ids, field, non_negative, positive, read_conf
 from ..errors import CheckpointError, ConfigError
 from ..layers import dsa, mhc
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
-from ..layers.linear import linear
+from ..layers.linear import embedding, linear
 from ..layers.mla import MlaWeights
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
 from ..weights.bind import Tensors
-from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
+from ..weights.contract import Naming, Shard, Source, TensorSpec, direct, stacked, stacked_pairs
 from .parts import bind_kda, bind_mla, bind_mlp, bind_moe, mla_specs, mlp_specs, moe_specs
 
 MODEL_TYPES = ("glm5_next", "glm5_next_text")
@@ -677,7 +676,7 @@ class Model:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         c = self.cfg
-        h = mhc.expand(F.embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
+        h = mhc.expand(embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
         selections = None  # of the most recent full DSA layer, one per sequence
         for L, w in enumerate(self.layers):
             x, post, comb = mhc.site_input(h, w.attn_site, self.hc)
@@ -764,3 +763,23 @@ def handoff(raw: dict) -> str | None:
 def draft_heads(cfg: Glm5NextConfig) -> tuple[str, ...]:
     """The config's MTP layer(s) serve MTP drafting."""
     return ("mtp",) if cfg.num_nextn_predict_layers > 0 else ()
+
+
+# ---------------------------------------------------------------- tensor parallelism (moesaic/parallel/plan.py)
+
+# The config counts each of N ranks takes 1/N of, and how its mixers' tensors split (axis 0: output rows,
+# 1: input columns; experts, MLPs, embedding and lm_head follow parallel/plan.py's rules). DSA: NoPE MLA
+# by heads, the latent, q's LoRA down-projection and the k-pool indexer replicated (every rank selects
+# the same pools). KDA by heads: q/k/v and the fused conv's q | k | v channels, f_b, dt_bias, A_log, beta,
+# g_b; f_a, g_a and o_norm replicated. mHC replicated.
+TP_HEADS = ("num_attention_heads", "linear_num_heads")
+
+
+def tp_plan(cfg: Glm5NextConfig) -> list:
+    C = cfg.kda_dims.qkv_dim
+    return [
+        (r".*\.self_attn\.(q_b_proj|kv_b_proj|q_proj|k_proj|v_proj|b_proj|g_b_proj)\.weight", 0),
+        (r".*\.self_attn\.forget_gate\.(f_b_proj\.weight|dt_bias|A_log)", 0),
+        (r".*\.self_attn\.conv1d\.weight", Shard(0, (C, C, C))),
+        (r".*\.self_attn\.o_proj\.weight", 1),
+    ]

@@ -46,17 +46,16 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from ..cache.batch import FINAL, ForwardBatch
 from ..config import declared, field, positive, require, section
 from ..errors import ConfigError
 from ..layers.attnres import attnres_mix, bank_size, is_block_start
-from ..layers.linear import linear
+from ..layers.linear import embedding, linear
 from ..layers.moe import silu_glu, situ_glu
 from ..layers.norms import rms_norm
 from ..weights.bind import Tensors
-from ..weights.contract import Naming, Source, TensorSpec
+from ..weights.contract import Naming, Shard, Source, TensorSpec
 from ..weights.quant import check_config
 from . import kimi_linear as kl
 from .parts import mlp_specs, moe_specs
@@ -297,7 +296,7 @@ class Model(kl.Model):
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state.
         The AttnRes stream (bank and partial sums) is fp32; the blocks run in the model dtype."""
         block = self.cfg.attn_res_block_size
-        partial = F.embedding(batch.token_ids, self.embed).float()
+        partial = embedding(batch.token_ids, self.embed).float()
         bank: list[torch.Tensor] = []
         for L, w in enumerate(self.layers):
             x = self.mix(partial, bank, w.attn_res) if bank else partial
@@ -361,3 +360,15 @@ def draft_heads(cfg) -> tuple[str, ...]:
     """Kimi K3 ships no draft head (num_nextn_predict_layers 0): speculative decoding needs an
     external drafter."""
     return ()
+
+
+# ---------------------------------------------------------------- tensor parallelism (moesaic/parallel/plan.py)
+
+# Kimi Linear's split (AttnRes and the LatentMoE's latent projections and norm are replicated; the routed
+# experts over the latent width split as parallel/plan.py's rules say). A_log is stored wider than the
+# heads: a rank takes its share of the first H entries.
+TP_HEADS = kl.TP_HEADS
+
+
+def tp_plan(cfg: K3Config) -> list:
+    return [(r".*\.self_attn\.A_log", Shard(0, (cfg.linear_attn.num_heads,)))] + kl.tp_plan(cfg)

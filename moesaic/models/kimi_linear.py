@@ -37,7 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
@@ -55,7 +54,7 @@ from ..config import (
 )
 from ..errors import ConfigError
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
-from ..layers.linear import linear
+from ..layers.linear import embedding, linear
 from ..layers.mla import MlaWeights, mla_batch, mla_project
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe, silu_glu
 from ..layers.norms import rms_norm
@@ -500,7 +499,7 @@ class Model:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         eps = self.cfg.rms_norm_eps
-        h = F.embedding(batch.token_ids, self.embed)
+        h = embedding(batch.token_ids, self.embed)
         for L, w in enumerate(self.layers):
             h = h + self.mixer(L, w, rms_norm(h, w.attn_norm, eps), batch)
             h = h + self.ffn(w, rms_norm(h, w.mlp_norm, eps))
@@ -552,3 +551,22 @@ def facts(cfg) -> dict:
 def draft_heads(cfg) -> tuple[str, ...]:
     """Kimi Linear has no draft head."""
     return ()
+
+
+# ---------------------------------------------------------------- tensor parallelism (moesaic/parallel/plan.py)
+
+# The config counts each of N ranks takes 1/N of, and how its mixers' tensors split (axis 0: output rows,
+# 1: input columns; experts, MLPs, embedding and lm_head follow parallel/plan.py's rules). MLA by heads
+# (the latent replicated); KDA by heads: q/k/v and their conv channels, the gate's per-channel f_b, dt_bias,
+# A_log, beta and the output gate's g_b; its low-rank down-projections (f_a, g_a) and o_norm replicated.
+TP_HEADS = ("num_attention_heads", "linear_attn.num_heads")
+
+
+def tp_plan(cfg) -> list:
+    return [
+        (r".*\.self_attn\.(q_proj|q_b_proj|kv_b_proj|k_proj|v_proj|g_proj|g_b_proj)\.weight", 0),
+        (r".*\.self_attn\.(q_conv1d|k_conv1d|v_conv1d|f_b_proj|b_proj)\.weight", 0),
+        (r".*\.self_attn\.dt_bias", 0),
+        (r".*\.self_attn\.A_log", 2),  # stored [1, 1, H, 1]
+        (r".*\.self_attn\.o_proj\.weight", 1),
+    ]

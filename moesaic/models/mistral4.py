@@ -20,13 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import SequenceState, TokenRows
 from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
 from ..errors import ConfigError
-from ..layers.linear import linear
+from ..layers.linear import embedding, linear
 from ..layers.mla import MlaWeights, mla_batch, mla_project
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe
 from ..layers.norms import rms_norm
@@ -453,7 +452,7 @@ class Model:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         c = self.cfg
-        h = F.embedding(batch.token_ids, self.embed)
+        h = embedding(batch.token_ids, self.embed)
         cos, sin = cos_sin(self.freqs, batch.positions, self.rope_factor)
         qscale = None
         if c.llama4_beta and batch.max_position >= c.llama4_original_max:
@@ -557,3 +556,19 @@ def handoff(raw: dict) -> str | None:
 
 def draft_heads(cfg) -> tuple[str, ...]:
     return ()
+
+
+# ---------------------------------------------------------------- tensor parallelism (moesaic/parallel/plan.py)
+
+# The config counts each of N ranks takes 1/N of, and how its attention tensors split (axis 0: output
+# rows, 1: input columns; experts, MLPs, embedding and lm_head follow parallel/plan.py's common rules).
+# MLA: per-head q, the latent's up-projection per head, o_proj by its input heads; the latent (kv_a) and
+# q's LoRA down-projection are replicated.
+TP_HEADS = ("num_attention_heads",)
+
+
+def tp_plan(cfg: Mistral4Config) -> list:
+    return [
+        (r".*\.self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight", 0),
+        (r".*\.self_attn\.o_proj\.weight", 1),
+    ]

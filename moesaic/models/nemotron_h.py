@@ -38,20 +38,19 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import declared, eos_ids, field, non_negative, positive, read_config, require
 from ..errors import CheckpointError, ConfigError
 from ..layers.attention import gqa_batch
-from ..layers.linear import linear
+from ..layers.linear import embedding, linear
 from ..layers.mamba2 import Mamba2Dims, Mamba2State, Mamba2Weights, mamba2_mixer
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe, relu2
 from ..layers.norms import rms_norm_fp32_weight
 from ..layers.recurrent import run_recurrent
 from ..weights.bind import Tensors
-from ..weights.contract import Naming, Source, TensorSpec, direct, stacked
+from ..weights.contract import Naming, Shard, Source, TensorSpec, direct, stacked
 from .parts import bind_mlp, bind_moe, mlp_specs, moe_specs
 
 MODEL_TYPES = ("nemotron_h",)
@@ -546,7 +545,7 @@ class Model:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         eps = self.cfg.layer_norm_epsilon
-        h = F.embedding(batch.token_ids, self.embed)
+        h = embedding(batch.token_ids, self.embed)
         for L, w in enumerate(self.layers):
             h = h + self.mixer(L, w, rms_norm_fp32_weight(h, w.norm, eps), batch)
             batch.tap(L, h)
@@ -604,3 +603,26 @@ def handoff(raw: dict) -> str | None:
 def draft_heads(cfg: NemotronHConfig) -> tuple[str, ...]:
     """The config's MTP blocks serve MTP drafting (whether this checkpoint ships their tensors or not)."""
     return ("mtp",) if cfg.num_nextn_predict_layers else ()
+
+
+# ---------------------------------------------------------------- tensor parallelism (moesaic/parallel/plan.py)
+
+# The config counts each of N ranks takes 1/N of, and how its mixers' tensors split (axis 0: output rows,
+# 1: input columns; experts, shared experts, embedding and lm_head follow parallel/plan.py's rules).
+# GQA by heads (q and kv heads both divide); Mamba-2 by heads and groups (a rank's heads read its groups):
+# in_proj's z | x | B | C | dt rows and the conv's x | B | C channels each split; the relu² MLP by width.
+TP_HEADS = ("num_attention_heads", "num_key_value_heads", "mamba_num_heads", "n_groups")
+
+
+def tp_plan(cfg: NemotronHConfig) -> list:
+    dims = cfg.mamba_dims
+    HP, GN, H = dims.inner, dims.n_groups * dims.state_size, dims.num_heads
+    return [
+        (r".*\.mixer\.(q_proj|k_proj|v_proj)\.weight", 0),
+        (r".*\.mixer\.(o_proj|out_proj)\.weight", 1),
+        (r".*\.mixer\.in_proj\.(weight|bias)", Shard(0, (HP, HP, GN, GN, H))),
+        (r".*\.mixer\.conv1d\.(weight|bias)", Shard(0, (HP, GN, GN))),
+        (r".*\.mixer\.(dt_bias|A_log|D|norm\.weight)", 0),
+        (r".*\.mixer\.up_proj\.weight", 0),
+        (r".*\.mixer\.down_proj\.weight", 1),
+    ]

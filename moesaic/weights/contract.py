@@ -5,6 +5,12 @@ config, role). A `Naming` says where each one lives in a checkpoint: one checkpo
 several combined (per-expert tensors stacked into one, gate and up concatenated). `plan_load`
 checks the whole checkpoint before anything is allocated and reports every missing, misshaped
 and unexpected tensor in one CheckpointError.
+
+Tensor parallelism: a spec's `shard` (a `Shard`) says how N ranks split it; `load_tensors(...,
+rank, world)` then reads only this rank's piece of each checkpoint tensor (views of the file map,
+narrowed before the one copy; a packed weight with its scales), and `shard_bytes` is what a rank
+reads, checked before any process starts (a piece that does not divide, or that cuts a scale block
+or group, is a ConfigError naming the tensor and N).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class TensorSpec:
     integer     an integer table (e.g. hash routing), not a float weight;
     mapped      left in the file: handed over as stored (dtype included), a view of the file's map, never
                 copied or converted (tables read a few rows at a time: V4.1's Engram);
-    shard       the axis tensor parallelism splits it along (None: replicated on every rank);
+    shard       how tensor parallelism splits it among ranks (a Shard; None: replicated on every rank);
     streamable  a routed expert stack, which expert streaming may leave on disk and read on demand."""
 
     name: str  # the model's own name (transformers' in-memory name)
@@ -52,8 +58,21 @@ class TensorSpec:
     dense: bool = False
     integer: bool = False
     mapped: bool = False
-    shard: int | None = None
+    shard: Shard | None = None
     streamable: bool = False
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How tensor parallelism splits a tensor among N ranks: along `axis`, each of the consecutive blocks
+    `parts` (their sizes; () = the whole axis as one block) cut into N equal pieces, rank r keeping piece
+    r of each, concatenated (fused gate|up rows, Mamba-2's z|x|B|C|dt). Blocks that sum to less than the
+    axis leave the rest out (Kimi K3's A_log, stored wider than its heads). `uneven`: vocabulary rows,
+    ceil(size / N) a rank and fewer on the last, so any vocabulary size splits."""
+
+    axis: int
+    parts: tuple[int, ...] = ()
+    uneven: bool = False
 
 
 def shape_matches(got, want) -> bool:
@@ -305,15 +324,20 @@ def load_tensors(
     dtype: torch.dtype,
     device,
     schedule: PrecisionSchedule | None = None,
+    rank: int = 0,
+    world: int = 1,
     experts=None,
 ) -> dict:
     """Reads each planned checkpoint tensor once and converts it as the spec and the precision
     schedule say. Quantized weights of packable roles stay packed (codes and scales copied out of
-    the mmap, never dequantized as a whole); the rest become dense tensors. With `experts` (an
+    the mmap, never dequantized as a whole); the rest become dense tensors. With world > 1, a spec
+    with a `shard` gives rank `rank`'s piece only, and only that piece is read. With `experts` (an
     ExpertCache, weights/experts.py) the streamable stacks and the 1-byte mapped tables stay in the
-    shards: their places hold objects that read them on demand."""
+    shards: their places hold objects that read them on demand (one rank only: LLM refuses both)."""
     schedule = schedule or PrecisionSchedule()
     schedule.check(plan.specs.values())
+    if world > 1:
+        store.advise_random()
     out = {}
     for name, src in plan.sources.items():
         spec = plan.specs[name]
@@ -337,18 +361,19 @@ def load_tensors(
         # combine copies them once; a single part is copied here. Either way one copy per tensor.
         combined = src.combine is not None
         parts = []
-        for n, shape in src.parts:
+        pieces, after = shard_parts(src, spec, rank, world)
+        for n, shape, cut in pieces:
             fmt = plan.quantized.get(n)
+            t = _read(store, n, shape, fmt, plan, cut)
             if fmt is None:
-                t = store.get(n)
                 parts.append(t if combined else t.to(device=device, dtype=target, copy=True))
-                continue
-            q = load_quantized(_base(n), store.get, fmt, plan.quant_config, names=store, shape=shape)
-            if linear_only and want in ("inherit", "fp8"):
-                parts.append(q if combined else _own(q, device))
+            elif linear_only and want in ("inherit", "fp8"):
+                parts.append(t if combined else _own(t, device))
             else:  # small tensor or an explicit float precision: dense at load
-                parts.append(q.dequantize(target).to(device))
+                parts.append(t.dequantize(target).to(device))
         t = parts[0] if not combined else src.combine(parts)
+        if after is not None:
+            t = after(t)
         if combined:
             t = t.to(device=device, dtype=target) if isinstance(t, torch.Tensor) else t.to(device)
         if not spec.integer:
@@ -357,6 +382,168 @@ def load_tensors(
             t = _to_fp8(t, name)
         out[name] = t
     return out
+
+
+def _read(store: WeightStore, n: str, shape, fmt: str | None, plan: LoadPlan, cut):
+    """Checkpoint tensor `n` as views of the file map (dense, or packed with its scales); `cut` (this
+    rank's shard) narrows it first, and only what it keeps counts as read."""
+    get = store.get if cut is None else (lambda k: store.get(k, count=False))
+    t = (
+        get(n)
+        if fmt is None
+        else load_quantized(_base(n), get, fmt, plan.quant_config, names=store, shape=shape)
+    )
+    if cut is not None:
+        t = cut(t)
+        store.count_read(n, _nbytes(t))
+    return t
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
+
+
+# ---------------------------------------------------------------- tensor parallelism: this rank's piece
+
+
+def shard_ranges(shard: Shard, size: int, rank: int, world: int, name: str) -> list[tuple[int, int]]:
+    """Rank `rank`'s [start, stop) along the shard axis (of `size`), one range per block."""
+    ranges, at = [], 0
+    for b in shard.parts or (size,):
+        if shard.uneven:
+            n = -(-b // world)
+            lo, hi = min(b, rank * n), min(b, (rank + 1) * n)
+        elif b % world:
+            raise ConfigError(
+                f"{name}: {b} rows along axis {shard.axis} do not split into {world} equal parts "
+                f"(tensor_parallel_size={world}); choose a size that divides it"
+            )
+        else:
+            lo, hi = rank * (b // world), (rank + 1) * (b // world)
+        ranges.append((at + lo, at + hi))
+        at += b
+    return ranges
+
+
+def narrow(t, axis: int, ranges: list[tuple[int, int]], name: str):
+    """The `ranges` of `t` along `axis`, concatenated: views of a dense tensor (one copy when there are
+    several), or of a packed weight with its scales (several row ranges: read as one through ConcatRows)."""
+    if isinstance(t, torch.Tensor):
+        pieces = [t.narrow(axis, a, b - a) for a, b in ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, axis)
+    axis = axis % t.ndim
+    if len(ranges) > 1 and axis != t.ndim - 2:
+        raise ConfigError(f"{name}: a packed weight splits into several pieces along its rows only")
+    pieces = [_narrow_packed(t, axis, a, b, name) for a, b in ranges]
+    return pieces[0] if len(pieces) == 1 else ConcatRows(pieces)
+
+
+def _narrow_packed(q: QuantizedTensor, axis: int, a: int, b: int, name: str) -> QuantizedTensor:
+    """Rows / columns a:b (or experts, along a leading axis) of a packed weight, with the scales that
+    cover them. A piece must keep whole scale blocks (fp8 blocks may be cut only where a piece starts on
+    a block edge or stays inside one block; fp4 groups never)."""
+    nd = q.ndim
+    shape = list(q.shape)
+    shape[axis] = b - a
+    lead = q.shape[:-2]
+    kw = {"shape": torch.Size(shape), "codes": q.codes, "scale": q.scale}
+    if axis < nd - 2:  # experts: every per-matrix tensor narrows with the codes
+        per = lambda t: t if t is None or t.numel() in (0, 1) else t.reshape(lead).narrow(axis, a, b - a)  # noqa: E731
+        kw.update(
+            codes=q.codes.narrow(axis, a, b - a),
+            scale=q.scale.narrow(axis, a, b - a),
+            global_scale=per(q.global_scale),
+            input_scale=per(q.input_scale),
+        )
+        return q._replace(**kw)
+
+    def bad(what: str):
+        raise ConfigError(
+            f"{name}: its {q.format} {what} a piece [{a}:{b}] of a tensor parallel split would cut "
+            "(choose a tensor_parallel_size whose pieces keep whole scale blocks)"
+        )
+
+    rows = axis == nd - 2
+    if q.format == "fp8_block":
+        blk = q.block[0 if rows else 1]
+        if a % blk and a // blk != (b - 1) // blk:
+            bad(f"scale block of {blk}")
+        s0, s1 = a // blk, -(-b // blk)
+        kw["scale"] = q.scale.narrow(axis, s0, s1 - s0)
+    elif q.format in ("mxfp4", "nvfp4"):
+        if not rows:
+            g = 32 if q.format == "mxfp4" else 16
+            if a % g or (b - a) % g:
+                bad(f"scale group of {g} inputs")
+            kw["scale"] = q.scale.narrow(axis, a // g, (b - a) // g)
+            kw["codes"] = q.codes.narrow(axis, a // 2, (b - a) // 2)
+            return q._replace(**kw)
+        kw["scale"] = q.scale.narrow(axis, a, b - a)
+    kw["codes"] = q.codes.narrow(axis, a, b - a)
+    return q._replace(**kw)
+
+
+def shard_parts(src: Source, spec: TensorSpec, rank: int, world: int):
+    """(the checkpoint parts this rank reads, each (name, shape, cut or None), and a cut of the combined
+    tensor or None). Per-expert stacks keep the experts or the rows of each expert this rank owns (gate
+    and up halves each cut as the shard's blocks say); other combinations are cut once combined."""
+    sh = spec.shard
+    whole = [(n, shape, None) for n, shape in src.parts]
+    if sh is None or world == 1:
+        return whole, None
+
+    def cut(axis, ranges=None, shard=sh):
+        def f(t):
+            r = ranges if ranges is not None else shard_ranges(shard, t.shape[axis], rank, world, spec.name)
+            return narrow(t, axis, r, spec.name)
+
+        return f
+
+    if src.combine is None:
+        return [(n, shape, cut(sh.axis)) for n, shape in src.parts], None
+    if src.combine is _stack_any or src.combine is _stack_pairs:
+        per = 2 if src.combine is _stack_pairs else 1  # checkpoint parts per expert
+        if sh.axis == 0:  # expert parallelism: whole experts
+            E = len(src.parts) // per
+            ((a, b),) = shard_ranges(Shard(0), E, rank, world, spec.name)
+            return [(n, shape, None) for n, shape in src.parts[a * per : b * per]], None
+        if per == 2 and sh.axis == 1:  # the fused gate|up rows: each half keeps its share of the ranges
+            half = spec.shape[1] // 2
+            ranges = shard_ranges(sh, spec.shape[1], rank, world, spec.name)
+            halves = [
+                [(max(a, lo) - lo, min(b, lo + half) - lo) for a, b in ranges if a < lo + half and b > lo]
+                for lo in (0, half)
+            ]
+            return [(n, shape, cut(0, halves[i % 2])) for i, (n, shape) in enumerate(src.parts)], None
+        part = Shard(sh.axis - 1, sh.parts, sh.uneven)  # an axis of each expert's own tensor
+        return [(n, shape, cut(part.axis, shard=part)) for n, shape in src.parts], None
+    return whole, cut(sh.axis)
+
+
+def shard_bytes(plan: LoadPlan, store: WeightStore, rank: int, world: int) -> int:
+    """The bytes rank `rank` of `world` reads from the checkpoint (its pieces of the sharded tensors and
+    the replicated ones whole; mapped tables are not read at load). Builds views only: it is also the
+    check, before any process starts, that every piece divides and keeps its scale blocks."""
+    total = 0
+    for name, src in plan.sources.items():
+        spec = plan.specs[name]
+        if spec.mapped:
+            continue
+        pieces, after = shard_parts(src, spec, rank, world)
+        if after is not None:  # cut once combined: the whole parts are read
+            shard_ranges(spec.shard, spec.shape[spec.shard.axis], rank, world, name)
+            pieces = [(n, shape, None) for n, shape, _ in pieces]
+        for n, shape, cut in pieces:
+            fmt = plan.quantized.get(n)
+            get = lambda k: store.get(k, count=False)  # noqa: E731
+            if fmt is None:
+                info = store.info(n)  # a meta tensor of its shape: the cut copies nothing
+                t = torch.empty(info.shape, dtype=get(n).dtype, device="meta") if cut is not None else None
+                total += info.nbytes if cut is None else _nbytes(cut(t))
+                continue
+            q = load_quantized(_base(n), get, fmt, plan.quant_config, names=store, shape=shape)
+            total += _nbytes(q if cut is None else cut(q))
+    return total
 
 
 _CHUNK = 1 << 24  # elements located at a time: the bool mask of a chunk is 16 MB, not the tensor's size

@@ -158,6 +158,7 @@ class WeightStore:
         self.infos: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
         self._maps: dict[Path, mmap.mmap] = {}
+        self.random = False  # reads are pieces of tensors (a tensor-parallel rank's): no read-ahead
         self.bytes_read = 0
         self.reads: dict[str, int] = {}
         self.files = self._files()
@@ -237,9 +238,10 @@ class WeightStore:
         if mm is None:
             mm = _map(info.file)
             self._maps[info.file] = mm
+            if self.random:
+                _advise_random(mm)
         if count:
-            self.bytes_read += info.nbytes
-            self.reads[name] = self.reads.get(name, 0) + 1
+            self.count_read(name, info.nbytes)
         dtype = SAFETENSORS[info.dtype]
         numel = 1
         for s in info.shape:
@@ -256,6 +258,19 @@ class WeightStore:
         with warnings.catch_warnings():  # a read-only map (see _map) is fine: nothing writes to these
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(mm, dtype=dtype, count=numel, offset=info.start).reshape(info.shape)
+
+    def advise_random(self) -> None:
+        """Reads from now on are pieces of tensors (a tensor-parallel rank's rows or columns): the kernel
+        reads no pages ahead of them (its read-ahead, up to megabytes, would page in the other ranks'
+        rows too), so a rank's resident pages are its pieces."""
+        self.random = True
+        for mm in self._maps.values():
+            _advise_random(mm)
+
+    def count_read(self, name: str, nbytes: int) -> None:
+        """Counts a read of `nbytes` of tensor `name` (all of it, or a tensor-parallel rank's piece)."""
+        self.bytes_read += nbytes
+        self.reads[name] = self.reads.get(name, 0) + 1
 
     def close(self) -> None:
         self._maps.clear()  # the tensors handed out keep their buffers alive
@@ -287,6 +302,11 @@ def _map(path: Path) -> mmap.mmap:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except OSError:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _advise_random(mm: mmap.mmap) -> None:
+    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
 
 
 def _check_regular(path: Path, what: str, error) -> None:
