@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels.triton import kernels
 from .linear import linear
 from .norms import rms_norm
 
@@ -70,6 +71,8 @@ def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 def latent_attention(q_lat, q_rope, latent, k_rope, scale) -> torch.Tensor:
     """Attention in the latent space for one sequence. q_lat [H, n, kvr], q_rope [n, H, dr],
     latent [T, kvr], k_rope [T, dr] -> o_lat [H, n, kvr]. Scores and softmax in fp32."""
+    if tk := kernels("mla", q_lat):
+        return tk.latent_attention(q_lat, q_rope, latent, k_rope, scale)
     n, T = q_lat.shape[1], latent.shape[0]
     scores = torch.matmul(q_lat, latent.T)
     if k_rope.shape[1]:

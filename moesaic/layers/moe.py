@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels.triton import kernels
 from .linear import linear
 from .norms import rms_norm
 
@@ -39,6 +40,8 @@ def limit_groups(scores: torch.Tensor, n_group: int, topk_group: int, fill: floa
 
 def route_softmax(logits, top_k, n_group=1, topk_group=1, normalize=True, scale=1.0):
     """Softmax router (Mistral/DeepSeek-V2 style), in the logits' dtype. Returns (weights, ids) [N, k]."""
+    if tk := kernels("router", logits):
+        return tk.route_softmax(logits, top_k, n_group, topk_group, normalize, scale)
     scores = logits.softmax(-1)
     choice = limit_groups(scores, n_group, topk_group, 0.0)
     ids = choice.topk(top_k, dim=-1, sorted=False).indices
@@ -50,6 +53,8 @@ def route_softmax(logits, top_k, n_group=1, topk_group=1, normalize=True, scale=
 
 def route_sigmoid(logits, top_k, bias=None, n_group=1, topk_group=1, normalize=True, scale=1.0):
     """Sigmoid router with a selection-only correction bias (DeepSeek-V3 style), fp32."""
+    if tk := kernels("router", logits):
+        return tk.route_sigmoid(logits, top_k, bias, n_group, topk_group, normalize, scale)
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias.float()
     choice = limit_groups(choice, n_group, topk_group, float("-inf"))
@@ -108,7 +113,12 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None):
     the batch's experts are asked for at once, each read once, and computed as they arrive; `then()`
     runs once those reads are issued). Each token's terms are added in ascending expert id.
     Weighting and the sum run in the routing weights' dtype when it is wider (an fp32 router over
-    bf16 activations, as transformers does), cast to x's dtype at the end."""
+    bf16 activations, as transformers does), cast to x's dtype at the end.
+
+    On CUDA (and MOESAIC_TRITON=interpret) the experts run as two grouped Triton launches with no host
+    sync; the torch path below reads the expert counts on the host (free on a CPU)."""
+    if not hasattr(w_in, "fetch") and (tk := kernels("quant", x)):
+        return tk.run_experts(x, weights, ids, w_in, w_out, act)
     ids, perm = ids.sort(dim=1)  # a token's experts in ascending id: the order its terms are summed in
     weights = weights.gather(1, perm)
     N, k = ids.shape
@@ -169,6 +179,8 @@ def route_sqrtsoftplus(logits, top_k, bias=None, scale=1.0, ids=None):
     """DeepSeek-V4's router, in the logits' dtype: scores s = sqrt(softplus(logits)); experts =
     topk(s + bias) (the correction bias chooses, it never weighs), or the static `ids` [N, k] of a
     hash layer (tid2eid[token]); weights = s[experts] / (sum + 1e-20) * scale. Returns (weights, ids)."""
+    if tk := kernels("router", logits):
+        return tk.route_sqrtsoftplus(logits, top_k, bias, scale, ids)
     scores = F.softplus(logits).sqrt()
     if ids is None:
         choice = scores if bias is None else scores + bias
