@@ -39,10 +39,10 @@ DEMOS = {
 REL = 2e-5  # fp32: the kernels sum in other orders than torch; seen ~2e-6 of max |logit| on these demos
 
 
-def _decode_run(model, vocab: int):
+def _decode_run(model, vocab: int, states=None):
     """Two sequences: prefill 7 and 4 tokens, then 2 decode steps of both in one batch. -> logits [rows, V]."""
     a, b = random_ids(7, vocab, seed=3), random_ids(4, vocab, seed=4)
-    sa, sb = model.new_state(), model.new_state()
+    sa, sb = states or (model.new_state(), model.new_state())
     outs = [model.forward(ForwardBatch.build([(sa, a), (sb, b)], logits="all"))]
     for step in range(2):
         outs.append(model.forward(ForwardBatch.build([(sa, [a[step]]), (sb, [b[step]])])))
@@ -62,6 +62,30 @@ def case_demo_logits_through_the_kernels_equal_the_references(demo, monkeypatch)
     assert got.shape == ref.shape
     err, scale = float((got - ref).abs().max()), float(ref.abs().max())
     assert err <= REL * scale, f"{demo}: max |logit error| {err:.3g} > {REL:g} x {scale:.3g}"
+
+
+def case_paged_mla_decode_is_one_launch_over_the_engines_pages(monkeypatch):
+    """With the engine's paged rows (block tables of blocks out of order), the decode steps' absorbed MLA
+    runs as one paged_latent_attention over every sequence, and the logits equal the references'."""
+    from moesaic.cache.paged import BlockTable, PagePool
+    from moesaic.kernels.triton import mla as tmla
+
+    monkeypatch.setenv("MOESAIC_TRITON", "off")
+    ck, model = demo_model("demo-kimi-linear", "float32")  # MLA layers between KDA ones
+    with torch.no_grad():
+        ref = _decode_run(model, ck.cfg.vocab_size)
+        pool = PagePool(model.new_state(), num_blocks=4)
+        states = [pool.page(model.new_state(), BlockTable([b])) for b in (3, 1)]
+        monkeypatch.setenv("MOESAIC_TRITON", "interpret")
+        calls = []
+        launch = tmla.paged_latent_attention
+        monkeypatch.setattr(
+            tmla, "paged_latent_attention", lambda *a, **k: calls.append(a[5]) or launch(*a, **k)
+        )
+        got = _decode_run(model, ck.cfg.vocab_size, states)
+    both = [t for t in calls if t.tolist() == [[3], [1]]]  # (a short prefill may take the absorbed path too)
+    assert len(both) == 2 * sum(type(r).__name__ == "PagedRows" for r in states[0].layers), calls
+    _close(got, ref)
 
 
 def _both(monkeypatch, fn, *args):

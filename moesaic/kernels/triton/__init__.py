@@ -108,6 +108,10 @@ def _interpreter() -> bool:
     return True
 
 
+if mode() == "interpret":  # set at start: request the interpreter now, before anything imports triton
+    _interpreter()
+
+
 def kernels(name: str, t: torch.Tensor):
     """The kernel module `name` (kda, mamba2, mla, indexer, compressor, mhc, router, quant) when its
     kernels should serve tensors like `t` (see MOESAIC_TRITON above), else None: the caller runs its
