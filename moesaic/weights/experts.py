@@ -1056,6 +1056,7 @@ class ExpertCache:
             "budget_bytes": self.budget,
             "slot_bytes": self.slot_bytes,
             "slots": self.slots,
+            "experts": sum(u.E for u in self.unit_list),
             "expert_bytes": self.expert_bytes,
             "expert_bytes_each": max((u.nbytes for u in self.unit_list), default=0),
             "resident_bytes": self.resident_bytes(),
@@ -1063,7 +1064,10 @@ class ExpertCache:
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else None,
-            "per_layer": {u.layer: {"hits": u.hits, "misses": u.misses} for u in self.unit_list},
+            "per_layer": {
+                u.layer: {"hits": u.hits, "misses": u.misses, "expert_bytes_each": u.nbytes}
+                for u in self.unit_list
+            },
             "expert_bytes_read": read,
             "bytes_read_demand": c["bytes_read_demand"],
             "bytes_read_prefetch": c["bytes_read_prefetch"],
