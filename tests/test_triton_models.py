@@ -21,20 +21,27 @@ from helpers import demo_model, random_ids
 
 from moesaic.cache.batch import ForwardBatch
 from moesaic.kernels import triton as kt
-from moesaic.layers import csa, dsa, mhc
+from moesaic.layers import csa, dsa, mhc, mla
 from moesaic.weights import quant as Q
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = os.environ.get("MOESAIC_TRITON_MODELS") == "1"  # this process runs the cases under the interpreter
 
-# demo -> the kernel modules its forward must reach (one KDA, one Mamba-2, one MLA family; GLM-5.3 for the
-# DSA indexer, mHC and NVFP4 experts). DeepSeek-V4's CSA/HCA compressors and indexer take ~35 s here as a
-# whole model: their dispatching functions are checked one by one below instead.
+# demo -> the kernel modules its forward must reach: one KDA + MLA family (Kimi Linear), one Mamba-2
+# (Nemotron-H), and GLM-5.3 for the DSA indexer and sparse attention, mHC and NVFP4 experts. The two with
+# paged layers run over the engine's pages (PAGED). Mistral 4 (MLA only, ~35 s here on a shared machine)
+# and DeepSeek-V4 (CSA/HCA compressors and indexer, ~35 s) would add nothing the others and the
+# function-by-function case below do not reach.
 DEMOS = {
     "demo-kimi-linear": {"kda", "mla", "router", "quant"},
     "demo-nemotron-h": {"mamba2", "router", "quant"},
-    "demo-mistral4": {"mla", "router", "quant"},
     "demo-glm5-next-nvfp4": {"kda", "mla", "indexer", "mhc", "router", "quant"},
+}
+# demo -> (the paged launch its MLA / DSA layers make, how many of its 3 forwards make it with both
+# sequences: Kimi's 7-token prefill takes the expanded MLA, DSA attends every forward in the latent space)
+PAGED = {
+    "demo-kimi-linear": ("paged_latent_attention", 5, 2),
+    "demo-glm5-next-nvfp4": ("paged_sparse_mla_attend", 3, 3),
 }
 REL = 2e-5  # fp32: the kernels sum in other orders than torch; seen ~2e-6 of max |logit| on these demos
 
@@ -49,43 +56,45 @@ def _decode_run(model, vocab: int, states=None):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("demo", sorted(DEMOS))
-def case_demo_logits_through_the_kernels_equal_the_references(demo, monkeypatch):
-    monkeypatch.setenv("MOESAIC_TRITON", "off")
-    ck, model = demo_model(demo, "float32")
-    with torch.no_grad():
-        ref = _decode_run(model, ck.cfg.vocab_size)
-        monkeypatch.setenv("MOESAIC_TRITON", "interpret")
-        monkeypatch.setattr(kt, "_modules", {})  # records the kernel modules this forward reaches
-        got = _decode_run(model, ck.cfg.vocab_size)
-    assert DEMOS[demo] <= set(kt._modules), f"{demo} reached only {sorted(kt._modules)}"
-    assert got.shape == ref.shape
-    err, scale = float((got - ref).abs().max()), float(ref.abs().max())
-    assert err <= REL * scale, f"{demo}: max |logit error| {err:.3g} > {REL:g} x {scale:.3g}"
-
-
-def case_paged_mla_decode_is_one_launch_over_the_engines_pages(monkeypatch):
-    """With the engine's paged rows (block tables of blocks out of order), the decode steps' absorbed MLA
-    runs as one paged_latent_attention over every sequence, and the logits equal the references'."""
+def _through_the_kernels(demo, monkeypatch, paged: bool):
+    """(reference logits, logits through the kernels, kernel modules reached, paged launches' tables)."""
     from moesaic.cache.paged import BlockTable, PagePool
     from moesaic.kernels.triton import mla as tmla
 
     monkeypatch.setenv("MOESAIC_TRITON", "off")
-    ck, model = demo_model("demo-kimi-linear", "float32")  # MLA layers between KDA ones
+    ck, model = demo_model(demo, "float32")
+    states, tables = None, []
     with torch.no_grad():
         ref = _decode_run(model, ck.cfg.vocab_size)
-        pool = PagePool(model.new_state(), num_blocks=4)
-        states = [pool.page(model.new_state(), BlockTable([b])) for b in (3, 1)]
+        if paged:  # the engine's pages, blocks out of order
+            pool = PagePool(model.new_state(), num_blocks=4)
+            states = [pool.page(model.new_state(), BlockTable([b])) for b in (3, 1)]
+            name, table_arg, _ = PAGED[demo]
+            launch = getattr(tmla, name)
+            monkeypatch.setattr(tmla, name, lambda *a, **k: tables.append(a[table_arg]) or launch(*a, **k))
         monkeypatch.setenv("MOESAIC_TRITON", "interpret")
-        calls = []
-        launch = tmla.paged_latent_attention
-        monkeypatch.setattr(
-            tmla, "paged_latent_attention", lambda *a, **k: calls.append(a[5]) or launch(*a, **k)
-        )
+        monkeypatch.setattr(kt, "_modules", {})  # records the kernel modules this forward reaches
         got = _decode_run(model, ck.cfg.vocab_size, states)
-    both = [t for t in calls if t.tolist() == [[3], [1]]]  # (a short prefill may take the absorbed path too)
-    assert len(both) == 2 * sum(type(r).__name__ == "PagedRows" for r in states[0].layers), calls
-    _close(got, ref)
+    assert got.shape == ref.shape
+    err, scale = float((got - ref).abs().max()), float(ref.abs().max())
+    assert err <= REL * scale, f"{demo}: max |logit error| {err:.3g} > {REL:g} x {scale:.3g}"
+    assert DEMOS[demo] <= set(kt._modules), f"{demo} reached only {sorted(kt._modules)}"
+    return states, tables
+
+
+@pytest.mark.parametrize("demo", sorted(set(DEMOS) - set(PAGED)))
+def case_demo_logits_through_the_kernels_equal_the_references(demo, monkeypatch):
+    _through_the_kernels(demo, monkeypatch, paged=False)
+
+
+@pytest.mark.parametrize("demo", sorted(PAGED))
+def case_paged_demo_attends_in_one_launch_over_the_engines_pages(demo, monkeypatch):
+    """With the engine's paged rows, each MLA / DSA layer's latent attention runs as one paged launch over
+    both sequences (block tables [[3], [1]]), and the logits equal the references'."""
+    states, tables = _through_the_kernels(demo, monkeypatch, paged=True)
+    layers = sum(type(r).__name__ == "PagedRows" for r in states[0].layers)
+    both = [t for t in tables if t.tolist() == [[3], [1]]]
+    assert layers and len(both) == PAGED[demo][2] * layers, tables
 
 
 def _both(monkeypatch, fn, *args):
@@ -103,7 +112,8 @@ def _close(got, ref, rel=REL):
 
 
 def case_layer_functions_the_demos_above_do_not_reach(monkeypatch):
-    """Each dispatching reference not on those demos' paths, through its kernel and not."""
+    """Each dispatching reference not on those demos' paths, through its kernel and not (the demos run
+    their MLA over the engine's pages: the unpaged form too)."""
     gen = torch.Generator().manual_seed(5)
     d = csa.CompressorDims(4, 12, True)
     kv, gate = torch.randn(2, 20, d.proj_width, generator=gen)
@@ -138,6 +148,11 @@ def case_layer_functions_the_demos_above_do_not_reach(monkeypatch):
         sel,
     )
     _close(got, ref)
+    assert reached == {"mla"}
+    q_lat, q_rope = torch.randn(4, 3, 32, generator=gen), torch.randn(3, 4, 16, generator=gen)
+    latent, k_rope = torch.randn(70, 32, generator=gen), torch.randn(70, 16, generator=gen)
+    ref, got, reached = _both(monkeypatch, mla.latent_attention, q_lat, q_rope, latent, k_rope, 0.2)
+    _close(got, ref)  # one sequence's unpaged rows (3 new tokens of 70, more than a page)
     assert reached == {"mla"}
     ref, got, reached = _both(monkeypatch, mhc.sinkhorn, torch.randn(3, 4, 4, generator=gen), 5, 1e-6)
     _close(got, ref)

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..kernels.triton import kernels
 from .linear import linear
+from .mla import page_tables, shared_pages
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
 
@@ -142,6 +143,17 @@ def selection_mask(selection: Tensor, num_keys: int) -> Tensor:
     mask = torch.zeros(selection.shape[0], num_keys + 1, dtype=torch.bool, device=selection.device)
     mask.scatter_(1, torch.where(selection >= 0, selection, num_keys), True)
     return mask[:, :num_keys]
+
+
+def paged_sparse_mla_attend(q: Tensor, rows: list, new: list[int], w_kv_b, v_head_dim, scale, selections):
+    """`sparse_mla_attend` of every sequence of a batch in one launch over the engine's pages (rows:
+    each sequence's PagedRows of this layer, this step's `new` tokens appended; selections: each one's
+    [n, width]) on the CUDA path; None elsewhere (the caller attends sequence by sequence)."""
+    if not ((tk := kernels("mla", q)) and shared_pages(rows)):
+        return None
+    table, lens, starts = page_tables(rows, new, q.device)
+    pool, index, sel = rows[0].fields["latent"], rows[0].index, torch.cat(selections)
+    return tk.paged_sparse_mla_attend(q, pool, index, table, lens, starts, w_kv_b, v_head_dim, scale, sel)
 
 
 def sparse_mla_attend(
