@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 import moesaic
 from moesaic.cache.batch import ForwardBatch
+from moesaic.cache.paged import BlockTable, PagePool
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = str(Path(moesaic.__file__).parent) + os.sep
@@ -97,11 +98,17 @@ def _site(where: str) -> tuple[str, str]:
     return file_line.split(":")[0], function
 
 
+def paged_states(model):
+    """Two fresh states whose token rows are the engine's pages (as the engine runs them), blocks 2 and 0."""
+    pool = PagePool(model.new_state(), num_blocks=3)
+    return [pool.page(model.new_state(), BlockTable([b])) for b in (2, 0)]
+
+
 def decode_reads(demo: str) -> Counter:
     """The host reads of one decode step (two sequences, 9 and 5 tokens cached) of `demo` in fp32."""
     ck, model = demo_model(demo, "float32")
     ids = random_ids(9, ck.cfg.vocab_size, seed=3)
-    sa, sb = model.new_state(), model.new_state()
+    sa, sb = paged_states(model)
     with torch.no_grad():
         model.forward(ForwardBatch.build([(sa, ids), (sb, ids[:5])], logits="last"))
         batch = ForwardBatch.build([(sa, [7]), (sb, [8])], logits="last")  # the host builds it: outside
@@ -133,7 +140,7 @@ def test_decode_step_reads_nothing_on_the_host_torch_path(demo):
 
 # ------------------------------------------------------------------------------------------ the CUDA path
 
-CUDA_PATH_DEMOS = ["demo-glm5-next-nvfp4", "demo-nemotron-h"]  # packed MoE, DSA, mHC, KDA; Mamba-2
+CUDA_PATH_DEMOS = ["demo-glm5-next-nvfp4", "demo-nemotron-h"]  # packed MoE, paged DSA, mHC, KDA; Mamba-2
 
 
 @pytest.mark.parametrize("demo", CUDA_PATH_DEMOS)
@@ -141,7 +148,7 @@ def case_decode_step_through_the_kernels_reads_nothing_on_the_host(demo, monkeyp
     monkeypatch.setenv("MOESAIC_TRITON", "off")  # the prefill on the references (the interpreter is slow)
     ck, model = demo_model(demo, "float32")
     ids = random_ids(9, ck.cfg.vocab_size, seed=3)
-    sa, sb = model.new_state(), model.new_state()
+    sa, sb = paged_states(model)
     with torch.no_grad():
         model.forward(ForwardBatch.build([(sa, ids), (sb, ids[:5])], logits="last"))
         batch = ForwardBatch.build([(sa, [7]), (sb, [8])], logits="last")
@@ -199,7 +206,7 @@ def test_decode_step_on_cuda_never_syncs(demo):
     ck, _ = demo_model(demo, "float32")
     model = ck.build("float32", "cuda")
     ids = random_ids(9, ck.cfg.vocab_size, seed=3)
-    sa, sb = model.new_state(), model.new_state()
+    sa, sb = paged_states(model)
     with torch.no_grad():
         model.forward(ForwardBatch.build([(sa, ids), (sb, ids[:5])], device="cuda"))
         batch = ForwardBatch.build([(sa, [7]), (sb, [8])], device="cuda")
