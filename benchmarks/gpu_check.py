@@ -646,7 +646,7 @@ def e2e_decode(args, peak_gbs: float, device: str = "cuda", demos=E2E_DEMOS) -> 
     import inspect
 
     import moesaic
-    from moesaic.demo import ensure_demo
+    from moesaic.demo import ensure_demo, is_demo_name
 
     os.environ["MOESAIC_TRITON"] = "auto"  # the engine's own dispatch: Triton kernels on CUDA tensors
     graphs_ok = "cuda_graphs" in inspect.signature(moesaic.LLM).parameters
@@ -672,7 +672,7 @@ def e2e_decode(args, peak_gbs: float, device: str = "cuda", demos=E2E_DEMOS) -> 
                 continue
             try:
                 kw = dict(cuda_graphs=graphs) if graphs_ok else {}
-                path = str(ensure_demo(path)) if path.startswith("demo") else path
+                path = str(ensure_demo(path)) if is_demo_name(path) else path
                 llm = moesaic.LLM(path, dtype="bfloat16", device=device, max_num_seqs=32, **kw)
                 weight_bytes = sum(
                     t.numel() * t.element_size() for t in _weights(llm.model) if t.device.type == device
