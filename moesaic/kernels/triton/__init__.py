@@ -84,9 +84,22 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+# os.environ.get of an unset name costs two exceptions (~1-3 us); the layers ask at every call, so the
+# switch is read from the mapping's own dict (CPython keeps os.environ in `_data`; os.environ.get elsewhere)
+_ENV = getattr(os.environ, "_data", None)
+_KEY = os.environ.encodekey("MOESAIC_TRITON") if _ENV is not None else None
+
+
+def _switch() -> str:
+    if _ENV is None:
+        return os.environ.get("MOESAIC_TRITON", "")
+    v = _ENV.get(_KEY)
+    return "" if v is None else os.environ.decodevalue(v)
+
+
 def mode() -> str:
     """MOESAIC_TRITON (auto, off or interpret), read now; an unknown value warns and means auto."""
-    m = os.environ.get("MOESAIC_TRITON", "").strip().lower() or "auto"
+    m = _switch().strip().lower() or "auto"
     if m not in MODES:
         _warn_once(f"MOESAIC_TRITON={m!r} is not one of {', '.join(MODES)}: using auto")
         return "auto"
@@ -116,6 +129,8 @@ def kernels(name: str, t: torch.Tensor):
     """The kernel module `name` (kda, mamba2, mla, indexer, compressor, mhc, router, quant) when its
     kernels should serve tensors like `t` (see MOESAIC_TRITON above), else None: the caller runs its
     torch reference. Cheap on the reference path: an environment read and a device test."""
+    if not t.is_cuda and not _switch():  # the CPU default first
+        return None
     m = mode()
     if m == "off" or not (t.is_cuda if m == "auto" else t.device.type == "cpu"):
         return None
