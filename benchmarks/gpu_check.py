@@ -13,8 +13,11 @@ Sized for <= 8 minutes on one H200 (a --budget in seconds stops starting new che
 (b) bandwidth: KDA decode (state read + written), MLA decode (paged latent read once), the W4A16 MoE
     GEMV (active experts' packed bytes) and the other decode kernels, timed by triton.testing.do_bench
     (median ms); GB/s = bytes that must move / time, and % of the HBM peak (H200: 4.8 TB/s; aim >= 70 %).
-(c) end-to-end decode tok/s of ~1B models of two families at batch 1/8/32, with and without CUDA graphs:
-    reported "skipped: <reason>" until the engine has a CUDA decode path.
+(c) end to end, the engine's CUDA path (LLM(device="cuda"): every layer on its Triton kernel): first every
+    family's built-in demo, whose greedy tokens on CUDA must equal the CPU references' (fp32), then decode
+    tok/s at batch 1/8/32 of the checkpoints in MOESAIC_E2E_MODELS (two ~1B models of two families; the
+    demos otherwise) against the roofline of the weight bytes one step reads, with CUDA graphs too once
+    LLM takes `cuda_graphs` (not built yet: docs/gpu.md).
 
 It prints one report and, when $OUT is set, writes $OUT/gpu_check.json with every number. It exits 1
 when a check fails.
@@ -33,6 +36,9 @@ from pathlib import Path
 
 if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is first imported
     os.environ["TRITON_INTERPRET"] = "1"
+# the kernel checks call the references in moesaic/layers and weights/quant.py, which on CUDA tensors would
+# dispatch to the kernels themselves: they run with the dispatch off (e2e_decode turns it back on)
+os.environ["MOESAIC_TRITON"] = "off"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -597,43 +603,119 @@ def compile_instead_of_launch(c: Check) -> None:
 # ----------------------------------------------------------------------------------------- end to end
 
 
-def e2e_decode(args, peak_gbs: float) -> dict:
-    """(c): decode tok/s of ~1B checkpoints of two families (MOESAIC_E2E_MODELS=dir1,dir2) at batch 1/8/32,
-    with and without CUDA graphs, against the roofline of the weight bytes one step reads."""
+E2E_DEMOS = (
+    "demo-mistral4",
+    "demo-nemotron-h",
+    "demo-kimi-linear",
+    "demo-kimi-k3",
+    "demo-glm5-next-nvfp4",
+    "demo-deepseek-v4",
+    "demo-deepseek-v41",
+)
+
+
+def _greedy(llm, prompt, n):
+    import moesaic
+
+    sp = moesaic.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return llm.generate([prompt], sp)[0].token_ids
+
+
+def _tok_s(llm, batch: int, sync) -> float:
+    """Decode tok/s at `batch`: 65 new tokens minus 1 (the prefill and the first token), per second."""
+    import moesaic
+
+    prompts = [[3 + (i * 7 + j) % 200 for j in range(32)] for i in range(batch)]
+    times = []
+    for new in (1, 65):
+        sync()
+        t = time.time()
+        llm.generate(prompts, moesaic.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+        sync()
+        times.append(time.time() - t)
+    return batch * 64 / max(times[1] - times[0], 1e-9)
+
+
+def e2e_decode(args, peak_gbs: float, device: str = "cuda", demos=E2E_DEMOS) -> dict:
+    """(c): the engine on CUDA. Every family's demo: greedy tokens on CUDA (fp32, Triton kernels) equal the
+    CPU's; then decode tok/s of the MOESAIC_E2E_MODELS checkpoints (comma-separated folders; the demos
+    when unset) at batch 1/8/32, with and without CUDA graphs where LLM has them, against the roofline of
+    the weight bytes one step reads (every weight read once). (`device` "cpu": a rehearsal of this code.)"""
     if args.dry_run or args.compile_only:
         return {"status": "skipped: no GPU in this mode"}
     import inspect
 
     import moesaic
+    from moesaic.demo import ensure_demo, is_demo_name
 
-    if "cuda_graphs" not in inspect.signature(moesaic.LLM).parameters:
-        return {
-            "status": "skipped: the engine has no CUDA decode path with CUDA graphs yet "
-            "(issue 19 items 1 and 3: LLM(..., device='cuda', cuda_graphs=...))"
-        }
-    models = [m for m in os.environ.get("MOESAIC_E2E_MODELS", "").split(",") if m]
-    if len(models) < 2:
-        return {"status": "skipped: set MOESAIC_E2E_MODELS to two ~1B checkpoints (comma-separated folders)"}
-    results = []
+    os.environ["MOESAIC_TRITON"] = "auto"  # the engine's own dispatch: Triton kernels on CUDA tensors
+    graphs_ok = "cuda_graphs" in inspect.signature(moesaic.LLM).parameters
+    parity, results, errors = [], [], []
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for demo in demos:
+        if time.time() > args.deadline:
+            errors.append(f"{demo}: skipped, over the budget")
+            continue
+        try:
+            path = str(ensure_demo(demo))
+            prompt = [3 + (j * 11) % 50 for j in range(12)]
+            cpu = _greedy(moesaic.LLM(path, dtype="float32", device="cpu"), prompt, 8)
+            gpu = _greedy(moesaic.LLM(path, dtype="float32", device=device), prompt, 8)
+            parity.append(dict(model=demo, cpu=cpu, cuda=gpu, ok=cpu == gpu))
+        except Exception as e:  # one family's failure must not hide the others'
+            parity.append(dict(model=demo, ok=False, error=f"{type(e).__name__}: {e}"[:400]))
+    models = [m for m in os.environ.get("MOESAIC_E2E_MODELS", "").split(",") if m] or list(demos[:2])
     for path in models:
-        for graphs in (False, True):
-            llm = moesaic.LLM(path, dtype="bfloat16", device="cuda", cuda_graphs=graphs, max_num_seqs=32)
-            weight_bytes = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values())
-            for batch in (1, 8, 32):
-                prompts = [[1 + (i * 7 + j) % 200 for j in range(32)] for i in range(batch)]
-                times = []
-                for new in (1, 65):
-                    torch.cuda.synchronize()
-                    t = time.time()
-                    llm.generate(prompts, moesaic.SamplingParams(max_tokens=new, temperature=0.0))
-                    torch.cuda.synchronize()
-                    times.append(time.time() - t)
-                tok_s = batch * 64 / max(times[1] - times[0], 1e-9)
-                roof = batch * peak_gbs * 1e9 / weight_bytes  # every weight read once per step
-                results.append(
-                    dict(model=path, cuda_graphs=graphs, batch=batch, tok_s=tok_s, roofline_tok_s=roof)
+        for graphs in (False, True) if graphs_ok else (False,):
+            if time.time() > args.deadline:
+                errors.append(f"{path} graphs={graphs}: skipped, over the budget")
+                continue
+            try:
+                kw = dict(cuda_graphs=graphs) if graphs_ok else {}
+                path = str(ensure_demo(path)) if is_demo_name(path) else path
+                llm = moesaic.LLM(path, dtype="bfloat16", device=device, max_num_seqs=32, **kw)
+                weight_bytes = sum(
+                    t.numel() * t.element_size() for t in _weights(llm.model) if t.device.type == device
                 )
-    return {"status": "ran", "results": results}
+                for batch in (1, 8, 32):
+                    tok_s = _tok_s(llm, batch, sync)
+                    roof = batch * peak_gbs * 1e9 / max(weight_bytes, 1)
+                    results.append(
+                        dict(model=path, cuda_graphs=graphs, batch=batch, tok_s=tok_s, roofline_tok_s=roof)
+                    )
+            except Exception as e:
+                errors.append(f"{path} graphs={graphs}: {type(e).__name__}: {e}"[:400])
+    status = "ran" + ("" if graphs_ok else " (no CUDA graphs: LLM has no cuda_graphs yet, docs/gpu.md)")
+    return {"status": status, "parity": parity, "results": results, "errors": errors}
+
+
+def _weights(obj, seen=None):
+    """Every tensor reachable from a model's bound structures (tensors, packed tensors' parts, dataclasses,
+    dicts, lists): the bytes one decode step may read."""
+    import dataclasses
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _weights(getattr(obj, f.name), seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _weights(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _weights(v, seen)
+    elif hasattr(obj, "codes"):  # QuantizedTensor
+        for name in ("codes", "scale", "global_scale"):
+            yield from _weights(getattr(obj, name, None), seen)
+    elif hasattr(obj, "parts"):  # ConcatRows
+        yield from _weights(obj.parts, seen)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("moesaic."):
+        yield from _weights(vars(obj), seen)
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -669,6 +751,12 @@ def report(c: Check, e2e: dict) -> str:
             cx = " ".join(f"{k}={v}" for k, v in r["constexprs"].items())
             lines.append(f"  {'ok' if r['ok'] else 'FAIL'} {r['kernel']} {cx} {r['options']}: {res}")
     lines += ["", f"end-to-end decode: {e2e['status']}"]
+    for r in e2e.get("parity", []):
+        what = (
+            "greedy tokens on CUDA = CPU" if r["ok"] else r.get("error") or f"cpu {r['cpu']} cuda {r['cuda']}"
+        )
+        lines.append(f"  {'ok' if r['ok'] else 'FAIL'} {r['model']}: {what}")
+    lines += [f"  error: {e}" for e in e2e.get("errors", [])]
     for r in e2e.get("results", []):
         lines.append(
             f"  {r['model']} graphs={r['cuda_graphs']} batch={r['batch']}: {r['tok_s']:.1f} tok/s (roofline {r['roofline_tok_s']:.0f})"
@@ -695,6 +783,7 @@ def main(argv=None) -> int:
     for name, fn in CHECKS:
         if not only or name in only:
             c.run(name, lambda c, fn=fn: fn(c, shapes))
+    args.deadline = c.t0 + args.budget + 60  # the end-to-end part starts nothing a minute past the budget
     e2e = e2e_decode(args, c.peak)
     print(report(c, e2e))
     out = os.environ.get("OUT")
@@ -703,7 +792,7 @@ def main(argv=None) -> int:
         data = dict(device=c.device_name, peak_gbs=c.peak, dry_run=args.dry_run, checks=c.rows, e2e=e2e)
         data["sm90_builds"] = c.compiled
         (Path(out) / "gpu_check.json").write_text(json.dumps(data, indent=1, default=str))
-    return 0 if all(r["ok"] for r in c.rows + c.compiled) else 1
+    return 0 if all(r["ok"] for r in c.rows + c.compiled + e2e.get("parity", [])) else 1
 
 
 if __name__ == "__main__":

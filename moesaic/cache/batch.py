@@ -36,6 +36,9 @@ class ForwardBatch:
         int, ...
     ] = ()  # layers whose hidden states a draft head reads (FINAL: the final norm's input)
     tapped: dict[int, torch.Tensor] = field(default_factory=dict)
+    host_token_ids: torch.Tensor | None = (
+        None  # token_ids on the host (what host-side lookups read, unsynced)
+    )
 
     @staticmethod
     def build(
@@ -53,12 +56,14 @@ class ForwardBatch:
             seqs.append(SeqChunk(state, start, n, state.num_tokens))
             rows.extend(range(start, start + n) if logits == "all" else [start + n - 1])
             start += n
+        host_ids = torch.tensor(ids, dtype=torch.long)
         return ForwardBatch(
-            torch.tensor(ids, dtype=torch.long, device=device),
+            host_ids.to(device),  # on the host: the same tensor
             torch.tensor(pos, dtype=torch.long, device=device),
             seqs,
             torch.tensor(rows, dtype=torch.long, device=device),
             max(pos),
+            host_token_ids=host_ids,
         )
 
     def tap(self, layer: int, hidden: torch.Tensor, collapse: Callable | None = None) -> None:

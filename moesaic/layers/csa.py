@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache.state import TailRows, TokenRows, can_rollback
+from ..kernels.triton import kernels
 from .linear import linear
 from .norms import rms_norm_cast_once
 from .rope import cos_sin, rope_pairs
@@ -169,6 +170,8 @@ def pool_windows(kv: Tensor, gate: Tensor, ape: Tensor, dims: CompressorDims, ha
     """Softmax-gated pooling of complete windows (before the entry norm). kv/gate [rows, proj_width]
     hold whole windows; with overlap and `has_prev` the first window is only the predecessor of the
     second (its first series feeds entry 0 of this call). Returns [entries, width]."""
+    if tk := kernels("compressor", kv):
+        return tk.pool_windows(kv, gate, ape, dims, has_prev)
     m, C = dims.ratio, dims.width
     W = kv.shape[0] // m
     k = kv.view(W, m, -1)
@@ -250,6 +253,8 @@ def indexer_select(
     source) the candidate blocks [n, ceil(E / block)] bool: the topk_blocks blocks of `block` entries
     with the highest max score, the block of the newest visible entry pinned). `allowed` [n, nb]
     (another layer's candidate blocks) sets the scores outside them to −inf."""
+    if tk := kernels("indexer", q):
+        return tk.indexer_select(q, weights, keys, positions, ratio, topk, block, topk_blocks, allowed)
     n, E = q.shape[0], keys.shape[0]
     k = min(topk, E)
     nb = -(-E // block)

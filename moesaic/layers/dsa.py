@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.triton import kernels
 from .linear import linear
+from .mla import page_tables, shared_pages
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
 
@@ -72,6 +74,8 @@ def pool_keys(k: Tensor, z: Tensor, ape: Tensor) -> Tensor:
     """Pooled keys [T // P, c_I] of the complete pools of k, z [T, c_I] (P = ape.shape[0]): the
     per-channel softmax of z + ape over each pool's P slots in fp32, rounded to k's dtype, then
     the weighted sum of the pool's keys."""
+    if tk := kernels("compressor", k):
+        return tk.pool_keys(k, z, ape)
     P, c = ape.shape
     n_pools = k.shape[0] // P
     kp = k[: n_pools * P].view(n_pools, P, c)
@@ -82,6 +86,8 @@ def pool_keys(k: Tensor, z: Tensor, ape: Tensor) -> Tensor:
 def index_scores(q: Tensor, weights: Tensor, pooled: Tensor) -> Tensor:
     """s [n, n_pools] fp32 = Σ_h weights[:, h] · ReLU(q[:, h]·pooled_p · c_I^-0.5).
     q [n, n_I, c_I], weights [n, n_I] (already scaled by n_I^-0.5), pooled [n_pools, c_I]."""
+    if tk := kernels("indexer", q):
+        return tk.index_scores(q, weights, pooled)
     s = torch.relu(torch.matmul(q.float(), pooled.float().T) * q.shape[-1] ** -0.5)  # [n, n_I, n_pools]
     return torch.matmul(weights.float().unsqueeze(1), s).squeeze(1)
 
@@ -91,6 +97,8 @@ def select(
 ) -> Tensor:
     """The selection [n, width] (token indices, -1 padded) of queries at absolute `positions` [n]
     from their pool scores [n, n_pools]."""
+    if tk := kernels("indexer", scores):
+        return tk.select(scores, positions, kpool, index_topk, always_select_tail)
     n, n_pools = scores.shape
     dev = scores.device
     width = selection_width(index_topk, kpool, always_select_tail)
@@ -124,6 +132,8 @@ def kpool_select(
 ) -> Tensor:
     """The whole indexer for one sequence: queries q [n, n_I, c_I] and weights [n, n_I] at
     `positions`, against the cached k, z [T, c_I] of all its tokens (those of this step included)."""
+    if tk := kernels("indexer", q):
+        return tk.kpool_select(q, weights, k, z, ape, positions, index_topk, always_select_tail)
     pooled = pool_keys(k, z, ape)
     return select(index_scores(q, weights, pooled), positions, ape.shape[0], index_topk, always_select_tail)
 
@@ -133,6 +143,17 @@ def selection_mask(selection: Tensor, num_keys: int) -> Tensor:
     mask = torch.zeros(selection.shape[0], num_keys + 1, dtype=torch.bool, device=selection.device)
     mask.scatter_(1, torch.where(selection >= 0, selection, num_keys), True)
     return mask[:, :num_keys]
+
+
+def paged_sparse_mla_attend(q: Tensor, rows: list, new: list[int], w_kv_b, v_head_dim, scale, selections):
+    """`sparse_mla_attend` of every sequence of a batch in one launch over the engine's pages (rows:
+    each sequence's PagedRows of this layer, this step's `new` tokens appended; selections: each one's
+    [n, width]) on the CUDA path; None elsewhere (the caller attends sequence by sequence)."""
+    if not ((tk := kernels("mla", q)) and shared_pages(rows)):
+        return None
+    table, lens, starts = page_tables(rows, new, q.device)
+    pool, index, sel = rows[0].fields["latent"], rows[0].index, torch.cat(selections)
+    return tk.paged_sparse_mla_attend(q, pool, index, table, lens, starts, w_kv_b, v_head_dim, scale, sel)
 
 
 def sparse_mla_attend(
@@ -148,6 +169,8 @@ def sparse_mla_attend(
     per-head keys and values once and masks (many queries over a short cache); `gathered` takes
     each query's selected latents and attends in the latent space, W_k absorbed into the query
     and W_v applied after (decode, and any cache much longer than the selection)."""
+    if tk := kernels("mla", q):
+        return tk.sparse_mla_attend(q, latent, w_kv_b, v_head_dim, scale, selection)
     n, H, dn = q.shape
     T, kvr = latent.shape
     W, dv = selection.shape[1], v_head_dim

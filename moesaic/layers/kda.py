@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.triton import kernels
 from .linear import linear
 
 L2NORM_EPS = 1e-6
@@ -152,6 +153,8 @@ def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, head_dim: int, lower_bou
 
     lower_bound None: g = -exp(A_log[h]) * softplus(z + dt_bias)          (Kimi Linear)
     lower_bound lb:   g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias))     (GLM-5.3, K3)"""
+    if tk := kernels("kda", z):
+        return tk.kda_gate(z, A_log, dt_bias, head_dim, lower_bound)
     u = (z.float() + dt_bias.float()).view(z.shape[0], -1, head_dim)
     rate = torch.exp(A_log.float()).view(1, -1, 1)
     if lower_bound is None:
@@ -176,6 +179,8 @@ def delta_rule_recurrent(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Token by token. Returns (o [H, n, Dv], final S, the state after every token [n, H, Dk, Dv]
     when keep_states)."""
+    if tk := kernels("kda", q):
+        return tk.delta_rule_recurrent(q, k, v, g, beta, S, keep_states)
     n = q.shape[1]
     o = v.new_empty(v.shape)
     states = [] if keep_states else None
@@ -201,6 +206,8 @@ def delta_rule_chunked(
 
     The u's solve a unit lower-triangular system. Pairwise decays are taken as exp of
     differences of the cumulative sums (never e^{G} / e^{G'}, which overflows)."""
+    if tk := kernels("kda", q):
+        return tk.delta_rule_chunked(q, k, v, g, beta, S, chunk_size)
     H, n, _ = q.shape
     o = v.new_empty(v.shape)
     for s in range(0, n, chunk_size):

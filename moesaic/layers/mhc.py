@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.triton import kernels
+
 
 @dataclass(frozen=True)
 class MhcDims:
@@ -76,6 +78,8 @@ def project(streams: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
     """[..., n, n] -> doubly stochastic (to `eps`): row softmax + eps, one column normalisation,
     then iters − 1 rounds of row then column normalisation."""
+    if tk := kernels("mhc", logits):
+        return tk.sinkhorn(logits, iters, eps)
     c = torch.softmax(logits.float(), dim=-1) + eps
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -86,6 +90,8 @@ def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
 
 def site_maps(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Tensor, Tensor]:
     """(pre [N, n], post [N, n], comb [N, n, n]) in fp32 for streams [N, n, d]."""
+    if tk := kernels("mhc", streams):
+        return tk.site_maps(streams, site, dims)
     n = dims.hc_mult
     m = project(streams, site.fn, dims.norm_eps)
     base, scale = site.base.float(), site.scale.float()

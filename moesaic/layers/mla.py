@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..cache.paged import PagedRows
+from ..kernels.triton import kernels
 from .linear import linear
 from .norms import rms_norm
 
@@ -70,6 +72,8 @@ def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 def latent_attention(q_lat, q_rope, latent, k_rope, scale) -> torch.Tensor:
     """Attention in the latent space for one sequence. q_lat [H, n, kvr], q_rope [n, H, dr],
     latent [T, kvr], k_rope [T, dr] -> o_lat [H, n, kvr]. Scores and softmax in fp32."""
+    if tk := kernels("mla", q_lat):
+        return tk.latent_attention(q_lat, q_rope, latent, k_rope, scale)
     n, T = q_lat.shape[1], latent.shape[0]
     scores = torch.matmul(q_lat, latent.T)
     if k_rope.shape[1]:
@@ -143,21 +147,55 @@ def mla_batch(
             )
     if absorbed:
         rows = torch.cat(
-            [torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n) for i in absorbed]
+            [
+                torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n, device=out.device)
+                for i in absorbed
+            ]
         )
         w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
         q_lat = absorb_queries(q_nope[rows], w_uk)
-        o_lat = torch.empty_like(q_lat)
-        at = 0
-        for i in absorbed:
-            n = batch.seqs[i].n
-            o_lat[:, at : at + n] = latent_attention(
-                q_lat[:, at : at + n],
-                q_rope[rows[at : at + n]],
-                caches[i]["latent"],
-                caches[i]["k_rope"],
-                scale,
+        paged = [batch.seqs[i].state.layers[L] for i in absorbed]
+        if (tk := kernels("mla", q_lat)) and shared_pages(paged):  # one launch over the engine's pages
+            table, lens, starts = page_tables(paged, [batch.seqs[i].n for i in absorbed], q_lat.device)
+            pool, rope = paged[0].fields["latent"], paged[0].fields["k_rope"] if dr else None
+            o_lat = tk.paged_latent_attention(
+                q_lat, q_rope[rows] if dr else None, pool, rope, paged[0].index, table, lens, starts, scale
             )
-            at += n
+        else:
+            o_lat = torch.empty_like(q_lat)
+            at = 0
+            for i in absorbed:
+                n = batch.seqs[i].n
+                o_lat[:, at : at + n] = latent_attention(
+                    q_lat[:, at : at + n],
+                    q_rope[rows[at : at + n]],
+                    caches[i]["latent"],
+                    caches[i]["k_rope"],
+                    scale,
+                )
+                at += n
         out[rows] = absorb_output(o_lat, w_uv)
     return out
+
+
+def shared_pages(rows: list) -> bool:
+    """Whether every sequence's rows are the engine's pages of one pool (the paged kernels' input)."""
+    return all(type(r) is PagedRows and r.fields is rows[0].fields and r.index == rows[0].index for r in rows)
+
+
+def page_tables(rows: list, new: list[int], device):
+    """(block tables int32 [S, max blocks] padded with block 0, seq_lens int32 [S], query_start int32
+    [S + 1]) of paged rows holding `new` tokens of this step each, from the host's metadata: uploaded,
+    never read back."""
+    width = max(len(r.table) for r in rows)
+    starts = [0]
+    for n in new:
+        starts.append(starts[-1] + n)
+    host = [
+        torch.tensor([r.table.ids + [0] * (width - len(r.table)) for r in rows], dtype=torch.int32),
+        torch.tensor([r.length for r in rows], dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
+    ]
+    if torch.device(device).type != "cuda":
+        return tuple(t.to(device) for t in host)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in host)  # no wait on the copy

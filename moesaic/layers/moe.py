@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels.triton import kernels
 from .linear import linear
 from .norms import rms_norm
 
@@ -39,6 +40,8 @@ def limit_groups(scores: torch.Tensor, n_group: int, topk_group: int, fill: floa
 
 def route_softmax(logits, top_k, n_group=1, topk_group=1, normalize=True, scale=1.0):
     """Softmax router (Mistral/DeepSeek-V2 style), in the logits' dtype. Returns (weights, ids) [N, k]."""
+    if tk := kernels("router", logits):
+        return tk.route_softmax(logits, top_k, n_group, topk_group, normalize, scale)
     scores = logits.softmax(-1)
     choice = limit_groups(scores, n_group, topk_group, 0.0)
     ids = choice.topk(top_k, dim=-1, sorted=False).indices
@@ -50,6 +53,8 @@ def route_softmax(logits, top_k, n_group=1, topk_group=1, normalize=True, scale=
 
 def route_sigmoid(logits, top_k, bias=None, n_group=1, topk_group=1, normalize=True, scale=1.0):
     """Sigmoid router with a selection-only correction bias (DeepSeek-V3 style), fp32."""
+    if tk := kernels("router", logits):
+        return tk.route_sigmoid(logits, top_k, bias, n_group, topk_group, normalize, scale)
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias.float()
     choice = limit_groups(choice, n_group, topk_group, float("-inf"))
@@ -100,7 +105,7 @@ def glu_mlp(x: torch.Tensor, w_gate, w_up, w_down, glu=silu_glu) -> torch.Tensor
     return linear(glu(linear(x, w_gate), linear(x, w_up)), w_down)
 
 
-def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None):
+def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_expert=True):
     """Sum over each token's chosen experts of weight * w_out[e](act(w_in[e] x)).
 
     x [N, d]; weights/ids [N, k]; w_in [E, *, d] and w_out [E, d, *] (dense stacks or stacked
@@ -109,7 +114,12 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None):
     runs once those reads are issued). Each token's terms are added in ascending expert id.
     Weighting and the sum run in the routing weights' dtype when it is wider (an fp32 router over
     bf16 activations, as transformers does), cast to x's dtype at the end. Ids outside 0..E-1 are
-    experts this rank does not hold (expert parallelism): their terms are left out."""
+    experts this rank does not hold (expert parallelism; `every_expert=False`): their terms are left out.
+
+    On CUDA (and MOESAIC_TRITON=interpret) the experts run as two grouped Triton launches with no host
+    sync; the torch path below reads the expert counts on the host (free on a CPU)."""
+    if every_expert and not hasattr(w_in, "fetch") and (tk := kernels("quant", x)):
+        return tk.run_experts(x, weights, ids, w_in, w_out, act)
     E = w_in.shape[0]
     ids, perm = ids.sort(dim=1)  # a token's experts in ascending id: the order its terms are summed in
     weights = weights.gather(1, perm)
@@ -173,6 +183,8 @@ def route_sqrtsoftplus(logits, top_k, bias=None, scale=1.0, ids=None):
     """DeepSeek-V4's router, in the logits' dtype: scores s = sqrt(softplus(logits)); experts =
     topk(s + bias) (the correction bias chooses, it never weighs), or the static `ids` [N, k] of a
     hash layer (tid2eid[token]); weights = s[experts] / (sum + 1e-20) * scale. Returns (weights, ids)."""
+    if tk := kernels("router", logits):
+        return tk.route_sqrtsoftplus(logits, top_k, bias, scale, ids)
     scores = F.softplus(logits).sqrt()
     if ids is None:
         choice = scores if bias is None else scores + bias
@@ -279,7 +291,8 @@ def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor |
     then = None
     if w.next_moe is not None and x.shape[0] <= PREFETCH_MAX_TOKENS:  # a prefill chunk reads, not guesses
         then = lambda: prefetch(x, w.next_moe, spec.router, token_ids)  # noqa: E731
-    y = run_experts(h, weights, ids - w.first_expert, w.experts_in, w.experts_out, act, then)
+    every = w.first_expert == 0 and w.experts_in.shape[0] == w.router.shape[0]  # no expert on another rank
+    y = run_experts(h, weights, ids - w.first_expert, w.experts_in, w.experts_out, act, then, every)
     reduce = w.reduce  # split over ranks: y (and the shared expert's output) are this rank's part
     if w.latent_norm is not None:
         if reduce is not None:  # the norm needs the whole sum

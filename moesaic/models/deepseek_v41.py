@@ -885,7 +885,9 @@ class Model:
                 "this DeepSeek-V4.1 model has Engram layers but no token map: load it through "
                 "moesaic (the checkpoint's tokenizer builds it) or pass token_map to Model"
             )
-        ids = batch.token_ids.cpu()  # the hash runs on the host, where the tables are mapped
+        ids = batch.host_token_ids  # the hash runs on the host, where the tables are mapped (no sync)
+        if ids is None:
+            ids = batch.token_ids.cpu()
         return torch.cat(
             [self.hasher.rows(ids[s.start : s.start + s.n], s.state.layers[-1]) for s in batch.seqs]
         )

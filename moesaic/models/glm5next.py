@@ -646,8 +646,7 @@ class Model:
         if ix is not None:
             qi, wts = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
             k, z = dsa.indexer_keys(x, ix)
-        out = x.new_empty(N, H, dv)
-        selections = []
+        selections, caches = [], []
         for j, s in enumerate(batch.seqs):
             rows = slice(s.start, s.start + s.n)
             if ix is not None:
@@ -666,7 +665,16 @@ class Model:
                 cache = s.state.layers[L].append(latent=latent[rows])
                 sel = shared[j]
             selections.append(sel)
-            out[rows] = dsa.sparse_mla_attend(q[rows], cache["latent"], m.kv_b, dv, dn**-0.5, sel)
+            caches.append(cache)
+        paged = [s.state.layers[L] for s in batch.seqs]
+        out = dsa.paged_sparse_mla_attend(
+            q, paged, [s.n for s in batch.seqs], m.kv_b, dv, dn**-0.5, selections
+        )
+        if out is None:  # the torch path (and unpaged rows): sequence by sequence
+            out = x.new_empty(N, H, dv)
+            for s, cache, sel in zip(batch.seqs, caches, selections):
+                rows = slice(s.start, s.start + s.n)
+                out[rows] = dsa.sparse_mla_attend(q[rows], cache["latent"], m.kv_b, dv, dn**-0.5, sel)
         return linear(out.reshape(N, H * dv), m.o), selections
 
     def mlp(self, w: Mlp | MoeWeights, x: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,7 @@ from ..kernels.codecs import (
     unpack_fp4_codes,
 )
 from ..kernels.codecs import as_u8 as _as_u8
+from ..kernels.triton import kernels
 
 __all__ = [
     "FORMATS",
@@ -464,6 +465,8 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight [..., N, K] in `dtype` (for tests, oracles and small tensors)."""
+        if tk := kernels("quant", self.codes):
+            return tk.dequantize(self, dtype)
         n, k = self.shape[-2:]
         out = torch.empty(self.shape, dtype=dtype, device=self.device)
         flat = out.view(-1, n, k)
@@ -492,6 +495,8 @@ class QuantizedTensor:
             raise ValueError(
                 f"{self.name}: matmul of x {list(x.shape)} with weight {list(self.shape)}: last dims differ"
             )
+        if tk := kernels("quant", x):
+            return tk.matmul(self, x)
         lead = self.shape[:-2]
         if not lead and tile_rows is None:  # the common case first: one matrix, the kernels
             x2 = x if x.dim() == 2 else x.reshape(-1, k)
@@ -526,6 +531,8 @@ class QuantizedTensor:
                 f"{self.name}: grouped_matmul needs a stack [E, N, K], x [T, K] and offs [E]; got "
                 f"{list(self.shape)}, x {list(x.shape)}, offs {list(offs.shape)}"
             )
+        if tk := kernels("quant", x):
+            return tk.grouped_matmul(x, offs, self)
         x = x.to(_compute_dtype(x))
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         self._grouped_2d(x, offs, out)
@@ -1326,6 +1333,8 @@ class ConcatRows:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T like QuantizedTensor.matmul; each part writes its own columns of one output."""
+        if tk := kernels("quant", x):
+            return tk.matmul(self, x)
         k, n = self.shape[-1], self.shape[-2]
         cd = _compute_dtype(x)
         lead = self.shape[:-2]
@@ -1349,6 +1358,8 @@ class ConcatRows:
                 f"ConcatRows.grouped_matmul needs a stack [E, N, K], x [T, K] and offs [E]; got "
                 f"{list(self.shape)}, x {list(x.shape)}, offs {list(offs.shape)}"
             )
+        if tk := kernels("quant", x):
+            return tk.grouped_matmul(x, offs, self)
         x = x.to(_compute_dtype(x))
         out = torch.empty(x.shape[0], self.shape[-2], dtype=x.dtype, device=x.device)
         c0 = 0

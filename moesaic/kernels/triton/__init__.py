@@ -20,6 +20,12 @@ Each module mirrors one family of reference functions; a caller switches by devi
 
 The kernels are written for sm_90 (H200): tiles were sized from ahead-of-time sm_90 builds
 (`benchmarks/gpu_check.py --compile-only` reports registers, spills and shared memory without a GPU).
+The layers choose them with `kernels(name, t)`, one line at the top of each reference function; the
+environment variable MOESAIC_TRITON, read at every call, says where they serve:
+    auto (default)  CUDA tensors, where triton is installed (the torch references everywhere else)
+    off             nowhere: the torch references on every device (to compare on a GPU)
+    interpret       CPU tensors, through Triton's interpreter (slow: whole-model tests on small demos)
+
 They are tested on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, which must be set before
 triton itself is first imported: tests/test_triton_kernels.py runs them in a child process). The
 interpreter has no bf16 arithmetic, so kernels widen loads to fp32 and multiply 16-bit operands
@@ -32,8 +38,12 @@ moesaic.kernels.codecs lands. Importing this package does not import triton.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
+import sys
+import warnings
 
 import torch
 
@@ -43,6 +53,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+@functools.cache
 def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -59,3 +70,77 @@ def use_triton(t: torch.Tensor) -> bool:
     if not triton_importable():
         return False
     return t.is_cuda if not interpreting() else t.device.type == "cpu"
+
+
+MODES = ("auto", "off", "interpret")
+_modules: dict = {}
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    # kernels sit below moesaic.errors: a wrong switch warns (once) and the torch references serve
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+# os.environ.get of an unset name costs two exceptions (~1-3 us); the layers ask at every call, so the
+# switch is read from the mapping's own dict (CPython keeps os.environ in `_data`; os.environ.get elsewhere)
+_ENV = getattr(os.environ, "_data", None)
+_KEY = os.environ.encodekey("MOESAIC_TRITON") if _ENV is not None else None
+
+
+def _switch() -> str:
+    if _ENV is None:
+        return os.environ.get("MOESAIC_TRITON", "")
+    v = _ENV.get(_KEY)
+    return "" if v is None else os.environ.decodevalue(v)
+
+
+def mode() -> str:
+    """MOESAIC_TRITON (auto, off or interpret), read now; an unknown value warns and means auto."""
+    m = _switch().strip().lower() or "auto"
+    if m not in MODES:
+        _warn_once(f"MOESAIC_TRITON={m!r} is not one of {', '.join(MODES)}: using auto")
+        return "auto"
+    return m
+
+
+def _interpreter() -> bool:
+    """Requests Triton's interpreter before triton is first imported (it decorates its language then).
+    False (with a warning) when triton was already imported without it: the kernels cannot run on CPU."""
+    if interpreting():
+        return True
+    if "triton" in sys.modules:
+        _warn_once(
+            "MOESAIC_TRITON=interpret: triton was imported before the interpreter was requested, so the "
+            "torch references serve; set TRITON_INTERPRET=1 (or MOESAIC_TRITON) before triton is imported"
+        )
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
+
+
+if mode() == "interpret":  # set at start: request the interpreter now, before anything imports triton
+    _interpreter()
+
+
+def kernels(name: str, t: torch.Tensor):
+    """The kernel module `name` (kda, mamba2, mla, indexer, compressor, mhc, router, quant) when its
+    kernels should serve tensors like `t` (see MOESAIC_TRITON above), else None: the caller runs its
+    torch reference. Cheap on the reference path: an environment read and a device test."""
+    if not t.is_cuda and not _switch():  # the CPU default first
+        return None
+    m = mode()
+    if m == "off" or not (t.is_cuda if m == "auto" else t.device.type == "cpu"):
+        return None
+    if not triton_importable():
+        if m == "interpret":
+            _warn_once("MOESAIC_TRITON=interpret: triton is not installed, so the torch references serve")
+        return None
+    if not (_interpreter() if m == "interpret" else not interpreting()):  # the interpreter takes no CUDA
+        return None
+    module = _modules.get(name)
+    if module is None:
+        module = _modules[name] = importlib.import_module(f"{__name__}.{name}")
+    return module

@@ -233,9 +233,11 @@ def _as_pages(rows: torch.Tensor):
 
 
 def _one_sequence(n: int, T: int, device):
+    """(seq_lens [1], query_start [2]) of one sequence, made on the device (a torch.tensor of host
+    values would be a synchronous copy on CUDA)."""
     return (
-        torch.tensor([T], dtype=torch.int32, device=device),
-        torch.tensor([0, n], dtype=torch.int32, device=device),
+        torch.full((1,), T, dtype=torch.int32, device=device),
+        torch.arange(2, dtype=torch.int32, device=device) * n,
     )
 
 
