@@ -26,8 +26,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="moesaic", description="Inference for hybrid and MoE frontier models.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text, streaming tokens")
-    g.add_argument("--model", default="demo", help="checkpoint folder, or 'demo' (built-in, random weights)")
-    g.add_argument("--prompt", default="Hello, moesaic!")
+    g.add_argument(
+        "--model",
+        default="demo",
+        help="checkpoint folder, or a demo name ('demo': the built-in model trained on Python's stdlib)",
+    )
+    g.add_argument("--prompt", default="def fibonacci(n):\n    ")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -132,7 +136,7 @@ def parallel_flags(p) -> None:
 
 
 def _generate(args) -> int:
-    from .config import is_demo
+    from .config import is_demo, is_trained_demo
     from .engine.sampler import SamplingParams
     from .llm import LLM
 
@@ -151,6 +155,12 @@ def _generate(args) -> int:
         print(
             f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
             "the text below is noise, not a language model's answer.",
+            file=sys.stderr,
+        )
+    elif is_trained_demo(llm.raw_config):
+        print(
+            f"[moesaic] trained demo at {llm.path}: a {llm.raw_config['moesaic_demo']['params'] / 1e6:.1f}M-"
+            "parameter GLM-5.3-shaped model trained on Python's standard library (docs/train_demo.md)",
             file=sys.stderr,
         )
     prompt = args.prompt

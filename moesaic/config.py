@@ -189,3 +189,11 @@ def is_demo(raw_config: dict) -> bool:
     """Whether config.json marks a built-in demo with random weights (its text is noise)."""
     marker = raw_config.get("moesaic_demo") if isinstance(raw_config, dict) else None
     return isinstance(marker, dict) and bool(marker.get("random_weights"))
+
+
+def is_trained_demo(raw_config: dict) -> bool:
+    """Whether config.json marks moesaic's trained demo (docs/train_demo.md)."""
+    marker = raw_config.get("moesaic_demo") if isinstance(raw_config, dict) else None
+    return (
+        isinstance(marker, dict) and marker.get("trained") is True and isinstance(marker.get("params"), int)
+    )

@@ -4,6 +4,7 @@ event loops. Both drive one engine core (engine/engine.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import numbers
 import os
 import resource
@@ -14,7 +15,7 @@ import torch
 
 from . import parallel
 from .cache.batch import ForwardBatch
-from .demo import DEMO_NAME, DEMOS, ensure_demo, is_demo_name
+from .demo import DEMO_NAME, DEMOS, default_drafter, ensure_demo, is_demo_name
 from .engine.async_engine import AsyncEngine
 from .engine.engine import Engine, EngineLimits, check_prompt
 from .engine.output import CompletionOutput, RequestOutput
@@ -276,6 +277,9 @@ class LLM:
     def _engine(self, device, engine_args: dict, spmd, spec) -> None:
         self.dtype, self.device = self.model.dtype, device
         eos = set(self.cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()) or ())
+        if spec is not None and spec.method == "dflash" and spec.model is None and spec.proposer is None:
+            drafter = default_drafter(self.path)  # the trained demo ships its DFlash drafter
+            spec = spec if drafter is None else dataclasses.replace(spec, model=drafter)
         proposer = None if spec is None else build_proposer(self.family, self.model, self.cfg, spec)
         window = 0 if spec is None else spec.k + 1  # the rows a verify round may roll back, and one more
         self.engine = Engine(

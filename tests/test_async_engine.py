@@ -21,7 +21,7 @@ def greedy(n, **kw):
 
 @pytest.fixture(scope="module")
 def allm():
-    a = moesaic.AsyncLLM("demo", dtype="float32")
+    a = moesaic.AsyncLLM("demo-mistral4", dtype="float32")
     yield a
     a.shutdown(timeout=5)
 
@@ -145,7 +145,7 @@ def test_stop_strings_stream_without_the_stop(allm):
 
 
 def test_shutdown_drains_then_refuses():
-    a = moesaic.AsyncLLM("demo", dtype="float32")
+    a = moesaic.AsyncLLM("demo-mistral4", dtype="float32")
 
     async def main():
         it = a.add_request("hello", greedy(4))

@@ -32,7 +32,7 @@ def greedy(n=8, **kw):
 
 @pytest.fixture(scope="module")
 def llm():
-    return moesaic.LLM("demo", dtype="float32")
+    return moesaic.LLM("demo-mistral4", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_atomic_step_restores_every_state_kind(hybrid):
 # ---------------------------------------------------------------- scheduling
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-kimi-linear"])
+@pytest.mark.parametrize("name", ["demo-mistral4", "demo-kimi-linear"])
 def test_preemption_by_recompute_gives_the_solo_tokens(name):
     roomy = moesaic.LLM(name, dtype="float32", max_num_seqs=4)
     prompts = [random_ids(90 + 7 * i, VOCAB, seed=10 + i) for i in range(4)]
@@ -120,7 +120,7 @@ def test_preemption_by_recompute_gives_the_solo_tokens(name):
 
 
 def test_budget_and_seq_limits_are_respected():
-    llm_ = moesaic.LLM("demo", dtype="float32", max_num_seqs=2, max_num_batched_tokens=16)
+    llm_ = moesaic.LLM("demo-mistral4", dtype="float32", max_num_seqs=2, max_num_batched_tokens=16)
     sched = llm_.engine.scheduler
     real, seen = sched.schedule, []
 
@@ -136,7 +136,7 @@ def test_budget_and_seq_limits_are_respected():
 
 
 def test_a_step_without_progress_raises_instead_of_spinning(monkeypatch):
-    llm_ = moesaic.LLM("demo", dtype="float32")
+    llm_ = moesaic.LLM("demo-mistral4", dtype="float32")
     monkeypatch.setattr(llm_.engine.scheduler, "schedule", lambda: [])  # a scheduler bug
     with pytest.raises(RuntimeError, match="nothing could be scheduled"):
         llm_.generate(["abc"], greedy(2))
@@ -144,10 +144,10 @@ def test_a_step_without_progress_raises_instead_of_spinning(monkeypatch):
 
 
 def test_old_keyword_max_batch_tokens_is_an_alias():
-    a = moesaic.LLM("demo", dtype="float32", max_batch_tokens=13)
+    a = moesaic.LLM("demo-mistral4", dtype="float32", max_batch_tokens=13)
     assert a.engine.max_num_batched_tokens == 13
     with pytest.raises(ConfigError, match="max_batch_tokens"):
-        moesaic.LLM("demo", dtype="float32", max_batch_tokens=13, max_num_batched_tokens=14)
+        moesaic.LLM("demo-mistral4", dtype="float32", max_batch_tokens=13, max_num_batched_tokens=14)
 
 
 # ---------------------------------------------------------------- requests
@@ -245,7 +245,7 @@ def test_penalties_change_what_is_generated(llm):
 # ---------------------------------------------------------------- failures, threads, streams
 
 
-MIXERS = {"demo": "attention", "demo-kimi-linear": "mixer"}
+MIXERS = {"demo-mistral4": "attention", "demo-kimi-linear": "mixer"}
 
 
 @pytest.mark.parametrize("name", list(MIXERS))
@@ -367,7 +367,7 @@ def test_without_snapshot_room_a_hybrid_computes_everything(hybrid):
 
 
 def test_an_unread_stream_does_not_hold_the_engine():
-    llm_ = moesaic.LLM("demo", dtype="float32", max_num_seqs=1)
+    llm_ = moesaic.LLM("demo-mistral4", dtype="float32", max_num_seqs=1)
     long_prompt = random_ids(10, VOCAB, seed=11)
     want = llm_.generate([long_prompt], greedy(120))[0].token_ids
     it = llm_.stream(long_prompt, greedy(120))
@@ -499,7 +499,7 @@ def test_any_sampling_value_is_accepted_or_named(field, value):
 )
 def test_bad_engine_limits_are_config_errors(kw, field):
     with pytest.raises(ConfigError, match=field):
-        moesaic.LLM("demo", **{"dtype": "float32", **kw})
+        moesaic.LLM("demo-mistral4", **{"dtype": "float32", **kw})
 
 
 @settings(max_examples=200, deadline=None)

@@ -12,7 +12,7 @@ from moesaic.cache.paged import BLOCK_SIZE
 from moesaic.engine.scheduler import SNAPSHOT_EVERY
 
 FAMILY_DEMOS = [
-    "demo",
+    "demo-mistral4",
     "demo-nemotron-h",
     "demo-glm5-next-nvfp4",
     "demo-deepseek-v4",

@@ -953,7 +953,7 @@ def test_named_templates_and_lone_surrogates(with_tokenizer):
     assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "D"
     with pytest.raises(RequestError, match="lone surrogate"):
         llm.generate(["hello \udcff"], moesaic.SamplingParams(max_tokens=1))
-    demo = moesaic.LLM("demo", dtype="float32")
+    demo = moesaic.LLM("demo-mistral4", dtype="float32")
     with pytest.raises(RequestError, match="lone surrogate"):
         demo.generate(["\ud800"], moesaic.SamplingParams(max_tokens=1))
 
@@ -990,7 +990,7 @@ def test_cli_non_utf8_prompt_bytes(tmp_path):
 def test_cli_demo_cache_that_cannot_be_written(tmp_path, monkeypatch, capsys, cache):
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("MOESAIC_CACHE", cache if cache.startswith("/") else str(tmp_path / cache))
-    assert cli.main(["generate", "--max-tokens", "1"]) == 2
+    assert cli.main(["generate", "--model", "demo-mistral4", "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert "demo cache" in err and "MOESAIC_CACHE" in err
 

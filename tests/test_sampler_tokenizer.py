@@ -52,7 +52,7 @@ def test_seed_reproduces_and_differs():
 
 
 def test_stops_on_eos_stop_ids_and_max_tokens():
-    llm = moesaic.LLM("demo", dtype="float32")
+    llm = moesaic.LLM("demo-mistral4", dtype="float32")
     base = llm.generate([[1, 70, 71]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 12
     stop_at = base.token_ids[4]
@@ -68,7 +68,7 @@ def test_stops_on_eos_stop_ids_and_max_tokens():
 
 
 def test_seeded_sampling_through_the_engine_is_batch_independent():
-    llm = moesaic.LLM("demo", dtype="float32")
+    llm = moesaic.LLM("demo-mistral4", dtype="float32")
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=5, ignore_eos=True)
     alone = llm.generate(["abc"], sp)[0].token_ids
     together = llm.generate(["abc", "xyz", "hello"], sp)[0].token_ids

@@ -38,7 +38,7 @@ SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 
 @pytest.fixture(scope="module")
 def llm():
-    return moesaic.LLM("demo", dtype="float32")  # also writes the demo before the server reads it
+    return moesaic.LLM("demo-mistral4", dtype="float32")  # also writes the demo before the server reads it
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def server(llm, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     # the same number of threads as this process: the same float32 sums, so the same greedy tokens
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "moesaic.cli", "serve", "demo", "--dtype", "float32", "--port", "0"]
+    cmd = [sys.executable, "-m", "moesaic.cli", "serve", "demo-mistral4", "--dtype", "float32", "--port", "0"]
     cmd += ["--api-key", KEY, "--max-body-bytes", "65536", "--shutdown-timeout", "30"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -95,7 +95,7 @@ def metric(server, name: str) -> float:
 def test_completions_match_llm_generate(client, llm):
     prompt = "The quick brown fox"
     ref = llm.generate([prompt], greedy(max_tokens=24))[0]
-    r = client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0)
+    r = client.completions.create(model="demo-mistral4", prompt=prompt, max_tokens=24, temperature=0)
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
     assert r.usage.prompt_tokens == len(llm.encode(prompt)) == len(ref.prompt_token_ids)
     assert (
@@ -103,7 +103,7 @@ def test_completions_match_llm_generate(client, llm):
     )
     chunks = list(
         client.completions.create(
-            model="demo",
+            model="demo-mistral4",
             prompt=prompt,
             max_tokens=24,
             temperature=0,
@@ -118,7 +118,9 @@ def test_completions_match_llm_generate(client, llm):
     # a prompt of token ids, and two prompts in one request
     ids = [1, 70, 71, 72]
     ref_ids = llm.generate([ids], greedy(max_tokens=8))[0]
-    r = client.completions.create(model="demo", prompt=[ids, llm.encode(prompt)], max_tokens=8, temperature=0)
+    r = client.completions.create(
+        model="demo-mistral4", prompt=[ids, llm.encode(prompt)], max_tokens=8, temperature=0
+    )
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].text == ref_ids.text and r.choices[1].text == ref.text[: len(r.choices[1].text)]
     assert r.usage.prompt_tokens == 4 + len(ref.prompt_token_ids) and r.usage.completion_tokens == 16
@@ -130,13 +132,13 @@ def test_chat_matches_llm_generate_streamed_and_not(client, llm, server):
     assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
     ref = llm.generate([ids], greedy(max_tokens=32, skip_special_tokens=False))[0]
     want = parse("mistral", ref.text)
-    r = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=32, temperature=0)
+    r = client.chat.completions.create(model="demo-mistral4", messages=MESSAGES, max_tokens=32, temperature=0)
     msg = r.choices[0].message
     assert (msg.content or "") == want.content and (getattr(msg, "reasoning", None) or "") == want.reasoning
     assert len(msg.tool_calls or []) == len(want.tool_calls)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
     stream = client.chat.completions.create(
-        model="demo",
+        model="demo-mistral4",
         messages=MESSAGES,
         max_tokens=32,
         temperature=0,
@@ -152,14 +154,22 @@ def test_chat_matches_llm_generate_streamed_and_not(client, llm, server):
     assert last.usage.prompt_tokens == len(ids) and all(c.usage is None for c in body)
     assert [c.choices[0].finish_reason for c in body][-1] in ("stop", "length", "tool_calls")
     # without include_usage there is no usage chunk
-    plain = list(client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, stream=True))
+    plain = list(
+        client.chat.completions.create(model="demo-mistral4", messages=MESSAGES, max_tokens=4, stream=True)
+    )
     assert all(c.choices for c in plain)
 
 
 def test_n_samples_and_seeds_are_reproducible(client, llm):
     prompt = "Once upon a time"
     kw = dict(
-        model="demo", prompt=prompt, max_tokens=16, temperature=1.0, n=2, seed=7, extra_body={"top_k": 50}
+        model="demo-mistral4",
+        prompt=prompt,
+        max_tokens=16,
+        temperature=1.0,
+        n=2,
+        seed=7,
+        extra_body={"top_k": 50},
     )
     first = client.completions.create(**kw)
     again = client.completions.create(**kw)
@@ -188,11 +198,11 @@ def test_stop_strings(client, llm):
     ref = llm.generate([prompt], greedy(max_tokens=24, stop=[stop, "never-seen"]))[0]
     assert ref.finish_reason == "stop" and stop not in ref.text
     r = client.completions.create(
-        model="demo", prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "never-seen"]
+        model="demo-mistral4", prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "never-seen"]
     )
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "stop"
     streamed = "".join(
-        c.choices[0].text for c in client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0,
+        c.choices[0].text for c in client.completions.create(model="demo-mistral4", prompt=prompt, max_tokens=24, temperature=0,
                                                               stop=stop, stream=True)
     )  # fmt: skip
     assert streamed == ref.text
@@ -202,7 +212,7 @@ def test_logprobs(client, llm):
     ids = chat_ids(llm)
     ref = llm.generate([ids], greedy(max_tokens=8, logprobs=3, skip_special_tokens=False))[0]
     r = client.chat.completions.create(
-        model="demo", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+        model="demo-mistral4", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
     )
     content = r.choices[0].logprobs.content
     assert len(content) == 8
@@ -214,7 +224,9 @@ def test_logprobs(client, llm):
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)  # greedy: the top one
     prompt = "Numbers"
     ref = llm.generate([prompt], greedy(max_tokens=6, logprobs=2))[0]
-    r = client.completions.create(model="demo", prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    r = client.completions.create(
+        model="demo-mistral4", prompt=prompt, max_tokens=6, temperature=0, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(ref.token_ids, ref.logprobs)], abs=1e-5)
     assert all(len(t) == 2 for t in lp.top_logprobs) and len(lp.tokens) == 6
@@ -236,7 +248,7 @@ SCHEMA = {
 def test_json_schema_output_validates(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     r = client.chat.completions.create(
-        model="demo", messages=MESSAGES, max_tokens=120, temperature=0, response_format=fmt
+        model="demo-mistral4", messages=MESSAGES, max_tokens=120, temperature=0, response_format=fmt
     )
     assert r.choices[0].finish_reason == "stop"
     value = json.loads(r.choices[0].message.content)
@@ -244,13 +256,24 @@ def test_json_schema_output_validates(client):
     streamed = "".join(
         c.choices[0].delta.content or ""
         for c in client.chat.completions.create(
-            model="demo", messages=MESSAGES, max_tokens=120, temperature=0, response_format=fmt, stream=True
+            model="demo-mistral4",
+            messages=MESSAGES,
+            max_tokens=120,
+            temperature=0,
+            response_format=fmt,
+            stream=True,
         )
         if c.choices
     )
     assert streamed == r.choices[0].message.content
     sampled = client.chat.completions.create(
-        model="demo", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=3, n=2, response_format=fmt
+        model="demo-mistral4",
+        messages=MESSAGES,
+        max_tokens=120,
+        temperature=1.0,
+        seed=3,
+        n=2,
+        response_format=fmt,
     )
     for c in sampled.choices:
         assert c.finish_reason == "stop"
@@ -275,7 +298,7 @@ def test_concurrent_streams_with_clients_dropping(server, llm):
             async def one(i):
                 long = i in drop
                 stream = await c.completions.create(
-                    model="demo", prompt=prompts[i], temperature=0, stream=True,
+                    model="demo-mistral4", prompt=prompts[i], temperature=0, stream=True,
                     max_tokens=3000 if long else 24, extra_body={"ignore_eos": long},
                 )  # fmt: skip
                 text, n = "", 0
@@ -313,7 +336,7 @@ def _aborts(server) -> float:
 
 def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
     before = _aborts(server)
-    body = {"model": "demo", "prompt": "a long one", "max_tokens": 3000, "ignore_eos": True}
+    body = {"model": "demo-mistral4", "prompt": "a long one", "max_tokens": 3000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.5
@@ -329,11 +352,13 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
 
 def test_anthropic_messages_streamed_and_not(server, client):
     a = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
-    chat = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=16, temperature=0)
+    chat = client.chat.completions.create(
+        model="demo-mistral4", messages=MESSAGES, max_tokens=16, temperature=0
+    )
     user = [{"role": "user", "content": "Hello there"}]
     greedy_body = {"temperature": 0}  # this client no longer has the argument; the API still takes it
     m = a.messages.create(
-        model="demo", max_tokens=16, system="Be brief.", messages=user, extra_body=greedy_body
+        model="demo-mistral4", max_tokens=16, system="Be brief.", messages=user, extra_body=greedy_body
     )
     text = "".join(b.text for b in m.content if b.type == "text")
     assert text == (chat.choices[0].message.content or "")
@@ -348,19 +373,19 @@ def test_anthropic_messages_streamed_and_not(server, client):
         ]
     )
     with a.messages.stream(
-        model="demo", max_tokens=16, system="Be brief.", messages=user, extra_body=greedy_body
+        model="demo-mistral4", max_tokens=16, system="Be brief.", messages=user, extra_body=greedy_body
     ) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
     assert streamed == text and final.usage.output_tokens == m.usage.output_tokens
-    count = a.messages.count_tokens(model="demo", system="Be brief.", messages=user)
+    count = a.messages.count_tokens(model="demo-mistral4", system="Be brief.", messages=user)
     assert count.input_tokens == m.usage.input_tokens
     with pytest.raises(anthropic.NotFoundError) as e:
         a.messages.create(model="nope", max_tokens=4, messages=user)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
-            model="demo", max_tokens=4, messages=user
+            model="demo-mistral4", max_tokens=4, messages=user
         )
 
 
@@ -371,13 +396,13 @@ def test_errors_over_http_then_a_normal_request(server, client, llm):
     url = server.url
     auth = {"Authorization": f"Bearer {KEY}"}
     cases = [
-        (httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "x"}), 401),
-        (httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "x"}, headers={"Authorization": "Bearer no"}), 401),
+        (httpx.post(url + "/v1/completions", json={"model": "demo-mistral4", "prompt": "x"}), 401),
+        (httpx.post(url + "/v1/completions", json={"model": "demo-mistral4", "prompt": "x"}, headers={"Authorization": "Bearer no"}), 401),
         (httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}, headers=auth), 404),
         (httpx.post(url + "/v1/nothing", json={}, headers=auth), 404),
         (httpx.post(url + "/v1/completions", content=b'{"prompt": ', headers=dict(auth, **{"content-type": "application/json"})), 400),
         (httpx.post(url + "/v1/completions", content=b"x" * 70000, headers=auth), 413),
-        (httpx.post(url + "/v1/chat/completions", json={"model": "demo", "messages": MESSAGES, "max_tokens": 10**6}, headers=auth), 400),
+        (httpx.post(url + "/v1/chat/completions", json={"model": "demo-mistral4", "messages": MESSAGES, "max_tokens": 10**6}, headers=auth), 400),
     ]  # fmt: skip
     for r, status in cases:
         assert r.status_code == status, r.text
@@ -386,15 +411,17 @@ def test_errors_over_http_then_a_normal_request(server, client, llm):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="demo", prompt="x", max_tokens=4, temperature=-1)
+        client.completions.create(model="demo-mistral4", prompt="x", max_tokens=4, temperature=-1)
     assert e.value.body["param"] == "temperature"
     assert httpx.get(url + "/health").status_code == 200  # open without a key
     ref = llm.generate(["after"], greedy(max_tokens=6))[0]
     assert (
-        client.completions.create(model="demo", prompt="after", max_tokens=6, temperature=0).choices[0].text
+        client.completions.create(model="demo-mistral4", prompt="after", max_tokens=6, temperature=0)
+        .choices[0]
+        .text
         == ref.text
     )
-    assert [m.id for m in client.models.list().data] == ["demo"]
+    assert [m.id for m in client.models.list().data] == ["demo-mistral4"]
 
 
 # ----------------------------------------------------------------------------- SIGTERM (last: it stops the server)
@@ -406,7 +433,7 @@ def test_sigterm_drains_the_running_stream_and_exits_0(server, llm):
 
     def read():
         c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        s = c.completions.create(model="demo", prompt="drain me", max_tokens=40, temperature=0, stream=True,
+        s = c.completions.create(model="demo-mistral4", prompt="drain me", max_tokens=40, temperature=0, stream=True,
                                  extra_body={"ignore_eos": True})  # fmt: skip
         for chunk in s:
             got.append(chunk.choices[0])

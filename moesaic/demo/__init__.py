@@ -1,8 +1,12 @@
 """The built-in demo models: tiny checkpoints of each family with RANDOM weights from a fixed seed
 and a byte-level tokenizer, written on first use into a cache folder in the family's release
 naming and, for the quantized ones, its release's quantized formats. They exercise the whole engine
-without downloading anything; their text is noise, and they say so. `demo` (the default model) is
-Mistral-Small-4-shaped.
+without downloading anything; their text is noise, and they say so.
+
+`demo` (the default model) is `demo-glm5-code`, the one TRAINED demo: a GLM-5.3-shaped model (KDA + DSA +
+MoE in mHC streams, with its MTP layer) and a DFlash drafter for it, trained on the Python standard
+library's sources by scripts/train_demo.py and shipped in moesaic/demo/trained/ (docs/train_demo.md). Its
+greedy text is Python; drafting with its own heads shows speculative decoding's speed-up.
 
 They serve chat (`moesaic serve`): the byte tokenizer keeps the markers of the family's chat format and
 output parser as single tokens (`chat_tokens`), and the families whose releases ship a Jinja template get
@@ -47,7 +51,8 @@ class Demo(NamedTuple):
 
 # demo name -> the module of moesaic/demo/ that defines it
 DEMOS: dict[str, str] = {
-    "demo": "mistral4",
+    "demo": "trained",
+    "demo-glm5-code": "trained",
     "demo-mistral4": "mistral4",
     "demo-mistral4-nvfp4": "mistral4",
     "demo-nemotron-h": "nemotron_h",
@@ -59,11 +64,38 @@ DEMOS: dict[str, str] = {
     "demo-kimi-linear": "kimi_linear",
     "demo-deepseek-v41": "deepseek_v41",
 }
-ALIASES = {"demo": "demo-mistral4"}  # the default demo
+ALIASES = {"demo": "demo-glm5-code"}  # the default demo
+# the trained demos: shipped folders of moesaic/demo/trained/, never written (name -> folder)
+TRAINED = {"demo-glm5-code": "glm5-code"}
+TRAINED_DRAFTERS = {"demo-glm5-code": "glm5-code-dflash"}  # its DFlash drafter
+
+
+def trained_path(name: str) -> Path:
+    return Path(__file__).resolve().parent / "trained" / TRAINED[name]
+
+
+def trained_demo_path() -> Path:
+    """The folder of the default (trained) demo."""
+    return trained_path(ALIASES[DEMO_NAME])
+
+
+def random_demos() -> list[str]:
+    """The demos with random weights (written on first use), without the default's alias."""
+    return [n for n in DEMOS if n not in TRAINED and n not in ALIASES]
+
+
+def default_drafter(path: Path) -> Path | None:
+    """The shipped DFlash drafter of a trained demo folder (None for any other checkpoint)."""
+    for name, folder in TRAINED_DRAFTERS.items():
+        if Path(path).resolve() == trained_path(name):
+            return trained_path(name).parent / folder
+    return None
 
 
 def demo_entry(name: str) -> Demo:
-    """The Demo called `name` (one of DEMOS)."""
+    """The Demo called `name` (one of DEMOS with random weights)."""
+    if ALIASES.get(name, name) in TRAINED:
+        raise KeyError(f"{name} is a trained demo (a shipped folder), not written from a Demo entry")
     module = importlib.import_module(f"{__name__}.{DEMOS[name]}")
     return module.DEMOS[ALIASES.get(name, name)]
 
@@ -135,6 +167,8 @@ def ensure_demo(name: str = DEMO_NAME) -> Path:
     """The demo checkpoint folder `name` (one of DEMOS), written (atomically) the first time, in the
     release naming of its family and, for the quantized ones, the release's quantized formats."""
     name = ALIASES.get(name, name)
+    if name in TRAINED:
+        return trained_path(name)
     path = demo_path(name)
     if (path / "config.json").exists() or (path / "params.json").exists():
         return path
