@@ -355,7 +355,7 @@ def load_tensors(
         else:
             target = dtype if want in ("inherit", "fp8") else NAMES[want]
         if experts is not None and spec.streamable:  # left in the shards, read on demand
-            out[name] = experts.add_stack(spec, src, plan, store, target, want, packable, device)
+            out[name] = experts.add_stack(spec, src, plan, store, target, want, linear_only, device)
             continue
         # Parts that are combined (stacked experts) stay views of the file mapping until the
         # combine copies them once; a single part is copied here. Either way one copy per tensor.
