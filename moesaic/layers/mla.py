@@ -142,9 +142,18 @@ def mla_batch(
                 scale,
             )
     if absorbed:
-        rows = torch.cat(
-            [torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n) for i in absorbed]
-        )
+        first, last = batch.seqs[absorbed[0]], batch.seqs[absorbed[-1]]
+        if all(
+            batch.seqs[i].start + batch.seqs[i].n == batch.seqs[j].start
+            for i, j in zip(absorbed, absorbed[1:])
+        ):
+            rows = slice(
+                first.start, last.start + last.n
+            )  # one run of packed rows (decode): views, no gathers
+        else:
+            rows = torch.cat(
+                [torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n) for i in absorbed]
+            )
         w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
         q_lat = absorb_queries(q_nope[rows], w_uk)
         o_lat = torch.empty_like(q_lat)
@@ -153,7 +162,7 @@ def mla_batch(
             n = batch.seqs[i].n
             o_lat[:, at : at + n] = latent_attention(
                 q_lat[:, at : at + n],
-                q_rope[rows[at : at + n]],
+                q_rope[rows][at : at + n],
                 caches[i]["latent"],
                 caches[i]["k_rope"],
                 scale,

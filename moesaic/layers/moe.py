@@ -152,9 +152,15 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None):
     y = torch.empty_like(ys)
     y[order] = ys
     y = y.view(N, k, -1)
-    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, weights.dtype))
-    for j in range(k):
-        out += y[:, j] * weights[:, j, None]
+    # every slot's product at once (in the promoted dtype), then the slots added in order, each sum
+    # rounded to that dtype: the bits of `out = 0; out += y[:, j] * w[:, j]` in fewer small ops
+    terms = y * weights[..., None]
+    if x.is_cpu and terms.dtype in (torch.float32, torch.float64):
+        # torch's CPU sum over a middle dim adds the rows in order: the same bits (tests/test_cpu_perf.py)
+        return terms.sum(1).to(x.dtype)
+    out = terms[:, 0] + 0  # + 0: a new tensor (and -0.0 -> 0.0, as the zero-started sum gives)
+    for j in range(1, k):
+        out += terms[:, j]
     return out.to(x.dtype)
 
 
