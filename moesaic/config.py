@@ -69,6 +69,41 @@ def field(
     return v
 
 
+MAX_LAYERS = 10_000  # decoder layers: no model comes near (the releases have 40 to 93)
+
+
+def layer_count(raw: dict, key: str, default=_MISSING, *, where: str = "config") -> int:
+    """A decoder layer count in 1..MAX_LAYERS, for a parser that builds per-layer lists of that length
+    (a tuple of 10**15 kinds would never finish)."""
+    return field(
+        raw,
+        key,
+        int,
+        default,
+        where=where,
+        check=lambda v: 0 < v <= MAX_LAYERS,
+        why=f"must be in 1..{MAX_LAYERS}",
+    )
+
+
+def int_list(raw: dict, key: str, where: str = "config", *, single: bool = False, empty: bool = False):
+    """raw[key] as a tuple of 64-bit ints (None when absent): a list of integers, with `single` also one
+    integer (a list of one); `empty` allows []. ConfigError naming the field otherwise."""
+    v = raw.get(key) if isinstance(raw, dict) else None
+    if v is None:
+        return None
+    items = [v] if single and not isinstance(v, (list, dict, str)) else v
+    try:
+        if not isinstance(items, list) or not (items or empty):
+            raise ConfigError(key)
+        return tuple(field({key: x}, key, int) for x in items)
+    except ConfigError:
+        what = ("a list of integers" if empty else "a non-empty list of integers") + (
+            " (or one integer)" if single else ""
+        )
+        raise ConfigError(f"{where}: field {key!r} must be {what} of 64 bits, got {v!r:.200}") from None
+
+
 def positive(v) -> bool:
     return v > 0
 

@@ -32,9 +32,10 @@ def resolve_model_path(model: str | Path) -> Path:
         raise ConfigError(
             f"model must be a checkpoint folder (a path) or a demo name, got {type(model).__name__} {model!r}"
         )
-    if not model.strip():
+    if not model.strip():  # Path("") is Path("."): it would open the current folder
         raise CheckpointError(
-            f"model is an empty string: give a checkpoint folder or a demo name ({', '.join(DEMOS)})"
+            f"model {model!r} is an empty path, which names no checkpoint folder: give a folder or a demo "
+            f"name ({', '.join(DEMOS)})"
         )
     if is_demo_name(model):
         return ensure_demo(model)
@@ -68,7 +69,7 @@ def as_params(params, count: int) -> list[SamplingParams]:
     """One SamplingParams per prompt from what a caller gives: None, a SamplingParams, a dict of its fields,
     or a list / tuple of those (one per prompt)."""
 
-    def one(p) -> SamplingParams:
+    def one(p, where="params") -> SamplingParams:
         if p is None:
             return SamplingParams()
         if isinstance(p, SamplingParams):
@@ -76,12 +77,12 @@ def as_params(params, count: int) -> list[SamplingParams]:
         if isinstance(p, dict):
             return SamplingParams.from_dict(p)
         raise RequestError(
-            f"params must be a SamplingParams or a dict of its fields (or a list of them, one per prompt), "
-            f"got {type(p).__name__}"
+            f"{where} must be a SamplingParams, a dict of its fields or None (or a list of them, one per "
+            f"prompt), got {type(p).__name__}"
         )
 
     if isinstance(params, (list, tuple)):
-        plist = [one(p) for p in params]
+        plist = [one(p, f"params[{i}]") for i, p in enumerate(params)]
         if len(plist) != count:
             raise RequestError(
                 f"{count} prompts but {len(plist)} SamplingParams: give one, or one per prompt"
@@ -239,9 +240,10 @@ class LLM:
             return [prompts]
         if isinstance(prompts, (bytes, bytearray)):
             raise RequestError("a prompt is text (str) or token ids, not bytes: decode the bytes first")
-        if isinstance(prompts, (dict, set, frozenset)):
+        if isinstance(prompts, (dict, set, frozenset)):  # iterating would take a dict's keys as prompts
             raise RequestError(
-                f"prompts as a {type(prompts).__name__} have no order to return outputs in: give a list"
+                f"prompts as a {type(prompts).__name__} are not accepted (no order to return outputs in): give "
+                "text, a list of token ids, or a list / tuple of those"
             )
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist()
@@ -298,10 +300,19 @@ class LLM:
 
     def score(self, token_ids) -> torch.Tensor:
         """fp32 logits [T, vocab] of one full prefill of `token_ids` (or of a text's tokens)."""
-        if token_ids is None:
-            raise RequestError("score needs a prompt (token ids or text), got None")
+        takes = "score takes one prompt: a list / tuple / 1-D tensor of token ids, or text"
         if isinstance(token_ids, torch.Tensor):
+            if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+                raise RequestError(f"{takes}; got a {token_ids.dim()}-D {token_ids.dtype} tensor")
             token_ids = token_ids.tolist()
+        if isinstance(token_ids, range):
+            token_ids = list(token_ids)
+        if isinstance(token_ids, str) and self.tokenizer is None:
+            raise RequestError(f"{takes}; {self.path} has no tokenizer for the text {token_ids[:40]!r}")
+        if not isinstance(token_ids, (str, list, tuple)):
+            raise RequestError(f"{takes}; got {type(token_ids).__name__}")
+        if token_ids and not isinstance(token_ids, str) and isinstance(token_ids[0], (list, tuple, str)):
+            raise RequestError(f"{takes} (a batch of prompts is not scored together); got a list of prompts")
         ids = self.encode(token_ids)
         check_prompt(ids, self.cfg.vocab_size)
         if len(ids) > self.engine.max_context:

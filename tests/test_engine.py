@@ -308,6 +308,52 @@ def test_an_interrupt_between_forward_and_sampling_keeps_nothing_of_the_step(llm
     assert [s.output_ids for s in seqs] == want
 
 
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_logits_mid_decode_end_only_that_request(llm, monkeypatch, bad_value):
+    # a model that overflows for one request after two decode steps: that request ends with a
+    # RequestError, the other request in the same forward goes on with its own tokens
+    good, other = random_ids(30, VOCAB, seed=40), random_ids(25, VOCAB, seed=41)
+    want = llm.generate([good], greedy(8))[0].token_ids
+    eng = llm.engine
+    a, b = Sequence(good, greedy(8)), Sequence(other, greedy(8))
+    real, shared = llm.model.forward, []
+
+    def forward(batch):
+        logits = real(batch)
+        for i, chunk in enumerate(batch.seqs):
+            if chunk.state is b.state and len(b.output_ids) >= 2:
+                shared.append(len(batch.seqs))
+                logits = logits.clone()
+                logits[i, 7] = bad_value
+        return logits
+
+    monkeypatch.setattr(llm.model, "forward", forward)
+    failed = llm.stats()["requests"]["failed"]
+    eng.add(a), eng.add(b)
+    while not a.finished:
+        eng.step()
+    assert a.output_ids == want and a.finish_reason == "length"
+    assert b.finish_reason == "error" and isinstance(b.error, RequestError)
+    assert "non-finite logits" in str(b.error) and len(b.output_ids) == 2
+    assert shared[0] == 2  # the forward that overflowed held both requests
+    assert llm.stats()["requests"]["failed"] == failed + 1 and llm.stats()["blocks"]["used"] == 0
+    monkeypatch.setattr(llm.model, "forward", lambda batch: real(batch) * bad_value)
+    with pytest.raises(RequestError, match="non-finite"):  # through generate: that request's error
+        llm.generate([other], greedy(3))
+    assert not eng.has_work()
+
+
+def test_the_non_finite_check_is_exact_where_a_row_sum_overflows():
+    from moesaic.engine.engine import non_finite
+
+    seqs = [(Sequence([1], greedy()), 1) for _ in range(3)]
+    big = torch.full((3, 4), 3e38)  # every row sums to inf, every element finite
+    assert non_finite(seqs, big) == {}
+    big[1, 2] = float("nan")
+    assert list(non_finite(seqs, big)) == [seqs[1][0].id]
+    assert non_finite(seqs, torch.zeros(3, 4)) == {}
+
+
 def test_without_snapshot_room_a_hybrid_computes_everything(hybrid):
     tight = moesaic.LLM("demo-kimi-linear", dtype="float32", max_snapshot_bytes=0)
     prompts = [

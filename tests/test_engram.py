@@ -101,6 +101,30 @@ def test_primes_reproduce_the_published_table_sizes():
     assert lay[0].offsets.tolist() == [sum(flat[:i]) for i in range(24)] and lay[0].rows == 384_006_168
 
 
+@pytest.mark.parametrize(
+    "vocab,layers,S,heads",
+    [([100, 50, 100], 3, 4, 5), ([7, 7, 7], 4, 4, 6), ([2], 5, 2, 9), ([1000, 10, 500, 10, 3], 3, 6, 4)]
+    + [([30, 20, 10, 5], 6, 5, 7), ([2, 3], 4, 3, 16)],
+)
+def test_the_prime_search_resumes_where_each_start_left_off_with_the_same_primes(vocab, layers, S, heads):
+    # layer_primes resumes a search after the last prime taken from the same start (linear time); the
+    # release's procedure restarts at vocab_size - 1 each time and skips every prime taken: the same
+    used, want = set(), []
+    for _ in range(layers):
+        per_layer = []
+        for n in range(2, S + 1):
+            current, got = vocab[n - 2] - 1, []
+            for _ in range(heads):
+                current += 1
+                while not _is_prime_trial(current) or current in used:
+                    current += 1
+                used.add(current)
+                got.append(current)
+            per_layer.append(got)
+        want.append(per_layer)
+    assert layer_primes(vocab, layers, S, heads) == want
+
+
 def test_config_checks_the_table_rows_and_names_fields():
     cfg = EngramConfig.from_config({"model_type": "deepseek_v41", "text_config": RELEASE})
     assert cfg.layer_ids == (1, 14) and cfg.n_hash == 24 and cfg.lookback == 3 and cfg.pad_id == 2

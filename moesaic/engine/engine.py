@@ -17,6 +17,7 @@ reserved for `max_num_seqs` sequences. Snapshots for the prefix cache have their
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 import time
@@ -46,6 +47,9 @@ SNAPSHOT_FRACTION = 8  # default snapshot budget: 1/8 of the cache budget, on to
 def check_prompt(ids: list[int], vocab: int) -> None:
     if not ids:
         raise RequestError("the prompt is empty: give at least one token")
+    odd = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]  # True: id 1
+    if odd:
+        raise RequestError(f"token ids must be integers; got {odd[:5]!r} ({type(odd[0]).__name__})")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
@@ -87,6 +91,24 @@ class EngineLimits:
             raise ConfigError(
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
             )
+
+
+def non_finite(sched, logits: torch.Tensor) -> dict:
+    """{seq id: RequestError} for the sequences of a forward whose logits row holds a NaN or an Inf (a model
+    overflowing at run time): those requests end, the others of the batch go on. One reduction and one
+    host sync per step: a row's sum is finite unless the row holds NaN/Inf (or the sum overflows, which
+    only makes the exact check run)."""
+    if bool(torch.isfinite(logits.sum(-1)).all()):
+        return {}
+    bad = (~torch.isfinite(logits).all(-1)).tolist()
+    return {
+        s.id: RequestError(
+            "the model produced non-finite logits (NaN or Inf) for this request: its weights or scales "
+            "are likely broken, or its activations overflow the model dtype"
+        )
+        for (s, _), b in zip(sched, bad)
+        if b
+    }
 
 
 def free_memory(device) -> int:
@@ -348,9 +370,15 @@ class Engine:
 
     def _forward_atomic(self, sched, marks) -> tuple[list, dict]:
         """Logits rows per scheduled sequence (None for a failed one) and {seq id: exception}. A forward
-        that raises is undone for every sequence in it (`marks`); then each sequence runs alone."""
+        that raises is undone for every sequence in it (`marks`); then each sequence runs alone. A
+        sequence whose logits are not finite fails too (`non_finite`)."""
         try:
-            return list(self._forward(sched)), {}
+            logits = self._forward(sched)
+            failed = non_finite(sched, logits)
+            for (s, _), m in zip(sched, marks):
+                if s.id in failed:
+                    s.state.revert(m)
+            return list(logits), failed
         except BaseException as e:
             for (s, _), m in zip(sched, marks):
                 s.state.revert(m)
@@ -364,7 +392,11 @@ class Engine:
         rows, failed = [], {}
         for (s, n), mark in zip(sched, marks):
             try:
-                rows.append(self._forward([(s, n)])[0])
+                logits = self._forward([(s, n)])
+                failed.update(non_finite([(s, n)], logits))
+                if s.id in failed:
+                    s.state.revert(mark)
+                rows.append(logits[0])
             except BaseException as e:
                 s.state.revert(mark)
                 if not isinstance(e, Exception):
@@ -447,11 +479,6 @@ class Engine:
 
     def _sample(self, seq: Sequence, row: torch.Tensor) -> tuple[int, dict | None]:
         p = seq.params
-        if not bool(torch.isfinite(row).all()):
-            raise RequestError(
-                "the model produced non-finite logits (NaN or Inf) for this request: its weights or scales "
-                "are likely broken"
-            )
         banned = ()
         if len(seq.output_ids) < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..config import declared, field, non_negative, positive, read_config, require
+from ..config import declared, int_list, non_negative, positive, read_config, require
 from ..errors import CheckpointError, ConfigError
 from .linear import linear
 
@@ -90,12 +90,21 @@ SCALE_BLOCK = 32  # columns per E8M0 scale in the release's table rows (and the 
 # --------------------------------------------------------------------------------------------
 
 
+# Bounds on the sizes a config may ask for, far above the release's (S = 4, 8 heads of 256-wide rows,
+# tables from 16e6, 48 primes in all): past them the prime search and the gathers never finish, or the
+# row numbers leave int64.
+MAX_NGRAM = 16
+MAX_HEADS = 64
+MAX_HEAD_DIM = 2**16
+MAX_TABLE_VOCAB = 2**40
+MAX_PRIMES = 4096  # (S - 1) * n_heads * Engram layers
+
+
 def _ints(raw: Mapping, key: str, where: str) -> tuple[int, ...]:
-    """A list of integers (or one integer), each read by `config.field`."""
-    v = raw.get(key)
-    items = v if isinstance(v, (list, tuple)) else [v]
-    require(len(items) > 0, where, key, v, "must be a non-empty list of integers")
-    return tuple(field({key: x}, key, int, where=where) for x in items)
+    """A non-empty list of integers (or one integer)."""
+    v = int_list(raw, key, where, single=True)
+    require(v is not None, where, key, v, "must be a non-empty list of integers")
+    return v
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,10 +114,16 @@ class EngramConfig:
     layer_ids: tuple[int, ...]  # engram_layer_ids: decoder layers with an Engram (in table order)
     num_embeddings: tuple[int, ...]  # engram_num_embeddings: rows of each layer's table
     max_ngram_size: int = declared(
-        key="engram_max_ngram_size", check=lambda v: v >= 2, why="n-grams need n >= 2"
+        key="engram_max_ngram_size",
+        check=lambda v: 2 <= v <= MAX_NGRAM,
+        why=f"n-grams need n >= 2; at most {MAX_NGRAM}",
     )
-    n_heads: int = declared(key="engram_n_heads", check=positive, why="must be positive")  # primes per size
-    head_dim: int = declared(key="engram_head_dim", check=positive, why="must be positive")  # row width
+    n_heads: int = declared(
+        key="engram_n_heads", check=lambda v: 0 < v <= MAX_HEADS, why=f"must be in 1..{MAX_HEADS}"
+    )  # primes per size
+    head_dim: int = declared(
+        key="engram_head_dim", check=lambda v: 0 < v <= MAX_HEAD_DIM, why=f"must be in 1..{MAX_HEAD_DIM}"
+    )  # row width
     vocab_size: tuple[int, ...]  # engram_vocab_size per n-gram size: the prime search starts here
     compressed_vocab_size: int = declared(
         key="engram_compressed_vocab_size", check=lambda v: 0 < v < 2**31, why="must be in 1 .. 2^31 - 1"
@@ -137,7 +152,7 @@ class EngramConfig:
         including `engram_num_embeddings` when a table's rows differ from its primes' sum."""
         if isinstance(raw.get("text_config"), Mapping):
             raw, where = raw["text_config"], f"{where}: text_config"
-        if not raw.get("engram_layer_ids"):
+        if raw.get("engram_layer_ids") in (None, []):
             return None
         raw = dict(raw)
         layer_ids = _ints(raw, "engram_layer_ids", where)
@@ -173,11 +188,20 @@ class EngramConfig:
         S = cfg.max_ngram_size
         vocab = vocab * (S - 1) if len(vocab) == 1 else vocab
         require(
-            len(vocab) == S - 1 and min(vocab) >= 2,
+            len(vocab) == S - 1 and min(vocab) >= 2 and max(vocab) <= MAX_TABLE_VOCAB,
             where,
             "engram_vocab_size",
             raw.get("engram_vocab_size"),
-            f"must be one integer >= 2 or one per n-gram size ({S - 1})",
+            f"must be one integer in 2..2^40 or one per n-gram size ({S - 1})",
+        )
+        primes = len(layer_ids) * (S - 1) * cfg.n_heads
+        require(
+            primes <= MAX_PRIMES,
+            where,
+            "engram_n_heads",
+            cfg.n_heads,
+            f"{len(layer_ids)} Engram layers x {S - 1} n-gram sizes x {cfg.n_heads} heads = {primes} tables, "
+            f"more than {MAX_PRIMES}",
         )
         vocab_size = raw.get("vocab_size")
         require(
@@ -328,17 +352,22 @@ def layer_primes(
     n = 2..S, `current` restarts at vocab_size[n - 2] - 1, and each head takes the next prime above
     `current` that no table has taken yet, then `current` moves to it."""
     seen: set[int] = set()
+    # every prime between a start and the last prime taken from it is taken, and stays so: a search that
+    # restarts there can resume after that prime (the same primes, in linear rather than quadratic time)
+    resume: dict[int, int] = {}
     out = []
     for _ in range(num_layers):
         per_layer = []
         for n in range(2, max_ngram_size + 1):
-            current, heads = vocab_size[n - 2] - 1, []
+            start = vocab_size[n - 2] - 1
+            current, heads = resume.get(start, start), []
             for _ in range(n_heads):
                 current += 1
                 while current in seen or not is_prime(current):
                     current += 1
                 seen.add(current)
                 heads.append(current)
+            resume[start] = current
             per_layer.append(heads)
         out.append(per_layer)
     return out

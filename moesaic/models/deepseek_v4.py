@@ -71,7 +71,17 @@ from torch import Tensor
 
 from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import SequenceState
-from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
+from ..config import (
+    declared,
+    eos_ids,
+    field,
+    layer_count,
+    non_negative,
+    positive,
+    read_config,
+    require,
+    section,
+)
 from ..errors import CheckpointError, ConfigError
 from ..layers import mhc
 from ..layers.csa import (
@@ -171,7 +181,11 @@ class DeepseekV4Config:
 
 def read_kinds(raw: dict, key: str, allowed, n: int, w: str) -> list:
     v = raw[key]
-    if not isinstance(v, list) or len(v) < n or any(x not in allowed for x in v[:n]):
+    if (
+        not isinstance(v, list)
+        or len(v) < n
+        or any(not isinstance(x, str) or x not in allowed for x in v[:n])
+    ):
         raise ConfigError(
             f"{w}: field {key!r} must list at least num_hidden_layers = {n} values from "
             f"{sorted(allowed, key=str)}, got {v!r}"
@@ -221,7 +235,11 @@ def _layer_types(raw: dict, n: int, csa_ratio: int, hca_ratio: int, w: str) -> l
     if raw.get("compress_ratios") is not None:
         ratios = raw["compress_ratios"]
         known = {0: SLIDING, **_RATIO_KIND, csa_ratio: CSA, hca_ratio: HCA}
-        if not isinstance(ratios, list) or len(ratios) < n or any(r not in known for r in ratios[:n]):
+        if (
+            not isinstance(ratios, list)
+            or len(ratios) < n
+            or any(isinstance(r, bool) or not isinstance(r, int) or r not in known for r in ratios[:n])
+        ):
             raise ConfigError(
                 f"{w}: field 'compress_ratios' must list at least num_hidden_layers = {n} values from "
                 f"{sorted(known)}, got {ratios!r}"
@@ -256,7 +274,7 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV4Config:
     if layout != "hf":
         raise ConfigError(f"DeepSeek-V4 checkpoints come with a config.json, not a {layout} layout")
     w = "config.json"
-    n = field(raw, "num_hidden_layers", int, 43, where=w, check=positive)
+    n = layer_count(raw, "num_hidden_layers", 43, where=w)
     head_dim = field(raw, "head_dim", int, 512, where=w, check=positive)
     kv_heads = field(raw, "num_key_value_heads", int, 1, where=w)
     require(kv_heads == 1, w, "num_key_value_heads", kv_heads, "must be 1: DeepSeek-V4 shares one KV head")

@@ -108,7 +108,7 @@ from torch import Tensor
 
 from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import SequenceState, TailRows, TokenRows
-from ..config import declared, field, non_negative, positive, read_config, require
+from ..config import declared, field, layer_count, non_negative, positive, read_config, require
 from ..errors import CheckpointError, ConfigError
 from ..layers import mhc
 from ..layers.csa import (
@@ -408,7 +408,7 @@ def parse_config(raw: dict, layout: str = "hf") -> DeepseekV41Config:
     text = {**_DEFAULTS, **text}
     if text.get("route_scale") is not None and text.get("routed_scaling_factor") is None:
         text["routed_scaling_factor"] = text["route_scale"]
-    n = field(text, "num_hidden_layers", int, where=w, check=positive)
+    n = layer_count(text, "num_hidden_layers", where=w)
     if text.get("num_hash_layers") or any(k == HASH_MOE for k in text.get("mlp_layer_types") or []):
         raise ConfigError(
             f"{w}: field 'num_hash_layers' / 'mlp_layer_types' asks for hash-routed layers; "

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.batch import FINAL, ForwardBatch
-from ..config import declared, field, positive, require
+from ..config import declared, field, positive, require, section
 from ..errors import ConfigError
 from ..layers.attnres import attnres_mix, bank_size, is_block_start
 from ..layers.linear import linear
@@ -57,6 +57,7 @@ from ..layers.moe import silu_glu, situ_glu
 from ..layers.norms import rms_norm
 from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec
+from ..weights.quant import check_config
 from . import kimi_linear as kl
 from .parts import mlp_specs, moe_specs
 
@@ -115,9 +116,10 @@ class K3Config(kl.KimiLinearConfig):
 
 def _quantization(top: dict, text: dict, w: str) -> tuple[str, int]:
     """(format of the routed experts, group size) from `quantization_config` (top level or text)."""
-    qc = top.get("quantization_config") or text.get("quantization_config")
+    qc = section(top, "quantization_config", w) or section(text, "quantization_config", w)
     if not qc:
         return "bf16", 32
+    check_config(qc, f"{w}: field 'quantization_config'")
     fmt = str(qc.get("format", "")) + " " + str(qc.get("quant_method", ""))
     if "mxfp4" not in fmt:
         raise ConfigError(
@@ -126,8 +128,9 @@ def _quantization(top: dict, text: dict, w: str) -> tuple[str, int]:
         )
     group = 32
     for g in (qc.get("config_groups") or {}).values():
-        group = (g.get("weights") or {}).get("group_size", group) or group
-    return "mxfp4", int(group)
+        group = (g.get("weights") or {}).get("group_size") or group
+    require(group > 0, w, "quantization_config.config_groups.*.weights.group_size", group, "must be positive")
+    return "mxfp4", group
 
 
 def parse_config(raw: dict, layout: str = "hf") -> K3Config:

@@ -41,7 +41,18 @@ import torch.nn.functional as F
 
 from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
-from ..config import declared, eos_ids, field, non_negative, positive, read_config, require
+from ..config import (
+    declared,
+    eos_ids,
+    field,
+    int_list,
+    layer_count,
+    non_negative,
+    positive,
+    read_config,
+    require,
+    section,
+)
 from ..errors import ConfigError
 from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
 from ..layers.linear import linear
@@ -174,19 +185,20 @@ def handoff(raw: dict) -> str | None:
 
 
 def layer_kinds(raw: dict, n: int, w: str, default_schedule: bool) -> tuple[str, ...]:
-    """ "kda" / "mla" per layer from the 1-based lists (and/or `layer_types`)."""
-    lac = raw.get("linear_attn_config") or {}
-    lists = {k: lac.get(k) for k in ("kda_layers", "full_attn_layers") if lac.get(k) is not None}
+    """ "kda" / "mla" per layer from the 1-based lists (and/or `layer_types`); n is already bounded
+    (`layer_count`)."""
+    lac = section(raw, "linear_attn_config", w)
+    lists = {
+        k: int_list(lac, k, f"{w} linear_attn_config", empty=True)
+        for k in ("kda_layers", "full_attn_layers")
+        if lac.get(k) is not None
+    }
     from_lists = None
     if lists:
         seen: dict[int, str] = {}
         for key, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
-            vals = lists.get(key, [])
+            vals = lists.get(key, ())
             where = f"{w}: field 'linear_attn_config.{key}'"
-            if not isinstance(vals, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in vals
-            ):
-                raise ConfigError(f"{where} must be a list of layer numbers, got {vals!r}")
             for v in vals:
                 if not 1 <= v <= n:
                     raise ConfigError(f"{where} has {v}, outside 1..{n} (the lists are 1-based)")
@@ -204,7 +216,11 @@ def layer_kinds(raw: dict, n: int, w: str, default_schedule: bool) -> tuple[str,
     explicit = raw.get("layer_types")
     if explicit is not None:
         names = {"linear_attention": "kda", "full_attention": "mla"}
-        if not isinstance(explicit, list) or len(explicit) != n or any(t not in names for t in explicit):
+        if (
+            not isinstance(explicit, list)
+            or len(explicit) != n
+            or any(not isinstance(t, str) or t not in names for t in explicit)
+        ):
             raise ConfigError(
                 f"{w}: field 'layer_types' must list {n} entries of {sorted(names)}, got {explicit!r}"
             )
@@ -265,15 +281,10 @@ def read_kimi_config(
         raw.get("attention_bias"),
         "not supported: the released models have no biases",
     )
-    n = field(
-        raw,
-        "num_hidden_layers",
-        int,
-        defaults.get("num_hidden_layers", cls.num_hidden_layers),
-        where=w,
-        check=positive,
+    n = layer_count(
+        raw, "num_hidden_layers", defaults.get("num_hidden_layers", cls.num_hidden_layers), where=w
     )
-    lac = raw.get("linear_attn_config") or {}
+    lac = section(raw, "linear_attn_config", w)
     top = {k: raw[k] for k in _TOP_LEVEL_KDA if k in raw}
     linear_attn = read_config(LinearAttnConfig, {**top, **lac}, f"{w} linear_attn_config", kda_defaults)
     cfg = read_config(

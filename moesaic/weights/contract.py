@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import MAX_LAYERS
 from ..errors import CheckpointError, ConfigError
 from .dtypes import FLOAT_CODES, INTEGER_CODES, NAMES
 from .precision import MAX_SHOWN, PACKED, PrecisionSchedule, packable
@@ -22,6 +23,7 @@ from .quant import (
     COMPANION_SUFFIXES,
     ConcatRows,
     QuantizedTensor,
+    check_config,
     from_suffix_dict,
     load_quantized,
     quantize_fp8_block,
@@ -145,40 +147,8 @@ def quantization_config(store: WeightStore) -> dict | None:
     if not found:
         return None
     where, qc = found[0]
-    _check_quant_config(qc, f"config: field {where!r}")
+    check_config(qc, f"config: field {where!r}")
     return qc or None
-
-
-def _check_quant_config(qc, where: str) -> None:
-    """The containers the format readers walk (weights/quant.py) have the types they expect."""
-
-    def want(ok: bool, what: str, v) -> None:
-        if not ok:
-            raise ConfigError(f"{where}: {what}, got {type(v).__name__}: {v!r:.200}")
-
-    strings = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)  # noqa: E731
-    want(isinstance(qc, dict), "must be an object", qc)
-    for k in ("quant_method", "quant_algo", "format"):
-        if qc.get(k) is not None:
-            want(isinstance(qc[k], str), f"{k!r} must be a name", qc[k])
-    for k in ("ignore", "exclude_modules", "modules_to_not_convert", "ignored_layers"):
-        if qc.get(k) is not None:
-            want(strings(qc[k]), f"{k!r} must be a list of module names", qc[k])
-    if qc.get("quantization") is not None:  # ModelOpt's hf_quant_config.json nests the config
-        want(isinstance(qc["quantization"], dict), "'quantization' must be an object", qc["quantization"])
-        _check_quant_config(qc["quantization"], f"{where}.quantization")
-    for k in ("config_groups", "quantized_layers"):
-        groups = qc.get(k)
-        if groups is None:
-            continue
-        want(isinstance(groups, dict), f"{k!r} must be an object of name -> object", groups)
-        for name, g in groups.items():
-            want(isinstance(g, dict), f"{k}[{name!r}] must be an object", g)
-            if g.get("targets") is not None:
-                want(strings(g["targets"]), f"{k}[{name!r}].targets must be a list of names", g["targets"])
-            for sub in ("weights", "input_activations"):
-                if g.get(sub) is not None:
-                    want(isinstance(g[sub], dict), f"{k}[{name!r}].{sub} must be an object", g[sub])
 
 
 _FLOAT_DTYPES = FLOAT_CODES
@@ -221,9 +191,6 @@ def check_scale(num_layers: int, tensor_count: int) -> None:
         raise ConfigError(
             f"config.json describes {num_layers} layers, more than the {MAX_LAYERS} any model comes near"
         )
-
-
-MAX_LAYERS = 10_000
 
 
 class _Problems:

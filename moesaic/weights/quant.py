@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..kernels import cpu
 from ..kernels.codecs import (
     E2M1_MAX,
@@ -644,10 +644,65 @@ def _strip_weight(base: str) -> str:
     return base[: -len(".weight")] if base.endswith(".weight") else base
 
 
+def check_config(qc, where: str = "quantization_config") -> None:
+    """The fields the readers below walk have the types they expect, else a ConfigError naming the key
+    (a value of the right type that a reader does not support stays its CheckpointError, naming the
+    tensor): the containers, the method names, and compressed-tensors' / ModelOpt's numbers."""
+
+    def want(ok: bool, what: str, v) -> None:
+        if not ok:
+            raise ConfigError(f"{where}: {what}, got {type(v).__name__}: {v!r:.200}")
+
+    def integer(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def typed(d: Mapping, name: str, kinds: dict) -> None:
+        for k, (ok, what) in kinds.items():
+            if d.get(k) is not None:
+                want(ok(d[k]), f"{name}{k!r} must be {what}", d[k])
+
+    strings = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)  # noqa: E731
+    ints = lambda v: isinstance(v, list) and all(integer(x) for x in v)  # noqa: E731
+    name, an_int, int_list = (
+        (lambda v: isinstance(v, str), "a name"),
+        (integer, "an integer"),
+        (ints, "a list of integers"),
+    )
+    want(isinstance(qc, Mapping), "must be an object", qc)
+    typed(qc, "", {"quant_method": name, "quant_algo": name, "format": name, "group_size": an_int})
+    typed(qc, "", {"weight_block_size": int_list, "block_size": int_list})
+    for k in ("ignore", "exclude_modules", "modules_to_not_convert", "ignored_layers"):
+        if qc.get(k) is not None:
+            want(strings(qc[k]), f"{k!r} must be a list of module names", qc[k])
+    if qc.get("quantization") is not None:  # ModelOpt's hf_quant_config.json nests the config
+        want(isinstance(qc["quantization"], Mapping), "'quantization' must be an object", qc["quantization"])
+        check_config(qc["quantization"], f"{where}.quantization")
+    for k in ("config_groups", "quantized_layers"):
+        groups = qc.get(k)
+        if groups is None:
+            continue
+        want(isinstance(groups, Mapping), f"{k!r} must be an object of name -> object", groups)
+        for g_name, g in groups.items():
+            at = f"{k}[{g_name!r}]"
+            want(isinstance(g, Mapping), f"{at} must be an object", g)
+            if g.get("targets") is not None:
+                want(strings(g["targets"]), f"{at}.targets must be a list of names", g["targets"])
+            typed(g, f"{at}.", {"format": name, "quant_algo": name, "group_size": an_int})
+            typed(g, f"{at}.", {"block_size": int_list, "weight_block_size": int_list})
+            for sub in ("weights", "input_activations"):
+                a = g.get(sub)
+                if a is None:
+                    continue
+                want(isinstance(a, Mapping), f"{at}.{sub} must be an object", a)
+                typed(a, f"{at}.{sub}.", {"num_bits": an_int, "group_size": an_int, "type": name})
+                typed(a, f"{at}.{sub}.", {"strategy": name, "block_structure": int_list})
+
+
 def _qconfig(qc: Mapping | None) -> dict:
-    """Flatten the producer-specific spellings into one dict with a 'method' key."""
+    """Flatten the producer-specific spellings into one dict with a 'method' key (its types checked)."""
     if not qc:
         return {"method": None}
+    check_config(qc)
     qc = dict(qc)
     if "quantization" in qc and isinstance(qc["quantization"], Mapping):  # ModelOpt hf_quant_config.json
         inner = dict(qc["quantization"])
