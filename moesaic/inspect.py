@@ -11,6 +11,7 @@ from .config import is_demo
 from .errors import CheckpointError
 from .models import num_layers, read_config
 from .weights.contract import check_scale, plan_load, quantization_config, shard_bytes
+from .weights.dtypes import NAMES
 from .weights.experts import parse_size, plan_bytes
 from .weights.precision import PrecisionSchedule
 from .weights.store import WeightStore
@@ -23,10 +24,12 @@ def inspect_checkpoint(
     expert_cache=None,
     tensor_parallel_size: int = 1,
     expert_parallel: bool = False,
+    dtype: str = "bfloat16",
 ) -> dict:
     """expert_cache (a size, as LLM takes it): also plan expert streaming (`expert_streaming`).
     tensor_parallel_size > 1 adds `tensor_parallel`: what each rank holds (parameters, state, and with
-    the tensor files present the bytes each rank reads), checked as a load would check it."""
+    the tensor files present the bytes each rank reads), checked as a load would check it.
+    dtype: the model dtype the weights would load in (`precision_bytes`)."""
     store = WeightStore(path, require_files=False)
     family, raw, cfg = read_config(store)
     # the tensors count only when their headers were read (an index alone may list a few, as a sketch)
@@ -75,6 +78,10 @@ def inspect_checkpoint(
             info["contract"] = str(e)
     else:
         info["contract"] = "not checked (tensor files absent)"
+    # bytes each role holds once loaded under the schedule, in a `dtype` model (weights stored quantized
+    # and kept packed, and integer / mapped tables, at their stored size when the headers were read)
+    itemsize = NAMES[dtype].itemsize if dtype in NAMES else 2
+    info["precision_bytes"] = schedule.loaded_bytes(specs, itemsize, _stored_bytes(plan, store))
     if expert_cache is not None:
         info["expert_streaming"] = _streaming_plan(expert_cache, plan, store, specs, info)
     if tensor_parallel_size > 1:
@@ -94,6 +101,31 @@ def _per_rank(store, family, cfg, kv_dtype_bytes: int, world: int, expert_parall
         plan = plan_load(specs, store, family.namings(cfg, store.layout, store.names()))
         out["weight_bytes_per_rank"] = [shard_bytes(plan, store, r, world) for r in range(world)]
     return out
+
+
+def _stored_bytes(plan, store):
+    """spec -> the bytes the checkpoint stores it in, where the load keeps it as stored (quantized parts
+    with their companions, integer and mapped tables), else None; None without a plan."""
+    if plan is None:
+        return None
+    by_base: dict[str, int] = {}  # "layers.0.attn.wq" -> bytes of it and its companions
+    for c in store.names():
+        base = c.rsplit(".", 1)[0]
+        by_base[base] = by_base.get(base, 0) + store.info(c).nbytes
+
+    def stored(spec):
+        src = plan.sources.get(spec.name)
+        if src is None or not (spec.integer or spec.mapped or any(n in plan.quantized for n, _ in src.parts)):
+            return None
+        total = 0
+        for n, _ in src.parts:
+            if n not in plan.quantized:
+                total += store.info(n).nbytes
+                continue
+            total += by_base.get(n.rsplit(".", 1)[0], 0)
+        return total
+
+    return stored
 
 
 def _streaming_plan(expert_cache, plan, store, specs, info) -> dict:
@@ -181,11 +213,18 @@ def format_text(info: dict) -> str:
             "contract",
             "precision",
             "tensor_parallel",
+            "precision_bytes",
             "expert_streaming",
         }:
             lines.append(f"  {k}: {v}")
     if any(v != "inherit" for v in info["precision"].values()):
         lines.append(f"  precision: {info['precision']}")
+        b = info["precision_bytes"]
+        lines.append(
+            f"  weight bytes under it: {sum(b.values()):,} B ("
+            + ", ".join(f"{r} {v:,}" for r, v in sorted(b.items()))
+            + ")"
+        )
     if "expert_streaming" in info:
         x = info["expert_streaming"]
         lines.append(

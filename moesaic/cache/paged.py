@@ -138,11 +138,16 @@ class PagedRows:
                 f"paged rows: {end} rows need {-(-end // BLOCK_SIZE)} blocks, the sequence holds "
                 f"{len(self.table)} (the scheduler allocates blocks before the forward)"
             )
-        ids = self.table.tensor(self.device)
-        pos = torch.arange(self.length, end, device=self.device)
-        blocks, offsets = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-        for k, r in rows.items():
-            self.fields[k][blocks, self.index, offsets] = r.to(self.dtype)
+        if n == 1:  # decode: one row, its place from Python ints (no index tensors built per step)
+            block, offset = self.table.ids[self.length // BLOCK_SIZE], self.length % BLOCK_SIZE
+            for k, r in rows.items():
+                self.fields[k][block, self.index, offset] = r[0]
+        else:
+            ids = self.table.tensor(self.device)
+            pos = torch.arange(self.length, end, device=self.device)
+            blocks, offsets = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            for k, r in rows.items():
+                self.fields[k][blocks, self.index, offsets] = r.to(self.dtype)
         self.length = end
         return self._gather(end)
 

@@ -49,6 +49,9 @@ __all__ = [
     "threads_for",
     "linear",
     "grouped_linear",
+    "rows_fit",
+    "tiled_linear",
+    "tiles_apply",
     "bf16_matmul",
     "fp8_matmul",
     "fp4_matmul",
@@ -58,6 +61,7 @@ __all__ = [
 
 MAX_ROWS = 16  # rows of x per matrix the kernels serve (decode); more rows take the GEMM paths
 MIN_THREAD_BYTES = 1 << 18  # weight bytes (per row of x) below which one more thread does not pay
+TILE_ELEMS = 1 << 21  # weight elements converted to fp32 at a time by tiled_linear (8 MB)
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BF16, _FP8, _FP4 = 0, 1, 2
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -236,32 +240,93 @@ def _dense_ok(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T (+ bias)` for a dense [N, K] weight, as `layers/linear.py` computes it (x cast to w's
     dtype, the result cast back): through the bf16 kernel for bf16 weights and at most MAX_ROWS rows
-    of x, else F.linear."""
+    of x, through fp32 tiles (`tiled_linear`) for half-precision weights at more rows on a CPU without
+    a native bf16 GEMM, else F.linear. The one rule every dense product of the model follows (experts
+    one by one, grouped or streamed, included)."""
     if x.dtype != w.dtype:
         b = None if bias is None else bias.to(w.dtype)
         return linear(x.to(w.dtype), w, b).to(x.dtype)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if not _dense_ok(x2, w, MAX_ROWS):
-        return F.linear(x, w, bias)
-    y = _gemm(_BF16, x2, w, None, None, False, None, None, bias, 0, (1, 1), None, False, w.nbytes)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+    if _dense_ok(x2, w, MAX_ROWS):
+        y = _gemm(_BF16, x2, w, None, None, False, None, None, bias, 0, (1, 1), None, False, w.nbytes)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+    if tiles_apply(x2, w):
+        return tiled_linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def rows_fit(offs) -> bool:
+    """Whether every expert of a grouped call (offs: end rows) has at most MAX_ROWS rows: then one
+    grouped kernel call computes what one call per expert would (the rule a single matrix follows),
+    bit for bit; otherwise the experts go one by one, each by that rule."""
+    ends = offs.tolist() if isinstance(offs, torch.Tensor) else list(offs)
+    return all(b - a <= MAX_ROWS for a, b in zip([0] + ends[:-1], ends))
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of x [T, K] grouped by expert (offs [E]: end rows) against a dense stack w [E, N, K] ->
-    [T, N] in x's dtype, computed in w's dtype like `linear`: one kernel call for bf16 stacks (at most
-    MAX_ROWS rows per expert on average), else one F.linear per expert with rows."""
+    [T, N] in x's dtype, computed in w's dtype like `linear`: one kernel call for bf16 stacks (every
+    expert with at most MAX_ROWS rows: `rows_fit`), else one `linear` per expert with rows (the same
+    numbers either way)."""
     if x.dtype != w.dtype:
         return grouped_linear(x.to(w.dtype), w, offs).to(x.dtype)
-    if _dense_ok(x, w, MAX_ROWS * w.shape[0]):
+    if _dense_ok(x, w, MAX_ROWS * w.shape[0]) and rows_fit(offs):
         return bf16_matmul(x, w, offs=offs)
     out = torch.empty(x.shape[0], w.shape[-2], dtype=x.dtype, device=x.device)
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            out[start:end] = F.linear(x[start:end], w[e])
+            out[start:end] = linear(x[start:end], w[e])
         start = end
     return out
+
+
+def _native_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX tiles): then oneDNN's bf16 GEMM
+    (F.linear) is the fast prefill path. Without AMX (AVX2, AVX-512 with or without avx512_bf16)
+    it ran 3.4-12x slower than an fp32 GEMM on the same weights here (docs/perf.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return False
+    return "amx_bf16" in flags.split()
+
+
+_NATIVE_BF16 = _native_bf16_gemm()
+
+
+def tiles_apply(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `tiled_linear` is the faster path for x [.., K] against the dense weight w: half-precision
+    weights on the CPU, more rows than the kernels serve, no native bf16 GEMM. MOESAIC_CPU_KERNELS=0
+    turns it off with the kernels (F.linear, the reference)."""
+    return (
+        w.dtype in (torch.bfloat16, torch.float16)
+        and w.dim() == 2
+        and x.dtype == w.dtype
+        and x.is_cpu
+        and w.is_cpu
+        and x.numel() > MAX_ROWS * x.shape[-1]
+        and not _NATIVE_BF16
+        and enabled()
+    )
+
+
+def tiled_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T (+ bias)` for a bf16/fp16 weight [N, K] at prefill sizes: x converted to fp32 once,
+    w converted TILE_ELEMS at a time and multiplied by torch's fp32 GEMM, the sum (and bias) in fp32,
+    the result rounded once to x's dtype. Products of bf16 values are exact in fp32, so this is the
+    kernels' arithmetic (fp32 accumulation, one rounding) in another summation order."""
+    k, n = w.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, k).float()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x.device)
+    rows = max(16, TILE_ELEMS // max(k, 1))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        out[:, r0:r1] = x2 @ w[r0:r1].float().T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], n)
 
 
 def read_bandwidth(

@@ -146,20 +146,32 @@ def mla_batch(
                 scale,
             )
     if absorbed:
-        rows = torch.cat(
-            [
-                torch.arange(batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n, device=out.device)
-                for i in absorbed
-            ]
-        )
+        first, last = batch.seqs[absorbed[0]], batch.seqs[absorbed[-1]]
+        if all(
+            batch.seqs[i].start + batch.seqs[i].n == batch.seqs[j].start
+            for i, j in zip(absorbed, absorbed[1:])
+        ):
+            rows = slice(
+                first.start, last.start + last.n
+            )  # one run of packed rows (decode): views, no gathers
+        else:
+            rows = torch.cat(
+                [
+                    torch.arange(
+                        batch.seqs[i].start, batch.seqs[i].start + batch.seqs[i].n, device=out.device
+                    )
+                    for i in absorbed
+                ]
+            )
         w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
         q_lat = absorb_queries(q_nope[rows], w_uk)
+        q_rope_rows = q_rope[rows]
         paged = [batch.seqs[i].state.layers[L] for i in absorbed]
         if (tk := kernels("mla", q_lat)) and shared_pages(paged):  # one launch over the engine's pages
             table, lens, starts = page_tables(paged, [batch.seqs[i].n for i in absorbed], q_lat.device)
             pool, rope = paged[0].fields["latent"], paged[0].fields["k_rope"] if dr else None
             o_lat = tk.paged_latent_attention(
-                q_lat, q_rope[rows] if dr else None, pool, rope, paged[0].index, table, lens, starts, scale
+                q_lat, q_rope_rows if dr else None, pool, rope, paged[0].index, table, lens, starts, scale
             )
         else:
             o_lat = torch.empty_like(q_lat)
@@ -168,7 +180,7 @@ def mla_batch(
                 n = batch.seqs[i].n
                 o_lat[:, at : at + n] = latent_attention(
                     q_lat[:, at : at + n],
-                    q_rope[rows[at : at + n]],
+                    q_rope_rows[at : at + n],
                     caches[i]["latent"],
                     caches[i]["k_rope"],
                     scale,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu
 from ..kernels.triton import kernels
 from .linear import linear
 from .norms import rms_norm
@@ -139,7 +140,16 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
             for e, (wi, wo) in got:
                 s, c = starts[e], int(counts[e])
                 ys[s : s + c] = linear(act(linear(xs[s : s + c], wi)), wo)
-    elif _grouped(x, w_in, w_out):
+    elif hasattr(w_in, "grouped_matmul") and hasattr(w_out, "grouped_matmul"):
+        # packed stacks: one grouped call per projection (the kernels at decode sizes; expert by expert,
+        # as `linear` computes each, above them)
+        offs = counts.cumsum(0)
+        ys = w_out.grouped_matmul(act(w_in.grouped_matmul(xs, offs)), offs)
+    elif _cpu_half(x, w_in, w_out) and cpu.rows_fit(offs := counts.cumsum(0)):
+        # bf16 stacks on the CPU at decode sizes: one kernel call per projection, what `linear` gives
+        # expert by expert (above MAX_ROWS rows an expert takes the loop below: fp32 tiles)
+        ys = cpu.grouped_linear(act(cpu.grouped_linear(xs, w_in, offs)), w_out, offs)
+    elif not _cpu_half(x, w_in, w_out) and _grouped(x, w_in, w_out):
         # one grouped GEMM per projection over every expert's rows: no per-expert Python loop
         offs = counts.cumsum(0).to(torch.int32)
         ys = F.grouped_mm(
@@ -156,10 +166,28 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
     y = torch.empty_like(ys)
     y[order] = ys
     y = y.view(N, k, -1)
-    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, weights.dtype))
-    for j in range(k):
-        out += y[:, j] * weights[:, j, None]
+    # every slot's product at once (in the promoted dtype), then the slots added in order, each sum
+    # rounded to that dtype: the bits of `out = 0; out += y[:, j] * w[:, j]` in fewer small ops
+    terms = y * weights[..., None]
+    if x.is_cpu and terms.dtype in (torch.float32, torch.float64):
+        # torch's CPU sum over a middle dim adds the rows in order: the same bits (tests/test_cpu_perf.py)
+        return terms.sum(1).to(x.dtype)
+    out = terms[:, 0] + 0  # + 0: a new tensor (and -0.0 -> 0.0, as the zero-started sum gives)
+    for j in range(1, k):
+        out += terms[:, j]
     return out.to(x.dtype)
+
+
+def _cpu_half(x, w_in, w_out) -> bool:
+    """Dense half-precision expert stacks on the CPU: `linear`'s kernel / fp32-tile paths beat torch's
+    grouped_mm there (which runs the slow bf16 GEMM of CPUs without AMX: docs/perf.md)."""
+    return (
+        isinstance(w_in, torch.Tensor)
+        and isinstance(w_out, torch.Tensor)
+        and w_in.is_cpu
+        and w_in.dtype in (torch.bfloat16, torch.float16)
+        and w_out.dtype == w_in.dtype
+    )
 
 
 def _grouped(x, w_in, w_out) -> bool:

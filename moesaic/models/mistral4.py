@@ -454,6 +454,7 @@ class Model:
         c = self.cfg
         h = embedding(batch.token_ids, self.embed)
         cos, sin = cos_sin(self.freqs, batch.positions, self.rope_factor)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)  # the rotation's rounding, done once, not per layer
         qscale = None
         if c.llama4_beta and batch.max_position >= c.llama4_original_max:
             s = 1 + c.llama4_beta * torch.log1p(torch.floor(batch.positions.float() / c.llama4_original_max))

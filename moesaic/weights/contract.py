@@ -24,7 +24,7 @@ import torch
 from ..config import MAX_LAYERS
 from ..errors import CheckpointError, ConfigError
 from .dtypes import FLOAT_CODES, INTEGER_CODES, NAMES
-from .precision import MAX_SHOWN, PrecisionSchedule, packable
+from .precision import MAX_SHOWN, PACKED, PrecisionSchedule, packable
 from .quant import (
     COMPANION_SUFFIXES,
     ConcatRows,
@@ -33,6 +33,8 @@ from .quant import (
     from_suffix_dict,
     load_quantized,
     quantize_fp8_block,
+    quantize_mxfp4,
+    quantize_nvfp4,
     resolve_format,
 )
 from .store import WeightStore
@@ -353,7 +355,7 @@ def load_tensors(
         if spec.keep_fp32:
             target = torch.float32
         else:
-            target = dtype if want in ("inherit", "fp8") else NAMES[want]
+            target = dtype if want == "inherit" or want in PACKED else NAMES[want]
         if experts is not None and spec.streamable:  # left in the shards, read on demand
             out[name] = experts.add_stack(spec, src, plan, store, target, want, linear_only, device)
             continue
@@ -367,7 +369,7 @@ def load_tensors(
             t = _read(store, n, shape, fmt, plan, cut)
             if fmt is None:
                 parts.append(t if combined else t.to(device=device, dtype=target, copy=True))
-            elif linear_only and want in ("inherit", "fp8"):
+            elif linear_only and (want == "inherit" or want in PACKED):
                 parts.append(t if combined else _own(t, device))
             else:  # small tensor or an explicit float precision: dense at load
                 parts.append(t.dequantize(target).to(device))
@@ -378,8 +380,8 @@ def load_tensors(
             t = t.to(device=device, dtype=target) if isinstance(t, torch.Tensor) else t.to(device)
         if not spec.integer:
             check_finite(t, name, src)
-        if want == "fp8" and linear_only and isinstance(t, torch.Tensor):
-            t = _to_fp8(t, name)
+        if want in PACKED and linear_only and isinstance(t, torch.Tensor):
+            t = pack(t, name, want)
         out[name] = t
     return out
 
@@ -637,15 +639,23 @@ def _own(q: QuantizedTensor, device) -> QuantizedTensor:
 
 
 _FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+_CT_CONFIG = {"quant_method": "compressed-tensors"}
 
 
-def _to_fp8(t: torch.Tensor, name: str) -> QuantizedTensor:
-    """Runtime FP8 (E4M3, 128x128 block scales) of a dense weight; stacked experts one at a time."""
-    if t.dim() == 2:
-        return from_suffix_dict(
-            quantize_fp8_block(t.float(), (128, 128)), _FP8_CONFIG, name=_base(name), format="fp8_block"
+def pack(t: torch.Tensor, name: str, fmt: str) -> QuantizedTensor:
+    """A dense weight [N, K] (or a stack [E, N, K], one matrix at a time) packed at load: fp8 (E4M3,
+    128x128 block scales), mxfp4 or nvfp4 (compressed-tensors' encodings: weights/quant.py)."""
+    if t.dim() > 2:
+        return QuantizedTensor.stack(
+            [pack(x, f"{name}[{i}]", fmt) for i, x in enumerate(t.unbind(0))], name=name
         )
-    return QuantizedTensor.stack([_to_fp8(x, f"{name}[{i}]") for i, x in enumerate(t.unbind(0))], name=name)
+    w = t.float()
+    if fmt == "fp8":
+        return from_suffix_dict(
+            quantize_fp8_block(w, (128, 128)), _FP8_CONFIG, name=_base(name), format="fp8_block"
+        )
+    encode = quantize_mxfp4 if fmt == "mxfp4" else quantize_nvfp4
+    return from_suffix_dict(encode(w), _CT_CONFIG, name=_base(name), format=fmt)
 
 
 def to_checkpoint(

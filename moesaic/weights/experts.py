@@ -56,6 +56,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from .dtypes import SAFETENSORS
+from .precision import PACKED
 from .quant import COMPANION_SUFFIXES, ConcatRows, load_quantized
 
 POLICIES = ("lru", "lfru")
@@ -542,8 +543,8 @@ class _Member:
             )
         self.parts = src.parts
         self.shared: dict[str, torch.Tensor] = {}  # fused companions not split per expert (a scalar)
-        self.keep_packed = packable and want in ("inherit", "fp8")
-        converts = self.device.type != "cpu" or want == "fp8"
+        self.keep_packed = packable and (want == "inherit" or want in PACKED)
+        converts = self.device.type != "cpu" or want in PACKED
         for j in range(self.per):
             n = self.parts[j][0]
             fmt = plan.quantized.get(n)
@@ -580,7 +581,7 @@ class _Member:
 
     def decode(self, e: int, parts: list[list[_Comp]], slot: torch.Tensor):
         """Expert e as the fully loaded stack's `[e]` gives it, from its bytes in `slot`."""
-        from .contract import _base, _to_fp8
+        from .contract import _base, pack
 
         ws = []
         for n, comps in zip(self.part_names(e), parts):
@@ -605,8 +606,8 @@ class _Member:
             w = ConcatRows(ws)
         if isinstance(w, torch.Tensor):
             w = w.to(dtype=self.target)
-            if self.want == "fp8" and self.packable:
-                w = _to_fp8(w, f"{self.name}[{e}]")
+            if self.want in PACKED and self.packable:
+                w = pack(w, f"{self.name}[{e}]", self.want)
         if self.device.type != "cpu":
             w = w.to(self.device)
         return w

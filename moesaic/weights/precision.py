@@ -9,7 +9,18 @@ mlp, router, lm_head, embedding, norm, ...) or `*`; layers a comma-free list lik
   inherit  the checkpoint's format: quantized weights stay packed, dense ones take the model dtype
   fp32 | bf16 | fp16   dense in that dtype (quantized weights are dequantized to it at load)
   fp8      quantized at load to FP8 E4M3 with 128x128 block scales (kept packed)
+  mxfp4    quantized at load to MXFP4: E2M1 codes, one E8M0 scale per 32 inputs (kept packed)
+  nvfp4    quantized at load to NVFP4: E2M1 codes, one E4M3 scale per 16 inputs and an fp32 scale
+           per matrix (kept packed)
 Resolution: a rule naming the layer beats one naming only the role, which beats `*`.
+
+The packed formats (fp8, mxfp4, nvfp4) pack a dense checkpoint weight tensor by tensor as it is
+loaded (stacked experts matrix by matrix), never the whole model dense at once; a weight the
+checkpoint already stores quantized stays in its own format. They apply only to the matrices used
+through `linear` (projections, experts, lm_head: `packable`), never to norms, routers or embeddings.
+A matrix whose input width K is not a multiple of the format's group (32 for mxfp4, 16 for nvfp4)
+stays dense in the model dtype (`inspect --precision` shows it: e.g. `attention: bf16/mxfp4`); a
+rule that could pack none of the tensors it names is refused, naming them.
 
 What a rule can change: a weight used only through `linear` (which casts the activations to the
 weight's dtype and the result back), and a router's matrix (routing casts the same way). Every other
@@ -27,7 +38,12 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from .dtypes import NAMES
 
-DTYPES = {"inherit": None, **NAMES, "fp8": "fp8"}  # a rule's dtype: a float name, or a format kept packed
+PACKED = {"fp8": 1, "mxfp4": 32, "nvfp4": 16}  # formats packed at load -> the group K must be a multiple of
+DTYPES = {
+    "inherit": None,
+    **NAMES,
+    **{f: f for f in PACKED},
+}  # a rule's dtype: a float name, or a packed format
 
 # Roles whose matrices are used only through `linear` (so they may stay packed when the checkpoint
 # stores them quantized, or take any dtype): unless a spec is marked dense (used as a view).
@@ -51,10 +67,25 @@ def takes(spec, dtype: str) -> bool:
     """Whether a rule's `dtype` applies to tensor `spec` (see the module docstring)."""
     if dtype == "inherit":
         return True
-    if dtype == "fp8":
-        return packable(spec)
+    if dtype in PACKED:
+        return packable(spec) and spec.shape[-1] % PACKED[dtype] == 0
     router = spec.role == "router" and len(spec.shape) == 2 and not (spec.keep_fp32 or spec.integer)
     return packable(spec) or router
+
+
+def packed_bytes(shape: tuple, fmt: str) -> int:
+    """Bytes of a [.., N, K] weight packed at load in `fmt` (as QuantizedTensor.nbytes counts them):
+    fp8 1 byte a value + one fp32 scale per 128x128 block; mxfp4 half a byte + one byte per 32 values;
+    nvfp4 half a byte + one byte per 16 values + one fp32 scale per matrix."""
+    *lead, n, k = shape
+    mats = 1
+    for d in lead:
+        mats *= d
+    if fmt == "fp8":
+        return mats * (n * k + 4 * -(-n // 128) * -(-k // 128))
+    if fmt == "mxfp4":
+        return mats * (n * k // 2 + n * k // 32)
+    return mats * (n * k // 2 + n * k // 16 + 4)
 
 
 def _why_fixed(spec, dtype: str) -> str:
@@ -63,8 +94,13 @@ def _why_fixed(spec, dtype: str) -> str:
         return "they stay fp32, as the reference keeps them"
     if spec.integer or spec.mapped:
         return "they are tables read as stored"
-    if dtype == "fp8" and spec.role == "router":
-        return "fp8 packs only projection weights, not a router"
+    if dtype in PACKED and spec.role == "router":
+        return f"{dtype} packs only projection weights, not a router"
+    if dtype in PACKED and packable(spec):
+        return (
+            f"{spec.name} has input width {spec.shape[-1]}, not a multiple of {dtype}'s group of "
+            f"{PACKED[dtype]}, so it stays dense"
+        )
     return (
         "they are used other than through a matrix product (norms, lookups, views), so they keep "
         "the model dtype"
@@ -202,6 +238,30 @@ class PrecisionSchedule:
                     f"precision rule {r.text!r} can change none of the {len(matched)} tensor(s) it names: "
                     + "; ".join(why)
                 )
+
+    def loaded_bytes(self, specs, dtype_bytes: int = 2, stored=None) -> dict[str, int]:
+        """role -> bytes its tensors hold once loaded with this schedule in a model of `dtype_bytes`
+        per element: a packed format's codes and scales (`packed_bytes`), a float rule's dtype, fp32 for
+        kept-fp32 tensors, else the model dtype. `stored(spec)`: the bytes the checkpoint keeps a tensor
+        in where the load keeps it as stored (quantized weights that stay packed, integer tables), or
+        None; without it those count as dense."""
+        out: dict[str, int] = {}
+        for s in specs:
+            want = self.resolve(s)
+            n = 1
+            for d in s.shape:
+                n *= d
+            kept = stored(s) if stored is not None and (want == "inherit" or want in PACKED) else None
+            if kept is not None:
+                b = kept
+            elif want in PACKED:
+                b = packed_bytes(tuple(s.shape), want)
+            elif s.keep_fp32:
+                b = 4 * n
+            else:
+                b = n * (NAMES[want].itemsize if want != "inherit" else dtype_bytes)
+            out[s.role] = out.get(s.role, 0) + b
+        return out
 
     def describe(self, specs) -> dict[str, str]:
         """role -> resolved dtype (or per-layer detail when layers differ), for `inspect`."""

@@ -524,7 +524,8 @@ class QuantizedTensor:
         """The rows of x [T, K] grouped by expert against this stack [E, N, K] -> [T, N] in x's
         dtype: expert e owns rows offs[e-1]:offs[e] (offs [E]: end rows, as torch's grouped_mm
         takes them). One call of the compiled CPU kernel for every expert with rows when it
-        applies (at most cpu.MAX_ROWS rows per expert on average), else expert by expert."""
+        applies (at most cpu.MAX_ROWS rows for every expert), else expert by expert as `matmul`
+        computes each: the same numbers as one `matmul` per expert either way."""
         n, k = self.shape[-2:]
         if self.ndim != 3 or x.ndim != 2 or x.shape[-1] != k or offs.shape != (self.shape[0],):
             raise ValueError(
@@ -555,7 +556,8 @@ class QuantizedTensor:
             out[:, r0:r1] = xw @ w.T
 
     def _grouped_2d(self, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
-        if x.shape[0] <= cpu.MAX_ROWS * self.shape[0] and self._kernel(x, out, offs=offs) is not None:
+        # one kernel call when every expert's rows fit (cpu.rows_fit): what one call per expert gives
+        if cpu.rows_fit(offs) and self._kernel(x, out, offs=offs) is not None:
             return
         start = 0
         for e, end in enumerate(offs.tolist()):
@@ -1344,8 +1346,8 @@ class ConcatRows:
         for p in self.parts:
             c1 = c0 + p.shape[-2]
             for b in range(xs.shape[0]):
-                if isinstance(p, torch.Tensor):
-                    out[b, :, c0:c1] = xs[b] @ p.reshape(-1, *p.shape[-2:])[b].to(cd).T
+                if isinstance(p, torch.Tensor):  # `linear`'s rule, as grouped_matmul computes it
+                    out[b, :, c0:c1] = cpu.linear(xs[b], p.reshape(-1, *p.shape[-2:])[b].to(cd))
                 else:
                     p._matmul_2d(xs[b], out[b, :, c0:c1], b)
             c0 = c1
@@ -1365,8 +1367,8 @@ class ConcatRows:
         c0 = 0
         for p in self.parts:
             c1 = c0 + p.shape[-2]
-            if isinstance(p, torch.Tensor):
-                out[:, c0:c1] = cpu.grouped_linear(x, p, offs)
+            if isinstance(p, torch.Tensor):  # in x's dtype, like matmul
+                out[:, c0:c1] = cpu.grouped_linear(x, p.to(x.dtype), offs)
             else:
                 p._grouped_2d(x, offs, out[:, c0:c1])
             c0 = c1

@@ -1,0 +1,234 @@
+"""CPU decode against its memory roofline (issue 18): for a ~0.3B random-weight model of a family (written
+by moesaic's own writers into a temp folder), in bf16, in its release's quantized format and packed at load
+with `*=fp8`, `*=mxfp4`, `*=nvfp4`: the weight bytes one batch-1 decode step reads, the read bandwidth
+measured in the same run, decode tok/s at batch 1 and 8, % of the roofline, prefill tok/s, and the ratio to
+transformers `generate` on the same bf16 weights where transformers runs the family on the CPU. Then where
+a batch-1 bf16 step's time goes (GEMM vs the rest).
+
+    .venv/bin/python benchmarks/decode_roofline.py [--models mistral4,kimi_linear] [--threads N]
+        [--new 16] [--prompt 32] [--prefill 256] [--arms bf16,release,fp8,mxfp4,nvfp4] [--no-hf]
+
+Decode time is time(prompt + N new) - time(prompt + 1 new) (prefill cancels), best of `--repeats`. The
+roofline is bandwidth / bytes per step: the bytes are every weight a token reads under the arm's schedule
+(the model's `inspect --precision` bytes minus the embedding table and the routed experts a token does not
+pick: top-k of E per MoE layer). The release format stands in as the schedule that packs what the release
+packs (Mistral Small 4: NVFP4 experts; Kimi Linear is released in bf16, so it has no release arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving import MODELS, write_checkpoint  # noqa: E402
+
+import moesaic  # noqa: E402
+from moesaic.kernels import cpu  # noqa: E402
+from moesaic.weights.precision import PrecisionSchedule  # noqa: E402
+
+RELEASE = {"mistral4": "expert=nvfp4,shared_expert=nvfp4"}  # what the release ships packed
+ARMS = {"bf16": None, "fp8": "*=fp8", "mxfp4": "*=mxfp4", "nvfp4": "*=nvfp4"}
+
+
+def step_bytes(folder: Path, precision: str | None) -> int:
+    """Weight bytes one decode token reads under `precision`: all but the embedding table and the routed
+    experts it does not pick (top-k of E in each MoE layer)."""
+    from moesaic.models import Checkpoint
+
+    ckpt = Checkpoint.open(folder)
+    specs = ckpt.family.tensor_specs(ckpt.cfg)
+    by_role = PrecisionSchedule.parse(precision).loaded_bytes(specs, 2)
+    raw = ckpt.store.config
+    experts = raw.get("n_routed_experts") or raw.get("num_experts")
+    k = raw.get("num_experts_per_tok") or raw.get("num_experts_per_token")
+    tied = raw.get("tie_word_embeddings", False)
+    return sum(
+        b * (k / experts if role == "expert" else 1)
+        for role, b in by_role.items()
+        if role != "embedding" or tied
+    )
+
+
+def time_decode(gen, prompts, new: int, repeats: int) -> float:
+    """Best decode tok/s over `repeats`: (new - 1) tokens per sequence over time(new) - time(1)."""
+    gen(prompts, 2)  # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        gen(prompts, 1)
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        gen(prompts, new)
+        tn = time.perf_counter() - t
+        if tn > t1:  # a shared box can make the 1-token run the slower one: that repeat says nothing
+            best = max(best, (new - 1) * len(prompts) / (tn - t1))
+    return best or float("nan")
+
+
+def time_prefill(gen, prompt, repeats: int) -> float:
+    """Prompt tokens/s of a prefill that generates one token (best of `repeats`)."""
+    gen([prompt], 1)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        gen([prompt], 1)
+        best = min(best, time.perf_counter() - t)
+    return len(prompt) / best
+
+
+def moesaic_gen(llm):
+    def gen(prompts, n):
+        sp = moesaic.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(prompts, sp)]
+
+    return gen
+
+
+def hf_gen(model):
+    def gen(prompts, n):
+        ids = torch.tensor(prompts)
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=n, max_new_tokens=n)
+        with torch.inference_mode():
+            return model.generate(ids, **kw)[:, ids.shape[1] :].tolist()
+
+    return gen
+
+
+def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
+    """(ms per batch-1 decode step, ms of it in matrix products): the kernels' calls, the fp32 tiles and
+    torch's mm / bmm / matmul are timed (wall clock) around each call."""
+    acc = [0.0]
+
+    def timed(f):
+        def g(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t
+
+        return g
+
+    saved = cpu._gemm, cpu.tiled_linear, torch.bmm, torch.matmul
+    cpu._gemm, cpu.tiled_linear = timed(cpu._gemm), timed(cpu.tiled_linear)
+    torch.bmm, torch.matmul = timed(torch.bmm), timed(torch.matmul)
+    try:
+        gen = moesaic_gen(llm)
+        best = None
+        for _ in range(repeats):
+            acc[0] = 0.0
+            t = time.perf_counter()
+            gen([prompt], 1)
+            t1, g1 = time.perf_counter() - t, acc[0]
+            acc[0] = 0.0
+            t = time.perf_counter()
+            gen([prompt], new)
+            tn, gn = time.perf_counter() - t, acc[0]
+            step, mm = (tn - t1) / (new - 1), (gn - g1) / (new - 1)
+            best = (step, mm) if best is None or step < best[0] else best
+    finally:
+        cpu._gemm, cpu.tiled_linear, torch.bmm, torch.matmul = saved
+    return best[0] * 1e3, best[1] * 1e3
+
+
+HF_CLASSES = {"mistral4": "Mistral4ForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
+
+
+def load_hf(folder: Path, name: str):
+    import transformers
+
+    cls = getattr(transformers, HF_CLASSES[name])
+    # pad / bos ids inside this vocabulary (Kimi-Linear's config defaults point past it)
+    return cls.from_pretrained(folder, dtype=torch.bfloat16, pad_token_id=0, bos_token_id=1).eval()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="mistral4,kimi_linear")
+    ap.add_argument("--arms", default="bf16,release,fp8,mxfp4,nvfp4")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    bw = cpu.read_bandwidth(threads=threads)
+    print(f"{threads} thread(s); read bandwidth (kernels' streaming read, this run): {bw:.1f} GB/s")
+    g = torch.Generator().manual_seed(1)
+    head = (
+        f"{'model':<12} {'arm':<8} {'MB/step':>8} {'roof tok/s':>10} {'b1 tok/s':>9} {'% roof':>7} "
+        f"{'b8 tok/s':>9} {'prefill tok/s':>13} {'vs hf b1':>9} {'vs hf b8':>9} {'vs hf prefill':>13}"
+    )
+    rows, shares = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            config = MODELS[name]
+            folder = Path(tmp) / name
+            nparams = write_checkpoint(folder, config, torch.bfloat16)
+            vocab = config["vocab_size"]
+            prompts = torch.randint(3, vocab, (8, args.prompt), generator=g).tolist()
+            long_prompt = torch.randint(3, vocab, (args.prefill,), generator=g).tolist()
+            hf = None
+            if not args.no_hf:
+                try:
+                    hf = load_hf(folder, name)
+                except Exception as e:  # a family transformers does not run on the CPU here
+                    print(f"{name}: transformers n/a ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+            print(f"{name}: {nparams / 1e6:.0f}M parameters")
+            hf_b1 = hf_b8 = hf_pf = None
+            if hf is not None:
+                try:
+                    hf_b1 = time_decode(hf_gen(hf), prompts[:1], args.new, args.repeats)
+                    hf_b8 = time_decode(hf_gen(hf), prompts, args.new, args.repeats)
+                    hf_pf = time_prefill(hf_gen(hf), long_prompt, args.repeats)
+                except Exception as e:
+                    print(f"{name}: transformers generate failed ({type(e).__name__}: {str(e)[:100]})")
+                del hf
+            for arm in args.arms.split(","):
+                precision = RELEASE.get(name, "missing") if arm == "release" else ARMS[arm]
+                if precision == "missing":
+                    continue
+                llm = moesaic.LLM(str(folder), dtype="bfloat16", precision=precision)
+                gen = moesaic_gen(llm)
+                b1 = time_decode(gen, prompts[:1], args.new, args.repeats)
+                b8 = time_decode(gen, prompts, args.new, args.repeats)
+                pf = time_prefill(gen, long_prompt, args.repeats)
+                mb = step_bytes(folder, precision) / 1e6
+                roof = bw * 1e3 / mb
+                ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
+                hfcols = (
+                    (ratio(b1, hf_b1), ratio(b8, hf_b8), ratio(pf, hf_pf)) if arm == "bf16" else ("-",) * 3
+                )
+                rows.append(
+                    f"{name:<12} {arm:<8} {mb:>8.1f} {roof:>10.1f} {b1:>9.1f} {100 * b1 / roof:>6.0f}% "
+                    f"{b8:>9.1f} {pf:>13.0f} {hfcols[0]:>9} {hfcols[1]:>9} {hfcols[2]:>13}"
+                )
+                print(rows[-1], flush=True)
+                if arm == "bf16":
+                    step, mm = gemm_share(llm, prompts[0], args.new, args.repeats)
+                    shares.append(
+                        f"{name}: batch-1 bf16 step {step:.1f} ms, matrix products {mm:.1f} ms, the rest "
+                        f"{step - mm:.1f} ms ({100 * (step - mm) / step:.0f} %)"
+                    )
+                del llm
+            if hf_b1:
+                print(f"{name}: transformers bf16 tok/s b1 {hf_b1:.1f}, b8 {hf_b8:.1f}, prefill {hf_pf:.0f}")
+    print("\n" + head)
+    print("\n".join(rows))
+    print("\n".join(shares))
+
+
+if __name__ == "__main__":
+    main()
