@@ -155,11 +155,15 @@ def test_cli_prints_errors_without_traceback(tmp_path):
     assert r.returncode != 0 and "no such checkpoint folder" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_cli_generate_demo_streams_and_reports_rate(tmp_path):
-    r = cli("generate", "--max-tokens", "6", "--prompt", "hi", env_cache=tmp_path / "cache")
+@pytest.mark.parametrize("model, banner", [(None, "trained demo"), ("demo-mistral4", "RANDOM weights")])
+def test_cli_generate_demo_streams_and_reports_rate(tmp_path, model, banner):
+    """The default demo (trained, shipped in the package: nothing is written) and a random one (written to the
+    cache on first use), each saying what it is."""
+    args = ["generate", "--max-tokens", "6", "--prompt", "hi"] + (["--model", model] if model else [])
+    r = cli(*args, env_cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr
-    assert "RANDOM weights" in r.stderr and "tokens/s" in r.stderr and "6 tokens (length)" in r.stderr
-    assert (tmp_path / "cache").exists()
+    assert banner in r.stderr and "tokens/s" in r.stderr and "6 tokens (length)" in r.stderr
+    assert (tmp_path / "cache").exists() == (model is not None)
 
 
 def test_inspect_json_on_config_only_folder(tmp_path):

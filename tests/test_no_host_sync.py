@@ -60,6 +60,8 @@ SHAPES = {"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select"
 CPU_ONLY = {
     ("layers/moe.py", "run_experts"): "the per-expert loop over packed stacks reads the expert counts; "
     "on CUDA run_experts takes the Triton grouped GEMM (no sync), checked by the child cases below",
+    ("kernels/cpu.py", "rows_fit"): "the CPU grouped expert kernels check each expert's row count (a host "
+    "read of CPU tensors is free); on CUDA run_experts takes the Triton grouped GEMM",
     ("layers/engram.py", "gather"): "host tensors: Engram's hash and its mapped tables live on the host "
     "(the row ids come from ForwardBatch.host_token_ids), only the gathered rows go to the device",
 }

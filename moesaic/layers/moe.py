@@ -144,11 +144,18 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
         # packed stacks: one grouped call per projection (the kernels at decode sizes; expert by expert,
         # as `linear` computes each, above them)
         offs = counts.cumsum(0)
-        ys = w_out.grouped_matmul(act(w_in.grouped_matmul(xs, offs)), offs)
+        ys = _held_rows(
+            xs, offs, every_expert, lambda h: w_out.grouped_matmul(act(w_in.grouped_matmul(h, offs)), offs)
+        )
     elif _cpu_half(x, w_in, w_out) and cpu.rows_fit(offs := counts.cumsum(0)):
         # bf16 stacks on the CPU at decode sizes: one kernel call per projection, what `linear` gives
         # expert by expert (above MAX_ROWS rows an expert takes the loop below: fp32 tiles)
-        ys = cpu.grouped_linear(act(cpu.grouped_linear(xs, w_in, offs)), w_out, offs)
+        ys = _held_rows(
+            xs,
+            offs,
+            every_expert,
+            lambda h: cpu.grouped_linear(act(cpu.grouped_linear(h, w_in, offs)), w_out, offs),
+        )
     elif not _cpu_half(x, w_in, w_out) and _grouped(x, w_in, w_out):
         # one grouped GEMM per projection over every expert's rows: no per-expert Python loop
         offs = counts.cumsum(0).to(torch.int32)
@@ -176,6 +183,18 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
     for j in range(1, k):
         out += terms[:, j]
     return out.to(x.dtype)
+
+
+def _held_rows(xs, offs, every_expert: bool, run):
+    """run(xs) where this rank holds every expert; else run on the rows of the experts it holds (the first
+    offs[-1]: the other ranks' rows are a group after the last) and zeros for the others."""
+    if every_expert:
+        return run(xs)
+    ys = torch.zeros_like(xs)
+    n = int(offs[-1])
+    if n:
+        ys[:n] = run(xs[:n])
+    return ys
 
 
 def _cpu_half(x, w_in, w_out) -> bool:
