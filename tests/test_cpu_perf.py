@@ -132,3 +132,31 @@ def test_moe_weighted_sum_keeps_the_loop_bits(wdtype, rdtype, tokens):
             r = int((rows == t).nonzero()[0, 0])
             ref[t] += (y[r : r + 1] * ws[t : t + 1, j : j + 1])[0]  # [1]-shaped: promotes as the block does
     assert torch.equal(got, ref.to(x.dtype))
+
+
+def torch_sinkhorn(logits, iters, eps):
+    """layers/mhc.py's Sinkhorn written as the plain torch loop (the kernel must give its bits)."""
+    c = torch.softmax(logits.float(), dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("iters, eps", [(20, 1e-6), (1, 1e-6), (7, 1e-3)])
+def test_mhc_sinkhorn_kernel_keeps_the_torch_bits(n, iters, eps):
+    from moesaic.kernels import cpu
+    from moesaic.layers.mhc import sinkhorn
+
+    calls = []
+    real = cpu.sinkhorn_
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(1 + 3 * seed, n, n, generator=g) * (1 + seed % 5)
+        c = torch.softmax(logits, dim=-1) + eps
+        calls.append(real(c.clone(), iters, eps))
+        assert torch.equal(sinkhorn(logits, iters, eps), torch_sinkhorn(logits, iters, eps))
+    # the kernel serves up to 4 streams (where it was built), the torch loop the wider ones
+    assert all(calls) == (n <= 4 and cpu.load() is not None) and (any(calls) or n > 4 or cpu.load() is None)

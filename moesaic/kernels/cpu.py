@@ -96,7 +96,7 @@ def load(verbose: bool = False):
         _state["mod"] = load_inline(
             name=_build_name(),
             cpp_sources=CPP,
-            functions=["gemm", "read_bytes", "has_avx2"],
+            functions=["gemm", "read_bytes", "has_avx2", "sinkhorn"],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=verbose,
@@ -253,6 +253,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if tiles_apply(x2, w):
         return tiled_linear(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:
+    """mHC's Sinkhorn rounds in place on c [..., n, n] (fp32, contiguous, on the CPU), bit for bit the
+    torch loop of layers/mhc.py; False (c untouched) where the kernel does not apply. Up to n = 4 streams
+    (the releases' hc_mult): torch sums 5 or more floats in another order than index order, so a wider
+    matrix keeps the torch loop (tests/test_cpu_perf.py checks both)."""
+    if not (c.is_cpu and c.dtype == torch.float32 and c.is_contiguous() and c.shape[-1] <= 4):
+        return False
+    if not (enabled() and load() is not None) or torch.is_grad_enabled() and c.requires_grad:
+        return False
+    _state["mod"].sinkhorn(c, iters, eps)
+    return True
 
 
 def rows_fit(offs) -> bool:

@@ -600,6 +600,39 @@ double read_bytes(torch::Tensor buf, int64_t row, int64_t nthreads) {
     return total;
 }
 
+// mHC's Sinkhorn normalisation in place on c [M, n, n] fp32 (contiguous), after its row softmax + eps:
+// one column normalisation, then iters - 1 rounds of rows then columns, x / (sum + eps) with every sum
+// taken in index order: the same float operations, in the same order, as the torch loop of
+// layers/mhc.py (which spends ~120 small ops per call on what is a few hundred flops here).
+void sinkhorn(torch::Tensor c, int64_t iters, double eps_d) {
+    TORCH_CHECK(c.dtype() == torch::kFloat32 && c.is_contiguous() && c.dim() >= 2, "sinkhorn: fp32 [.., n, n]");
+    const int64_t n = c.size(-1);
+    TORCH_CHECK(c.size(-2) == n && n <= 64, "sinkhorn: square matrices of at most 64");
+    const int64_t M = c.numel() / (n * n);
+    const float eps = (float)eps_d;
+    float* base = c.data_ptr<float>();
+    float s[64];
+    for (int64_t m = 0; m < M; ++m) {
+        float* x = base + m * n * n;
+        for (int64_t it = 0; it < iters; ++it) {
+            if (it > 0) {  // rows
+                for (int64_t i = 0; i < n; ++i) {
+                    float t = 0.f;
+                    for (int64_t j = 0; j < n; ++j) t += x[i * n + j];
+                    t += eps;
+                    for (int64_t j = 0; j < n; ++j) x[i * n + j] /= t;
+                }
+            }
+            for (int64_t j = 0; j < n; ++j) s[j] = 0.f;  // columns
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t j = 0; j < n; ++j) s[j] += x[i * n + j];
+            for (int64_t j = 0; j < n; ++j) s[j] += eps;
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t j = 0; j < n; ++j) x[i * n + j] /= s[j];
+        }
+    }
+}
+
 bool has_avx2() {
 #if defined(MOESAIC_AVX2)
     return true;
