@@ -756,6 +756,24 @@ def test_adaptive_length_follows_acceptance_and_batch_size():
     assert DraftLength(k=5, adaptive=False).length(bad, 1, 10) == 5
 
 
+def test_adaptive_time_model_is_fitted_per_batch_size():
+    """Steps of 1 sequence cost 10 ms + 1 ms a row, steps of 4 sequences 25 ms + 1 ms a row: one line over
+    both would make a row look about twice as dear; the per-size fits give each size its own (beta, delta)."""
+    policy = DraftLength(k=4)
+    for rows in (1, 2, 3, 4, 5):
+        policy.forward_done(rows, 0.010 + 0.001 * rows, seqs=1)
+    for rows in (4, 8, 12, 16, 20):
+        policy.forward_done(rows, 0.025 + 0.001 * rows, seqs=4)
+    t0, t1 = policy.step_model(4)
+    assert t0 == pytest.approx(0.025) and t1 == pytest.approx(0.001)
+    assert policy.step_model(1) == pytest.approx((0.010, 0.001))
+    assert policy.step_model()[1] > 0.0015  # the pooled line over both sizes: the misleading one
+    beta4, _ = policy.costs(4)
+    assert beta4 == pytest.approx(0.004 / 0.029)
+    policy.draft_done(0.0029)
+    assert policy.costs(4)[1] == pytest.approx(0.1) and policy.costs(1)[1] == pytest.approx(0.0029 / 0.011)
+
+
 def test_adaptive_drafting_turns_off_for_a_drafter_that_never_hits(monkeypatch):
     name = "demo-mistral4"
     ps, sp = prompts()[:2], greedy(40)

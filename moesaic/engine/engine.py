@@ -494,10 +494,13 @@ class Engine:
             self._start_drafting(sched)
         marks = [s.state.mark() for s, _ in sched]
         drafts = {s.id: n - s.num_pending for s, n in sched if n > s.num_pending}  # verify rounds
+        # the time model of drafting's costs: steps of decodes and verify rounds only (a prefill chunk's
+        # rows cost another amount each, and would make a row look several times dearer than it is)
+        decoding = all(s.num_pending == 1 for s, _ in sched)
         t0 = time.perf_counter()
         rows, taps, failed = self._forward_atomic(sched, marks)
-        if self.draft_length is not None and not failed:
-            self.draft_length.forward_done(sum(n for _, n in sched), time.perf_counter() - t0)
+        if self.draft_length is not None and not failed and decoding:
+            self.draft_length.forward_done(sum(n for _, n in sched), time.perf_counter() - t0, len(sched))
         try:
             draws = []  # (sequence, logits rows, its drafts) of every sample that draws tokens now
             for (seq, n), row in zip(sched, rows):

@@ -7,7 +7,7 @@ the same batch, is 1 + beta * k + delta: beta = what one more row per decoding s
 (from a fitted time model t = t0 + t1 * rows of the target's forwards: beta = t1 * B / (t0 + t1 * B) for B
 decoding sequences, so it grows with the batch), delta = the drafter's time per round over the plain step.
 The draft length is the k in 0..K that maximises E(a, k) / (1 + beta * k + delta [k > 0]); 0 turns
-drafting off for the sequence (it does not pay: colibri's guard, docs/deepseek-v41.md, stops below ~60 %
+drafting off for the sequence (it does not pay: colibri, a DeepSeek engine, stops below ~60 %
 acceptance; here the threshold follows from the measured costs). While off, its acceptance record decays
 towards the prior, so drafting is retried now and then, and stops again if it still does not pay.
 """
@@ -57,20 +57,26 @@ class DraftLength:
         self.k = k
         self.adaptive = adaptive
         self.sums = [0.0] * 5  # moving sums of 1, rows, seconds, rows^2, rows*seconds (forward times)
+        # the same per number of sequences in the step: a step's cost grows with its sequences (the mixers
+        # run sequence by sequence) as well as its rows, so one line over every batch size misleads
+        self.by_seqs: dict[int, list[float]] = {}
         self.draft_seconds: float | None = None  # moving mean of one propose call
 
-    def forward_done(self, rows: int, seconds: float) -> None:
-        s, r, t = self.sums, float(rows), float(seconds)
-        for i, v in enumerate((1.0, r, t, r * r, r * t)):
-            s[i] = TIME_DECAY * s[i] + v
+    def forward_done(self, rows: int, seconds: float, seqs: int | None = None) -> None:
+        r, t = float(rows), float(seconds)
+        sums = [self.sums] if seqs is None else [self.sums, self.by_seqs.setdefault(seqs, [0.0] * 5)]
+        for s in sums:
+            for i, v in enumerate((1.0, r, t, r * r, r * t)):
+                s[i] = TIME_DECAY * s[i] + v
 
     def draft_done(self, seconds: float) -> None:
         d = self.draft_seconds
         self.draft_seconds = seconds if d is None else 0.9 * d + 0.1 * seconds
 
-    def step_model(self) -> tuple[float, float] | None:
-        """(t0, t1) of t = t0 + t1 * rows, or None while the rows seen do not vary enough to fit it."""
-        n, r, t, rr, rt = self.sums
+    def step_model(self, seqs: int | None = None) -> tuple[float, float] | None:
+        """(t0, t1) of t = t0 + t1 * rows (over the steps of `seqs` sequences, else all), or None while the
+        rows seen do not vary enough to fit it."""
+        n, r, t, rr, rt = self.sums if seqs is None else self.by_seqs.get(seqs, [0.0] * 5)
         if n < 2:
             return None
         var = rr / n - (r / n) ** 2
@@ -83,9 +89,11 @@ class DraftLength:
     def costs(self, decoders: int) -> tuple[float, float]:
         """(beta, delta) for a batch of `decoders` decoding sequences (see the module docstring); before
         anything is measured, a small row cost and no drafter cost, so that drafting starts and is measured."""
-        model = self.step_model()
-        if model is None:
-            return 0.05, 0.0
+        model = self.step_model(decoders) or self.step_model()
+        if model is None:  # the rows have not varied: a small row cost, the drafter against a mean step
+            n, _, t, _, _ = self.sums
+            mean = t / n if n > 0 else 0.0
+            return 0.05, (self.draft_seconds or 0.0) / mean if mean > 0 else 0.0
         t0, t1 = model
         plain = t0 + t1 * decoders
         if plain <= 0:

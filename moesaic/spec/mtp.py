@@ -35,7 +35,7 @@ rows back and appends the committed ones from the verify forward's hiddens.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +158,9 @@ HEADS = {glm5next.Model: GlmHead, deepseek_v4.Model: DeepseekV4Head, nemotron_h.
 # ---------------------------------------------------------------- the proposer
 
 
+MAX_DEFERRED = 64  # committed rows a sequence may hold back before they are run on their own
+
+
 @dataclass
 class _Seq:
     state: SequenceState  # the head's cache; state.num_tokens = head rows held
@@ -166,6 +169,10 @@ class _Seq:
     pending: torch.Tensor | None = None  # h_{seen-1}: its row waits for token t_seen
     last_token: int | None = None  # t_seen, when row seen-1 was built by propose
     last_z: torch.Tensor | None = None  # that row's output
+    # committed rows known but not yet run (their input tokens and hiddens): observe defers them so that
+    # the next propose runs them in the same head forward as its first draft row, for every sequence at once
+    deferred_ids: list = field(default_factory=list)
+    deferred_h: list = field(default_factory=list)
 
 
 class MtpProposer:
@@ -191,7 +198,9 @@ class MtpProposer:
         self._forget_drafts(p)
         state = self.head.new_state(self.max_k)
         state.restore(p.state.snapshot())
-        self.seqs[child] = dataclasses.replace(p, state=state)
+        self.seqs[child] = dataclasses.replace(
+            p, state=state, deferred_ids=list(p.deferred_ids), deferred_h=list(p.deferred_h)
+        )
 
     def _forget_drafts(self, s: _Seq) -> None:
         s.state.rollback(s.state.num_tokens - s.committed)
@@ -222,16 +231,30 @@ class MtpProposer:
         else:  # rows the target did not compute (a prefix-cache hit): the head sees their tokens only
             m = self.head.model
             h = torch.zeros(len(tokens), m.cfg.hidden_size, dtype=m.dtype, device=m.device)
-        first = s.committed  # the first row to build: rows r in [first, start + m - 2]
-        rows_h = [
-            h[r - start : r - start + 1] if r >= start else s.pending
-            for r in range(first, start + len(tokens) - 1)
-        ]
-        if rows_h:
-            ids = [tokens[r + 1 - start] for r in range(first, start + len(tokens) - 1)]
-            self.run([(s.state, ids, torch.cat(rows_h))])
-        s.committed = start + len(tokens) - 1
+        first = s.committed + len(s.deferred_ids)  # the first row to add: rows r in [first, start + m - 2]
+        for r in range(first, start + len(tokens) - 1):
+            s.deferred_h.append(h[r - start : r - start + 1] if r >= start else s.pending)
+            s.deferred_ids.append(tokens[r + 1 - start])
+        if len(s.deferred_ids) >= MAX_DEFERRED:  # a sequence that has not drafted for a while
+            self._flush([s])
         s.seen, s.pending, s.last_token, s.last_z = start + len(tokens), h[-1:], None, None
+
+    def _flush(
+        self, seqs: list[_Seq], extra: list[tuple[int, torch.Tensor]] | None = None
+    ) -> list[torch.Tensor]:
+        """Runs each sequence's deferred rows (then its `extra` row: a token and a hidden), all in one head
+        forward; returns each sequence's last output row."""
+        items, ends = [], []
+        for j, s in enumerate(seqs):
+            ids, hs = s.deferred_ids, s.deferred_h
+            if extra is not None:
+                ids, hs = ids + [extra[j][0]], hs + [extra[j][1]]
+            items.append((s.state, ids, torch.cat(hs)))
+            ends.append((ends[-1] if ends else 0) + len(ids))
+            s.committed += len(s.deferred_ids)
+            s.deferred_ids, s.deferred_h = [], []
+        out = self.run(items)
+        return [out[e - 1 : e] for e in ends]
 
     def propose(self, requests: list[tuple[int, int, int]]) -> list[Draft]:
         drafts: list[list[int]] = [[] for _ in requests]
@@ -250,17 +273,12 @@ class MtpProposer:
                     s.state.rollback(1)
                     s.committed -= 1
                 build.append(i)
-        if build:
-            out = self.run(
-                [
-                    (self.seqs[requests[i][0]].state, [requests[i][1]], self.seqs[requests[i][0]].pending)
-                    for i in build
-                ]
-            )
-            for j, i in enumerate(build):
-                s = self.seqs[requests[i][0]]
-                s.committed, s.last_token, s.last_z = s.seen, requests[i][1], out[j : j + 1]
-                z[i] = out[j : j + 1]
+        if build:  # the deferred committed rows and row seen-1 (with its token), every sequence at once
+            seqs = [self.seqs[requests[i][0]] for i in build]
+            out = self._flush(seqs, [(requests[i][1], s.pending) for i, s in zip(build, seqs)])
+            for i, s, o in zip(build, seqs, out):
+                s.committed, s.last_token, s.last_z = s.seen, requests[i][1], o
+                z[i] = o
         active = sorted(z)
         for step in range(max((requests[i][2] for i in active), default=0)):
             active = [i for i in active if requests[i][2] > step]
