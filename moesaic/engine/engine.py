@@ -201,6 +201,8 @@ class Engine:
         self.spec = spec
         self.rollback_window = spec.k + 1 if spec is not None else 0
         self.draft_length = DraftLength(spec.k, spec.adaptive) if spec is not None else None
+        if self.draft_length is not None:  # how the drafter's time grows with the draft length
+            self.draft_length.draft_cost = getattr(proposer, "draft_cost", "per_round")
         self._plan_memory(state_bytes)
         self.counters = dict(
             requests=0, finished=0, aborted=0, failed=0, prompt_tokens=0, generated_tokens=0, steps=0
@@ -744,7 +746,7 @@ class Engine:
         )
         dt = time.perf_counter() - t0
         self.spec_counters["draft_s"] += dt
-        self.draft_length.draft_done(dt)
+        self.draft_length.draft_done(dt, max(k for _, k in requests))
         vocab = self.model.cfg.vocab_size
         for i, (s, k) in enumerate(requests):
             draft = out[i] if out is not None and i < len(out) else Draft([])

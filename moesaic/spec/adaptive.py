@@ -3,7 +3,7 @@ cost of a step at the current batch size.
 
 With a per-draft acceptance rate a (the chance that a draft is accepted given the ones before it were), a
 round of k drafts commits E(a, k) = 1 + a + ... + a^k tokens. Its cost, relative to a plain decode step of
-the same batch, is 1 + beta * k + delta: beta = what one more row per decoding sequence adds to a step
+the same batch, is 1 + beta * k + delta (delta * k for a drafter that runs once per draft, MTP): beta = what one more row per decoding sequence adds to a step
 (from a fitted time model t = t0 + t1 * rows of the target's forwards: beta = t1 * B / (t0 + t1 * B) for B
 decoding sequences, so it grows with the batch), delta = the drafter's time per round over the plain step.
 The draft length is the k in 0..K that maximises E(a, k) / (1 + beta * k + delta [k > 0]); 0 turns
@@ -60,7 +60,10 @@ class DraftLength:
         # the same per number of sequences in the step: a step's cost grows with its sequences (the mixers
         # run sequence by sequence) as well as its rows, so one line over every batch size misleads
         self.by_seqs: dict[int, list[float]] = {}
-        self.draft_seconds: float | None = None  # moving mean of one propose call
+        self.draft_seconds: float | None = None  # moving mean of one propose call, per unit of its cost
+        # "per_round": a drafter whose call costs the same for any k (DFlash's one block forward);
+        # "per_token": one forward per draft (MTP recursing through its layer), so a short draft is cheaper
+        self.draft_cost = "per_round"
 
     def forward_done(self, rows: int, seconds: float, seqs: int | None = None) -> None:
         r, t = float(rows), float(seconds)
@@ -69,9 +72,14 @@ class DraftLength:
             for i, v in enumerate((1.0, r, t, r * r, r * t)):
                 s[i] = TIME_DECAY * s[i] + v
 
-    def draft_done(self, seconds: float) -> None:
+    def draft_done(self, seconds: float, k: int = 1) -> None:
+        """A propose call of `seconds` whose longest draft was `k` tokens."""
+        unit = seconds / max(1, k) if self.draft_cost == "per_token" else seconds
         d = self.draft_seconds
-        self.draft_seconds = seconds if d is None else 0.9 * d + 0.1 * seconds
+        self.draft_seconds = unit if d is None else 0.9 * d + 0.1 * unit
+
+    def draft_units(self, k: int) -> int:
+        return k if self.draft_cost == "per_token" else 1
 
     def step_model(self, seqs: int | None = None) -> tuple[float, float] | None:
         """(t0, t1) of t = t0 + t1 * rows (over the steps of `seqs` sequences, else all), or None while the
@@ -89,7 +97,14 @@ class DraftLength:
     def costs(self, decoders: int) -> tuple[float, float]:
         """(beta, delta) for a batch of `decoders` decoding sequences (see the module docstring); before
         anything is measured, a small row cost and no drafter cost, so that drafting starts and is measured."""
-        model = self.step_model(decoders) or self.step_model()
+        model = self.step_model(decoders)
+        here = self.by_seqs.get(decoders)
+        if model is None and here is not None and here[0] > 0:
+            # steps of this size seen, but all of one row count (e.g. drafting was off): a small row cost,
+            # so that drafting is tried and the line gets fitted, the drafter against their mean time
+            mean = here[2] / here[0]
+            return 0.05, (self.draft_seconds or 0.0) / mean if mean > 0 else 0.0
+        model = model or self.step_model()  # nothing of this size yet: the line over every size
         if model is None:  # the rows have not varied: a small row cost, the drafter against a mean step
             n, _, t, _, _ = self.sums
             mean = t / n if n > 0 else 0.0
@@ -111,7 +126,7 @@ class DraftLength:
         rate = acc.rate
         best, best_k = 1.0, 0
         for j in range(1, k + 1):
-            gain = expected_tokens(rate, j) / (1.0 + beta * j + delta)
+            gain = expected_tokens(rate, j) / (1.0 + beta * j + delta * self.draft_units(j))
             if gain > best * 1.02:  # a 2 % margin: within noise, plain decoding wins
                 best, best_k = gain, j
         if best_k == 0:
