@@ -39,43 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from decode_vs_transformers import SHAPE  # noqa: E402  (the Mistral-Small-4-shaped benchmark model)
+
 import moesaic  # noqa: E402
 
-VOCAB = 32768
-MISTRAL4 = dict(
-    model_type="mistral4",
-    vocab_size=VOCAB,
-    hidden_size=1024,
-    intermediate_size=2816,
-    moe_intermediate_size=512,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    q_lora_rank=384,
-    kv_lora_rank=128,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=32,
-    v_head_dim=64,
-    n_routed_experts=32,
-    num_experts_per_tok=4,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    n_group=1,
-    topk_group=1,
-    max_position_embeddings=32768,
-    eos_token_id=2,
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "llama_4_scaling_beta": 0.1,
-    },
-)
+VOCAB = SHAPE["vocab_size"]
+MISTRAL4 = dict(SHAPE, model_type="mistral4")
 KIMI_LINEAR = dict(
     model_type="kimi_linear",
     vocab_size=VOCAB,

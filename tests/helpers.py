@@ -159,3 +159,35 @@ def rounding_floor(model, chunks, draws: int = 2) -> torch.Tensor:
     finally:
         model.embed = emb
     return worst
+
+
+def run_cases_in_child(test_file: str, folder, env: dict) -> tuple[dict, str]:
+    """Runs the `case_*` functions of `test_file` once in a child pytest with `env` (e.g. a Triton switch
+    that must be set before triton is imported); ({test id: outcome}, the tail of its output)."""
+    import subprocess
+    import sys
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+
+    xml = Path(folder) / "cases.xml"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        test_file,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "python_functions=case_*",
+    ]
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        cmd + [f"--junitxml={xml}"], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    outcomes = {}
+    if xml.exists():
+        for tc in ET.parse(xml).getroot().iter("testcase"):
+            bad = [c.tag for c in tc if c.tag in ("failure", "error", "skipped")]
+            outcomes[tc.get("name")] = bad[0] if bad else "passed"
+    return outcomes, run.stdout[-6000:] + run.stderr[-2000:]

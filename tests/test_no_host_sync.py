@@ -15,22 +15,19 @@ a child process, which must set the switch before triton is first imported), whe
 """
 
 import os
-import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import demo_model, random_ids
+from helpers import demo_model, random_ids, run_cases_in_child
 from torch.overrides import TorchFunctionMode
 
 import moesaic
 from moesaic.cache.batch import ForwardBatch
 from moesaic.cache.paged import BlockTable, PagePool
 
-ROOT = Path(__file__).resolve().parents[1]
 PKG = str(Path(moesaic.__file__).parent) + os.sep
 CHILD = os.environ.get("MOESAIC_NO_SYNC_CASES") == "1"
 
@@ -168,29 +165,10 @@ def case_decode_step_through_the_kernels_reads_nothing_on_the_host(demo, monkeyp
 def interpreted_run(tmp_path_factory):
     pytest.importorskip("triton", reason="triton is not installed: the CUDA code path cannot run here")
     pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
-    xml = tmp_path_factory.mktemp("no_sync") / "cases.xml"
+    folder = tmp_path_factory.mktemp("no_sync")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(MOESAIC_NO_SYNC_CASES="1", MOESAIC_TRITON="interpret", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-o",
-        "python_functions=case_*",
-    ]
-    run = subprocess.run(
-        cmd + [f"--junitxml={xml}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    outcomes = {}
-    if xml.exists():
-        for tc in ET.parse(xml).getroot().iter("testcase"):
-            bad = [c.tag for c in tc if c.tag in ("failure", "error", "skipped")]
-            outcomes[tc.get("name")] = bad[0] if bad else "passed"
-    return outcomes, run.stdout[-6000:] + run.stderr[-2000:]
+    return run_cases_in_child(__file__, folder, env)
 
 
 @pytest.mark.parametrize("demo", CUDA_PATH_DEMOS)

@@ -15,11 +15,11 @@ import json
 import os
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cases_in_child
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
@@ -511,28 +511,9 @@ CASES = sorted(name for name in list(globals()) if name.startswith("case_"))
 @pytest.fixture(scope="module")
 def interpreted_run(tmp_path_factory):
     """Runs every case once in a child pytest with TRITON_INTERPRET=1; {test id: outcome} and the output."""
-    xml = tmp_path_factory.mktemp("triton") / "cases.xml"
+    folder = tmp_path_factory.mktemp("triton")
     env = dict(os.environ, MOESAIC_TRITON_CASES="1", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-o",
-        "python_functions=case_*",
-    ]
-    run = subprocess.run(
-        cmd + [f"--junitxml={xml}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    outcomes = {}
-    if xml.exists():
-        for tc in ET.parse(xml).getroot().iter("testcase"):
-            bad = [c.tag for c in tc if c.tag in ("failure", "error", "skipped")]
-            outcomes[tc.get("name")] = bad[0] if bad else "passed"
-    return outcomes, run.stdout[-6000:] + run.stderr[-2000:]
+    return run_cases_in_child(__file__, folder, env)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -9,22 +9,18 @@ In the child the switch is flipped to `off` around the reference runs (it is rea
 """
 
 import os
-import subprocess
 import sys
 import types
-import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import demo_model, random_ids
+from helpers import demo_model, random_ids, run_cases_in_child
 
 from moesaic.cache.batch import ForwardBatch
 from moesaic.kernels import triton as kt
 from moesaic.layers import csa, dsa, mhc, mla
 from moesaic.weights import quant as Q
 
-ROOT = Path(__file__).resolve().parents[1]
 CHILD = os.environ.get("MOESAIC_TRITON_MODELS") == "1"  # this process runs the cases under the interpreter
 
 # demo -> the kernel modules its forward must reach: one KDA + MLA family (Kimi Linear), one Mamba-2
@@ -256,29 +252,10 @@ def interpreted_run(tmp_path_factory):
     """Runs every case once in a child pytest with MOESAIC_TRITON=interpret; {test id: outcome}, output."""
     pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
     pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
-    xml = tmp_path_factory.mktemp("triton_models") / "cases.xml"
+    folder = tmp_path_factory.mktemp("triton_models")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the switch must request it
     env.update(MOESAIC_TRITON_MODELS="1", MOESAIC_TRITON="interpret", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-o",
-        "python_functions=case_*",
-    ]
-    run = subprocess.run(
-        cmd + [f"--junitxml={xml}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    outcomes = {}
-    if xml.exists():
-        for tc in ET.parse(xml).getroot().iter("testcase"):
-            bad = [c.tag for c in tc if c.tag in ("failure", "error", "skipped")]
-            outcomes[tc.get("name")] = bad[0] if bad else "passed"
-    return outcomes, run.stdout[-6000:] + run.stderr[-2000:]
+    return run_cases_in_child(__file__, folder, env)
 
 
 @pytest.mark.skipif(CHILD, reason="the child process runs the cases themselves")
