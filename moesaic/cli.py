@@ -38,19 +38,7 @@ def main(argv=None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=_seed, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
-    g.add_argument("--dtype", default="bfloat16")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
-    g.add_argument(
-        "--expert-cache", default=None, help='stream routed experts into a cache of SIZE ("8GiB", "10%%")'
-    )
-    g.add_argument(
-        "--speculative-config",
-        default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-        '(methods: ngram, mtp, dspark, dflash with "model": a drafter folder)',
-    )
-    parallel_flags(g)
+    model_flags(g)
     i = sub.add_parser("inspect", help="describe a checkpoint (config.json alone is enough)")
     i.add_argument("model")
     i.add_argument("--json", action="store_true")
@@ -74,9 +62,6 @@ def main(argv=None) -> int:
     s.add_argument(
         "--max-cache-bytes", type=int, default=None, help="cache budget (default: from free memory)"
     )
-    s.add_argument("--dtype", default="bfloat16")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
     s.add_argument(
         "--chat-template", default=None, metavar="FILE", help="a Jinja chat template to use instead"
     )
@@ -88,20 +73,12 @@ def main(argv=None) -> int:
     )
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument(
-        "--expert-cache", default=None, help='stream routed experts into a cache of SIZE ("8GiB", "10%%")'
-    )
-    s.add_argument(
-        "--speculative-config",
-        default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'',
-    )
-    s.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds to drain requests on a signal"
     )
     s.add_argument("--max-queued-requests", type=int, default=1024, help="requests in flight before 503")
     s.add_argument("--max-body-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parallel_flags(s)
+    model_flags(s)
     args = ap.parse_args(argv)
     try:
         if args.model == "":  # Path("") is the current directory: never open it by accident
@@ -117,6 +94,48 @@ def main(argv=None) -> int:
         # Output still buffered for the closed pipe goes to /dev/null so that the exit flush is quiet too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def model_flags(p) -> None:
+    """How the model loads (generate, serve): dtype, device, precision, expert streaming, drafting, ranks."""
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default=None, help='per-role weight dtypes, e.g. "router=bf16,expert=fp8"')
+    p.add_argument(
+        "--expert-cache", default=None, help='stream routed experts into a cache of SIZE ("8GiB", "10%%")'
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        '(methods: ngram, mtp, dspark, dflash with "model": a drafter folder)',
+    )
+    parallel_flags(p)
+
+
+def load_model(args, **engine):
+    """The LLM that model_flags' arguments (and `engine`'s limits) describe."""
+    from .llm import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        precision=args.precision,
+        **engine,
+        expert_cache=args.expert_cache,
+        speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
+    )
+
+
+def say_random_demo(llm, noise: str) -> None:
+    """The notice a demo with random weights gets (the text it writes is noise)."""
+    print(
+        f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; {noise}",
+        file=sys.stderr,
+    )
 
 
 def parallel_flags(p) -> None:
@@ -138,25 +157,11 @@ def parallel_flags(p) -> None:
 def _generate(args) -> int:
     from .config import is_demo, is_trained_demo
     from .engine.sampler import SamplingParams
-    from .llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        precision=args.precision,
-        expert_cache=args.expert_cache,
-        speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.enable_expert_parallel,
-    )
+    llm = load_model(args)
     if is_demo(llm.raw_config):
-        print(
-            f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
-            "the text below is noise, not a language model's answer.",
-            file=sys.stderr,
-        )
+        say_random_demo(llm, "the text below is noise, not a language model's answer.")
     elif is_trained_demo(llm.raw_config):
         print(
             f"[moesaic] trained demo at {llm.path}: a {llm.raw_config['moesaic_demo']['params'] / 1e6:.1f}M-"
@@ -208,7 +213,6 @@ def _serve(args) -> int:
 
     from .config import is_demo
     from .errors import ConfigError
-    from .llm import LLM
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -229,26 +233,15 @@ def _serve(args) -> int:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        precision=args.precision,
+    llm = load_model(
+        args,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_cache_bytes=args.max_cache_bytes,
         enable_prefix_caching=not args.no_prefix_caching,
-        expert_cache=args.expert_cache,
-        speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.enable_expert_parallel,
     )
     if is_demo(llm.raw_config):
-        print(
-            f"[moesaic] demo model at {llm.path}: RANDOM weights (seed 0) and a byte tokenizer; "
-            "its answers are noise, not a language model's.",
-            file=sys.stderr,
-        )
+        say_random_demo(llm, "its answers are noise, not a language model's.")
     from .server.main import serve
 
     names = args.served_model_name or [args.model]
