@@ -226,15 +226,15 @@ class LLM:
         torchrun's; docs/parallel.md); expert_parallel: routed experts split by expert (E/N a rank)
         instead of by width. `_rank` is a worker's place in such a run (moesaic/parallel)."""
         # everything a caller can get wrong is checked before the checkpoint is read
-        tokens = max_num_batched_tokens if max_num_batched_tokens is not None else max_batch_tokens
-        EngineLimits(
+        EngineLimits.checked(
             max_num_seqs,
-            1024 if tokens is None else tokens,
+            max_batch_tokens,
+            max_num_batched_tokens,
             max_cache_bytes,
             max_snapshot_bytes,
             max_state_bytes,
             enable_prefix_caching,
-        ).validate()
+        )
         parse_dtype(dtype)
         spec = parse_speculative_config(speculative_config)
         if precision is not None and not isinstance(precision, str):

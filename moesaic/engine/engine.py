@@ -106,6 +106,37 @@ class EngineLimits:
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
             )
 
+    @classmethod
+    def checked(
+        cls,
+        max_num_seqs,
+        max_batch_tokens,
+        max_num_batched_tokens,
+        max_cache_bytes,
+        max_snapshot_bytes,
+        max_state_bytes,
+        enable_prefix_caching,
+    ) -> EngineLimits:
+        """The limits as the engine's (and LLM's) arguments give them, validated: max_batch_tokens is the old
+        name of max_num_batched_tokens (both given and different: a ConfigError), 1024 when neither is."""
+        if max_batch_tokens is not None and max_num_batched_tokens is not None:
+            if max_batch_tokens != max_num_batched_tokens:
+                raise ConfigError(
+                    f"max_batch_tokens ({max_batch_tokens!r}) is the old name of max_num_batched_tokens "
+                    f"({max_num_batched_tokens!r}): give one"
+                )
+        tokens = max_num_batched_tokens if max_num_batched_tokens is not None else max_batch_tokens
+        limits = cls(
+            max_num_seqs,
+            1024 if tokens is None else tokens,
+            max_cache_bytes,
+            max_snapshot_bytes,
+            max_state_bytes,
+            enable_prefix_caching,
+        )
+        limits.validate()
+        return limits
+
 
 def non_finite(sched, logits: torch.Tensor, rows: list[torch.Tensor] | None = None) -> dict:
     """{seq id: RequestError} for the sequences of a forward whose logits rows (`logits`, all of them;
@@ -170,22 +201,15 @@ class Engine:
                 "speculative decoding does not run tensor-parallel yet: use tensor_parallel_size=1 with a "
                 "speculative config, or no speculative config with tensor_parallel_size > 1"
             )
-        if max_batch_tokens is not None and max_num_batched_tokens is not None:
-            if max_batch_tokens != max_num_batched_tokens:
-                raise ConfigError(
-                    f"max_batch_tokens ({max_batch_tokens!r}) is the old name of max_num_batched_tokens "
-                    f"({max_num_batched_tokens!r}): give one"
-                )
-        tokens = max_num_batched_tokens if max_num_batched_tokens is not None else max_batch_tokens
-        self.limits = EngineLimits(
+        self.limits = EngineLimits.checked(
             max_num_seqs,
-            1024 if tokens is None else tokens,
+            max_batch_tokens,
+            max_num_batched_tokens,
             max_cache_bytes,
             max_snapshot_bytes,
             max_state_bytes,
             enable_prefix_caching,
         )
-        self.limits.validate()
         self.model = model
         self.eos_ids = set(eos_ids)
         self.tokenizer = tokenizer
