@@ -97,25 +97,23 @@ class DraftLength:
     def costs(self, decoders: int) -> tuple[float, float]:
         """(beta, delta) for a batch of `decoders` decoding sequences (see the module docstring); before
         anything is measured, a small row cost and no drafter cost, so that drafting starts and is measured."""
-        model = self.step_model(decoders)
         here = self.by_seqs.get(decoders)
-        if model is None and here is not None and here[0] > 0:
-            # steps of this size seen, but all of one row count (e.g. drafting was off): a small row cost,
-            # so that drafting is tried and the line gets fitted, the drafter against their mean time
-            mean = here[2] / here[0]
-            return 0.05, (self.draft_seconds or 0.0) / mean if mean > 0 else 0.0
-        model = model or self.step_model()  # nothing of this size yet: the line over every size
-        if model is None:  # the rows have not varied: a small row cost, the drafter against a mean step
-            n, _, t, _, _ = self.sums
-            mean = t / n if n > 0 else 0.0
-            return 0.05, (self.draft_seconds or 0.0) / mean if mean > 0 else 0.0
-        t0, t1 = model
-        plain = t0 + t1 * decoders
+        seen_here = here is not None and here[0] > 0
+        model = self.step_model(decoders)
+        if model is None and not seen_here:
+            model = self.step_model()  # nothing of this size yet: the line over every size
+        if model is None:
+            # the rows have not varied (e.g. drafting was off): a small row cost, so that drafting is tried
+            # and the line gets fitted, and the drafter against the mean step (of this size where seen)
+            n, _, t, _, _ = here if seen_here else self.sums
+            beta, plain = 0.05, (t / n if n > 0 else 0.0)
+        else:
+            t0, t1 = model
+            plain = t0 + t1 * decoders
+            beta = t1 * decoders / plain if plain > 0 else 0.05
         if plain <= 0:
             return 0.05, 0.0
-        beta = t1 * decoders / plain
-        delta = (self.draft_seconds or 0.0) / plain
-        return beta, delta
+        return beta, (self.draft_seconds or 0.0) / plain
 
     def length(self, acc: Acceptance, decoders: int, limit: int) -> int:
         """The draft length for one sequence this round (at most `limit`)."""
