@@ -227,6 +227,15 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     )
 
 
+def check_grouped(w, x: torch.Tensor, offs: torch.Tensor, what: str) -> None:
+    """A grouped product's operands: a stack w [E, N, K], rows x [T, K] and end rows offs [E]."""
+    if w.ndim != 3 or x.ndim != 2 or x.shape[-1] != w.shape[-1] or offs.shape != (w.shape[0],):
+        raise ValueError(
+            f"{what} needs a stack [E, N, K], x [T, K] and offs [E]; got "
+            f"{list(w.shape)}, x {list(x.shape)}, offs {list(offs.shape)}"
+        )
+
+
 class QuantizedTensor:
     """Packed codes + scales of one weight [N, K] (or a stack [..., N, K] of them).
 
@@ -526,12 +535,8 @@ class QuantizedTensor:
         takes them). One call of the compiled CPU kernel for every expert with rows when it
         applies (at most cpu.MAX_ROWS rows for every expert), else expert by expert as `matmul`
         computes each: the same numbers as one `matmul` per expert either way."""
-        n, k = self.shape[-2:]
-        if self.ndim != 3 or x.ndim != 2 or x.shape[-1] != k or offs.shape != (self.shape[0],):
-            raise ValueError(
-                f"{self.name}: grouped_matmul needs a stack [E, N, K], x [T, K] and offs [E]; got "
-                f"{list(self.shape)}, x {list(x.shape)}, offs {list(offs.shape)}"
-            )
+        n = self.shape[-2]
+        check_grouped(self, x, offs, f"{self.name}: grouped_matmul")
         if tk := kernels("quant", x):
             return tk.grouped_matmul(x, offs, self)
         x = x.to(_compute_dtype(x))
@@ -1355,11 +1360,7 @@ class ConcatRows:
 
     def grouped_matmul(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Like QuantizedTensor.grouped_matmul: one grouped call per part, into its own columns."""
-        if self.ndim != 3 or x.ndim != 2 or x.shape[-1] != self.shape[-1] or offs.shape != (self.shape[0],):
-            raise ValueError(
-                f"ConcatRows.grouped_matmul needs a stack [E, N, K], x [T, K] and offs [E]; got "
-                f"{list(self.shape)}, x {list(x.shape)}, offs {list(offs.shape)}"
-            )
+        check_grouped(self, x, offs, "ConcatRows.grouped_matmul")
         if tk := kernels("quant", x):
             return tk.grouped_matmul(x, offs, self)
         x = x.to(_compute_dtype(x))
