@@ -14,12 +14,31 @@ Which blocks a sequence holds, their reference counts and the prefix cache are t
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..errors import CapacityError
 from .state import SequenceState, TokenRows
 
 BLOCK_SIZE = 64
+
+
+def free_memory(device="cpu") -> int:
+    """Bytes free on the device now: CUDA's free memory, or the host's MemAvailable (what can be allocated
+    without swapping, page cache included), else the available physical pages. The pool is sized from it,
+    and expert streaming asks it whether the page cache can hold the experts."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class BlockTable:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.batch import ForwardBatch
-from ..cache.paged import BLOCK_SIZE, BlockTable, PagePool
+from ..cache.paged import BLOCK_SIZE, BlockTable, PagePool, free_memory
 from ..cache.state import TokenRows
 from ..errors import CapacityError, ConfigError, RequestError
 from ..spec import SpecConfig
@@ -154,21 +153,6 @@ def non_finite(sched, logits: torch.Tensor, rows: list[torch.Tensor] | None = No
         for (s, _), b in zip(sched, bad)
         if b
     }
-
-
-def free_memory(device) -> int:
-    """Bytes free on the device now (CPU: MemAvailable)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Engine:

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache.paged import free_memory
 from ..errors import CheckpointError, ConfigError
 from .dtypes import SAFETENSORS
 from .precision import PACKED
@@ -422,17 +423,6 @@ class _Files:
             except OSError:
                 pass
         self.fds, self.direct_fds = [], []
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def _header_bytes(fd: int, path: Path) -> bytes:
@@ -1003,7 +993,7 @@ class ExpertCache:
                 at = (2 * r + i) * per
                 recs = sample[at : at + per] or sample[:per]
                 rates[mode] = max(rates.get(mode, 0.0), self._probe_rate(recs, mode == "direct"))
-        fits = self.expert_bytes < 0.5 * _mem_available()
+        fits = self.expert_bytes < 0.5 * free_memory()
         if want is None:
             self.direct = can_direct and not fits and rates.get("direct", 0) > 1.2 * rates["buffered"]
         else:
