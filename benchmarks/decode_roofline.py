@@ -28,13 +28,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import MODELS, write_checkpoint  # noqa: E402
+from serving import MODELS, VOCAB, write_checkpoint  # noqa: E402
 
 import moesaic  # noqa: E402
 from moesaic.kernels import cpu  # noqa: E402
 from moesaic.weights.precision import PrecisionSchedule  # noqa: E402
 
-RELEASE = {"mistral4": "expert=nvfp4,shared_expert=nvfp4"}  # what the release ships packed
+# what the releases ship packed (Kimi Linear and Nemotron-H ship bf16)
+RELEASE = {
+    "mistral4": "expert=nvfp4,shared_expert=nvfp4",
+    "glm5_next": "expert=nvfp4,shared_expert=nvfp4",
+    "deepseek_v4": "*=fp8,expert=mxfp4",
+}
 ARMS = {"bf16": None, "fp8": "*=fp8", "mxfp4": "*=mxfp4", "nvfp4": "*=nvfp4"}
 
 
@@ -46,10 +51,11 @@ def step_bytes(folder: Path, precision: str | None) -> int:
     ckpt = Checkpoint.open(folder)
     specs = ckpt.family.tensor_specs(ckpt.cfg)
     by_role = PrecisionSchedule.parse(precision).loaded_bytes(specs, 2)
-    raw = ckpt.store.config
-    experts = raw.get("n_routed_experts") or raw.get("num_experts")
-    k = raw.get("num_experts_per_tok") or raw.get("num_experts_per_token")
-    tied = raw.get("tie_word_embeddings", False)
+    cfg, raw = ckpt.cfg, ckpt.store.config
+    text = raw.get("text_config") or raw  # the parsed config's names differ per family; these are the HF ones
+    experts = text.get("n_routed_experts") or text.get("num_experts") or cfg.n_routed_experts
+    k = text.get("num_experts_per_tok") or text.get("num_experts_per_token") or cfg.num_experts_per_tok
+    tied = text.get("tie_word_embeddings", False)
     return sum(
         b * (k / experts if role == "expert" else 1)
         for role, b in by_role.items()
@@ -139,7 +145,13 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
     return best[0] * 1e3, best[1] * 1e3
 
 
-HF_CLASSES = {"mistral4": "Mistral4ForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
+HF_CLASSES = {
+    "mistral4": "Mistral4ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+    "glm5_next": "Glm5NextForConditionalGeneration",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+}
 
 
 def load_hf(folder: Path, name: str):
@@ -177,7 +189,7 @@ def main():
             config = MODELS[name]
             folder = Path(tmp) / name
             nparams = write_checkpoint(folder, config, torch.bfloat16)
-            vocab = config["vocab_size"]
+            vocab = VOCAB  # every benchmark model has it
             prompts = torch.randint(3, vocab, (8, args.prompt), generator=g).tolist()
             long_prompt = torch.randint(3, vocab, (args.prefill,), generator=g).tolist()
             hf = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import re
@@ -42,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode_vs_transformers import SHAPE  # noqa: E402  (the Mistral-Small-4-shaped benchmark model)
 
 import moesaic  # noqa: E402
+from moesaic.demo.deepseek_v4 import DEMO_CONFIG as DSV4_DEMO  # noqa: E402
+from moesaic.demo.glm5next import DEMO_CONFIG as GLM5_DEMO  # noqa: E402
+from moesaic.demo.nemotron_h import DEMO_CONFIG as NEMOTRON_DEMO  # noqa: E402
 
 VOCAB = SHAPE["vocab_size"]
 MISTRAL4 = dict(SHAPE, model_type="mistral4")
@@ -80,32 +84,98 @@ KIMI_LINEAR = dict(
     tie_word_embeddings=False,
     eos_token_id=2,
 )
-MODELS = {"mistral4": MISTRAL4, "kimi_linear": KIMI_LINEAR}
+
+
+def _bench(demo: dict, **sizes) -> dict:
+    """A family's demo config (its layout and fixed choices) at the benchmark's widths and vocabulary, without
+    the demo's tokenizer / chat entries (the benchmarks feed token ids) and without draft heads."""
+    c = {k: v for k, v in copy.deepcopy(demo).items() if not k.startswith("moesaic_")}
+    inner = c["text_config"] if "text_config" in c else c
+    inner.update(vocab_size=VOCAB, eos_token_id=2, num_nextn_predict_layers=0, **sizes)
+    inner.pop("mtp_layers_block_type", None)
+    c["eos_token_id"] = 2
+    return c
+
+
+# ~0.3B models of the other families, the widths of the two above (hidden 1024, experts 16 x 512, top 4)
+GLM5_NEXT = _bench(
+    GLM5_DEMO,
+    hidden_size=1024,
+    num_hidden_layers=8,
+    layer_types=["linear_attention", "indexed_attention"] * 4,
+    indexer_types=["full"] * 8,
+    mlp_layer_types=["dense"] + ["sparse"] * 7,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=384,
+    kv_lora_rank=256,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=1,
+    topk_group=1,
+    index_topk=256,
+    index_n_heads=8,
+    index_head_dim=64,
+    linear_num_heads=16,
+    linear_head_dim=64,
+)
+DEEPSEEK_V4 = _bench(
+    DSV4_DEMO,
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    head_dim=128,
+    qk_rope_head_dim=64,
+    q_lora_rank=384,
+    o_lora_rank=256,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=512,
+    num_hash_layers=1,
+    sliding_window=128,
+    compress_ratios=[0, 4, 128, 4, 128, 4, 128, 0, 0],
+    index_n_heads=8,
+    index_head_dim=64,
+    index_topk=128,
+    rope_scaling=dict(DSV4_DEMO["rope_scaling"], factor=4, original_max_position_embeddings=4096),
+    max_position_embeddings=16384,
+)
+NEMOTRON_H = _bench(
+    NEMOTRON_DEMO,
+    hidden_size=1024,
+    layers_block_type=["mamba", "moe"] * 7 + ["attention", "moe"],
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    intermediate_size=2816,
+    mamba_num_heads=32,
+    mamba_head_dim=64,
+    n_groups=4,
+    ssm_state_size=64,
+    chunk_size=64,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=512,
+    moe_shared_expert_intermediate_size=1024,
+)
+MODELS = {
+    "mistral4": MISTRAL4,
+    "kimi_linear": KIMI_LINEAR,
+    "glm5_next": GLM5_NEXT,
+    "deepseek_v4": DEEPSEEK_V4,
+    "nemotron_h": NEMOTRON_H,
+}
 
 
 def write_checkpoint(folder: Path, config: dict, dtype: torch.dtype) -> int:
-    """A random-weight checkpoint (seed 0) in the family's transformers naming; returns its parameter count."""
-    import importlib
+    """A random-weight checkpoint (seed 0) in the family's release naming; returns its parameter count."""
+    from moesaic.demo import write_random
 
-    from moesaic.demo import random_tensors
-    from moesaic.models import FAMILIES
-    from moesaic.weights.contract import to_checkpoint
-    from moesaic.weights.store import save_safetensors
-
-    family = importlib.import_module(FAMILIES[config["model_type"]])
-    cfg = family.parse_config(config)
-    specs = family.tensor_specs(cfg)
-    weights = random_tensors(specs, seed=0)
-    n = sum(t.numel() for t in weights.values())
-    tensors = to_checkpoint(specs, family.namings(cfg, "hf", []), weights)
-    tensors = {
-        k: (v.to(dtype) if v.is_floating_point() and v.dtype == torch.float32 else v)
-        for k, v in tensors.items()
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    save_safetensors(tensors, folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(config))
-    return n
+    return write_random(folder, copy.deepcopy(config), dtype=dtype)
 
 
 class InProcess:

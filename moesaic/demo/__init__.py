@@ -185,7 +185,7 @@ def ensure_demo(name: str = DEMO_NAME) -> Path:
         if demo.write is not None:
             demo.write(tmp, config)
         else:
-            _write(tmp, config, demo.quant)
+            write_random(tmp, config, demo.quant)
         template = demo_template(config["model_type"])
         if template is not None:  # as the family's release ships its template
             (tmp / "chat_template.jinja").write_text(template)
@@ -203,8 +203,10 @@ def ensure_demo(name: str = DEMO_NAME) -> Path:
     return path
 
 
-def _write(folder: Path, config: dict, quant) -> None:
-    """Random weights (seed 0) in the family's release naming, the `quant` pairs applied in order."""
+def write_random(folder: Path, config: dict, quant=(), dtype: torch.dtype | None = None) -> int:
+    """Random weights (seed 0) for `config` in the family's release naming, the `quant` pairs applied in
+    order, the unquantized fp32 tensors stored in `dtype` (None: fp32); returns the parameter count. The
+    demos and the benchmarks' ~0.3B models are written by it."""
     from ..models import FAMILIES
     from ..weights.contract import to_checkpoint
     from ..weights.store import save_safetensors
@@ -225,7 +227,11 @@ def _write(folder: Path, config: dict, quant) -> None:
     for s in specs:
         if s.integer:  # DeepSeek-V4's hash routing
             weights[s.name] = hash_table(*s.shape, cfg.n_routed_experts)
+    n = sum(t.numel() for t in weights.values())
     tensors = to_checkpoint(specs, naming, weights)
+    if dtype is not None:  # before packing: the packed formats bring their own scale dtypes
+        tensors = {k: v.to(dtype) if v.dtype == torch.float32 else v for k, v in tensors.items()}
+    folder.mkdir(parents=True, exist_ok=True)
     for regex, fmt in quant:
         tensors, qc = quantize_checkpoint(tensors, regex, fmt)
         config.setdefault(
@@ -244,3 +250,4 @@ def _write(folder: Path, config: dict, quant) -> None:
     else:
         save_safetensors(tensors, folder / "model.safetensors")
         (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return n
