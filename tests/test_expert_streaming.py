@@ -21,7 +21,7 @@ import torch
 import moesaic
 from moesaic.cache.batch import ForwardBatch
 from moesaic.cli import main
-from moesaic.demo import _write, demo_entry, ensure_demo
+from moesaic.demo import demo_entry, ensure_demo, write_random
 from moesaic.errors import CheckpointError, ConfigError
 from moesaic.inspect import inspect_checkpoint
 from moesaic.layers.engram import EngramTable
@@ -84,7 +84,7 @@ def ckpt(tmp_path_factory):
                 elif family in DENSE_SOURCE:
                     src = tmp / "f32"
                     src.mkdir()
-                    _write(src, dict(demo_entry(DENSE_SOURCE[family]).config), ())
+                    write_random(src, dict(demo_entry(DENSE_SOURCE[family]).config), ())
                 else:
                     src = ensure_demo(f"demo-{family}")
                 made[name] = to_bf16(src, tmp / "bf16")
