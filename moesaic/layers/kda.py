@@ -1,7 +1,7 @@
 """Kimi Delta Attention (KDA): the linear-attention mixer of Kimi Linear, GLM-5.3 and Kimi K3.
 
-Plain torch, one sequence at a time: the engine calls `kda_mixer` per sequence on that
-sequence's new tokens together with its `KdaState`.
+Plain torch. The projections are row-wise and run over a whole batch at once; the short conv and the
+recurrence continue each sequence's `KdaState` on that sequence's rows (layers/recurrent.py).
 
     qkv    = SiLU(causal depthwise conv_K([x Wq | x Wk | x Wv]))      # continues from the conv tail
     g      = gate law(f_b(f_a(x)) + dt_bias, A_log)                   # [n, H, Dk] log-decay, < 0
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..kernels.triton import kernels
 from .linear import linear
+from .recurrent import RecurrentMixer
 
 L2NORM_EPS = 1e-6
 
@@ -281,6 +282,50 @@ def kda_attend(
 # ----------------------------------------------------------------------------- the block
 
 
+def kda_project(x: Tensor, w: KdaWeights, dims: KdaDims) -> tuple[Tensor, ...]:
+    """The row-wise part before the recurrence, for every row of a batch at once (no state): the q|k|v
+    projections [N, 3HD] in x's dtype, the log-decay g [N, H, Dk] and beta [N, H] in fp32, the output
+    gate's projection [N, H*Dv]."""
+    qkv = torch.cat([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], dim=-1)
+    g = kda_gate(
+        linear(linear(x, w.f_a_proj), w.f_b_proj), w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound
+    )
+    beta = torch.sigmoid(linear(x, w.b_proj).float())
+    gate = linear(x, w.g_proj) if w.g_proj is not None else linear(linear(x, w.g_a_proj), w.g_b_proj)
+    return qkv, g, beta, gate
+
+
+def kda_recur(
+    rows: tuple[Tensor, ...], w: KdaWeights, dims: KdaDims, state: KdaState, snapshot_last: int = 0
+) -> tuple[Tensor, KdaState, list[KdaState]]:
+    """One sequence's rows of `kda_project`: the short conv from its tail and the delta rule from its state.
+    Returns (o [n, H, Dv] fp32, the state after the last row, the states after each of the last
+    `snapshot_last` rows, oldest first)."""
+    qkv, g, beta, _ = rows
+    n, H, D, K = qkv.shape[0], dims.num_heads, dims.head_dim, dims.conv_kernel
+    y, full = short_conv(qkv, state.conv, w.conv)
+    q, k, v = y.to(qkv.dtype).view(n, 3, H, D).unbind(1)
+    o, S, snaps = kda_attend(q, k, v, g, beta, state.recurrent, dims.chunk_size, snapshot_last)
+    new_state = KdaState(conv=full[full.shape[0] - (K - 1) :].clone(), recurrent=S)
+    # after new token t the conv tail is full[t+1 : t+K]
+    snapshots = [
+        KdaState(conv=full[t + 1 : t + K].clone(), recurrent=snaps[i])
+        for i, t in enumerate(range(n - snapshot_last, n))
+    ]
+    return o, new_state, snapshots
+
+
+def kda_output(o: Tensor, feats: tuple[Tensor, ...], w: KdaWeights, dims: KdaDims) -> Tensor:
+    """Every row again: the gated head norm of o [N, H, Dv] and the output projection, in the gate's dtype."""
+    gate = feats[3]
+    N, H, D = o.shape
+    o = gated_head_rmsnorm(o, gate.view(N, H, D), w.o_norm, dims.norm_eps).to(gate.dtype)
+    return linear(o.reshape(N, H * D), w.o_proj)
+
+
+KDA = RecurrentMixer(kda_project, kda_recur, kda_output)
+
+
 def kda_mixer(
     x: Tensor, w: KdaWeights, dims: KdaDims, state: KdaState | None = None, *, snapshot_last: int = 0
 ) -> tuple[Tensor, KdaState, list[KdaState]]:
@@ -289,31 +334,8 @@ def kda_mixer(
     Returns (out [n, d] in x's dtype, the state after the last token, and the states after
     each of the last `snapshot_last` tokens, oldest first, for exact speculative rollback).
     `state` is not modified. Projections run in the weights' dtype; the conv, the gate, the
-    recurrence and the gated norm run in fp32, cast back where transformers casts back."""
-    n, H, D, K = x.shape[0], dims.num_heads, dims.head_dim, dims.conv_kernel
-    if state is None:
-        state = KdaState.zeros(dims, device=x.device)
-
-    qkv = torch.cat([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], dim=-1)
-    y, full = short_conv(qkv, state.conv, w.conv)
-    q, k, v = y.to(x.dtype).view(n, 3, H, D).unbind(1)
-
-    g = kda_gate(linear(linear(x, w.f_a_proj), w.f_b_proj), w.A_log, w.dt_bias, D, dims.lower_bound)
-    beta = torch.sigmoid(linear(x, w.b_proj).float())
-
-    o, S, snaps = kda_attend(q, k, v, g, beta, state.recurrent, dims.chunk_size, snapshot_last)
-
-    if w.g_proj is not None:
-        gate = linear(x, w.g_proj)
-    else:
-        gate = linear(linear(x, w.g_a_proj), w.g_b_proj)
-    o = gated_head_rmsnorm(o, gate.view(n, H, D), w.o_norm, dims.norm_eps).to(x.dtype)
-    out = linear(o.reshape(n, H * D), w.o_proj)
-
-    new_state = KdaState(conv=full[full.shape[0] - (K - 1) :].clone(), recurrent=S)
-    # after new token t the conv tail is full[t+1 : t+K]
-    snapshots = [
-        KdaState(conv=full[t + 1 : t + K].clone(), recurrent=snaps[i])
-        for i, t in enumerate(range(n - snapshot_last, n))
-    ]
-    return out, new_state, snapshots
+    recurrence and the gated norm run in fp32, cast back where transformers casts back.
+    The batched engine runs the same three phases (KDA) with the projections over all its rows."""
+    return KDA.run(
+        x, w, dims, state if state is not None else KdaState.zeros(dims, device=x.device), snapshot_last
+    )

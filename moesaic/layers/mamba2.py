@@ -1,4 +1,5 @@
-"""Mamba-2 mixer of Nemotron-H, for one sequence at a time, in plain torch.
+"""Mamba-2 mixer of Nemotron-H in plain torch: the projections over a batch's rows at once, the conv and
+the scan per sequence.
 
     [z | xBC | dt] = x W_in^T                         widths H*P, H*P + 2*G*N, H
     xBC  = SiLU(causal depthwise conv_K(xBC) + conv_bias)
@@ -46,6 +47,7 @@ from torch import Tensor
 
 from ..kernels.triton import kernels
 from .linear import linear
+from .recurrent import RecurrentMixer
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,56 @@ def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, groups: int, eps: float)
     return weight * g.flatten(-2).to(weight.dtype)
 
 
+def mamba2_project(x: Tensor, w: Mamba2Weights, dims: Mamba2Dims) -> tuple[Tensor, ...]:
+    """The row-wise part, for every row of a batch at once (no state): z [N, H*P] and the pre-conv xBC in
+    the projection's dtype, dt [N, H] fp32 after softplus and the clamp."""
+    zxbcdt = linear(x, w.in_proj, w.in_proj_bias)
+    z, xbc, dt = zxbcdt.split([dims.inner, dims.conv_dim, dims.num_heads], dim=-1)
+    dt = F.softplus(dt.float() + w.dt_bias.float()).clamp(dims.dt_min, dims.dt_max)
+    return z, xbc, dt
+
+
+def mamba2_recur(
+    rows: tuple[Tensor, ...], w: Mamba2Weights, dims: Mamba2Dims, state: Mamba2State, snapshot_last: int = 0
+) -> tuple[Tensor, Mamba2State, list[Mamba2State]]:
+    """One sequence's rows of `mamba2_project`: the causal conv from its tail and the SSM from its state.
+    Returns (y [n, H*P] fp32 with the D skip, the state after the last row, snapshots as `mamba2_mixer`)."""
+    _, xbc, dt = rows
+    n = xbc.shape[0]
+    H, P, G, N, K = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size, dims.conv_kernel
+    dtype = xbc.dtype
+    xbc, seq = causal_conv(xbc, state.conv, w.conv_weight, w.conv_bias)
+    xbc = xbc.to(dtype).float()
+    xs, B, C = xbc.split([dims.inner, G * N, G * N], dim=-1)
+    xs = xs.reshape(n, H, P)
+    B = B.reshape(n, G, N).repeat_interleave(H // G, dim=1)  # [n, H, N]
+    C = C.reshape(n, G, N).repeat_interleave(H // G, dim=1)
+    A = -torch.exp(w.A_log.float())
+
+    n_scan = n - snapshot_last if n > 1 else 0
+    y = torch.empty(n, H, P, dtype=torch.float32, device=xbc.device)
+    h = state.ssm.float()
+    if n_scan:
+        y[:n_scan], h = ssd_chunked(xs[:n_scan], dt[:n_scan], A, B[:n_scan], C[:n_scan], h, dims.chunk_size)
+    snapshots = []
+    for t in range(n_scan, n):
+        y[t], h = ssd_step(xs[t], dt[t], A, B[t], C[t], h)
+        if t >= n - snapshot_last:
+            snapshots.append(Mamba2State(conv=_rows_to_tail(seq[t + 1 : t + K]), ssm=h))
+    y = y + w.D.float()[:, None] * xs
+    new_state = Mamba2State(conv=_rows_to_tail(seq[n:]), ssm=h.clone() if snapshots else h)
+    return y.reshape(n, dims.inner), new_state, snapshots
+
+
+def mamba2_output(y: Tensor, feats: tuple[Tensor, ...], w: Mamba2Weights, dims: Mamba2Dims) -> Tensor:
+    """Every row again: the gated grouped norm of y [N, H*P] by z, and the output projection."""
+    out = gated_rmsnorm(y, feats[0], w.norm_weight, dims.n_groups, dims.eps)
+    return linear(out, w.out_proj, w.out_proj_bias)
+
+
+MAMBA2 = RecurrentMixer(mamba2_project, mamba2_recur, mamba2_output)
+
+
 def mamba2_mixer(
     x: Tensor,
     w: Mamba2Weights,
@@ -205,43 +257,14 @@ def mamba2_mixer(
     `snapshots[i]` is the state after token n - snapshot_last + i, so `snapshots[-1]` equals the
     new state and forgetting the last r < snapshot_last tokens restores `snapshots[-1 - r]`
     (r == snapshot_last: the state passed in). Tokens that leave a snapshot, and a lone token,
-    run the recurrent step; the rest run the chunked scan."""
+    run the recurrent step; the rest run the chunked scan. The batched engine runs the same three
+    phases (MAMBA2) with the projections over all its rows."""
     n = x.shape[0]
     if not 0 <= snapshot_last <= n:
         raise ValueError(f"snapshot_last={snapshot_last} must be within [0, n={n}]")
-    H, P, G, N, K = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size, dims.conv_kernel
     if n == 0:
         return x.new_zeros(0, dims.hidden_size), state, []
-
-    zxbcdt = linear(x, w.in_proj, w.in_proj_bias)
-    z, xbc, dt = zxbcdt.split([dims.inner, dims.conv_dim, H], dim=-1)
-
-    xbc, seq = causal_conv(xbc, state.conv, w.conv_weight, w.conv_bias)
-    xbc = xbc.to(zxbcdt.dtype).float()
-    xs, B, C = xbc.split([dims.inner, G * N, G * N], dim=-1)
-    xs = xs.reshape(n, H, P)
-    B = B.reshape(n, G, N).repeat_interleave(H // G, dim=1)  # [n, H, N]
-    C = C.reshape(n, G, N).repeat_interleave(H // G, dim=1)
-
-    dt = F.softplus(dt.float() + w.dt_bias.float()).clamp(dims.dt_min, dims.dt_max)  # [n, H]
-    A = -torch.exp(w.A_log.float())
-
-    n_scan = n - snapshot_last if n > 1 else 0
-    y = torch.empty(n, H, P, dtype=torch.float32, device=x.device)
-    h = state.ssm.float()
-    if n_scan:
-        y[:n_scan], h = ssd_chunked(xs[:n_scan], dt[:n_scan], A, B[:n_scan], C[:n_scan], h, dims.chunk_size)
-    snapshots = []
-    for t in range(n_scan, n):
-        y[t], h = ssd_step(xs[t], dt[t], A, B[t], C[t], h)
-        if t >= n - snapshot_last:
-            snapshots.append(Mamba2State(conv=_rows_to_tail(seq[t + 1 : t + K]), ssm=h))
-    y = y + w.D.float()[:, None] * xs
-
-    out = gated_rmsnorm(y.reshape(n, dims.inner), z, w.norm_weight, G, dims.eps)
-    out = linear(out, w.out_proj, w.out_proj_bias)
-    new_state = Mamba2State(conv=_rows_to_tail(seq[n:]), ssm=h.clone() if snapshots else h)
-    return out, new_state, snapshots
+    return MAMBA2.run(x, w, dims, state, snapshot_last)
 
 
 def _rows_to_tail(rows: Tensor) -> Tensor:

@@ -45,8 +45,8 @@ from ..cache.batch import FINAL, ForwardBatch
 from ..cache.state import RecurrentState, SequenceState, TokenRows
 from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
 from ..errors import CheckpointError, ConfigError
-from ..layers import dsa, mhc
-from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
+from ..layers import dsa, kda, mhc
+from ..layers.kda import KdaDims, KdaState, KdaWeights
 from ..layers.linear import embedding, linear
 from ..layers.mla import MlaWeights
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
@@ -690,7 +690,7 @@ class Model:
             x, post, comb = mhc.site_input(h, w.attn_site, self.hc)
             x = rms_norm(x, w.attn_norm, c.rms_norm_eps)
             if isinstance(w.mixer, KdaWeights):
-                y = run_recurrent(kda_mixer, w.mixer, self.kda_dims, L, x, batch)
+                y = run_recurrent(kda.KDA, w.mixer, self.kda_dims, L, x, batch)
             else:
                 y, sel = self.dsa_block(L, w.mixer, x, batch, selections)
                 if w.mixer.indexer is not None:

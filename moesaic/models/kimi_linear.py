@@ -53,7 +53,7 @@ from ..config import (
     section,
 )
 from ..errors import ConfigError
-from ..layers.kda import KdaDims, KdaState, KdaWeights, kda_mixer
+from ..layers.kda import KDA, KdaDims, KdaState, KdaWeights
 from ..layers.linear import embedding, linear
 from ..layers.mla import MlaWeights, mla_batch, mla_project
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe, silu_glu
@@ -484,7 +484,7 @@ class Model:
         x))). Appends each sequence's new tokens to its layer-L state."""
         c, a = self.cfg, w.attn
         if isinstance(a, KdaWeights):
-            return run_recurrent(kda_mixer, a, c.kda_dims, L, x, batch)
+            return run_recurrent(KDA, a, c.kda_dims, L, x, batch)
         q_nope, q_shared, latent, k_shared = mla_project(x, a, c, MLA_NORM_EPS)
         o = mla_batch(L, batch, q_nope, q_shared, latent, k_shared, a.kv_b, c.v_head_dim, c.softmax_scale)
         o = o.flatten(1)

@@ -45,7 +45,7 @@ from ..config import declared, eos_ids, field, non_negative, positive, read_conf
 from ..errors import CheckpointError, ConfigError
 from ..layers.attention import gqa_batch
 from ..layers.linear import embedding, linear
-from ..layers.mamba2 import Mamba2Dims, Mamba2State, Mamba2Weights, mamba2_mixer
+from ..layers.mamba2 import MAMBA2, Mamba2Dims, Mamba2State, Mamba2Weights
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe, relu2
 from ..layers.norms import rms_norm_fp32_weight
 from ..layers.recurrent import run_recurrent
@@ -534,7 +534,7 @@ class Model:
 
     def mixer(self, L: int, w: Layer, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if w.kind == MAMBA:
-            return run_recurrent(mamba2_mixer, w.mixer, self.dims, L, x, batch)
+            return run_recurrent(MAMBA2, w.mixer, self.dims, L, x, batch)
         if w.kind == ATTENTION:
             return self.attention(L, w.mixer, x, batch)
         if w.kind == MLP:

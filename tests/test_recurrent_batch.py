@@ -1,0 +1,83 @@
+"""layers/recurrent.run_recurrent: a batch of sequences runs the mixers' row-wise projections once over all
+rows (one weight read per step, not one per sequence) and gives each sequence what running it alone gives."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_kda_layer import HIDDEN, dims_for, hf_module, ours
+from test_mamba2_layer import build as build_mamba2
+
+from moesaic.cache.state import RecurrentState
+from moesaic.layers import kda, mamba2
+from moesaic.layers.recurrent import run_recurrent
+
+ROWS = [1, 4, 1, 3]  # decode rows, a verify block, a decode row, a prompt chunk
+
+
+def kda_case():
+    module, _ = hf_module("kimi_linear")
+    dims = dims_for("kimi_linear", chunk_size=16)
+    return kda, kda.KDA, ours(module, dims), dims, kda.KdaState.zeros(dims), HIDDEN
+
+
+def mamba2_case():
+    _, _, w, dims = build_mamba2()
+    return mamba2, mamba2.MAMBA2, w, dims, mamba2.Mamba2State.zeros(dims), dims.hidden_size
+
+
+def counting(monkeypatch, module):
+    calls = []
+    real = module.linear
+    monkeypatch.setattr(module, "linear", lambda x, w, *a: calls.append(x.shape[0]) or real(x, w, *a))
+    return calls
+
+
+@pytest.mark.parametrize("case", [kda_case, mamba2_case], ids=["kda", "mamba2"])
+@torch.no_grad()
+def test_a_batch_projects_once_and_equals_each_sequence_alone(case, monkeypatch):
+    module, mixer, w, dims, zero, d = case()
+    g = torch.Generator().manual_seed(3)
+    # each sequence first gets a prompt of its own length, alone, so the batch continues different states
+    states = []
+    for i in range(len(ROWS)):
+        _, s, _ = mixer.run(torch.randn(5 + 2 * i, d, generator=g), w, dims, zero)
+        states.append(s)
+    x = torch.randn(sum(ROWS), d, generator=g)
+    starts = [sum(ROWS[:i]) for i in range(len(ROWS))]
+
+    alone = [mixer.run(x[a : a + n], w, dims, s, min(n, 3)) for a, n, s in zip(starts, ROWS, states)]
+
+    seqs = [
+        SimpleNamespace(start=a, n=n, state=SimpleNamespace(layers={0: RecurrentState(s, window=3)}))
+        for a, n, s in zip(starts, ROWS, states)
+    ]
+    calls = counting(monkeypatch, module)
+    y = run_recurrent(mixer, w, dims, 0, x, SimpleNamespace(seqs=seqs))
+    batched_calls = list(calls)
+    calls.clear()
+    run_recurrent(
+        mixer,
+        w,
+        dims,
+        0,
+        x[:1],
+        SimpleNamespace(
+            seqs=[
+                SimpleNamespace(
+                    start=0, n=1, state=SimpleNamespace(layers={0: RecurrentState(states[0], window=3)})
+                )
+            ]
+        ),
+    )
+
+    # the projections ran once over every row: as many weight reads as for a single sequence
+    assert len(batched_calls) == len(calls)
+    assert all(n == x.shape[0] for n in batched_calls)
+    for (y_alone, new, snaps), a, n, s in zip(alone, starts, ROWS, seqs):
+        torch.testing.assert_close(y[a : a + n], y_alone, rtol=1e-5, atol=1e-5)
+        rs = s.state.layers[0]
+        for got, want in [(rs.value, new)] + list(zip(rs.history[-len(snaps) :], snaps)):
+            for f in ("conv", "recurrent") if module is kda else ("conv", "ssm"):
+                torch.testing.assert_close(getattr(got, f), getattr(want, f), rtol=1e-5, atol=1e-5)
+        assert rs.can_rollback(min(n, 3))
