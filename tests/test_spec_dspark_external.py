@@ -147,6 +147,7 @@ def prompts() -> list[list[int]]:
     [
         ("demo-kimi-k3", {}),
         ("demo-glm5-next-nvfp4", {}),
+        ("demo-deepseek-v41", {}),  # a folder instead of V4.1's own stages
         ("demo-kimi-k3", {"rank": 0, "with_markov": False, "sample_from_anchor": False}),
     ],
 )
@@ -157,6 +158,7 @@ def test_greedy_with_dspark_drafting_equals_plain(name, heads, tmp_path):
     layers = len(base.model.layers)
     folder = write_dspark(tmp_path / "drafter", base, taps=[0, layers - 1], **heads)
     llm = moesaic.LLM(name, dtype="float32", max_num_batched_tokens=24, speculative_config=spec(folder))
+    assert isinstance(llm.engine.proposer, ExternalDsparkProposer)
     assert llm.engine.proposer.max_k == (4 if heads.get("sample_from_anchor") is False else 5)
     assert [o.token_ids for o in llm.generate(ps, sp)] == want
     s = llm.stats()["speculative"]

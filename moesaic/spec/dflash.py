@@ -24,6 +24,7 @@ The trained demo's drafter (docs/train_demo.md §4) is exactly this.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -331,8 +332,17 @@ def read_tensors(specs: list[TensorSpec], store: WeightStore, model, naming: Nam
     return Tensors(load_tensors(plan, store, model.dtype, model.device), plan.skipped_optional)
 
 
+def open_folder(folder) -> WeightStore:
+    """The drafter folder's store; a ConfigError naming the field when it holds no drafter config."""
+    if not (Path(folder) / "config.json").is_file():
+        raise ConfigError(
+            f"speculative config: field 'model': {folder} has no config.json (not a drafter folder)"
+        )
+    return WeightStore(folder)
+
+
 def load(model, target_cfg, folder) -> DFlashProposer:
-    store = WeightStore(folder)
+    store = open_folder(folder)
     raw = store.config
     dc = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
     if dc.get("projector_type", raw.get("projector_type")) == "dspark" or dc.get(

@@ -70,7 +70,6 @@ from ..models import deepseek_v41
 from ..models.deepseek_v4 import attention_inputs, attention_kv, attention_output
 from ..weights.bind import Tensors
 from ..weights.contract import Naming, TensorSpec
-from ..weights.store import WeightStore
 from . import dflash
 from .base import Draft
 from .mtp import draft_count
@@ -391,7 +390,7 @@ class ExternalDsparkProposer(dflash.DFlashProposer):
 
 
 def load_external(model, target_cfg, folder) -> ExternalDsparkProposer:
-    store = WeightStore(folder)
+    store = dflash.open_folder(folder)
     heads = parse_heads(store.config)
     cfg = dflash.parse_config(store.config, WHERE)
     dflash.check_against_target(cfg, model, target_cfg, WHERE)
