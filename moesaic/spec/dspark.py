@@ -347,6 +347,10 @@ class ExternalDsparkProposer(dflash.DFlashProposer):
     def confidence(self, seq_id: int) -> list[float]:
         return self.last_confidence.get(seq_id, [])
 
+    def start(self, seq_id: int) -> None:
+        super().start(seq_id)
+        self.last_confidence.pop(seq_id, None)
+
     def finish(self, seq_id: int) -> None:
         super().finish(seq_id)
         self.last_confidence.pop(seq_id, None)
