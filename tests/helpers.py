@@ -4,10 +4,14 @@ and the few steps every family test takes with them."""
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from moesaic.cache.batch import ForwardBatch
+from moesaic.weights.store import save_safetensors
 
 
 def randomize_(model, seed: int = 0, std: float = 0.2) -> None:
@@ -191,3 +195,122 @@ def run_cases_in_child(test_file: str, folder, env: dict) -> tuple[dict, str]:
             bad = [c.tag for c in tc if c.tag in ("failure", "error", "skipped")]
             outcomes[tc.get("name")] = bad[0] if bad else "passed"
     return outcomes, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- drafter checkpoints (spec tests)
+
+
+def write_drafter(
+    folder: Path, llm, taps, layers=2, heads=4, kv=2, head_dim=16, block=5, tensors=None, **overrides
+) -> Path:
+    """A random DFlash drafter (z-lab layout) for `llm`'s target; `tensors` (name -> tensor) are written
+    too, `overrides` replace config fields (the DSpark drafters of tests/test_spec_dspark_external.py)."""
+    d, vocab = llm.cfg.hidden_size, llm.cfg.vocab_size
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": d,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": 48,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": vocab,
+        "layer_types": ["full_attention"] * layers,
+        "block_size": block,
+        "num_target_layers": len(llm.model.layers),
+        "dflash_config": {"mask_token_id": 1, "target_layer_ids": list(taps), "block_size": block},
+    }
+    config.update(overrides)
+    g = torch.Generator().manual_seed(7)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+
+    def n(size):
+        return 1 + 0.1 * torch.randn(size, generator=g)
+
+    t = {"fc.weight": w(d, len(taps) * d), "hidden_norm.weight": n(d), "norm.weight": n(d)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        t.update(
+            {
+                p + "self_attn.q_proj.weight": w(heads * head_dim, d),
+                p + "self_attn.k_proj.weight": w(kv * head_dim, d),
+                p + "self_attn.v_proj.weight": w(kv * head_dim, d),
+                p + "self_attn.o_proj.weight": w(d, heads * head_dim),
+                p + "self_attn.q_norm.weight": n(head_dim),
+                p + "self_attn.k_norm.weight": n(head_dim),
+                p + "mlp.gate_proj.weight": w(48, d),
+                p + "mlp.up_proj.weight": w(48, d),
+                p + "mlp.down_proj.weight": w(d, 48),
+                p + "input_layernorm.weight": n(d),
+                p + "post_attention_layernorm.weight": n(d),
+            }
+        )
+    t.update(tensors or {})
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors(t, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def drafter_reference(folder: Path, model, committed: list[int], anchor: int) -> torch.Tensor:
+    """The DFlash backbone (docs/train_demo.md §4) written out on a full recompute (no cache): the
+    final-normed hidden [B, d] of every row of the block [anchor, MASK...] after the committed tokens,
+    from a plain prefill's taps (DFlash drafts from rows 1 .. B - 1, a DSpark drafter from all B)."""
+    from safetensors.torch import load_file
+
+    c = json.loads((folder / "config.json").read_text())
+    w = load_file(str(folder / "model.safetensors"))
+    dc = c.get("dflash_config", {})
+    B = dc.get("block_size", c["block_size"])
+    mask = dc.get("mask_token_id", c.get("mask_token_id"))
+    taps = dc.get("target_layer_ids", c.get("target_layer_ids"))
+    H, KV, hd, eps = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"]
+    batch = ForwardBatch.build([(model.new_state(), committed)])
+    batch.taps = tuple(taps)
+    model.forward(batch)
+    a = len(committed)
+
+    def rms(x, g):
+        return g * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x [n, h, hd]
+        ang = pos.double()[:, None] * c["rope_theta"] ** (-torch.arange(0, hd, 2).double() / hd)
+        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+        rot = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
+        return (x.double() * cos + rot.double() * sin).float()
+
+    ctx = rms(torch.cat([batch.tapped[L] for L in taps], -1) @ w["fc.weight"].T, w["hidden_norm.weight"])
+    x = model.embed[torch.tensor([anchor] + [mask] * (B - 1))].float()
+    pc, pb = torch.arange(a), torch.arange(a, a + B)
+    for i in range(c["num_hidden_layers"]):
+        p = f"layers.{i}."
+        xh = rms(x, w[p + "input_layernorm.weight"])
+        q = rope(
+            rms((xh @ w[p + "self_attn.q_proj.weight"].T).view(B, H, hd), w[p + "self_attn.q_norm.weight"]),
+            pb,
+        )
+
+        def kv(src, pos, n, p=p):
+            k = rms(
+                (src @ w[p + "self_attn.k_proj.weight"].T).view(n, KV, hd), w[p + "self_attn.k_norm.weight"]
+            )
+            return rope(k, pos), (src @ w[p + "self_attn.v_proj.weight"].T).view(n, KV, hd)
+
+        kc, vc = kv(ctx, pc, a)
+        kb, vb = kv(xh, pb, B)
+        K, V = torch.cat([kc, kb]), torch.cat([vc, vb])
+        o = torch.empty(B, H, hd)
+        for h in range(H):
+            g = h // (H // KV)
+            o[:, h] = torch.softmax(q[:, h] @ K[:, g].T * hd**-0.5, -1) @ V[:, g]
+        x = x + o.flatten(1) @ w[p + "self_attn.o_proj.weight"].T
+        xt = rms(x, w[p + "post_attention_layernorm.weight"])
+        mlp = F.silu(xt @ w[p + "mlp.gate_proj.weight"].T) * (xt @ w[p + "mlp.up_proj.weight"].T)
+        x = x + mlp @ w[p + "mlp.down_proj.weight"].T
+    return rms(x, w["norm.weight"])

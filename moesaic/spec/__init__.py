@@ -3,6 +3,8 @@ the registry that builds them, and the verification math the engine runs (verify
 
     LLM(model, speculative_config={"method": "dflash", "num_speculative_tokens": 7, "model": drafter_folder})
 
+"dspark" without a folder runs DeepSeek-V4.1's own stages; with one, an external DSpark drafter (any target).
+
 The engine verifies every drafting sequence's [last, d1..dk] in one target forward (mixed with other
 sequences' prefill and decode), accepts exactly (greedy: the target's argmax; sampled: rejection sampling
 against the draft distribution), and rolls the rejected rows back in every state kind.
@@ -41,7 +43,7 @@ PROPOSERS: dict[str, str] = {
     "mtp": "moesaic.spec.mtp:make_proposer",
     "dspark": "moesaic.spec.dspark:make_proposer",
 }
-EXTERNAL = ("dflash",)  # methods served by a separate drafter folder ("model")
+EXTERNAL = ("dflash", "dspark")  # methods served by a separate drafter folder ("model"), for any target
 
 _KEYS = {
     "method",

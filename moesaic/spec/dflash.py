@@ -11,6 +11,8 @@ block at once, non-causally, from the target's own hidden states.
                  x += down(silu(gate x̃) · up x̃),  x̃ = RMSNorm(x; post_attention_layernorm)
     drafts d_k = argmax W · RMSNorm(x_k; norm), k = 1 .. B - 1   (row 0, the anchor, predicts nothing)
 
+(A DSpark drafter, spec/dspark.py, is this backbone with its rows shifted by one and two small heads.)
+
 rope is Qwen3's (halves rotated) with `rope_theta`. The context K/V (each layer's own k_proj / v_proj of c)
 depend only on committed rows, so they are cached per sequence and per layer; the block's K/V are computed
 each round and never kept, so a rejected draft leaves nothing behind (z-lab crops its cache back to the
@@ -22,6 +24,7 @@ The trained demo's drafter (docs/train_demo.md §4) is exactly this.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -60,77 +63,79 @@ class DFlashConfig:
     layer_types: tuple[str, ...]
 
 
-def parse_config(raw: dict) -> DFlashConfig:
-    dc = section(raw, "dflash_config", WHERE)
+def parse_config(raw: dict, where: str = WHERE) -> DFlashConfig:
+    """The backbone's config. `mask_token_id` and `target_layer_ids` sit in `dflash_config` (z-lab) or at
+    the top level (standalone DSpark drafters such as Kimi K3's `K3DSparkModel`)."""
+    dc = section(raw, "dflash_config", where)
     block = dc.get("block_size", raw.get("block_size", 16))
     if not isinstance(block, int) or isinstance(block, bool) or block < 2:
-        raise ConfigError(f"{WHERE}: field 'block_size' must be an integer >= 2, got {block!r}")
-    mask = dc.get("mask_token_id")
+        raise ConfigError(f"{where}: field 'block_size' must be an integer >= 2, got {block!r}")
+    mask = dc.get("mask_token_id", raw.get("mask_token_id"))
     if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
-        raise ConfigError(f"{WHERE}: field 'dflash_config.mask_token_id' must be a token id, got {mask!r}")
-    taps = dc.get("target_layer_ids")
+        raise ConfigError(f"{where}: field 'dflash_config.mask_token_id' must be a token id, got {mask!r}")
+    taps = dc.get("target_layer_ids", raw.get("target_layer_ids"))
     if not isinstance(taps, list) or not taps or not all(isinstance(t, int) and t >= 0 for t in taps):
         raise ConfigError(
-            f"{WHERE}: field 'dflash_config.target_layer_ids' must be a list of layer indices, got {taps!r}"
+            f"{where}: field 'dflash_config.target_layer_ids' must be a list of layer indices, got {taps!r}"
         )
     n = raw.get("num_hidden_layers")
     types = raw.get("layer_types") or ["full_attention"] * (n if isinstance(n, int) else 0)
     if any(t != "full_attention" for t in types):
         raise ConfigError(
-            f"{WHERE}: field 'layer_types' is {types!r}; only full_attention drafter layers are supported "
+            f"{where}: field 'layer_types' is {types!r}; only full_attention drafter layers are supported "
             "(sliding-window drafter layers are not implemented)"
         )
     rope = raw.get("rope_scaling") or raw.get("rope_parameters")
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConfigError(f"{WHERE}: field 'rope_scaling' {rope!r} is not supported (plain rope only)")
+        raise ConfigError(f"{where}: field 'rope_scaling' {rope!r} is not supported (plain rope only)")
     cfg = read_config(
         DFlashConfig,
         raw,
-        WHERE,
+        where,
         block_size=block,
         mask_token_id=mask,
         target_layer_ids=tuple(taps),
         layer_types=tuple(types),
     )
     if cfg.hidden_act != "silu":
-        raise ConfigError(f"{WHERE}: field 'hidden_act' must be 'silu', got {cfg.hidden_act!r}")
+        raise ConfigError(f"{where}: field 'hidden_act' must be 'silu', got {cfg.hidden_act!r}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise ConfigError(
-            f"{WHERE}: field 'num_key_value_heads' ({cfg.num_key_value_heads}) must divide "
+            f"{where}: field 'num_key_value_heads' ({cfg.num_key_value_heads}) must divide "
             f"num_attention_heads ({cfg.num_attention_heads})"
         )
     return cfg
 
 
-def check_against_target(cfg: DFlashConfig, model, target_cfg) -> None:
+def check_against_target(cfg: DFlashConfig, model, target_cfg, where: str = WHERE) -> None:
     """A ConfigError naming the drafter's field that does not fit the target."""
     d, vocab = target_cfg.hidden_size, target_cfg.vocab_size
     layers = len(model.layers)
     if cfg.hidden_size != d:
         raise ConfigError(
-            f"{WHERE}: field 'hidden_size' is {cfg.hidden_size}, the target's hidden size is {d}"
+            f"{where}: field 'hidden_size' is {cfg.hidden_size}, the target's hidden size is {d}"
         )
     if cfg.vocab_size != vocab:
         raise ConfigError(
-            f"{WHERE}: field 'vocab_size' is {cfg.vocab_size}, the target's vocabulary is {vocab}"
+            f"{where}: field 'vocab_size' is {cfg.vocab_size}, the target's vocabulary is {vocab}"
         )
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != vocab:
         raise ConfigError(
-            f"{WHERE}: field 'draft_vocab_size' is {cfg.draft_vocab_size}: drafters with a reduced vocabulary "
+            f"{where}: field 'draft_vocab_size' is {cfg.draft_vocab_size}: drafters with a reduced vocabulary "
             f"are not supported (the target's is {vocab})"
         )
     if cfg.num_target_layers is not None and cfg.num_target_layers != layers:
         raise ConfigError(
-            f"{WHERE}: field 'num_target_layers' is {cfg.num_target_layers}, the target has {layers} layers"
+            f"{where}: field 'num_target_layers' is {cfg.num_target_layers}, the target has {layers} layers"
         )
     bad = [t for t in cfg.target_layer_ids if t >= layers]
     if bad:
         raise ConfigError(
-            f"{WHERE}: field 'dflash_config.target_layer_ids' names layers {bad}; the target has {layers}"
+            f"{where}: field 'dflash_config.target_layer_ids' names layers {bad}; the target has {layers}"
         )
     if cfg.mask_token_id >= vocab:
         raise ConfigError(
-            f"{WHERE}: field 'dflash_config.mask_token_id' is {cfg.mask_token_id}, outside the vocabulary ({vocab})"
+            f"{where}: field 'dflash_config.mask_token_id' is {cfg.mask_token_id}, outside the vocabulary ({vocab})"
         )
 
 
@@ -183,12 +188,16 @@ class DraftLayer:
 
 
 class DFlashProposer:
+    """The block backbone. `first_row`: the first block row that predicts a token (DFlash: 1, the anchor
+    row 0 predicts nothing; a DSpark drafter, spec/dspark.py: 0, row j predicts the token after row j)."""
+
     method = "dflash"
 
-    def __init__(self, model, cfg: DFlashConfig, t: Tensors):
+    def __init__(self, model, cfg: DFlashConfig, t: Tensors, first_row: int = 1):
         self.cfg = cfg
         self.taps = cfg.target_layer_ids
-        self.max_k = cfg.block_size - 1
+        self.first_row = first_row
+        self.max_k = cfg.block_size - first_row
         self.embed, self.lm_head = model.embed, model.lm_head
         self.dtype, self.device = model.dtype, model.device
         self.fc = t("fc.weight")
@@ -273,12 +282,17 @@ class DFlashProposer:
         self.context[seq_id].append(**rows)
 
     def propose(self, requests: list[tuple[int, int, int]]) -> list[Draft]:
-        drafts = self.block_logits(requests).argmax(-1)  # [S, B - 1]
+        drafts = self.block_logits(requests).argmax(-1)  # [S, max_k]
         return [Draft(drafts[j, :k].tolist()) for j, (_, _, k) in enumerate(requests)]
 
     @torch.inference_mode()
     def block_logits(self, requests: list[tuple[int, int, int]]) -> torch.Tensor:
-        """fp32 logits [S, B - 1, vocab] of block rows 1 .. B - 1 for each (seq, last token, k)."""
+        """fp32 logits [S, max_k, vocab] of the predicting block rows for each (seq, last token, k)."""
+        return linear(self.block_hidden(requests), self.lm_head).float()
+
+    @torch.inference_mode()
+    def block_hidden(self, requests: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The final-normed hidden [S, max_k, d] of block rows first_row .. B - 1 (what lm_head reads)."""
         c, B = self.cfg, self.cfg.block_size
         S = len(requests)
         ids = torch.full((S, B), c.mask_token_id, dtype=torch.long, device=self.device)
@@ -304,20 +318,43 @@ class DFlashProposer:
             x = x + linear(out, w.o)
             h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
             x = x + linear(F.silu(linear(h, w.gate)) * linear(h, w.up), w.down)
-        x = x.view(S, B, -1)[:, 1:]  # row 0 is the anchor
-        return linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
+        x = x.view(S, B, -1)[:, self.first_row :]
+        return rms_norm(x, self.norm, c.rms_norm_eps)
 
     def finish(self, seq_id: int) -> None:
         self.context.pop(seq_id, None)
         self.length.pop(seq_id, None)
 
 
+def read_tensors(specs: list[TensorSpec], store: WeightStore, model, naming: Naming = NAMING) -> Tensors:
+    """The drafter's tensors, checked against `specs` (one CheckpointError), in the target's dtype."""
+    plan = plan_load(specs, store, naming)
+    return Tensors(load_tensors(plan, store, model.dtype, model.device), plan.skipped_optional)
+
+
+def open_folder(folder) -> WeightStore:
+    """The drafter folder's store; a ConfigError naming the field when it holds no drafter config."""
+    if not (Path(folder) / "config.json").is_file():
+        raise ConfigError(
+            f"speculative config: field 'model': {folder} has no config.json (not a drafter folder)"
+        )
+    return WeightStore(folder)
+
+
 def load(model, target_cfg, folder) -> DFlashProposer:
-    store = WeightStore(folder)
-    cfg = parse_config(store.config)
+    store = open_folder(folder)
+    raw = store.config
+    dc = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    if dc.get("projector_type", raw.get("projector_type")) == "dspark" or dc.get(
+        "markov_rank", raw.get("markov_rank")
+    ):
+        raise ConfigError(
+            f"{WHERE}: fields 'projector_type' / 'markov_rank' say this is a DSpark drafter (its rows are "
+            "shifted by one and it has a Markov head): use method 'dspark' with this folder"
+        )
+    cfg = parse_config(raw)
     check_against_target(cfg, model, target_cfg)
-    plan = plan_load(tensor_specs(cfg), store, NAMING)
-    tensors = Tensors(load_tensors(plan, store, model.dtype, model.device), plan.skipped_optional)
+    tensors = read_tensors(tensor_specs(cfg), store, model)
     proposer = DFlashProposer(model, cfg, tensors)
     tensors.check_all_taken()
     return proposer
