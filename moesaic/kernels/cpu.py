@@ -56,6 +56,8 @@ __all__ = [
     "fp8_matmul",
     "fp4_matmul",
     "fp8_block_ok",
+    "rms_norm",
+    "rope",
     "stats",
 ]
 
@@ -96,7 +98,7 @@ def load(verbose: bool = False):
         _state["mod"] = load_inline(
             name=_build_name(),
             cpp_sources=CPP,
-            functions=["gemm", "read_bytes", "has_avx2", "sinkhorn"],
+            functions=["gemm", "read_bytes", "has_avx2", "sinkhorn", "rms_norm", "rope"],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=verbose,
@@ -266,6 +268,70 @@ def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:
         return False
     _state["mod"].sinkhorn(c, iters, eps)
     return True
+
+
+# Lanes of torch's Vectorized<float> in the kernels torch dispatches to (torch.backends.cpu): its row
+# sums go by vectors of that many lanes, and the fused norm sums in the same order. Other builds (ARM,
+# POWER, ...) keep the torch code.
+_SUM_LANES = {"DEFAULT": 8, "NO AVX": 8, "AVX2": 8, "AVX512": 16}.get(
+    torch.backends.cpu.get_cpu_capability(), 0
+)
+_TY = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_NORM_WIDTH = 16384  # wider rows: torch may split one row's sum between threads (a 32768-value grain)
+FUSED_PARALLEL = 1 << 15  # elements from which the fused norm / rope use torch's threads
+
+
+def _fused_mod(*ts):
+    """The compiled module when the fused norm / rope serve these tensors (CPU, fp32/bf16/fp16, no
+    autograd), else None."""
+    for t in ts:
+        if not (t.is_cpu and t.dtype in _TY):
+            return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return None
+    if not enabled():
+        return None
+    return _state["mod"] if _state["tried"] else load()
+
+
+def rms_norm(x, w, eps: float, pre, mid, out):
+    """`rnd_out(w * rnd_mid(x' * rsqrt(mean(x'^2) + eps)))` with x' = rnd_pre(x), each rnd a rounding to
+    that dtype (None or fp32: none), over the last dim of x, in one call: the float operations of
+    layers/norms.py's torch code in its order, the mean's sum in torch's order (`_SUM_LANES`), so the
+    same bits. None (nothing done) where it does not apply: the caller runs the torch code."""
+    d = x.shape[-1] if x.dim() else 0
+    if not (_SUM_LANES and 0 < d <= MAX_NORM_WIDTH and x.stride(-1) == 1 and w.shape == (d,)):
+        return None
+    mod = _fused_mod(x, w)
+    if mod is None:
+        return None
+    x2 = x if x.dim() == 2 else x.reshape(-1, d)
+    threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    pre, mid = _TY.get(pre, 0), _TY.get(mid, 0)
+    y = mod.rms_norm(x2, w.contiguous(), eps, pre, mid, _TY[out], _SUM_LANES, threads)
+    return y if x.dim() == 2 else y.view(x.shape)
+
+
+def rope(x, cos, sin, layout: int):
+    """layers/rope.py's rotations in one call (layout 0 rope_interleaved, 1 rope_half, 2 rope_pairs): x [n,
+    ..., dim] (last dim contiguous), cos/sin [n, dim/2] rounded to x's dtype first, the same roundings as
+    the torch code; None where it does not apply."""
+    if not (
+        x.dim() >= 2
+        and x.stride(-1) == 1
+        and cos.dim() == 2
+        and cos.shape == sin.shape
+        and cos.shape[0] == x.shape[0]
+        and 2 * cos.shape[1] == x.shape[-1]
+    ):
+        return None
+    mod = _fused_mod(x, cos, sin)
+    if mod is None:
+        return None
+    x3 = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
+    threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    y = mod.rope(x3, cos.contiguous(), sin.contiguous(), layout, threads)
+    return y if x.dim() == 3 else y.view(x.shape)
 
 
 def rows_fit(offs) -> bool:
