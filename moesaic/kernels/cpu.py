@@ -5,6 +5,8 @@ weights, for one matrix or all selected experts of a MoE step in one call.
     grouped_linear(x, w, offs)                   dense bf16 expert stack [E, N, K], x rows grouped
     bf16_matmul / fp8_matmul / fp4_matmul        the raw kernels over plain tensors (codes, scales,
                                                  block or group sizes); `offs` makes them grouped
+    rms_norm(x, w, eps, pre, mid, out)           layers/norms.py's RMSNorm orders in one call
+    rope(x, cos, sin, layout)                    layers/rope.py's three rotations in one call
 
 Grouped form (what `run_experts` builds): x [T, K] holds the rows of expert 0, then expert 1, ...;
 `offs` [E] (int32/int64, as for torch's grouped_mm) are the cumulative end rows, so expert e owns rows
@@ -23,6 +25,10 @@ group/block scale is applied in fp32 to each group's partial sum), products accu
 and each output is rounded once to the output's dtype. The result matches the fp32 reference
 (dequantize in fp32, then matmul) to fp32 rounding; only the summation order differs. One exception:
 E4M3 NaN codes (0x7F/0xFF, which no encoder writes) decode as +-480 instead of NaN.
+
+The fused norm and rope (inference only: autograd keeps the torch code) give the torch code's bits: the
+same float operations and roundings, no FMA contraction, and the norm's mean summed in the order of
+torch's own row sum (which depends on the vector width of the kernels torch dispatches to: `_SUM_LANES`).
 
 Thread count: `threads_for` picks it per call from the weight bytes and rows (small matrices run on
 one thread: see the oversubscription trap in docs/perf.md), never more than torch.get_num_threads().

@@ -25,6 +25,10 @@ weight rows, so that a block of x stays in L1 and the weights' block in L2 while
 activation rows passes over them (run_item). Work items (expert, block of weight rows) are shared out
 by OpenMP with the thread count the caller chooses.
 
+Also small fused routines that replace chains of small torch ops with the same float operations (the
+per-step overhead of a decode step): mHC's Sinkhorn rounds, RMSNorm (one pass per row; the mean of the
+squares summed in the order of torch's cascade sum) and rope.
+
 Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compiler targets them
 (`__AVX2__`, `__FMA__`, `__F16C__`), the portable scalar path (same math, row decoded to fp32 first)
 everywhere and on request (`generic`). No AVX-512 path yet: it could not be tested where this was
