@@ -5,6 +5,8 @@ weights, for one matrix or all selected experts of a MoE step in one call.
     grouped_linear(x, w, offs)                   dense bf16 expert stack [E, N, K], x rows grouped
     bf16_matmul / fp8_matmul / fp4_matmul        the raw kernels over plain tensors (codes, scales,
                                                  block or group sizes); `offs` makes them grouped
+    rms_norm(x, w, eps, pre, mid, out)           layers/norms.py's RMSNorm orders in one call
+    rope(x, cos, sin, layout)                    layers/rope.py's three rotations in one call
 
 Grouped form (what `run_experts` builds): x [T, K] holds the rows of expert 0, then expert 1, ...;
 `offs` [E] (int32/int64, as for torch's grouped_mm) are the cumulative end rows, so expert e owns rows
@@ -23,6 +25,10 @@ group/block scale is applied in fp32 to each group's partial sum), products accu
 and each output is rounded once to the output's dtype. The result matches the fp32 reference
 (dequantize in fp32, then matmul) to fp32 rounding; only the summation order differs. One exception:
 E4M3 NaN codes (0x7F/0xFF, which no encoder writes) decode as +-480 instead of NaN.
+
+The fused norm and rope (inference only: autograd keeps the torch code) give the torch code's bits: the
+same float operations and roundings, no FMA contraction, and the norm's mean summed in the order of
+torch's own row sum (which depends on the vector width of the kernels torch dispatches to: `_SUM_LANES`).
 
 Thread count: `threads_for` picks it per call from the weight bytes and rows (small matrices run on
 one thread: see the oversubscription trap in docs/perf.md), never more than torch.get_num_threads().
@@ -56,6 +62,8 @@ __all__ = [
     "fp8_matmul",
     "fp4_matmul",
     "fp8_block_ok",
+    "rms_norm",
+    "rope",
     "stats",
 ]
 
@@ -96,7 +104,7 @@ def load(verbose: bool = False):
         _state["mod"] = load_inline(
             name=_build_name(),
             cpp_sources=CPP,
-            functions=["gemm", "read_bytes", "has_avx2", "sinkhorn"],
+            functions=["gemm", "read_bytes", "has_avx2", "sinkhorn", "rms_norm", "rope"],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=verbose,
@@ -266,6 +274,70 @@ def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:
         return False
     _state["mod"].sinkhorn(c, iters, eps)
     return True
+
+
+# Lanes of torch's Vectorized<float> in the kernels torch dispatches to (torch.backends.cpu): its row
+# sums go by vectors of that many lanes, and the fused norm sums in the same order. Other builds (ARM,
+# POWER, ...) keep the torch code.
+_SUM_LANES = {"DEFAULT": 8, "NO AVX": 8, "AVX2": 8, "AVX512": 16}.get(
+    torch.backends.cpu.get_cpu_capability(), 0
+)
+_TY = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_NORM_WIDTH = 16384  # wider rows: torch may split one row's sum between threads (a 32768-value grain)
+FUSED_PARALLEL = 1 << 15  # elements from which the fused norm / rope use torch's threads
+
+
+def _fused_mod(*ts):
+    """The compiled module when the fused norm / rope serve these tensors (CPU, fp32/bf16/fp16, no
+    autograd), else None."""
+    for t in ts:
+        if not (t.is_cpu and t.dtype in _TY):
+            return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return None
+    if not enabled():
+        return None
+    return _state["mod"] if _state["tried"] else load()
+
+
+def rms_norm(x, w, eps: float, pre, mid, out):
+    """`rnd_out(w * rnd_mid(x' * rsqrt(mean(x'^2) + eps)))` with x' = rnd_pre(x), each rnd a rounding to
+    that dtype (None or fp32: none), over the last dim of x, in one call: the float operations of
+    layers/norms.py's torch code in its order, the mean's sum in torch's order (`_SUM_LANES`), so the
+    same bits. None (nothing done) where it does not apply: the caller runs the torch code."""
+    d = x.shape[-1] if x.dim() else 0
+    if not (_SUM_LANES and 0 < d <= MAX_NORM_WIDTH and x.stride(-1) == 1 and w.shape == (d,)):
+        return None
+    mod = _fused_mod(x, w)
+    if mod is None:
+        return None
+    x2 = x if x.dim() == 2 else x.reshape(-1, d)
+    threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    pre, mid = _TY.get(pre, 0), _TY.get(mid, 0)
+    y = mod.rms_norm(x2, w.contiguous(), eps, pre, mid, _TY[out], _SUM_LANES, threads)
+    return y if x.dim() == 2 else y.view(x.shape)
+
+
+def rope(x, cos, sin, layout: int):
+    """layers/rope.py's rotations in one call (layout 0 rope_interleaved, 1 rope_half, 2 rope_pairs): x [n,
+    ..., dim] (last dim contiguous), cos/sin [n, dim/2] rounded to x's dtype first, the same roundings as
+    the torch code; None where it does not apply."""
+    if not (
+        x.dim() >= 2
+        and x.stride(-1) == 1
+        and cos.dim() == 2
+        and cos.shape == sin.shape
+        and cos.shape[0] == x.shape[0]
+        and 2 * cos.shape[1] == x.shape[-1]
+    ):
+        return None
+    mod = _fused_mod(x, cos, sin)
+    if mod is None:
+        return None
+    x3 = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
+    threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    y = mod.rope(x3, cos.contiguous(), sin.contiguous(), layout, threads)
+    return y if x.dim() == 3 else y.view(x.shape)
 
 
 def rows_fit(offs) -> bool:

@@ -25,6 +25,10 @@ weight rows, so that a block of x stays in L1 and the weights' block in L2 while
 activation rows passes over them (run_item). Work items (expert, block of weight rows) are shared out
 by OpenMP with the thread count the caller chooses.
 
+Also small fused routines that replace chains of small torch ops with the same float operations (the
+per-step overhead of a decode step): mHC's Sinkhorn rounds, RMSNorm (one pass per row; the mean of the
+squares summed in the order of torch's cascade sum) and rope.
+
 Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compiler targets them
 (`__AVX2__`, `__FMA__`, `__F16C__`), the portable scalar path (same math, row decoded to fp32 first)
 everywhere and on request (`generic`). No AVX-512 path yet: it could not be tested where this was
@@ -632,6 +636,233 @@ void sinkhorn(torch::Tensor c, int64_t iters, double eps_d) {
         }
     }
 }
+
+// ---- Fused RMSNorm and rope for inference on the CPU: the float operations of layers/norms.py and
+// layers/rope.py, in their order, with their roundings, in one pass (torch spends 8-13 small ops on each).
+// No FMA contraction here: torch rounds every product.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace {
+enum Ty { F32 = 0, BF16T = 1, F16T = 2 };  // a storage / rounding type
+
+inline float bf16_bits_to_f32(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+inline uint16_t f32_to_bf16_bits(float f) {  // nearest even, NaN kept quiet (c10::BFloat16's rounding)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return f != f ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+// A row of n values of type t <-> fp32, and an fp32 row rounded to t in place: one loop per type, so
+// that each vectorises.
+void load_row(int t, const void* p, float* y, int64_t n) {
+    if (t == BF16T) {
+        const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+        for (int64_t k = 0; k < n; ++k) y[k] = bf16_bits_to_f32(q[k]);
+    } else if (t == F16T) {
+        const c10::Half* q = reinterpret_cast<const c10::Half*>(p);
+        for (int64_t k = 0; k < n; ++k) y[k] = (float)q[k];
+    } else {
+        std::memcpy(y, p, n * sizeof(float));
+    }
+}
+void store_row(int t, const float* y, void* p, int64_t n) {
+    if (t == BF16T) {
+        uint16_t* q = reinterpret_cast<uint16_t*>(p);
+        for (int64_t k = 0; k < n; ++k) q[k] = f32_to_bf16_bits(y[k]);
+    } else if (t == F16T) {
+        c10::Half* q = reinterpret_cast<c10::Half*>(p);
+        for (int64_t k = 0; k < n; ++k) q[k] = c10::Half(y[k]);
+    } else {
+        std::memcpy(p, y, n * sizeof(float));
+    }
+}
+void round_row(int t, float* y, int64_t n) {
+    if (t == BF16T)
+        for (int64_t k = 0; k < n; ++k) y[k] = bf16_bits_to_f32(f32_to_bf16_bits(y[k]));
+    else if (t == F16T)
+        for (int64_t k = 0; k < n; ++k) y[k] = (float)c10::Half(y[k]);
+}
+int ty_of(const torch::Tensor& t) {
+    auto d = t.scalar_type();
+    TORCH_CHECK(d == torch::kFloat32 || d == torch::kBFloat16 || d == torch::kHalf, "fp32/bf16/fp16 only");
+    return d == torch::kBFloat16 ? BF16T : d == torch::kHalf ? F16T : F32;
+}
+torch::ScalarType st_of(int64_t t) { return t == BF16T ? torch::kBFloat16 : t == F16T ? torch::kHalf : torch::kFloat32; }
+
+// torch's sum of a contiguous fp32 row (cascade_sum in aten/src/ATen/native/cpu/SumKernel.cpp): items of L
+// lanes (vectors, or L = 1 scalars) taken 4 at a time into 4 accumulators, which spill every 2^p items
+// into a 4-level cascade (p = max(4, ceil_log2(items / 4) / 4)); leftover items go to the first; the
+// four are folded in order.
+template <int L>
+void row_sum(const float* s, int64_t items, float out[L]) {
+    const int64_t size = items / 4;
+    int64_t cl = 1;  // CeilLog2(size) as torch's utils::CeilLog2 (1 for size <= 2)
+    if (size > 2) { cl = 0; while ((int64_t(1) << cl) < size) ++cl; }
+    const int64_t lp = std::max<int64_t>(4, cl / 4), step = int64_t(1) << lp, mask = step - 1;
+    float acc[4][4][L];
+    std::fill_n(&acc[0][0][0], 16 * L, 0.f);
+    int64_t i = 0;
+    auto add_item = [&](int64_t item, float* a) { for (int l = 0; l < L; ++l) a[l] += s[item * L + l]; };
+    for (; i + step <= size;) {
+        for (int64_t j = 0; j < step; ++j, ++i)
+            for (int k = 0; k < 4; ++k) add_item(i * 4 + k, acc[0][k]);
+        for (int j = 1; j < 4; ++j) {
+            for (int k = 0; k < 4; ++k)
+                for (int l = 0; l < L; ++l) { acc[j][k][l] += acc[j - 1][k][l]; acc[j - 1][k][l] = 0.f; }
+            if ((i & (mask << (j * lp))) != 0) break;
+        }
+    }
+    for (; i < size; ++i)
+        for (int k = 0; k < 4; ++k) add_item(i * 4 + k, acc[0][k]);
+    for (int j = 1; j < 4; ++j)
+        for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
+    for (int64_t it = size * 4; it < items; ++it) add_item(it, acc[0][0]);
+    for (int k = 1; k < 4; ++k)
+        for (int l = 0; l < L; ++l) acc[0][0][l] += acc[0][k][l];
+    for (int l = 0; l < L; ++l) out[l] = acc[0][0][l];
+}
+
+// The whole row as torch sums it: rows of at least W values as vectors of W lanes (W = the lanes of
+// torch's Vectorized<float> in the build it dispatches to), then the scalar tail from 0, then the lanes
+// in order; shorter rows as scalars.
+template <int W>
+float torch_sum(const float* s, int64_t n) {
+    if (n < W) { float r[1]; row_sum<1>(s, n, r); return r[0]; }
+    const int64_t nv = n / W;
+    float lanes[W];
+    row_sum<W>(s, nv, lanes);
+    float acc = 0.f;
+    for (int64_t k = nv * W; k < n; ++k) acc += s[k];
+    for (int l = 0; l < W; ++l) acc += lanes[l];
+    return acc;
+}
+}  // namespace
+
+// y = rnd_out(w * rnd_mid(x' * rsqrt(mean(x'^2) + eps))), x' = rnd_pre(x), per row of x [R, D] (rows
+// strided, values contiguous): layers/norms.py's three orders are choices of pre / mid / out.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t pre, int64_t mid, int64_t out_ty,
+                       int64_t lanes, int64_t nthreads) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1),
+                "rms_norm: x [R, D] with contiguous rows, w [D]");
+    TORCH_CHECK(lanes == 8 || lanes == 16, "rms_norm: 8 or 16 lanes");
+    const int64_t R = x.size(0), D = x.size(1), xs = x.stride(0);
+    const int tx = ty_of(x);
+    auto out = torch::empty({R, D}, x.options().dtype(st_of(out_ty)));
+    const char* xp = reinterpret_cast<const char*>(x.data_ptr());
+    char* op = reinterpret_cast<char*>(out.data_ptr());
+    const int64_t xe = x.element_size(), oe = out.element_size();
+    const float eps = (float)eps_d, fd = (float)D;
+    std::vector<float> wf(D);
+    load_row(ty_of(w), w.data_ptr(), wf.data(), D);
+    auto rows = [&](int64_t r0, int64_t r1) {  // rows r0..r1-1 with their own buffers
+        std::vector<float> xv(D), sq(D);
+        float* v = xv.data();
+        for (int64_t r = r0; r < r1; ++r) {
+            load_row(tx, xp + r * xs * xe, v, D);
+            round_row((int)pre, v, D);
+            for (int64_t k = 0; k < D; ++k) sq[k] = v[k] * v[k];
+            const float sum = lanes == 8 ? torch_sum<8>(sq.data(), D) : torch_sum<16>(sq.data(), D);
+            const float inv = 1.f / std::sqrt(sum / fd + eps);
+            for (int64_t k = 0; k < D; ++k) v[k] = v[k] * inv;
+            round_row((int)mid, v, D);
+            for (int64_t k = 0; k < D; ++k) v[k] = wf[k] * v[k];
+            store_row((int)out_ty, v, op + r * D * oe, D);
+        }
+    };
+    if (nthreads > 1 && R > 1) {
+#pragma omp parallel num_threads((int)nthreads)
+        {
+            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+            rows(R * id / nt, R * (id + 1) / nt);
+        }
+    } else {
+        rows(0, R);
+    }
+    return out;
+}
+
+// Rotary embedding of x [n, M, dim] (values contiguous) by cos/sin [n, dim/2] (contiguous, rounded to x's
+// dtype first), into a new contiguous tensor. layout 0: pairs (x[2i], x[2i+1]) out as [evens | odds]
+// (rope_interleaved); 1: pairs (x[i], x[i + dim/2]) (rope_half); both compute a*c - b*s and b*c + a*s in
+// x's dtype, every product and sum rounded to it. 2: pairs (x[2i], x[2i+1]) kept in place, in fp32, one
+// rounding at the end (rope_pairs).
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t layout, int64_t nthreads) {
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope: x [n, M, dim], dim even");
+    const int64_t n = x.size(0), M = x.size(1), dim = x.size(2), h = dim / 2;
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == n &&
+                cos.size(1) == h && sin.sizes() == cos.sizes(), "rope: cos/sin [n, dim/2] contiguous");
+    const int t = ty_of(x), tc = ty_of(cos), ts = ty_of(sin);
+    auto out = torch::empty({n, M, dim}, x.options());
+    const char* xp = reinterpret_cast<const char*>(x.data_ptr());
+    char* op = reinterpret_cast<char*>(out.data_ptr());
+    const int64_t xe = x.element_size(), s0 = x.stride(0), s1 = x.stride(1);
+    const int64_t ce = cos.element_size(), se = sin.element_size();
+    const char* cp = reinterpret_cast<const char*>(cos.data_ptr());
+    const char* sp = reinterpret_cast<const char*>(sin.data_ptr());
+    auto rows = [&](int64_t i0, int64_t i1) {  // rows i0..i1-1 of [n * M] with their own buffers
+        std::vector<float> c(h), s(h), xv(dim), a(h), b(h), as(h), bs(h), y(dim);
+        int64_t last = -1;
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t p = i / M, m = i % M;
+            if (p != last) {  // this position's cos/sin, rounded to x's dtype
+                load_row(tc, cp + p * h * ce, c.data(), h);
+                load_row(ts, sp + p * h * se, s.data(), h);
+                round_row(t, c.data(), h);
+                round_row(t, s.data(), h);
+                last = p;
+            }
+            load_row(t, xp + (p * s0 + m * s1) * xe, xv.data(), dim);
+            for (int64_t j = 0; j < h; ++j) {  // the pair (a, b)
+                a[j] = xv[layout == 1 ? j : 2 * j];
+                b[j] = xv[layout == 1 ? j + h : 2 * j + 1];
+            }
+            float* y0 = y.data();
+            float* y1 = y.data() + h;
+            for (int64_t j = 0; j < h; ++j) {
+                y0[j] = a[j] * c[j];
+                y1[j] = b[j] * c[j];
+                as[j] = a[j] * s[j];
+                bs[j] = b[j] * s[j];
+            }
+            if (layout == 2) {  // in place, fp32 sums, one rounding
+                for (int64_t j = 0; j < h; ++j) {
+                    xv[2 * j] = y0[j] + (-bs[j]);
+                    xv[2 * j + 1] = y1[j] + as[j];
+                }
+                store_row(t, xv.data(), op + i * dim * xe, dim);
+                continue;
+            }
+            round_row(t, y.data(), dim);  // every product in x's dtype, then the sums
+            round_row(t, as.data(), h);
+            round_row(t, bs.data(), h);
+            for (int64_t j = 0; j < h; ++j) {
+                y0[j] = y0[j] - bs[j];
+                y1[j] = y1[j] + as[j];
+            }
+            store_row(t, y.data(), op + i * dim * xe, dim);
+        }
+    };
+    const int64_t N = n * M;
+    if (nthreads > 1 && N > 1) {
+#pragma omp parallel num_threads((int)nthreads)
+        {
+            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+            rows(N * id / nt, N * (id + 1) / nt);
+        }
+    } else {
+        rows(0, N);
+    }
+    return out;
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 bool has_avx2() {
 #if defined(MOESAIC_AVX2)

@@ -1,11 +1,20 @@
-"""RMSNorm in the two numerics the released references use."""
+"""RMSNorm in the orders the released references use. On the CPU, for inference, each is one call of the
+compiled kernels (kernels/cpu.py `rms_norm`: the same float operations, roundings and sum order, so the
+same bits) instead of eight small torch ops; the torch code below is the reference and what runs
+elsewhere, under autograd and with MOESAIC_CPU_KERNELS=0."""
 
 import torch
+
+from ..kernels import cpu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`w * (x / rms(x))`: normalise in fp32, round to the input dtype, then scale by the weight
     (the order of the Llama/DeepSeek/Mistral references; the weight is never `1 + w`)."""
+    out = x.dtype if weight.dtype == x.dtype else torch.promote_types(weight.dtype, x.dtype)
+    y = cpu.rms_norm(x, weight, eps, None, x.dtype, out)
+    if y is not None:
+        return y
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -15,6 +24,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Nemotron-H's order: cast to the weight dtype, normalise and multiply by the weight in fp32,
     then cast back."""
+    y = cpu.rms_norm(x, weight, eps, weight.dtype, None, weight.dtype)
+    if y is not None:
+        return y
     dtype = weight.dtype
     xf = x.to(dtype).float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -24,6 +36,9 @@ def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 def rms_norm_cast_once(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeepSeek-V4's order: normalise in fp32, multiply by the (fp32) weight in fp32, cast to the
     input dtype once."""
+    y = cpu.rms_norm(x, weight, eps, None, None, x.dtype)
+    if y is not None:
+        return y
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import declared, positive
+from ..kernels import cpu
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +83,11 @@ def cos_sin(
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates pairs (x[2i], x[2i+1]) by the pair's angle and writes the result de-interleaved
-    as [rotated evens | rotated odds]. x: [n, ..., dim]; cos/sin: [n, dim/2]."""
+    as [rotated evens | rotated odds]. x: [n, ..., dim]; cos/sin: [n, dim/2]. The three rotations are one
+    compiled call each on the CPU for inference (kernels/cpu.py `rope`, the same roundings)."""
+    y = cpu.rope(x, cos, sin, 0)
+    if y is not None:
+        return y
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     c = cos.view(shape).to(x.dtype)
     s = sin.view(shape).to(x.dtype)
@@ -92,6 +97,9 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The GPT-NeoX layout: rotates (x[i], x[i + dim/2]) pairs."""
+    y = cpu.rope(x, cos, sin, 1)
+    if y is not None:
+        return y
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     c = cos.view(shape).to(x.dtype)
     s = sin.view(shape).to(x.dtype)
@@ -105,6 +113,9 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     layout; `rope_interleaved` writes [evens | odds] instead). Computed in fp32 with cos/sin rounded
     to x's dtype first (as transformers does), returned in x's dtype. x: [n, ..., dim]; cos/sin:
     [n, dim/2]. Pass -sin for the inverse rotation."""
+    y = cpu.rope(x, cos, sin, 2)
+    if y is not None:
+        return y
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1] * 2,)
     c = cos.to(x.dtype).float().repeat_interleave(2, dim=-1).view(shape)
     s = sin.to(x.dtype).float().repeat_interleave(2, dim=-1).view(shape)

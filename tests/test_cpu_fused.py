@@ -1,0 +1,162 @@
+"""Issue 18 item 2: the fused CPU RMSNorm and rope (kernels/cpu.py `rms_norm` / `rope`) give the torch code's
+bits (layers/norms.py, layers/rope.py with MOESAIC_CPU_KERNELS=0) over widths, rows, dtypes and strided
+inputs, are the path inference actually takes, and leave autograd to the torch code."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moesaic.kernels import cpu
+from moesaic.layers import norms, rope
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NORMS = (norms.rms_norm, norms.rms_norm_fp32_weight, norms.rms_norm_cast_once)
+ROPES = (rope.rope_interleaved, rope.rope_half, rope.rope_pairs)
+# odd widths, the sum's vector (8 / 16 lanes) and cascade (16 x 4 vectors) boundaries, model widths
+WIDTHS = (1, 3, 7, 8, 9, 15, 16, 17, 33, 63, 127, 129, 192, 511, 513, 1000, 1024, 2049, 4096, 7168)
+
+
+@pytest.fixture
+def kernels():
+    if cpu.load() is None or not cpu._SUM_LANES:
+        pytest.skip("CPU kernels unavailable (or a CPU build whose sum order they do not follow)")
+    return cpu
+
+
+def torch_path(f, *args):
+    """f run as the plain torch code (the reference)."""
+    old = os.environ.get("MOESAIC_CPU_KERNELS")
+    os.environ["MOESAIC_CPU_KERNELS"] = "0"
+    try:
+        return f(*args)
+    finally:
+        if old is None:
+            del os.environ["MOESAIC_CPU_KERNELS"]
+        else:
+            os.environ["MOESAIC_CPU_KERNELS"] = old
+
+
+def same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a, b), f"max |diff| {(a.float() - b.float()).abs().max().item()}"
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(f, *args) -> int:
+    with Ops() as m:
+        f(*args)
+    return m.n
+
+
+@pytest.mark.parametrize("xd", DTYPES)
+@pytest.mark.parametrize("wd", DTYPES)
+def test_fused_rms_norm_keeps_the_torch_bits(kernels, xd, wd):
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for d in WIDTHS:
+            for rows in (1, 3, 17):
+                # rows of different scales (the sum's rounding matters), weights around 1
+                x = (torch.randn(rows, d, generator=g) * torch.rand(rows, 1, generator=g) * 8).to(xd)
+                w = (1 + 0.3 * torch.randn(d, generator=g)).to(wd)
+                for f in NORMS:
+                    same(f(x, w, 1e-6), torch_path(f, x, w, 1e-6))
+
+
+def test_fused_rms_norm_strided_and_batched_inputs(kernels):
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        kv = torch.randn(5, 576, generator=g).to(torch.bfloat16)
+        heads = torch.randn(4, 6, 80, generator=g).to(torch.bfloat16)
+        wide = torch.randn(300, 1024, generator=g).to(torch.bfloat16)  # enough rows to use the threads
+        cases = [
+            (kv[:, :512], torch.randn(512, generator=g).to(torch.bfloat16)),  # MLA's latent: a row slice
+            (heads[:, 1:5, :64], torch.randn(64, generator=g).to(torch.bfloat16)),  # 3-D, strided heads
+            (heads.float(), torch.randn(80, generator=g)),
+            (wide, torch.randn(1024, generator=g).to(torch.bfloat16)),
+            (heads.transpose(0, 1), torch.randn(80, generator=g).to(torch.bfloat16)),
+        ]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            for x, w in cases:
+                for f in NORMS:
+                    same(f(x, w, 1e-5), torch_path(f, x, w, 1e-5))
+            # values not contiguous: the torch code (which sums in another order there) runs
+            xt = torch.randn(64, 5, generator=g).to(torch.bfloat16).t()
+            assert cpu.rms_norm(xt, torch.ones(64, dtype=torch.bfloat16), 1e-5, None, None, xt.dtype) is None
+            same(
+                norms.rms_norm(xt, torch.ones(64, dtype=torch.bfloat16), 1e-5),
+                torch_path(norms.rms_norm, xt, torch.ones(64, dtype=torch.bfloat16), 1e-5),
+            )
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("xd", DTYPES)
+def test_fused_rope_keeps_the_torch_bits(kernels, xd):
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for dim in (2, 6, 16, 64, 66, 128):
+            for shape in ((1,), (7,), (3, 4), (2, 3, 2), (300, 4)):
+                n = shape[0]
+                x = torch.randn(*shape, dim, generator=g).to(xd)
+                ang = torch.randn(n, dim // 2, generator=g) * 20
+                for cd in (torch.float32, xd):  # fp32 cos/sin, or rounded once per forward by the caller
+                    c, s = ang.cos().to(cd), ang.sin().to(cd)
+                    for f in ROPES:
+                        same(f(x, c, s), torch_path(f, x, c, s))
+                        same(f(x, c, -s), torch_path(f, x, c, -s))  # the inverse rotation (csa.py)
+        # the rope part of wider heads (a strided view), as the attention layers pass it
+        q = torch.randn(5, 8, 96, generator=g).to(torch.bfloat16)
+        ang = torch.randn(5, 16, generator=g)
+        c, s = ang.cos(), ang.sin()
+        for f in ROPES:
+            same(f(q[..., 64:], c, s), torch_path(f, q[..., 64:], c, s))
+            same(f(q[:, 0, 64:], c, s), torch_path(f, q[:, 0, 64:], c, s))
+
+
+def test_the_fused_paths_are_taken(kernels):
+    """One aten op (the output's allocation) per fused call instead of the torch code's 8-13: fails if the
+    wiring in norms.py / rope.py breaks."""
+    with torch.inference_mode():
+        x, w = torch.randn(2, 256).to(torch.bfloat16), torch.randn(256).to(torch.bfloat16)
+        for f in NORMS:
+            assert count_ops(f, x, w, 1e-6) <= 2
+            assert torch_path(count_ops, f, x, w, 1e-6) >= 7
+        q = torch.randn(2, 4, 64).to(torch.bfloat16)
+        c = s = torch.randn(2, 32)
+        for f in ROPES:
+            assert count_ops(f, q, c, s) <= 2
+            assert torch_path(count_ops, f, q, c, s) >= 8
+
+
+def test_autograd_keeps_the_torch_code(kernels):
+    x = torch.randn(3, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    for f in NORMS:
+        assert cpu.rms_norm(x, w, 1e-6, None, None, x.dtype) is None
+        y = f(x, w, 1e-6)
+        assert y.grad_fn is not None
+        y.sum().backward()
+        assert x.grad is not None and w.grad is not None
+        x.grad = w.grad = None
+    c = s = torch.randn(3, 32)
+    for f in ROPES:
+        y = f(x, c, s)
+        assert y.grad_fn is not None
+    with torch.no_grad():  # no grad: the fused path, the same numbers
+        for f in NORMS:
+            same(f(x, w, 1e-6), torch_path(f, x, w, 1e-6))
