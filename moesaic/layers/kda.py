@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels import cpu
 from ..kernels.triton import kernels
 from .linear import linear
 from .recurrent import RecurrentMixer
@@ -165,9 +166,11 @@ def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, head_dim: int, lower_bou
 
 def gated_head_rmsnorm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over each head's Dv values, times the weight, times sigmoid(gate); all fp32."""
-    o = o.float()
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.float() * o * torch.sigmoid(gate.float())
+    normed = cpu.rms_norm(o, weight, eps, None, None, torch.float32)  # one CPU kernel call, the same bits
+    if normed is None:
+        o = o.float()
+        normed = weight.float() * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps))
+    return normed * torch.sigmoid(gate.float())
 
 
 # ----------------------------------------------------------------------------- the recurrence

@@ -71,9 +71,23 @@ def project(streams: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
     """[N, n, d] -> [N, rows] fp32: one projection of the flattened n·d stream, scaled by its
     reciprocal (unweighted) RMS. The scaling is applied before the product, as transformers does
     (the same math as scaling the product; this order matches its rounding)."""
-    flat = streams.reshape(*streams.shape[:-2], -1).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return F.linear(flat, fn.float())
+    flat = streams.reshape(*streams.shape[:-2], -1)
+    # one kernel call on the CPU (a weight of ones: x * 1 is exact, the same bits as the torch lines)
+    scaled = cpu.rms_norm(flat, _ones(flat.shape[-1], flat.device), norm_eps, None, None, torch.float32)
+    if scaled is None:
+        flat = flat.float()
+        scaled = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return F.linear(scaled, fn.float())
+
+
+_ONES: dict = {}
+
+
+def _ones(n: int, device) -> Tensor:
+    key = (n, str(device))
+    if key not in _ONES:
+        _ONES[key] = torch.ones(n, device=device)
+    return _ONES[key]
 
 
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
