@@ -1168,7 +1168,10 @@ def test_a_bad_entry_in_a_list_of_params_is_named_by_its_index(small_llm, bad):
         small_llm.generate([[1]], (bad,))
     # None is the default params, as for a single prompt
     outs = small_llm.generate([[1], [2]], [sp, None])
-    assert [len(o.outputs[0].token_ids) for o in outs] == [1, moesaic.SamplingParams().max_tokens]
+    assert len(outs[0].outputs[0].token_ids) == 1
+    # the defaults sample (T = 1, no seed), so an end-of-sequence token may end it before max_tokens
+    out, default = outs[1].outputs[0], moesaic.SamplingParams().max_tokens
+    assert len(out.token_ids) == default or (out.finish_reason == "stop" and len(out.token_ids) < default)
     assert not small_llm.engine.has_work()
 
 
