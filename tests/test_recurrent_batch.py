@@ -1,6 +1,9 @@
 """layers/recurrent.run_recurrent: a batch of sequences runs the mixers' row-wise projections once over all
-rows (one weight read per step, not one per sequence) and gives each sequence what running it alone gives."""
+rows (one weight read per step, not one per sequence), the recurrence once per group of sequences with the
+same row count (folded into one sequence with more heads), and gives each sequence what running it alone
+gives."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +15,7 @@ from moesaic.cache.state import RecurrentState
 from moesaic.layers import kda, mamba2
 from moesaic.layers.recurrent import run_recurrent
 
-ROWS = [1, 4, 1, 3]  # decode rows, a verify block, a decode row, a prompt chunk
+ROWS = [1, 4, 1, 3, 4]  # decode rows, verify blocks, a prompt chunk: three groups of row counts
 
 
 def kda_case():
@@ -53,7 +56,10 @@ def test_a_batch_projects_once_and_equals_each_sequence_alone(case, monkeypatch)
         for a, n, s in zip(starts, ROWS, states)
     ]
     calls = counting(monkeypatch, module)
-    y = run_recurrent(mixer, w, dims, 0, x, SimpleNamespace(seqs=seqs))
+    recurs = []
+    counted = dataclasses.replace(mixer, recur=lambda *a, **k: recurs.append(a[0]) or mixer.recur(*a, **k))
+    y = run_recurrent(counted, w, dims, 0, x, SimpleNamespace(seqs=seqs))
+    assert len(recurs) == len(set(ROWS))  # one recurrence per row count, the same-length sequences folded
     batched_calls = list(calls)
     calls.clear()
     run_recurrent(

@@ -27,6 +27,7 @@ agree to fp32 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from torch import Tensor
 from ..kernels import cpu
 from ..kernels.triton import kernels
 from .linear import linear
-from .recurrent import RecurrentMixer
+from .recurrent import RecurrentMixer, fold_channels, repeat_sections, unfold_channels
 
 L2NORM_EPS = 1e-6
 
@@ -326,7 +327,30 @@ def kda_output(o: Tensor, feats: tuple[Tensor, ...], w: KdaWeights, dims: KdaDim
     return linear(o.reshape(N, H * D), w.o_proj)
 
 
-KDA = RecurrentMixer(kda_project, kda_recur, kda_output)
+def kda_fold(rows: list[tuple], w: KdaWeights, dims: KdaDims, states: list[KdaState]):
+    """B sequences' rows (the same count) and states as one sequence of B*H heads (layers/recurrent.py)."""
+    B, sizes = len(states), 3 * [dims.qkv_dim]  # q | k | v
+    folded = (
+        fold_channels([r[0] for r in rows], sizes),
+        torch.cat([r[1] for r in rows], 1),  # g [n, B*H, Dk]
+        torch.cat([r[2] for r in rows], 1),  # beta [n, B*H]
+        None,
+    )
+    state = KdaState(fold_channels([s.conv for s in states], sizes), torch.cat([s.recurrent for s in states]))
+    w = dataclasses.replace(w, conv=repeat_sections(w.conv, B, sizes))
+    return folded, w, dataclasses.replace(dims, num_heads=B * dims.num_heads), state
+
+
+def kda_unfold(o: Tensor, new: KdaState, snaps: list[KdaState], B: int, dims: KdaDims):
+    sizes, H = 3 * [dims.qkv_dim], dims.num_heads
+
+    def one(st: KdaState, b: int) -> KdaState:
+        return KdaState(unfold_channels(st.conv, B, sizes, b), st.recurrent[b * H : (b + 1) * H])
+
+    return [(o[:, b * H : (b + 1) * H], one(new, b), [one(s, b) for s in snaps]) for b in range(B)]
+
+
+KDA = RecurrentMixer(kda_project, kda_recur, kda_output, kda_fold, kda_unfold)
 
 
 def kda_mixer(

@@ -38,6 +38,7 @@ model dtype. `mamba2_mixer` never mutates the state passed in; it returns a new 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ from torch import Tensor
 
 from ..kernels.triton import kernels
 from .linear import linear
-from .recurrent import RecurrentMixer
+from .recurrent import RecurrentMixer, fold_channels, repeat_sections, unfold_channels
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,44 @@ def mamba2_output(y: Tensor, feats: tuple[Tensor, ...], w: Mamba2Weights, dims: 
     return linear(out, w.out_proj, w.out_proj_bias)
 
 
-MAMBA2 = RecurrentMixer(mamba2_project, mamba2_recur, mamba2_output)
+def _sections(dims: Mamba2Dims) -> list[int]:
+    return [dims.inner, dims.n_groups * dims.state_size, dims.n_groups * dims.state_size]
+
+
+def mamba2_fold(rows: list[tuple], w: Mamba2Weights, dims: Mamba2Dims, states: list[Mamba2State]):
+    """B sequences' rows (the same count) and states as one sequence of B*H heads in B*G groups (head b*H+h
+    reads group b*G + h // (H/G), as each sequence's own head reads its own group)."""
+    B, sizes = len(states), _sections(dims)
+    folded = (None, fold_channels([r[1] for r in rows], sizes), torch.cat([r[2] for r in rows], 1))
+    state = Mamba2State(
+        fold_channels([s.conv.t() for s in states], sizes).t(), torch.cat([s.ssm for s in states])
+    )
+    w = dataclasses.replace(
+        w,
+        conv_weight=repeat_sections(w.conv_weight, B, sizes),
+        conv_bias=None if w.conv_bias is None else repeat_sections(w.conv_bias, B, sizes),
+        A_log=w.A_log.repeat(B),
+        D=w.D.repeat(B),
+    )
+    return (
+        folded,
+        w,
+        dataclasses.replace(dims, num_heads=B * dims.num_heads, n_groups=B * dims.n_groups),
+        state,
+    )
+
+
+def mamba2_unfold(y: Tensor, new: Mamba2State, snaps: list[Mamba2State], B: int, dims: Mamba2Dims):
+    sizes, H, inner = _sections(dims), dims.num_heads, dims.inner
+
+    def one(st: Mamba2State, b: int) -> Mamba2State:
+        conv = unfold_channels(st.conv.t(), B, sizes, b).t().contiguous()
+        return Mamba2State(conv, st.ssm[b * H : (b + 1) * H])
+
+    return [(y[:, b * inner : (b + 1) * inner], one(new, b), [one(s, b) for s in snaps]) for b in range(B)]
+
+
+MAMBA2 = RecurrentMixer(mamba2_project, mamba2_recur, mamba2_output, mamba2_fold, mamba2_unfold)
 
 
 def mamba2_mixer(

@@ -24,6 +24,11 @@ class RecurrentMixer:
     project: Callable
     recur: Callable
     output: Callable
+    # heads are independent, so B sequences with the same row count can run as one sequence of B x the
+    # heads: fold(rows of each, w, dims, states) -> (rows, w, dims, state) of that wider sequence, and
+    # unfold(its features, new state, snapshots, B, dims) -> each sequence's (features, new state, snapshots)
+    fold: Callable | None = None
+    unfold: Callable | None = None
 
     def run(self, x, w, dims, state, snapshot_last: int = 0):
         """One sequence's rows x, continuing `state`: (y, new state, snapshots)."""
@@ -34,27 +39,54 @@ class RecurrentMixer:
 
 def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch) -> torch.Tensor:
     """The mixer over every sequence of `batch` (a ForwardBatch), whose layer-L state is a RecurrentState:
-    the row-wise phases over all rows at once, the recurrence per sequence (continuing its state and keeping
-    the snapshots its rollback window needs); returns y for all rows."""
+    the row-wise phases over all rows at once; the recurrence once per group of sequences with the same row
+    count and snapshot count (decode rows, verify blocks of one length: folded into one wider sequence), else
+    per sequence, continuing each state and keeping the snapshots its rollback window needs; returns y for
+    all rows."""
     w, reduce = _local_output(w)
     feats = mixer.project(x, w, dims)
-    o = None
+    groups: dict[tuple[int, int], list] = {}
     for s in batch.seqs:
-        rows = slice(s.start, s.start + s.n)
-        rs = s.state.layers[L]
-        y, new, snaps = mixer.recur(
-            tuple(f[rows] for f in feats), w, dims, rs.value, snapshot_last=rs.snapshots_needed(s.n)
-        )
-        if snaps:  # the last snapshot is the new state: keep one copy
-            snaps[-1] = new
-        rs.advance(new, snaps, s.n)
-        if o is None:
-            o = y.new_empty((x.shape[0],) + y.shape[1:])
-        o[rows] = y
+        groups.setdefault((s.n, s.state.layers[L].snapshots_needed(s.n)), []).append(s)
+    o = None
+    for (n, snap), seqs in groups.items():
+        rows = [tuple(f[s.start : s.start + n] for f in feats) for s in seqs]
+        states = [s.state.layers[L].value for s in seqs]
+        if len(seqs) > 1 and mixer.fold is not None:
+            fr, fw, fd, fs = mixer.fold(rows, w, dims, states)
+            results = mixer.unfold(*mixer.recur(fr, fw, fd, fs, snapshot_last=snap), len(seqs), dims)
+        else:
+            results = [mixer.recur(r, w, dims, st, snapshot_last=snap) for r, st in zip(rows, states)]
+        for s, (y, new, snaps) in zip(seqs, results):
+            if snaps:  # the last snapshot is the new state: keep one copy
+                snaps[-1] = new
+            s.state.layers[L].advance(new, snaps, n)
+            if o is None:
+                o = y.new_empty((x.shape[0],) + y.shape[1:])
+            o[s.start : s.start + n] = y
     if o is None:
         return x.new_zeros(x.shape)
     out = mixer.output(o, feats, w, dims)
     return out if reduce is None else reduce(out)
+
+
+def fold_channels(parts: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """B tensors [..., C] whose channels are sections of `sizes` (C = sum) -> [..., B * C] with each section
+    of every tensor together, tensor-major inside it: [s0 of 0, s0 of 1, ..., s1 of 0, ...] (the channel order
+    of one sequence with B x the heads)."""
+    x = torch.stack(parts, -2)  # [..., B, C]
+    return torch.cat([p.flatten(-2) for p in x.split(sizes, -1)], -1)
+
+
+def unfold_channels(x: torch.Tensor, B: int, sizes: list[int], b: int) -> torch.Tensor:
+    """The inverse of fold_channels for tensor b: [..., B * C] -> [..., C]."""
+    secs = x.split([B * c for c in sizes], -1)
+    return torch.cat([sec.unflatten(-1, (B, c))[..., b, :] for sec, c in zip(secs, sizes)], -1)
+
+
+def repeat_sections(t: torch.Tensor, B: int, sizes: list[int]) -> torch.Tensor:
+    """A per-channel weight [C, ...] for the folded channel order: each section repeated B times."""
+    return torch.cat([sec.repeat(B, *([1] * (t.dim() - 1))) for sec in t.split(sizes, 0)], 0)
 
 
 def _local_output(w):
