@@ -53,6 +53,18 @@ def random_ids(n: int, vocab: int, seed: int = 0, low: int = 3) -> list[int]:
     return torch.randint(low, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def drafting_prompts(vocab: int, long: int = 100) -> list[list[int]]:
+    """Prompts of different lengths for drafting tests; a repeated stretch gives the n-gram drafter matches,
+    and the `long` one is still prefilling (budget 24) while the others verify."""
+    seg = random_ids(10, vocab, seed=5)
+    return [
+        random_ids(9, vocab, seed=1) + seg + seg[:4],
+        random_ids(33, vocab, seed=2),
+        seg + random_ids(5, vocab, seed=3) + seg,
+        random_ids(long, vocab, seed=4),
+    ]
+
+
 def run(model, chunks, logits="all", state=None, **state_kw):
     """Feeds `chunks` (lists of ids) to one sequence, one forward each, continuing `state` or a
     fresh `model.new_state(**state_kw)`. Returns (the logits of every forward concatenated, the state)."""

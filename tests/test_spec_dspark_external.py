@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import drafter_reference, random_ids, write_drafter
+from helpers import drafter_reference, drafting_prompts, random_ids, write_drafter
 
 import moesaic
 from moesaic.cache.batch import ForwardBatch
@@ -133,13 +133,7 @@ def test_the_markov_head_changes_the_drafts(tmp_path):
 
 
 def prompts() -> list[list[int]]:
-    seg = random_ids(10, VOCAB, seed=5)
-    return [
-        random_ids(9, VOCAB, seed=1) + seg + seg[:4],
-        random_ids(33, VOCAB, seed=2),
-        seg + random_ids(5, VOCAB, seed=3) + seg,
-        random_ids(70, VOCAB, seed=4),  # still prefilling (budget 24) while the others verify
-    ]
+    return drafting_prompts(VOCAB, long=70)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from helpers import drafter_reference, random_ids, write_drafter
+from helpers import drafter_reference, drafting_prompts, random_ids, write_drafter
 
 import moesaic
 from moesaic.cache.batch import ForwardBatch
@@ -46,14 +46,7 @@ def greedy(n, **kw):
 
 
 def prompts() -> list[list[int]]:
-    """Different lengths; a repeated stretch gives the n-gram drafter matches."""
-    seg = random_ids(10, VOCAB, seed=5)
-    return [
-        random_ids(9, VOCAB, seed=1) + seg + seg[:4],
-        random_ids(33, VOCAB, seed=2),
-        seg + random_ids(5, VOCAB, seed=3) + seg,
-        random_ids(100, VOCAB, seed=4),  # still prefilling (budget 24) while the others verify
-    ]
+    return drafting_prompts(VOCAB, long=100)
 
 
 _plain: dict = {}
