@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_roofline import moesaic_gen, time_decode  # noqa: E402
-from serving import MODELS, write_checkpoint  # noqa: E402
+from serving import MODELS, VOCAB, write_checkpoint  # noqa: E402
 
 import moesaic  # noqa: E402
 
@@ -202,7 +202,7 @@ def main():
             folder = root / name
             if not (folder / "model.safetensors").exists():
                 write_checkpoint(folder, MODELS[name] | SHAPE.get(name, {}), torch.bfloat16)
-            prompt = torch.randint(3, MODELS[name]["vocab_size"], (1, args.prompt), generator=g).tolist()
+            prompt = torch.randint(3, VOCAB, (1, args.prompt), generator=g).tolist()
             agree = {}
             # float32 on both sides as well as bf16: in float32 only the order of sums differs
             for dtype, outtype in [("float32", "f32"), ("bfloat16", "bf16")] if args.check else []:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_roofline import gemm_share, moesaic_gen  # noqa: E402
-from serving import MODELS, write_checkpoint  # noqa: E402
+from serving import MODELS, VOCAB, write_checkpoint  # noqa: E402
 
 import moesaic  # noqa: E402
 from moesaic.demo import trained_demo_path  # noqa: E402
@@ -114,7 +114,7 @@ def main():
             if name == "demo":
                 path, dtype, vocab = trained_demo_path(), "float32", 4096
             else:
-                path, dtype, vocab = Path(tmp) / name, "bfloat16", MODELS[name]["vocab_size"]
+                path, dtype, vocab = Path(tmp) / name, "bfloat16", VOCAB
                 write_checkpoint(path, MODELS[name], torch.bfloat16)
             prompt = torch.randint(3, vocab, (args.prompt,), generator=g).tolist()
             profile(f"{name} ({dtype})", moesaic.LLM(str(path), dtype=dtype), prompt, args)
