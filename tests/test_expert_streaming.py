@@ -497,3 +497,19 @@ def test_cli_expert_cache(capsys):
     assert main(["generate", "--model", "demo-nemotron-h", "--expert-cache", "20%", "--max-tokens", "3"]) == 0
     assert main(["generate", "--model", "demo-nemotron-h", "--expert-cache", "lots"]) == 2
     assert "expert_cache 'lots'" in capsys.readouterr().err
+
+
+def test_a_fetch_that_raises_ends_the_predictions_it_made(tmp_path):
+    """A layer's fetch predicts the next layer's experts (their pins hold slots until that layer fetches);
+    when the forward fails inside the fetch, the next layer never runs, so those pins must end too."""
+    llm = moesaic.LLM(copy_demo(tmp_path), dtype="float32", expert_cache="50%")
+    cache = llm.expert_cache
+    a, b = cache.unit_list[0], cache.unit_list[1]
+    with pytest.raises(RuntimeError, match="a failing layer"):
+        with cache.fetch(a, [0, 1], [0]) as got:
+            cache.prefetch(b, [0, 1, 2])
+            assert cache.pinned() > 2  # the fetch's own and the predictions'
+            next(got)
+            raise RuntimeError("a failing layer")
+    assert cache.pinned() == 0
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids  # and the cache still serves

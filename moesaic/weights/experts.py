@@ -967,6 +967,14 @@ class ExpertCache:
             self.c["bytes_read_prefetch"] += unit.nbytes
         self._changed()
 
+    def drop_predictions(self) -> None:
+        """Ends every prediction's pin (a forward that failed before the predicted layers fetched)."""
+        for unit in self.unit_list:
+            for e in sorted(unit.prefetched):
+                self._unprefetch(unit, e, self.entries[(unit.index, e)], used=False)
+            unit.predicted = None
+        self._changed()
+
     def _changed(self) -> None:
         if self.hook is not None:
             self.hook(self)
@@ -1175,6 +1183,8 @@ class Fetch:
         while self.window:
             self.cache._release(self.window.popleft()[1])
         self.pending.clear()
+        if exc[0] is not None:  # the forward fails here: the layers its predictions were for will not run
+            self.cache.drop_predictions()
 
 
 class ExpertStack:
