@@ -53,6 +53,19 @@ def random_ids(n: int, vocab: int, seed: int = 0, low: int = 3) -> list[int]:
     return torch.randint(low, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def peak_cpu_bytes(prof) -> int:
+    """The highest running total of CPU allocations in a torch.profiler trace (profile_memory=True): each op's
+    own allocations (+) and frees (-) in time order (cpu_memory_usage would count nested ops twice)."""
+    events = sorted(
+        (e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage
+    )
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
 def drafting_prompts(vocab: int, long: int = 100) -> list[list[int]]:
     """Prompts of different lengths for drafting tests; a repeated stretch gives the n-gram drafter matches,
     and the `long` one is still prefilling (budget 24) while the others verify."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import peak_cpu_bytes
 from test_quant_models import MISTRAL, logits, release_tensors, write
 from torch.profiler import ProfilerActivity, profile
 
@@ -92,13 +93,7 @@ def test_packing_load_peak_memory(tmp_path):
         loaded = load_tensors(
             ckpt.plan(), ckpt.store, torch.bfloat16, "cpu", PrecisionSchedule.parse("*=mxfp4")
         )
-    events = sorted(
-        (e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage
-    )
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
+    peak = peak_cpu_bytes(prof)
     final = sum(nbytes(t) for t in loaded.values())
     # what stays + one tensor dense + the encoder's fp32 temporaries of one matrix
     budget = final + nbytes(largest) + 8 * 4 * largest_matrix

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from helpers import max_err, weights_of
+from helpers import max_err, peak_cpu_bytes, weights_of
 from torch.profiler import ProfilerActivity, profile
 
 from moesaic.cache.batch import ForwardBatch
@@ -240,14 +240,7 @@ def test_loading_mxfp4_experts_stays_near_the_packed_size(tmp_path):
     )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = ckpt.build("float32")
-    # each op's own allocations (+) and frees (-), in time order (cpu_memory_usage would count nested ops twice)
-    events = sorted(
-        (e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage
-    )
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
+    peak = peak_cpu_bytes(prof)
     budget = packed_bytes + dense_bytes
     print(
         f"mxfp4 load: peak {peak} B; packed {packed_bytes} B + dense {dense_bytes} B; ratio {peak / budget:.3f}"
