@@ -36,10 +36,7 @@ folder = Path(__file__).resolve().parents[1] / "moesaic" / "demo" / "trained" / 
 trunk, mtp, config = td.load_target(folder)
 drafter = td.load_drafter(folder.parent / "glm5-code-dflash")
 docs, corpus = td.read_corpus(None)
-chats = {n: td.chat_examples(t) for n, t, _ in docs}
-train_docs = [f"[gMASK]<sop>{t}<|endoftext|>" for n, t, h in docs if not h]
-train_docs += [c for n, _, h in docs if not h for c in chats[n]]
-held_docs = [f"[gMASK]<sop>{t}<|endoftext|>" for n, t, h in docs if h]
+train_docs, held_docs, _ = td.split_documents(docs)
 tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
 train, held_all = (
     td.windows(td.token_stream(tok, train_docs), 512),

@@ -271,6 +271,16 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB):
     return tok
 
 
+def split_documents(docs) -> tuple[list[str], list[str], int]:
+    """(training documents: each training file, then every file's chat turns; held-out files; the number of
+    chat turns) from read_corpus's (name, text, held out) triples, each in GLM's document markers."""
+    chats = {n: chat_examples(t) for n, t, _ in docs}
+    train = [f"[gMASK]<sop>{t}<|endoftext|>" for n, t, h in docs if not h]
+    train += [c for n, _, h in docs if not h for c in chats[n]]
+    held = [f"[gMASK]<sop>{t}<|endoftext|>" for n, t, h in docs if h]
+    return train, held, sum(len(chats[n]) for n, _, h in docs if not h)
+
+
 def token_stream(tok, docs: list[str]) -> torch.Tensor:
     ids = []
     for enc in tok.encode_batch(docs, add_special_tokens=False):
@@ -757,17 +767,23 @@ def adamw(params, lr: float):
 # ---------------------------------------------------------------- training
 
 
+def batches(train: torch.Tensor, batch: int, steps: int, g: torch.Generator):
+    """(step, windows) for each step: the windows in a seeded random order, one permutation after another
+    (drawn from g when the previous one runs out, so g's other draws in a step come after it)."""
+    order = torch.randperm(len(train), generator=g)
+    for step in range(steps):
+        if (step + 1) * batch > len(order):
+            order = torch.cat([order, torch.randperm(len(train), generator=g)])
+        yield step, train[order[step * batch : (step + 1) * batch]]
+
+
 def train_trunk(trunk: Trunk, train: torch.Tensor, held: torch.Tensor, a, log) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     params = [p for p in trunk.parameters() if p.requires_grad]
     opt = adamw(params, a.lr)
     balance = RouterBalance([trunk])
-    order = torch.randperm(len(train), generator=g)
     curve, run, t0 = [], [], time.time()
-    for step in range(a.steps):
-        if (step + 1) * a.batch > len(order):
-            order = torch.cat([order, torch.randperm(len(train), generator=g)])
-        ids = train[order[step * a.batch : (step + 1) * a.batch]]
+    for step, ids in batches(train, a.batch, a.steps, g):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, a.steps, a.lr, a.warmup)
         balance.reset()
@@ -854,12 +870,8 @@ def train_heads(trunk, mtp, drafter, distill: IndexerDistill, train, held, a, lo
     weights = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / a.gamma)  # DFlash's decaying weights
     weights = weights / weights.sum()
     held_anchors = sample_anchors(len(held), held.shape[1], a.anchors, torch.Generator().manual_seed(3))
-    order = torch.randperm(len(train), generator=g)
     curve, run, t0 = [], [], time.time()
-    for step in range(a.head_steps):
-        if (step + 1) * a.batch > len(order):
-            order = torch.cat([order, torch.randperm(len(train), generator=g)])
-        ids = train[order[step * a.batch : (step + 1) * a.batch]]
+    for step, ids in batches(train, a.batch, a.head_steps, g):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, a.head_steps, a.head_lr, a.warmup)
         anchors = sample_anchors(len(ids), ids.shape[1], a.anchors, g)
@@ -1216,14 +1228,11 @@ def main(argv=None) -> None:
     log(f"kda_chunk vs transformers' KDA recurrence: max abs err {check_kda_chunk():.1e}")
 
     docs, corpus = read_corpus(a.max_files)
-    chats = {n: chat_examples(t) for n, t, _ in docs}
-    train_docs = [f"[gMASK]<sop>{t}<|endoftext|>" for n, t, h in docs if not h]
-    train_docs += [c for n, _, h in docs if not h for c in chats[n]]
-    held_docs = [f"[gMASK]<sop>{t}<|endoftext|>" for n, t, h in docs if h]
+    train_docs, held_docs, n_chats = split_documents(docs)
     # a fixed shuffle of the documents (files and chat turns) before packing
     perm = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(4)).tolist()
     train_docs = [train_docs[i] for i in perm]
-    corpus["chat_examples"] = sum(len(chats[n]) for n, _, h in docs if not h)
+    corpus["chat_examples"] = n_chats
     log(f"corpus: {corpus['files']} files, {corpus['bytes']} bytes, {corpus['chat_examples']} chat turns")
     tok = train_tokenizer(train_docs)
     train_ids, held_ids = token_stream(tok, train_docs), token_stream(tok, held_docs)
