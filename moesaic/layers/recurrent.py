@@ -1,6 +1,7 @@
 """Running a recurrent mixer (KDA, Mamba-2) over a batch: its row-wise projections over every row at once
-(one weight read per step, not one per sequence), its recurrence one sequence at a time on that sequence's
-rows, continuing its RecurrentState and keeping the snapshots its rollback window needs."""
+(one weight read per step, not one per sequence), its recurrence once per group of sequences with the same
+row count (folded into one sequence with more heads), each continuing its RecurrentState and keeping the
+snapshots its rollback window needs."""
 
 from __future__ import annotations
 
