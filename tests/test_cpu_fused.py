@@ -1,6 +1,7 @@
 """Issue 18 item 2: the fused CPU RMSNorm and rope (kernels/cpu.py `rms_norm` / `rope`) give the torch code's
 bits (layers/norms.py, layers/rope.py with MOESAIC_CPU_KERNELS=0) over widths, rows, dtypes and strided
-inputs, are the path inference actually takes, and leave autograd to the torch code."""
+inputs, are the path inference actually takes, and leave autograd to the torch code. KDA's token-by-token
+delta rule in one call (`delta_rule`) matches its torch loop to rounding and is bit-consistent with itself."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moesaic.kernels import cpu
-from moesaic.layers import norms, rope
+from moesaic.layers import kda, norms, rope
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NORMS = (norms.rms_norm, norms.rms_norm_fp32_weight, norms.rms_norm_cast_once)
@@ -160,3 +162,57 @@ def test_autograd_keeps_the_torch_code(kernels):
     with torch.no_grad():  # no grad: the fused path, the same numbers
         for f in NORMS:
             same(f(x, w, 1e-6), torch_path(f, x, w, 1e-6))
+
+
+# ---- KDA's delta rule (kernels/cpu.py `delta_rule`): the same recurrence as the torch loop to rounding,
+# and self-consistent to the bit (a block of tokens = the tokens one call at a time; heads are independent)
+
+
+def delta_inputs(H, n, Dk, Dv, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, H, Dk, generator=g).transpose(0, 1)  # head-major views of [n, H, D], as kda_attend
+    k = F.normalize(torch.randn(n, H, Dk, generator=g), dim=-1).transpose(0, 1)
+    v = torch.randn(n, H, Dv, generator=g).transpose(0, 1)
+    gate = -torch.rand(n, H, Dk, generator=g).transpose(0, 1) * 2
+    beta = torch.rand(n, H, generator=g).T
+    return q, k, v, gate, beta, torch.randn(H, Dk, Dv, generator=g)
+
+
+@pytest.mark.parametrize(
+    "H,n,Dk,Dv", [(1, 1, 1, 1), (4, 1, 48, 48), (3, 7, 5, 9), (4, 8, 48, 48), (2, 3, 128, 64)]
+)
+def test_delta_rule_kernel_matches_the_torch_loop(kernels, H, n, Dk, Dv):
+    args = delta_inputs(H, n, Dk, Dv)
+    calls = cpu.stats["kernel_calls"]
+    o, S, states = kda.delta_rule_recurrent(*args, keep_states=True)
+    ro, rS, rstates = kda.delta_rule_loop(*args, keep_states=True)
+    assert cpu.stats["kernel_calls"] == calls  # the delta rule is not counted as a GEMM
+    for a, b in ((o, ro), (S, rS), (states, rstates)):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert kda.delta_rule_recurrent(*args)[2] is None
+    # a kernel that skipped the decay or the beta would be far off
+    q, k, v, gate, beta, S0 = args
+    bad = kda.delta_rule_loop(q, k, v, gate * 0, beta, S0)[0]
+    assert (bad - o).abs().max() > 1e-2
+
+
+def test_delta_rule_kernel_is_bit_consistent(kernels):
+    """Token by token equals one block (a verify block vs decode steps); two sequences' heads side by side
+    equal each alone (the recurrent fold of layers/recurrent.py); the kernel path is the one taken."""
+    q, k, v, gate, beta, S0 = delta_inputs(4, 6, 48, 48, seed=1)
+    o, S, states = kda.delta_rule_recurrent(q, k, v, gate, beta, S0, keep_states=True)
+    St, parts = S0, []
+    for t in range(6):
+        ot, St, st = kda.delta_rule_recurrent(*(x[:, t : t + 1] for x in (q, k, v, gate, beta)), St, True)
+        same(st[0], states[t])
+        parts.append(ot)
+    same(torch.cat(parts, 1), o)
+    same(St, S)
+    other = delta_inputs(4, 6, 48, 48, seed=2)
+    both = kda.delta_rule_recurrent(*(torch.cat([a, b]) for a, b in zip((q, k, v, gate, beta, S0), other)))
+    same(both[0][:4], o)
+    same(both[1][4:], kda.delta_rule_recurrent(*other)[1])
+    off = torch_path(kda.delta_rule_recurrent, q, k, v, gate, beta, S0)[0]  # MOESAIC_CPU_KERNELS=0: the loop
+    same(off, kda.delta_rule_loop(q, k, v, gate, beta, S0)[0])
+    assert not torch.equal(off, o)  # so the block above ran the kernel (it sums in another order)

@@ -104,7 +104,7 @@ def load(verbose: bool = False):
         _state["mod"] = load_inline(
             name=_build_name(),
             cpp_sources=CPP,
-            functions=["gemm", "read_bytes", "has_avx2", "sinkhorn", "rms_norm", "rope"],
+            functions=["gemm", "read_bytes", "has_avx2", "sinkhorn", "rms_norm", "rope", "delta_rule"],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=verbose,
@@ -338,6 +338,26 @@ def rope(x, cos, sin, layout: int):
     threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
     y = mod.rope(x3, cos.contiguous(), sin.contiguous(), layout, threads)
     return y if x.dim() == 3 else y.view(x.shape)
+
+
+DELTA_PARALLEL = 1 << 16  # state values x tokens from which the delta rule shares its heads out to threads
+
+
+def delta_rule(q, k, v, g, beta, S, keep_states: bool):
+    """KDA's token-by-token delta rule (layers/kda.py's delta_rule_recurrent) in one call: (o [H, n, Dv], the
+    final S, the state after every token [n, H, Dk, Dv] or None); None where it does not apply (the caller
+    runs the torch loop). exp(g) is torch's; the sums over Dk go in index order (the torch loop's einsums
+    go through a GEMM), so the two agree to rounding, not to the bit."""
+    if not all(t.is_cpu and t.dtype == torch.float32 for t in (q, k, v, g, beta, S)):
+        return None
+    mod = _fused_mod(q, k, v, g, beta, S)
+    if mod is None or q.dim() != 3:
+        return None
+    H, n, Dk = q.shape
+    work = n * H * Dk * v.shape[-1]
+    threads = 1 if work < DELTA_PARALLEL else torch.get_num_threads()
+    o, S, states = mod.delta_rule(q, k, v, torch.exp(g), beta, S, keep_states, threads)
+    return o, S, (states if keep_states and n else None)
 
 
 def rows_fit(offs) -> bool:

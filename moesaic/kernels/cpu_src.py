@@ -864,6 +864,77 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
 #pragma GCC pop_options
 #endif
 
+// KDA's delta rule, token by token, for H independent heads (layers/kda.py's delta_rule_recurrent):
+//     S = S * E_t[:, None];  u = beta_t (v_t - k_tᵀ S);  S = S + k_t u_tᵀ;  o_t = q_tᵀ S
+// with E = exp(g) computed by torch beforehand. q, k, E [H, n, Dk], v [H, n, Dv], beta [H, n] (any strides,
+// fp32), S0 [H, Dk, Dv]. Two passes over each head's state per token (decay + kᵀS, then the update + qᵀS),
+// summed over Dk in index order: the same bits for any n and any H, so a verify block and decode steps
+// agree, and heads folded from several sequences equal each sequence alone. Threads over heads.
+std::vector<torch::Tensor> delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor E,
+                                      torch::Tensor beta, torch::Tensor S0, bool keep, int64_t nthreads) {
+    for (const auto& t : {q, k, v, E, beta, S0})
+        TORCH_CHECK(t.dtype() == torch::kFloat32 && t.device().is_cpu(), "delta_rule: fp32 CPU tensors");
+    TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && E.sizes() == q.sizes() && v.dim() == 3 &&
+                    v.size(0) == q.size(0) && v.size(1) == q.size(1) && beta.dim() == 2 &&
+                    S0.dim() == 3 && S0.size(0) == q.size(0) && S0.size(1) == q.size(2) && S0.size(2) == v.size(2),
+                "delta_rule: q, k, E [H, n, Dk], v [H, n, Dv], beta [H, n], S [H, Dk, Dv]");
+    const int64_t H = q.size(0), n = q.size(1), Dk = q.size(2), Dv = v.size(2);
+    auto S = S0.contiguous().clone();
+    auto o = torch::empty({H, n, Dv}, v.options());
+    auto states = torch::empty({keep ? n : 0, H, Dk, Dv}, v.options());
+    const auto qa = q.accessor<float, 3>(), ka = k.accessor<float, 3>(), va = v.accessor<float, 3>(),
+               ea = E.accessor<float, 3>();
+    const auto ba = beta.accessor<float, 2>();
+    float* sp = S.data_ptr<float>();
+    float* op = o.data_ptr<float>();
+    float* stp = keep ? states.data_ptr<float>() : nullptr;
+    auto heads = [&](int64_t h0, int64_t h1) {
+        std::vector<float> ub(Dv), accb(Dv);
+        float* __restrict u = ub.data();
+        float* __restrict acc = accb.data();
+        for (int64_t h = h0; h < h1; ++h) {
+            float* __restrict s = sp + h * Dk * Dv;
+            for (int64_t t = 0; t < n; ++t) {
+                for (int64_t j = 0; j < Dv; ++j) u[j] = 0.f;
+                for (int64_t i = 0; i < Dk; ++i) {
+                    const float e = ea[h][t][i], ki = ka[h][t][i];
+                    float* __restrict row = s + i * Dv;
+                    for (int64_t j = 0; j < Dv; ++j) {
+                        row[j] *= e;
+                        u[j] += ki * row[j];
+                    }
+                }
+                const float b = ba[h][t];
+                for (int64_t j = 0; j < Dv; ++j) {
+                    u[j] = b * (va[h][t][j] - u[j]);
+                    acc[j] = 0.f;
+                }
+                for (int64_t i = 0; i < Dk; ++i) {
+                    const float ki = ka[h][t][i], qi = qa[h][t][i];
+                    float* __restrict row = s + i * Dv;
+                    for (int64_t j = 0; j < Dv; ++j) {
+                        row[j] += ki * u[j];
+                        acc[j] += qi * row[j];
+                    }
+                }
+                float* ot = op + (h * n + t) * Dv;
+                for (int64_t j = 0; j < Dv; ++j) ot[j] = acc[j];
+                if (stp) std::copy(s, s + Dk * Dv, stp + (t * H + h) * Dk * Dv);
+            }
+        }
+    };
+    if (nthreads > 1 && H > 1) {
+#pragma omp parallel num_threads((int)std::min<int64_t>(nthreads, H))
+        {
+            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+            heads(H * id / nt, H * (id + 1) / nt);
+        }
+    } else {
+        heads(0, H);
+    }
+    return {o, S, states};
+}
+
 bool has_avx2() {
 #if defined(MOESAIC_AVX2)
     return true;

@@ -186,6 +186,15 @@ def delta_rule_recurrent(
     when keep_states)."""
     if tk := kernels("kda", q):
         return tk.delta_rule_recurrent(q, k, v, g, beta, S, keep_states)
+    if (out := cpu.delta_rule(q, k, v, g, beta, S, keep_states)) is not None:
+        return out
+    return delta_rule_loop(q, k, v, g, beta, S, keep_states)
+
+
+def delta_rule_loop(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, keep_states: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """delta_rule_recurrent in torch ops (the reference of the CPU kernel)."""
     n = q.shape[1]
     o = v.new_empty(v.shape)
     states = [] if keep_states else None
