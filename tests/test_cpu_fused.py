@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moesaic.kernels import cpu
-from moesaic.layers import kda, norms, rope
+from moesaic.layers import kda, mamba2, norms, rope
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NORMS = (norms.rms_norm, norms.rms_norm_fp32_weight, norms.rms_norm_cast_once)
@@ -216,3 +216,70 @@ def test_delta_rule_kernel_is_bit_consistent(kernels):
     off = torch_path(kda.delta_rule_recurrent, q, k, v, gate, beta, S0)[0]  # MOESAIC_CPU_KERNELS=0: the loop
     same(off, kda.delta_rule_loop(q, k, v, gate, beta, S0)[0])
     assert not torch.equal(off, o)  # so the block above ran the kernel (it sums in another order)
+
+
+def ssd_inputs(m, H, P, N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, H, P, generator=g)
+    dt = torch.rand(m, H, generator=g) * 0.5 + 0.01
+    A = -torch.rand(H, generator=g) * 4
+    B, C = torch.randn(m, H, N, generator=g), torch.randn(m, H, N, generator=g)
+    return x, dt, A, B, C, torch.randn(H, P, N, generator=g)
+
+
+@pytest.mark.parametrize("m,H,P,N", [(1, 1, 1, 1), (1, 8, 16, 16), (5, 3, 7, 9), (8, 4, 32, 64)])
+def test_ssd_steps_kernel_matches_the_torch_step(kernels, m, H, P, N):
+    """Mamba-2's recurrent steps in one call (kernels/cpu.py `ssd_steps`) against layers/mamba2.py's ssd_step
+    token by token: the states to the bit (the same float operations), y to rounding; and bit-consistent."""
+    x, dt, A, B, C, h0 = ssd_inputs(m, H, P, N)
+    y, h, states = cpu.ssd_steps(x, dt, A, B, C, h0, True)
+    hr = h0
+    for t in range(m):
+        yr, hr = mamba2.ssd_step(x[t], dt[t], A, B[t], C[t], hr)
+        same(states[t], hr)
+        torch.testing.assert_close(y[t], yr, rtol=1e-5, atol=1e-5)
+    same(h, hr)
+    one = [
+        cpu.ssd_steps(
+            x[t : t + 1], dt[t : t + 1], A, B[t : t + 1], C[t : t + 1], states[t - 1] if t else h0, False
+        )
+        for t in range(m)
+    ]
+    same(torch.cat([o[0] for o in one]), y)
+    assert one[0][2] is None
+    wrong = cpu.ssd_steps(x, dt, A * 0, B, C, h0, False)[0]  # no decay: far from the step's y
+    assert (wrong - y).abs().max() > 1e-2
+
+
+def test_mamba2_mixer_takes_the_kernel_and_keeps_its_snapshots(kernels):
+    """mamba2_recur's recurrent tokens (decode, and a verify block's snapshot tokens) run through the kernel:
+    the same outputs and snapshots as the torch steps (MOESAIC_CPU_KERNELS=0) to rounding, and a block's
+    snapshots are the states one-token calls reach."""
+    dims = mamba2.Mamba2Dims(
+        hidden_size=32, num_heads=4, head_dim=8, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8
+    )
+    g = torch.Generator().manual_seed(3)
+    w = mamba2.Mamba2Weights(
+        in_proj=torch.randn(dims.in_proj_dim, 32, generator=g) * 0.2,
+        conv_weight=torch.randn(dims.conv_dim, 1, 4, generator=g) * 0.5,
+        conv_bias=torch.randn(dims.conv_dim, generator=g) * 0.1,
+        dt_bias=torch.randn(4, generator=g) * 0.1,
+        A_log=torch.rand(4, generator=g),
+        D=torch.ones(4),
+        norm_weight=torch.ones(dims.inner),
+        out_proj=torch.randn(32, dims.inner, generator=g) * 0.2,
+    )
+    x = torch.randn(11, 32, generator=g)
+    st = mamba2.Mamba2State.zeros(dims)
+    y, new, snaps = mamba2.mamba2_mixer(x, w, dims, st, snapshot_last=4)
+    ry, rnew, rsnaps = torch_path(mamba2.mamba2_mixer, x, w, dims, st, 4)
+    torch.testing.assert_close(y, ry, rtol=1e-5, atol=1e-5)
+    for a, b in zip(snaps + [new], rsnaps + [rnew]):
+        same(a.conv, b.conv)
+        torch.testing.assert_close(a.ssm, b.ssm, rtol=1e-6, atol=1e-6)
+    cur = mamba2.mamba2_mixer(x[:7], w, dims, st)[1]
+    for t in range(7, 11):
+        _, cur, one = mamba2.mamba2_mixer(x[t : t + 1], w, dims, cur, snapshot_last=1)
+        # (to rounding: torch's conv1d over 1 or 11 inputs may round differently; the kernel's own
+        # bit-consistency is the test above)
+        torch.testing.assert_close(one[0].ssm, snaps[t - 7].ssm, rtol=1e-6, atol=1e-6)

@@ -104,7 +104,16 @@ def load(verbose: bool = False):
         _state["mod"] = load_inline(
             name=_build_name(),
             cpp_sources=CPP,
-            functions=["gemm", "read_bytes", "has_avx2", "sinkhorn", "rms_norm", "rope", "delta_rule"],
+            functions=[
+                "gemm",
+                "read_bytes",
+                "has_avx2",
+                "sinkhorn",
+                "rms_norm",
+                "rope",
+                "delta_rule",
+                "ssd_steps",
+            ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=verbose,
@@ -340,7 +349,7 @@ def rope(x, cos, sin, layout: int):
     return y if x.dim() == 3 else y.view(x.shape)
 
 
-DELTA_PARALLEL = 1 << 16  # state values x tokens from which the delta rule shares its heads out to threads
+DELTA_PARALLEL = 1 << 16  # state values x tokens from which the recurrences share their heads out to threads
 
 
 def delta_rule(q, k, v, g, beta, S, keep_states: bool):
@@ -358,6 +367,20 @@ def delta_rule(q, k, v, g, beta, S, keep_states: bool):
     threads = 1 if work < DELTA_PARALLEL else torch.get_num_threads()
     o, S, states = mod.delta_rule(q, k, v, torch.exp(g), beta, S, keep_states, threads)
     return o, S, (states if keep_states and n else None)
+
+
+def ssd_steps(x, dt, A, B, C, h, keep_states: bool):
+    """Mamba-2's recurrent step (layers/mamba2.py's ssd_step) over x [m, H, P] token by token, in one call:
+    (y [m, H, P], the final state, the state after every token [m, H, P, N] or None); None where it does not
+    apply. exp(dt A) is torch's and the state update its float operations in order; y's sums over N go in
+    index order (torch's einsum goes through a GEMM), so y agrees to rounding."""
+    mod = _fused_mod(x, dt, A, B, C, h)
+    if mod is None or not all(t.dtype == torch.float32 for t in (x, dt, A, B, C, h)):
+        return None
+    m, H, P = x.shape
+    threads = 1 if m * H * P * B.shape[-1] < DELTA_PARALLEL else torch.get_num_threads()
+    y, h, states = mod.ssd_steps(x, dt, torch.exp(dt * A), B, C, h, keep_states, threads)
+    return y, h, (states if keep_states and m else None)
 
 
 def rows_fit(offs) -> bool:

@@ -935,6 +935,73 @@ std::vector<torch::Tensor> delta_rule(torch::Tensor q, torch::Tensor k, torch::T
     return {o, S, states};
 }
 
+// Mamba-2's recurrent step over m tokens for H independent heads (layers/mamba2.py's ssd_step, token by
+// token): h = dA_t h + (x_t dt_t) B_tᵀ;  y_t = h C_t, with dA = exp(dt A) computed by torch beforehand.
+// x [m, H, P], dt and dA [m, H], B and C [m, H, N] (any strides, fp32), h0 [H, P, N]. The state update is
+// the torch step's float operations in its order (no contraction); y sums over N in index order. The same
+// bits for any m and any H (a verify block = its tokens one call at a time; folded heads = each alone).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+std::vector<torch::Tensor> ssd_steps(torch::Tensor x, torch::Tensor dt, torch::Tensor dA, torch::Tensor B,
+                                     torch::Tensor C, torch::Tensor h0, bool keep, int64_t nthreads) {
+    for (const auto& t : {x, dt, dA, B, C, h0})
+        TORCH_CHECK(t.dtype() == torch::kFloat32 && t.device().is_cpu(), "ssd_steps: fp32 CPU tensors");
+    TORCH_CHECK(x.dim() == 3 && dt.dim() == 2 && dA.sizes() == dt.sizes() && B.dim() == 3 && C.sizes() == B.sizes() &&
+                    h0.dim() == 3 && dt.size(0) == x.size(0) && dt.size(1) == x.size(1) && B.size(0) == x.size(0) &&
+                    B.size(1) == x.size(1) && h0.size(0) == x.size(1) && h0.size(1) == x.size(2) &&
+                    h0.size(2) == B.size(2),
+                "ssd_steps: x [m, H, P], dt / dA [m, H], B / C [m, H, N], h [H, P, N]");
+    const int64_t m = x.size(0), H = x.size(1), P = x.size(2), N = B.size(2);
+    auto h = h0.contiguous().clone();
+    auto y = torch::empty({m, H, P}, x.options());
+    auto states = torch::empty({keep ? m : 0, H, P, N}, x.options());
+    const auto xa = x.accessor<float, 3>(), Ba = B.accessor<float, 3>(), Ca = C.accessor<float, 3>();
+    const auto da = dt.accessor<float, 2>(), ea = dA.accessor<float, 2>();
+    float* hp = h.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    float* stp = keep ? states.data_ptr<float>() : nullptr;
+    auto heads = [&](int64_t h0_, int64_t h1_) {
+        std::vector<float> bb(N), cb(N);
+        for (int64_t hd = h0_; hd < h1_; ++hd) {
+            float* __restrict s = hp + hd * P * N;
+            for (int64_t t = 0; t < m; ++t) {
+                const float e = ea[t][hd], d = da[t][hd];
+                for (int64_t j = 0; j < N; ++j) {
+                    bb[j] = Ba[t][hd][j];
+                    cb[j] = Ca[t][hd][j];
+                }
+                for (int64_t i = 0; i < P; ++i) {
+                    const float xd = xa[t][hd][i] * d;
+                    float* __restrict row = s + i * N;
+                    float acc = 0.f;
+                    for (int64_t j = 0; j < N; ++j) {
+                        const float a = e * row[j], b = xd * bb[j];
+                        row[j] = a + b;
+                        acc += row[j] * cb[j];
+                    }
+                    yp[(t * H + hd) * P + i] = acc;
+                }
+                if (stp) std::copy(s, s + P * N, stp + (t * H + hd) * P * N);
+            }
+        }
+    };
+    if (nthreads > 1 && H > 1) {
+#pragma omp parallel num_threads((int)std::min<int64_t>(nthreads, H))
+        {
+            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+            heads(H * id / nt, H * (id + 1) / nt);
+        }
+    } else {
+        heads(0, H);
+    }
+    return {y, h, states};
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 bool has_avx2() {
 #if defined(MOESAIC_AVX2)
     return true;

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels import cpu
 from ..kernels.triton import kernels
 from .linear import linear
 from .recurrent import RecurrentMixer, fold_channels, repeat_sections, unfold_channels
@@ -227,10 +228,19 @@ def mamba2_recur(
     if n_scan:
         y[:n_scan], h = ssd_chunked(xs[:n_scan], dt[:n_scan], A, B[:n_scan], C[:n_scan], h, dims.chunk_size)
     snapshots = []
-    for t in range(n_scan, n):
-        y[t], h = ssd_step(xs[t], dt[t], A, B[t], C[t], h)
-        if t >= n - snapshot_last:
-            snapshots.append(Mamba2State(conv=_rows_to_tail(seq[t + 1 : t + K]), ssm=h))
+    first = n - snapshot_last  # the first token that leaves a snapshot
+    stepped = None
+    if n > n_scan and not kernels("mamba2", xs):
+        stepped = cpu.ssd_steps(xs[n_scan:], dt[n_scan:], A, B[n_scan:], C[n_scan:], h, snapshot_last > 0)
+    if stepped is not None:  # every step in one CPU call
+        y[n_scan:], h, states = stepped
+        for t in range(first, n):
+            snapshots.append(Mamba2State(conv=_rows_to_tail(seq[t + 1 : t + K]), ssm=states[t - n_scan]))
+    else:
+        for t in range(n_scan, n):
+            y[t], h = ssd_step(xs[t], dt[t], A, B[t], C[t], h)
+            if t >= first:
+                snapshots.append(Mamba2State(conv=_rows_to_tail(seq[t + 1 : t + K]), ssm=h))
     y = y + w.D.float()[:, None] * xs
     new_state = Mamba2State(conv=_rows_to_tail(seq[n:]), ssm=h.clone() if snapshots else h)
     return y.reshape(n, dims.inner), new_state, snapshots
