@@ -189,3 +189,36 @@ def test_shipped_heads_agree_with_the_trunk_on_heldout_code(oracle):
     # windows); heads that do not fit the trunk (random, or another run's) agree on ~1 % or less
     heads = cfg["moesaic_demo"]["heads_heldout"]
     assert m_agree > 0.4 * heads["mtp_agree"] and d_agree[0] > 0.4 * heads["dflash_agree"][0]
+
+
+def test_distill_phase_data_is_the_trunks_greedy_text(oracle):
+    """scripts/train_demo.py's last phase trains the heads on `greedy_sequences`: from each start on, the
+    tokens are the trunk's own greedy choices (checked here against the training framework's trunk), and
+    `greedy_losses` scores only the rows whose target lies there."""
+    from tokenizers import Tokenizer
+
+    trunk, mtp, _ = oracle
+    docs, _ = td.read_corpus(8)
+    tok = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
+    train = td.windows(td.token_stream(tok, [text for _, text, _ in docs]), 80)[:2]
+    seqs, starts = td.greedy_sequences(TARGET, train, 2, torch.Generator().manual_seed(0))
+    assert seqs.shape == (2, 80) and all(32 <= s <= 40 for s in starts.tolist())
+    with torch.no_grad():
+        logits, h, _ = trunk(seqs)
+    for b, s in enumerate(starts.tolist()):
+        assert torch.equal(seqs[b, :s], train[b, :s])  # the prompt is the window's start
+        match = (logits[b, s - 1 : -1].argmax(-1) == seqs[b, s:]).float().mean().item()
+        assert match > 0.95, f"sequence {b}: {match:.0%} of the continuation is the trunk's argmax"
+    drafter = td.load_drafter(DRAFTER)
+    anchors = td.continuation_anchors(starts, 80, 4, torch.Generator().manual_seed(1))
+    assert (anchors >= starts[:, None]).all() and (anchors <= 80 - td.BLOCK).all()
+    with torch.no_grad():
+        m_loss, d_loss, m_agree, d_agree = td.greedy_losses(trunk, mtp, drafter, seqs, starts, anchors, 3)
+        # depth 1 by hand: row p (token p+1, hidden p) -> the trunk's row p+1, scored where p + 1 >= start
+        x = mtp(trunk.embed(seqs[:, 1:]), h[:, :-1])[:, :-1]
+        ce = td.soft_ce(trunk.lm_head(mtp.shared_head.norm(x)), logits[:, 1:-1])
+        scored = torch.arange(1, 79)[None, :] >= starts[:, None]
+    torch.testing.assert_close(m_loss[0], ce[scored].mean())
+    assert not torch.allclose(m_loss[0], ce.mean())  # every row would be another number
+    assert m_loss.shape == (3,) and d_loss.shape == (td.BLOCK - 1,) and torch.isfinite(d_loss).all()
+    assert ((m_agree >= 0) & (m_agree <= 1)).all() and d_agree.shape == (td.BLOCK - 1,)
