@@ -406,6 +406,29 @@ def test_selection_rule_by_hand():
     assert no_tail.tolist() == [[4, 5, 6, 7], [8, 9, 10, 11], [0, 1, 2, 3]]
 
 
+@pytest.mark.parametrize("tail", [True, False])
+@pytest.mark.parametrize("kpool,topk", [(1, 8), (4, 16), (4, 18), (3, 9)])
+def test_causal_selection_is_what_scores_select_within_topk(kpool, topk, tail):
+    """While a context's complete pools all fit in index_topk, `select` keeps all of them whatever the
+    scores, so the model skips the indexer's queries and scores (`causal_selection`): the same token sets;
+    one more pool and it is not the same rule any more."""
+    g = torch.Generator().manual_seed(kpool * topk)
+    for T in range(1, topk + kpool + 1):
+        positions = torch.arange(max(0, T - 5), T)  # a verify-sized block at the end of the context
+        fits = dsa.every_pool_fits(T, kpool, topk)
+        assert fits == (T // kpool <= topk // kpool)
+        if not fits:
+            continue
+        scores = torch.randn(len(positions), T // kpool, generator=g)
+        want = dsa.select(scores, positions, kpool, topk, tail)
+        got = dsa.causal_selection(positions, T, kpool, topk, tail)
+        assert got.shape == want.shape
+        assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in want], (T, kpool, topk)
+    T = (topk // kpool + 1) * kpool  # one pool too many: the scores drop one of the query's T tokens
+    want = dsa.select(torch.randn(1, T // kpool, generator=g), torch.tensor([T - 1]), kpool, topk, tail)
+    assert not dsa.every_pool_fits(T, kpool, topk) and 0 < (want[0] >= 0).sum() < T
+
+
 def test_selection_matches_transformers_indexer(hf_ckpt, ours):
     hf, _ = hf_ckpt
     idx = hf.model.language_model.layers[1].self_attn.indexer

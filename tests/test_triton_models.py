@@ -34,7 +34,7 @@ DEMOS = {
     "demo-glm5-next-nvfp4": {"kda", "mla", "indexer", "mhc", "router", "quant"},
 }
 # demo -> (the paged launch its MLA / DSA layers make, how many of its 3 forwards make it with both
-# sequences: Kimi's 7-token prefill takes the expanded MLA, DSA attends every forward in the latent space)
+# sequences: Kimi's 13-token prefill takes the expanded MLA, DSA attends every forward in the latent space)
 PAGED = {
     "demo-kimi-linear": ("paged_latent_attention", 5, 2),
     "demo-glm5-next-nvfp4": ("paged_sparse_mla_attend", 3, 3),
@@ -43,8 +43,9 @@ REL = 2e-5  # fp32: the kernels sum in other orders than torch; seen ~2e-6 of ma
 
 
 def _decode_run(model, vocab: int, states=None):
-    """Two sequences: prefill 7 and 4 tokens, then 2 decode steps of both in one batch. -> logits [rows, V]."""
-    a, b = random_ids(7, vocab, seed=3), random_ids(4, vocab, seed=4)
+    """Two sequences: prefill 13 and 4 tokens, then 2 decode steps of both in one batch. -> logits [rows, V].
+    (13: more complete pools than GLM's demo index_topk keeps, so its indexer scores; 4 keeps them all.)"""
+    a, b = random_ids(13, vocab, seed=3), random_ids(4, vocab, seed=4)
     sa, sb = states or (model.new_state(), model.new_state())
     outs = [model.forward(ForwardBatch.build([(sa, a), (sb, b)], logits="all"))]
     for step in range(2):

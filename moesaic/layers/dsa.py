@@ -113,10 +113,44 @@ def select(
         tokens = pools[..., None] * kpool + torch.arange(kpool, device=dev)
         out[:, : k * kpool] = tokens.masked_fill(~ok[..., None], -1).flatten(1)
     if always_select_tail and kpool > 1:
-        tail_count = (positions + 1) % kpool
-        offs = torch.arange(kpool - 1, device=dev)
-        tail = positions[:, None] + 1 - tail_count[:, None] + offs
-        out[:, index_topk:] = tail.masked_fill(offs[None, :] >= tail_count[:, None], -1)
+        _select_tail(out, positions, kpool, index_topk)
+    return out
+
+
+def _select_tail(out: Tensor, positions: Tensor, kpool: int, index_topk: int) -> None:
+    """The open pool's tokens of each query (up to kpool - 1, -1 padded) into out[:, index_topk:]."""
+    tail_count = (positions + 1) % kpool
+    offs = torch.arange(kpool - 1, device=positions.device)
+    tail = positions[:, None] + 1 - tail_count[:, None] + offs
+    out[:, index_topk:] = tail.masked_fill(offs[None, :] >= tail_count[:, None], -1)
+
+
+def every_pool_fits(num_keys: int, kpool: int, index_topk: int) -> bool:
+    """Whether `select` over num_keys cached tokens keeps every complete pool (it keeps index_topk // kpool):
+    then the indexer's scores choose nothing, and `causal_selection` gives the selection without them."""
+    return num_keys // kpool <= index_topk // kpool
+
+
+def causal_selection(
+    positions: Tensor, num_keys: int, kpool: int, index_topk: int, always_select_tail: bool
+) -> Tensor:
+    """`select`'s selection when every_pool_fits, without scoring: each query's complete pools that end at
+    or before it (and its open pool's tokens with always_select_tail). The same tokens as `select`, in token
+    order instead of score order, so attention over them equals it up to the order of the softmax sums."""
+    n = positions.shape[0]
+    out = torch.full(
+        (n, selection_width(index_topk, kpool, always_select_tail)),
+        -1,
+        dtype=torch.long,
+        device=positions.device,
+    )
+    m = num_keys // kpool * kpool
+    if m:
+        tokens = torch.arange(m, device=positions.device)
+        done = (positions + 1) // kpool * kpool  # the tokens of complete pools ending at or before the query
+        out[:, :m] = tokens.masked_fill(tokens[None, :] >= done[:, None], -1)
+    if always_select_tail and kpool > 1:
+        _select_tail(out, positions, kpool, index_topk)
     return out
 
 

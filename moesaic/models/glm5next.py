@@ -644,23 +644,30 @@ class Model:
         q = linear(qr, m.q_b).view(N, H, dn)
         latent = rms_norm(linear(x, m.kv_a), m.kv_a_norm, c.rms_norm_eps)
         if ix is not None:
-            qi, wts = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
             k, z = dsa.indexer_keys(x, ix)
+            queries = None  # the indexer's queries, computed for the first sequence that needs scores
         selections, caches = [], []
         for j, s in enumerate(batch.seqs):
             rows = slice(s.start, s.start + s.n)
             if ix is not None:
                 cache = s.state.layers[L].append(latent=latent[rows], k=k[rows], z=z[rows])
-                sel = dsa.kpool_select(
-                    qi[rows],
-                    wts[rows],
-                    cache["k"],
-                    cache["z"],
-                    ix.ape,
-                    batch.positions[rows],
-                    c.index_topk,
-                    c.index_kpool_always_select_tail,
-                )
+                P, T, tail = c.index_kpool, cache["k"].shape[0], c.index_kpool_always_select_tail
+                if dsa.every_pool_fits(T, P, c.index_topk):  # a context within index_topk: all of it
+                    sel = dsa.causal_selection(batch.positions[rows], T, P, c.index_topk, tail)
+                else:
+                    if queries is None:
+                        queries = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
+                    qi, wts = queries
+                    sel = dsa.kpool_select(
+                        qi[rows],
+                        wts[rows],
+                        cache["k"],
+                        cache["z"],
+                        ix.ape,
+                        batch.positions[rows],
+                        c.index_topk,
+                        tail,
+                    )
             else:
                 cache = s.state.layers[L].append(latent=latent[rows])
                 sel = shared[j]
