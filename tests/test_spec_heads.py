@@ -330,7 +330,7 @@ def test_mtp_config_errors(glm_tiny):
 
 
 def heldout_windows(folder: Path) -> torch.Tensor:
-    """The held-out windows docs/train_demo.md §6 measures on, rebuilt as scripts/train_demo.py builds
+    """The held-out windows docs/train_demo.md §7 measures on, rebuilt as scripts/train_demo.py builds
     them: each held-out stdlib file as `[gMASK]<sop>{source}<|endoftext|>`, tokenized and packed, cut
     into windows of the run's context, the run's number of them chosen by randperm(seed 5)."""
     from tokenizers import Tokenizer

@@ -145,6 +145,9 @@ def test_metadata_and_drafter_layout():
     acc = rounds["dflash_acceptance"]
     assert len(acc) == td.BLOCK - 1 and acc[0] > 0.3 and all(a >= b for a, b in zip(acc, acc[1:]))
     assert rounds["dflash_tau"] == pytest.approx(1 + sum(acc), abs=1e-2) and rounds["mtp_acceptance"][0] > 0.3
+    # the last phase (on the trunk's greedy text) ran, and its heads draft longer than those it started from
+    before = meta["distill"]["draft_rounds_before"]
+    assert rounds["mtp_tau_k3"] > before["mtp_tau_k3"] and rounds["dflash_tau"] > before["dflash_tau"]
     text = cfg["text_config"]
     assert text["index_topk"] >= meta["run"]["context"]  # DSA dropped no key while training
 
