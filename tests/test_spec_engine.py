@@ -24,6 +24,7 @@ from moesaic.cache.batch import ForwardBatch
 from moesaic.cache.paged import BLOCK_SIZE
 from moesaic.cache.state import SequenceState
 from moesaic.errors import ConfigError
+from moesaic.spec import adaptive
 from moesaic.spec.adaptive import Acceptance, DraftLength
 from moesaic.spec.base import Draft
 from moesaic.spec.forced import ForcedProposer
@@ -630,6 +631,15 @@ def test_adaptive_length_follows_acceptance_and_batch_size():
     alone, crowded = policy.length(mid, decoders=1, limit=10), policy.length(mid, decoders=200, limit=10)
     assert alone > crowded  # a batch where rows cost more drafts less
     assert DraftLength(k=5, adaptive=False).length(bad, 1, 10) == 5
+    # off for RETRY_AFTER rounds in a row: one full-length round, then off again (a stale or noisy time
+    # model must not keep drafting off for good: only drafting rounds measure what a row costs)
+    policy.by_seqs.clear()
+    for rows in (1, 2, 4):  # a fit from a slow stretch: rows priced at 20 ms each
+        policy.forward_done(rows, 0.010 + 0.020 * rows, seqs=1)
+    never = Acceptance()
+    got = [policy.length(never, decoders=1, limit=10) for _ in range(2 * adaptive.RETRY_AFTER)]
+    want = ([0] * (adaptive.RETRY_AFTER - 1) + [6]) * 2
+    assert got == want
 
 
 def test_adaptive_time_model_is_fitted_per_batch_size():

@@ -9,7 +9,9 @@ decoding sequences, so it grows with the batch), delta = the drafter's time per 
 The draft length is the k in 0..K that maximises E(a, k) / (1 + beta * k + delta [k > 0]); 0 turns
 drafting off for the sequence (it does not pay: colibri, a DeepSeek engine, stops below ~60 %
 acceptance; here the threshold follows from the measured costs). While off, its acceptance record decays
-towards the prior, so drafting is retried now and then, and stops again if it still does not pay.
+towards the prior, so drafting is retried when the prior pays, and after RETRY_AFTER rounds off in any case:
+a time model fitted on a noisy stretch (this shared machine's step times move by half between phases) may
+price a row far above its cost, and only rounds that draft measure it again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ PRIOR_WEIGHT = 1.0  # ... worth this many drafts
 DECAY = 0.9  # weight of the past per measured round (an exponential moving average of the counts)
 OFF_DECAY = 0.95  # per round spent not drafting: the record fades, so drafting is tried again
 TIME_DECAY = 0.98  # weight of the past forwards in the time model
+RETRY_AFTER = 16  # rounds off after which one round drafts the full length again (and measures its cost)
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Acceptance:
 
     accepted: float = 0.0
     tried: float = 0.0
+    off: int = 0  # rounds in a row with drafting off
 
     @property
     def rate(self) -> float:
@@ -129,4 +133,9 @@ class DraftLength:
                 best, best_k = gain, j
         if best_k == 0:
             acc.fade()
+            acc.off += 1
+            if acc.off < RETRY_AFTER:
+                return 0
+            best_k = k  # a retry: the costs it is judged by are measured again
+        acc.off = 0
         return best_k
