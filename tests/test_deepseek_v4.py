@@ -457,3 +457,32 @@ def test_state_bytes_of_the_demo_are_exact(dtype, window):
     per_token, fixed = check_state_bytes_exact("demo-deepseek-v4", dtype, window, T=48)
     cfg = demo_model("demo-deepseek-v4", dtype)[0].cfg
     assert fixed > deepseek_v4.state_bytes(cfg, getattr(torch, dtype).itemsize, 0)[1] or window == 0
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_visible_entries_are_what_the_indexer_keeps_within_topk(ratio):
+    """While a CSA layer has at most index_topk closed entries, the lightning indexer's top-k keeps every
+    entry a query sees whatever the scores, so the model skips its queries (`visible_entries`): the same
+    entries for every query; one entry more and the scores drop one."""
+    from moesaic.layers.csa import indexer_select, visible_entries
+
+    g = torch.Generator().manual_seed(ratio)
+    topk = 6
+    for E in range(0, topk + 1):
+        positions = torch.arange(max(0, E * ratio - 3), E * ratio + ratio)  # queries around the last entry
+        q, w = torch.randn(len(positions), 2, 8, generator=g), torch.rand(len(positions), 2, generator=g)
+        keys = torch.randn(E, 8, generator=g)
+        want = indexer_select(q, w, keys, positions, ratio, topk)[0]
+        got = visible_entries(positions, E, ratio)
+        assert got.shape == want.shape == (len(positions), E)
+        assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in want]
+    E = topk + 1
+    want = indexer_select(
+        torch.randn(1, 2, 8, generator=g),
+        torch.rand(1, 2, generator=g),
+        torch.randn(E, 8, generator=g),
+        torch.tensor([E * ratio]),
+        ratio,
+        topk,
+    )[0]
+    assert want.shape == (1, topk) and (want >= 0).sum() == topk < E  # the scores choose

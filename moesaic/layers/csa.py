@@ -278,6 +278,16 @@ def indexer_select(
     return sel, keep
 
 
+def visible_entries(positions: Tensor, num_entries: int, ratio: int) -> Tensor:
+    """`indexer_select`'s selection (without candidate blocks) when num_entries <= topk: the top-k then keeps
+    every entry a query sees, whatever the scores, so the indexer's queries and scores can be skipped. The
+    same entries [n, num_entries] (-1 where not yet closed for the query), in entry order instead of score
+    order."""
+    entry = torch.arange(num_entries, device=positions.device)
+    visible = (positions + 1) // ratio
+    return entry.expand(positions.shape[0], num_entries).masked_fill(entry[None] >= visible[:, None], -1)
+
+
 # ---------------------------------------------------------------- attention with a sink
 
 

@@ -99,6 +99,7 @@ from ..layers.csa import (
     layer_compressors,
     new_attention_state,
     sink_attention,
+    visible_entries,
 )
 from ..layers.linear import embedding, linear
 from ..layers.moe import MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
@@ -799,7 +800,7 @@ class Model:
             ckv, cgate = compressor_inputs(x, comp)
         if idx is not None:
             ikv, igate = compressor_inputs(x, idx)
-            qi, wts = index_query(w.index, qr, x, c, rope, pos)
+            queries = None  # the indexer's queries, computed for the first sequence that needs scores
         out = torch.empty_like(q)
         for s in batch.seqs:
             r = slice(s.start, s.start + s.n)
@@ -811,7 +812,13 @@ class Model:
                 entries = compressor_update(st.compressor, ckv[r], cgate[r], comp, eps, rope)[0]
             if idx is not None:
                 keys = compressor_update(st.indexer, ikv[r], igate[r], idx, eps, rope)[0]
-                sel = indexer_select(qi[r], wts[r], keys, pos[r], c.csa_ratio, c.index_topk)[0]
+                if keys.shape[0] <= c.index_topk:  # every entry fits in the top-k: each visible one is kept
+                    sel = visible_entries(pos[r], keys.shape[0], c.csa_ratio)
+                else:
+                    if queries is None:
+                        queries = index_query(w.index, qr, x, c, rope, pos)
+                    qi, wts = queries
+                    sel = indexer_select(qi[r], wts[r], keys, pos[r], c.csa_ratio, c.index_topk)[0]
             ratio = c.hca_ratio if kind == HCA else c.csa_ratio
             out[r] = sink_attention(
                 q[r],
