@@ -216,6 +216,22 @@ def test_delta_rule_kernel_is_bit_consistent(kernels):
     off = torch_path(kda.delta_rule_recurrent, q, k, v, gate, beta, S0)[0]  # MOESAIC_CPU_KERNELS=0: the loop
     same(off, kda.delta_rule_loop(q, k, v, gate, beta, S0)[0])
     assert not torch.equal(off, o)  # so the block above ran the kernel (it sums in another order)
+    # heads shared out to threads (work past cpu.DELTA_PARALLEL) give the one-thread bits
+    big = delta_inputs(8, 4, 64, 64, seed=3)
+    assert 8 * 4 * 64 * 64 >= cpu.DELTA_PARALLEL
+    for one, two in zip(*threads_1_and_2(kda.delta_rule_recurrent, *big, True)):
+        same(one, two)
+
+
+def threads_1_and_2(f, *args):
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = f(*args)
+        torch.set_num_threads(2)
+        return a, f(*args)
+    finally:
+        torch.set_num_threads(old)
 
 
 def ssd_inputs(m, H, P, N, seed=0):
@@ -227,7 +243,9 @@ def ssd_inputs(m, H, P, N, seed=0):
     return x, dt, A, B, C, torch.randn(H, P, N, generator=g)
 
 
-@pytest.mark.parametrize("m,H,P,N", [(1, 1, 1, 1), (1, 8, 16, 16), (5, 3, 7, 9), (8, 4, 32, 64)])
+@pytest.mark.parametrize(
+    "m,H,P,N", [(1, 1, 1, 1), (1, 8, 16, 16), (5, 3, 7, 9), (8, 4, 32, 64), (4, 16, 32, 64)]
+)
 def test_ssd_steps_kernel_matches_the_torch_step(kernels, m, H, P, N):
     """Mamba-2's recurrent steps in one call (kernels/cpu.py `ssd_steps`) against layers/mamba2.py's ssd_step
     token by token: the states to the bit (the same float operations), y to rounding; and bit-consistent."""
@@ -249,6 +267,9 @@ def test_ssd_steps_kernel_matches_the_torch_step(kernels, m, H, P, N):
     assert one[0][2] is None
     wrong = cpu.ssd_steps(x, dt, A * 0, B, C, h0, False)[0]  # no decay: far from the step's y
     assert (wrong - y).abs().max() > 1e-2
+    if m * H * P * N >= cpu.DELTA_PARALLEL:  # heads shared out to threads: the one-thread bits
+        for one, two in zip(*threads_1_and_2(cpu.ssd_steps, x, dt, A, B, C, h0, True)):
+            same(one, two)
 
 
 def test_mamba2_mixer_takes_the_kernel_and_keeps_its_snapshots(kernels):

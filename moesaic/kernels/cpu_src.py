@@ -864,6 +864,21 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
 #pragma GCC pop_options
 #endif
 
+// Runs heads(h0, h1) over [0, H), split between up to `nthreads` OpenMP threads (the recurrences' heads are
+// independent, so any split gives the same bits).
+template <class F>
+void over_heads(int64_t H, int64_t nthreads, F&& heads) {
+    if (nthreads > 1 && H > 1) {
+#pragma omp parallel num_threads((int)std::min<int64_t>(nthreads, H))
+        {
+            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+            heads(H * id / nt, H * (id + 1) / nt);
+        }
+    } else {
+        heads(0, H);
+    }
+}
+
 // KDA's delta rule, token by token, for H independent heads (layers/kda.py's delta_rule_recurrent):
 //     S = S * E_t[:, None];  u = beta_t (v_t - k_tᵀ S);  S = S + k_t u_tᵀ;  o_t = q_tᵀ S
 // with E = exp(g) computed by torch beforehand. q, k, E [H, n, Dk], v [H, n, Dv], beta [H, n] (any strides,
@@ -923,15 +938,7 @@ std::vector<torch::Tensor> delta_rule(torch::Tensor q, torch::Tensor k, torch::T
             }
         }
     };
-    if (nthreads > 1 && H > 1) {
-#pragma omp parallel num_threads((int)std::min<int64_t>(nthreads, H))
-        {
-            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-            heads(H * id / nt, H * (id + 1) / nt);
-        }
-    } else {
-        heads(0, H);
-    }
+    over_heads(H, nthreads, heads);
     return {o, S, states};
 }
 
@@ -987,15 +994,7 @@ std::vector<torch::Tensor> ssd_steps(torch::Tensor x, torch::Tensor dt, torch::T
             }
         }
     };
-    if (nthreads > 1 && H > 1) {
-#pragma omp parallel num_threads((int)std::min<int64_t>(nthreads, H))
-        {
-            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-            heads(H * id / nt, H * (id + 1) / nt);
-        }
-    } else {
-        heads(0, H);
-    }
+    over_heads(H, nthreads, heads);
     return {y, h, states};
 }
 #if defined(__GNUC__) && !defined(__clang__)
