@@ -9,7 +9,8 @@ docs/train_demo.md. Prompts: the first lines of the Python standard library file
 (its held-out files, listed in its config), and for n-gram a repetitive set (the same file start, then its
 first lines again: the continuation copies). Each configuration (plain, then each method with a fixed draft
 length and with adaptive drafting) is one `LLM`; a run generates `--new` greedy tokens (EOS ignored) for each
-prompt of a batch. Decode tok/s = generated tokens / (wall time - the same run's time for one token), so the
+of `--groups` batches of prompts in turn (at batch 1: that many prompts one after another, so tau is not one
+prompt's). Decode tok/s = generated tokens / (wall time - the same run's time for one token), so the
 prefill is not counted; the best of `--reps` runs (the machine is shared). tau and the acceptance are those
 of all the runs of that row. Outputs are checked equal to plain decoding (they are, in fp32; in bf16 rows verified
 together round differently than rows computed one at a time, so a near-tie may flip a token).
@@ -59,19 +60,23 @@ def repetitive_prompts(prompts: list[str]) -> list[str]:
     return out
 
 
-def timed(llm, prompts, params) -> tuple[float, list]:
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+def timed(llm, groups, params) -> tuple[float, list]:
+    """Wall time of generating each group of prompts in turn (one batch per group), and the outputs."""
+    outs, t0 = [], time.perf_counter()
+    for g in groups:
+        outs += llm.generate(g, params)
     return time.perf_counter() - t0, outs
 
 
-def measure(llm, prompts: list[str], new: int, reps: int) -> tuple[float, list[list[int]]]:
-    """Decode tok/s of one batch (the best of `reps` runs: the machine is shared), and its tokens."""
+def measure(llm, prompts: list[str], batch: int, new: int, reps: int) -> tuple[float, list[list[int]]]:
+    """Decode tok/s over `prompts` run `batch` at a time (the best of `reps` runs: the machine is shared),
+    and the tokens."""
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     one = moesaic.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     full = moesaic.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, one)  # warm-up
-    first = min(timed(llm, prompts, one)[0] for _ in range(reps))
-    runs = [timed(llm, prompts, full) for _ in range(reps)]
+    llm.generate(groups[0], one)  # warm-up
+    first = min(timed(llm, groups, one)[0] for _ in range(reps))
+    runs = [timed(llm, groups, full) for _ in range(reps)]
     best = min(t for t, _ in runs)
     return len(prompts) * (new - 1) / (best - first), [o.token_ids for o in runs[0][1]]
 
@@ -88,12 +93,13 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=4, help="batches of prompts per measurement (run in turn)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     path = resolve_model_path(a.model)
     drafter = Path(a.drafter) if a.drafter else path.parent / (path.name + "-dflash")
     batches = [int(b) for b in a.batches.split(",")]
-    code = code_prompts(path, max(batches))
+    code = code_prompts(path, max(batches) * a.groups)
     sets = {"code": code, "repetitive": repetitive_prompts(code)}
     print(
         f"# {path.name}: dtype {a.dtype}, {a.threads} thread(s), {a.new} new tokens, torch {torch.__version__}"
@@ -106,7 +112,7 @@ def main(argv=None) -> None:
     base = {}
     for name, prompts in sets.items():
         for b in batches:
-            rate, toks = measure(plain, prompts[:b], a.new, a.reps)
+            rate, toks = measure(plain, prompts[: b * a.groups], b, a.new, a.reps)
             base[name, b] = rate, toks
             print(f"| plain | - | - | {name} | {b} | {rate:.1f} | 1.00 | 1.00 | - | - |")
     for method in a.methods.split(","):
@@ -126,7 +132,7 @@ def main(argv=None) -> None:
                 for b in batches:
                     c = llm.engine.spec_counters
                     before = {**c, "drafted_at": list(c["drafted_at"]), "accepted_at": list(c["accepted_at"])}
-                    rate, toks = measure(llm, prompts[:b], a.new, a.reps)
+                    rate, toks = measure(llm, prompts[: b * a.groups], b, a.new, a.reps)
                     c = llm.engine.spec_counters
                     rounds = c["rounds"] - before["rounds"]
                     tau = (c["committed"] - before["committed"]) / rounds if rounds else 1.0
