@@ -19,7 +19,7 @@ import os
 import torch
 
 from ..errors import CapacityError
-from .state import SequenceState, TokenRows
+from .state import LengthRollback, SequenceState, TokenRows
 
 BLOCK_SIZE = 64
 
@@ -129,7 +129,7 @@ class PagePool:
                 t[dst] = t[src]
 
 
-class PagedRows:
+class PagedRows(LengthRollback):
     """TokenRows' interface over pool pages: rows of position p live in block table[p // BLOCK_SIZE]
     at row p % BLOCK_SIZE of this layer's slice of the pool. The engine allocates the blocks before the
     forward that appends into them; `snapshot()` is just the length (the pages are shared through the
@@ -183,14 +183,6 @@ class PagedRows:
             if self.length
             else {k: t.new_empty(0, t.shape[-1]) for k, t in self.fields.items()}
         )
-
-    def can_rollback(self, n: int) -> bool:
-        return 0 <= n <= self.length
-
-    def rollback(self, n: int) -> None:
-        if not self.can_rollback(n):
-            raise ValueError(f"cannot roll back {n} of {self.length} tokens")
-        self.length -= n
 
     def snapshot(self) -> int:
         return self.length

@@ -18,7 +18,22 @@ import torch
 from ..errors import CapacityError
 
 
-class TokenRows:
+class LengthRollback:
+    """Rollback of a kind whose rows past `length` are ignored: forgetting n rows is free (TokenRows and
+    cache/paged.py's PagedRows)."""
+
+    length: int
+
+    def can_rollback(self, n: int) -> bool:
+        return 0 <= n <= self.length
+
+    def rollback(self, n: int) -> None:
+        if not self.can_rollback(n):
+            raise ValueError(f"cannot roll back {n} of {self.length} tokens")
+        self.length -= n
+
+
+class TokenRows(LengthRollback):
     """Rows that grow one per token (KV / latent caches): one growable buffer per field.
 
     Capacity doubles as tokens arrive, so appending n tokens is amortised O(n). rollback only
@@ -52,14 +67,6 @@ class TokenRows:
             self.bufs[k][self.length : end] = r
         self.length = end
         return {k: b[:end] for k, b in self.bufs.items()}
-
-    def can_rollback(self, n: int) -> bool:
-        return 0 <= n <= self.length
-
-    def rollback(self, n: int) -> None:
-        if not self.can_rollback(n):
-            raise ValueError(f"cannot roll back {n} of {self.length} tokens")
-        self.length -= n
 
     def snapshot(self):
         self.shared = max(self.shared, self.length)
