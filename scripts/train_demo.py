@@ -838,7 +838,6 @@ def head_losses(
     Block anchor a, position k: the trunk's distribution at row a+k-1 (for token a+k)."""
     with torch.no_grad():
         logits, h, taps = trunk(ids)
-    B, T = ids.shape
     lm_head, embed = trunk.lm_head, trunk.embed
     # MTP
     x = mtp(embed(ids[:, 1:]), h[:, :-1])[:, :-1]  # rows 0..T-3
@@ -846,17 +845,29 @@ def head_losses(
     teacher = logits[:, 1:-1]
     m_loss = soft_ce(m_logits, teacher).mean()
     m_agree = (m_logits.argmax(-1) == teacher.argmax(-1)).float().mean()
-    # DFlash
-    emb, pos_b, pos_c, mask = draft_blocks(ids, anchors, embed, T)
+    per_pos, d_agree = dflash_losses(trunk, drafter, ids, anchors, logits, taps)
+    return m_loss, m_agree, per_pos, d_agree
+
+
+def dflash_losses(trunk: Trunk, drafter: DFlashDrafter, ids, anchors, logits, taps):
+    """The drafter's soft loss and top-1 agreement by block position [BLOCK-1] over the blocks anchored at
+    `anchors` [B, M]: position k against the trunk's row a+k-1 (`logits`, `taps`: the trunk's on ids)."""
+    B, T = ids.shape
+    emb, pos_b, pos_c, mask = draft_blocks(ids, anchors, trunk.embed, T)
     out = drafter(torch.cat(taps, -1), emb, pos_c, pos_b, mask).view(B, -1, BLOCK, emb.shape[-1])[:, :, 1:]
-    d_logits = lm_head(out)  # [B, M, BLOCK-1, V]
+    d_logits = trunk.lm_head(out)  # [B, M, BLOCK-1, V]
     rows = anchors[:, :, None] + torch.arange(BLOCK - 1)  # row a+k-1 for k = 1..BLOCK-1
     d_teacher = logits.gather(1, rows.flatten(1)[..., None].expand(-1, -1, logits.shape[-1])).view_as(
         d_logits
     )
-    per_pos = soft_ce(d_logits, d_teacher).mean((0, 1))  # [BLOCK-1]
-    d_agree = (d_logits.argmax(-1) == d_teacher.argmax(-1)).float().mean((0, 1))
-    return m_loss, m_agree, per_pos, d_agree
+    per_pos = soft_ce(d_logits, d_teacher).mean((0, 1))
+    return per_pos, (d_logits.argmax(-1) == d_teacher.argmax(-1)).float().mean((0, 1))
+
+
+def dflash_weights(gamma: float) -> torch.Tensor:
+    """DFlash's decaying loss weights over the block positions, exp(-(k-1) / gamma), normalised."""
+    w = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / gamma)
+    return w / w.sum()
 
 
 def sample_anchors(B: int, T: int, M: int, g: torch.Generator) -> torch.Tensor:
@@ -872,8 +883,7 @@ def train_heads(trunk, mtp, drafter, distill: IndexerDistill, train, held, a, lo
     params = list((params | {id(p): p for p in distill.params()}).values())  # the MTP's indexer is in both
     opt = adamw(params, a.head_lr)
     balance = RouterBalance([mtp])
-    weights = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / a.gamma)  # DFlash's decaying weights
-    weights = weights / weights.sum()
+    weights = dflash_weights(a.gamma)
     held_anchors = sample_anchors(len(held), held.shape[1], a.anchors, torch.Generator().manual_seed(3))
     curve, run, t0 = [], [], time.time()
     for step, ids in batches(train, a.batch, a.head_steps, g):
@@ -1044,7 +1054,7 @@ def greedy_losses(trunk, mtp, drafter, ids, starts, anchors, depth: int):
     by block position, MTP top-1 agreement by depth, DFlash agreement by position)."""
     with torch.no_grad():
         logits, h, taps = trunk(ids)
-    B, T = ids.shape
+    T = ids.shape[1]
     pos = torch.arange(T)
     x, m_loss, m_agree = h, [], []
     for k in range(1, depth + 1):
@@ -1054,15 +1064,7 @@ def greedy_losses(trunk, mtp, drafter, ids, starts, anchors, depth: int):
         keep = (pos[None, : T - k - 1] + k) >= starts[:, None]
         m_loss.append(soft_ce(m_logits, teacher)[keep].mean())
         m_agree.append((m_logits.argmax(-1) == teacher.argmax(-1))[keep].float().mean())
-    emb, pos_b, pos_c, mask = draft_blocks(ids, anchors, trunk.embed, T)
-    out = drafter(torch.cat(taps, -1), emb, pos_c, pos_b, mask).view(B, -1, BLOCK, emb.shape[-1])[:, :, 1:]
-    d_logits = trunk.lm_head(out)
-    rows = anchors[:, :, None] + torch.arange(BLOCK - 1)
-    d_teacher = logits.gather(1, rows.flatten(1)[..., None].expand(-1, -1, logits.shape[-1])).view_as(
-        d_logits
-    )
-    d_loss = soft_ce(d_logits, d_teacher).mean((0, 1))
-    d_agree = (d_logits.argmax(-1) == d_teacher.argmax(-1)).float().mean((0, 1))
+    d_loss, d_agree = dflash_losses(trunk, drafter, ids, anchors, logits, taps)
     return torch.stack(m_loss), d_loss, torch.stack(m_agree), d_agree
 
 
@@ -1079,8 +1081,7 @@ def distill_heads(trunk, mtp, drafter, seqs, starts, held, held_starts, a, log) 
     opt = adamw(params, a.distill_lr)
     balance = RouterBalance([mtp])
     m_w = torch.tensor([1.0 - 0.2 * k for k in range(a.mtp_depth)])
-    d_w = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / a.gamma)
-    d_w = d_w / d_w.sum()
+    d_w = dflash_weights(a.gamma)
     T = seqs.shape[1]
     held_anchors = continuation_anchors(held_starts, T, a.anchors, torch.Generator().manual_seed(8))
     curve, run, t0 = [], [], time.time()
@@ -1510,9 +1511,8 @@ def heldout_sample(held_all: torch.Tensor, n: int) -> torch.Tensor:
 
 def heads_summary(trunk, mtp, drafter, distill, held, a) -> dict:
     """The heads' held-out losses and agreement on real code (teacher-forced), as config.json records them."""
-    weights = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / a.gamma)
     anchors = sample_anchors(len(held), held.shape[1], a.anchors, torch.Generator().manual_seed(3))
-    return heads_heldout(trunk, mtp, drafter, distill, held, anchors, weights / weights.sum())
+    return heads_heldout(trunk, mtp, drafter, distill, held, anchors, dflash_weights(a.gamma))
 
 
 def distill_phase(a, src: Path, log, log_lines) -> None:
@@ -1534,11 +1534,9 @@ def distill_phase(a, src: Path, log, log_lines) -> None:
     before = draft_rounds(trunk, mtp, drafter, held_all, torch.Generator().manual_seed(6))
     log(f"distill: draft rounds of the heads in {src}: {before}")
     seqs, starts = greedy_sequences(target, train, a.distill_seqs, torch.Generator().manual_seed(9))
+    held = heldout_sample(held_all, a.heldout_windows)
     held_seqs, held_starts = greedy_sequences(
-        target,
-        heldout_sample(held_all, a.heldout_windows),
-        a.heldout_windows,
-        torch.Generator().manual_seed(10),
+        target, held, a.heldout_windows, torch.Generator().manual_seed(10)
     )
     gen_minutes = round((time.time() - t0) / 60, 1)
     log(f"distill: {len(seqs)} + {len(held_seqs)} greedy sequences generated in {gen_minutes} min")
@@ -1550,14 +1548,7 @@ def distill_phase(a, src: Path, log, log_lines) -> None:
     round_to_stored([mtp, drafter])
     rounds = draft_rounds(trunk, mtp, drafter, held_all, torch.Generator().manual_seed(6))
     log(f"distill: draft rounds after: {rounds}")
-    heads = heads_summary(
-        trunk,
-        mtp,
-        drafter,
-        IndexerDistill(trunk, mtp, TEXT_CONFIG),
-        heldout_sample(held_all, a.heldout_windows),
-        a,
-    )
+    heads = heads_summary(trunk, mtp, drafter, IndexerDistill(trunk, mtp, TEXT_CONFIG), held, a)
     run = {
         "argv": sys.argv[1:],
         "steps": a.distill_steps,

@@ -357,10 +357,8 @@ def delta_rule(q, k, v, g, beta, S, keep_states: bool):
     final S, the state after every token [n, H, Dk, Dv] or None); None where it does not apply (the caller
     runs the torch loop). exp(g) is torch's; the sums over Dk go in index order (the torch loop's einsums
     go through a GEMM), so the two agree to rounding, not to the bit."""
-    if not all(t.is_cpu and t.dtype == torch.float32 for t in (q, k, v, g, beta, S)):
-        return None
     mod = _fused_mod(q, k, v, g, beta, S)
-    if mod is None or q.dim() != 3:
+    if mod is None or q.dim() != 3 or not all(t.dtype == torch.float32 for t in (q, k, v, g, beta, S)):
         return None
     H, n, Dk = q.shape
     work = n * H * Dk * v.shape[-1]
