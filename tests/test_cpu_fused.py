@@ -304,3 +304,68 @@ def test_mamba2_mixer_takes_the_kernel_and_keeps_its_snapshots(kernels):
         # (to rounding: torch's conv1d over 1 or 11 inputs may round differently; the kernel's own
         # bit-consistency is the test above)
         torch.testing.assert_close(one[0].ssm, snaps[t - 7].ssm, rtol=1e-6, atol=1e-6)
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "H, dn, dv, kvr, dr, lens, Ts",
+    [
+        (8, 64, 64, 128, 32, [1], [40]),  # the benchmark model's decode
+        (4, 16, 24, 33, 0, [1, 3, 2], [5, 9, 2]),  # no rope part, odd latent width, a block of 3 (causal)
+        (16, 128, 128, 512, 64, [4, 1], [300, 77]),  # release-sized heads, verify rows
+    ],
+)
+def test_mla_absorbed_matches_the_torch_code(kernels, H, dn, dv, kvr, dr, lens, Ts):
+    """The fused absorbed attention against layers/mla.py's absorb_queries / latent_attention /
+    absorb_output per sequence: bf16 roundings in the same places, so at most one bf16 step apart and
+    almost every value bit-equal (a rounding placed elsewhere breaks that)."""
+    from moesaic.layers.mla import absorb_output, absorb_queries, latent_attention, split_kv_b
+
+    g = torch.Generator().manual_seed(kvr)
+    w_uk, w_uv = split_kv_b((torch.randn(H * (dn + dv), kvr, generator=g) * 0.1).bfloat16(), H, dn, dv)
+    N = sum(lens)
+    qn = torch.randn(N, H, dn, generator=g).bfloat16()
+    qr = torch.randn(N, H, dr, generator=g).bfloat16()
+    lat = [torch.randn(T, kvr + 5, generator=g).bfloat16()[:, :kvr] for T in Ts]  # strided rows
+    kr = [torch.randn(T, dr, generator=g).bfloat16() for T in Ts]
+    ref, at = [], 0
+    for n, L, R in zip(lens, lat, kr):
+        o_lat = latent_attention(absorb_queries(qn[at : at + n], w_uk), qr[at : at + n], L, R, 0.125)
+        ref.append(absorb_output(o_lat, w_uv))
+        at += n
+    ref = torch.cat(ref)
+    got = kernels.mla_absorbed(qn, qr, w_uk, w_uv, lat, kr, lens, 0.125)
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    step = 2.0**-7 * ref.float().abs().amax()
+    assert (got.float() - ref.float()).abs().max() <= step
+    assert (got == ref).float().mean() >= 0.99
+    assert (
+        kernels.mla_absorbed(qn.float(), qr.float(), w_uk.float(), w_uv.float(), lat, kr, lens, 0.1) is None
+    )
+
+
+@pytest.mark.parametrize("name", ["demo-mistral4", "demo-kimi-linear"])
+def test_mla_decode_takes_the_fused_call(kernels, monkeypatch, name):
+    """A bf16 MLA model's decode runs no bmm (the absorbed folds and the latent attention are one call),
+    and gives the tokens of the torch code (MOESAIC_CPU_KERNELS=0, which runs them as bmm / matmul)."""
+    import moesaic
+
+    llm = moesaic.LLM(name, dtype="bfloat16")
+    params = moesaic.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 3, 9], [7, 7, 1]]
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MOESAIC_CPU_KERNELS", flag)
+        with OpNames() as m:
+            runs[flag] = ([o.token_ids for o in llm.generate(prompts, params)], m.names.count("bmm"))
+    assert runs["1"][1] == 0 and runs["0"][1] > 0
+    assert runs["1"][0] == runs["0"][0]

@@ -7,6 +7,7 @@ weights, for one matrix or all selected experts of a MoE step in one call.
                                                  block or group sizes); `offs` makes them grouped
     rms_norm(x, w, eps, pre, mid, out)           layers/norms.py's RMSNorm orders in one call
     rope(x, cos, sin, layout)                    layers/rope.py's three rotations in one call
+    mla_absorbed(q_nope, q_rope, w_uk, w_uv, ..)  layers/mla.py's absorbed attention (bf16) in one call
 
 Grouped form (what `run_experts` builds): x [T, K] holds the rows of expert 0, then expert 1, ...;
 `offs` [E] (int32/int64, as for torch's grouped_mm) are the cumulative end rows, so expert e owns rows
@@ -64,6 +65,7 @@ __all__ = [
     "fp8_block_ok",
     "rms_norm",
     "rope",
+    "mla_absorbed",
     "stats",
 ]
 
@@ -113,6 +115,7 @@ def load(verbose: bool = False):
                 "rope",
                 "delta_rule",
                 "ssd_steps",
+                "mla_absorbed",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -350,6 +353,24 @@ def rope(x, cos, sin, layout: int):
 
 
 DELTA_PARALLEL = 1 << 16  # state values x tokens from which the recurrences share their heads out to threads
+
+
+def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: float):
+    """layers/mla.py's absorbed attention (absorb_queries, latent_attention per sequence, absorb_output)
+    for bf16 tensors in one call: q_nope [N, H, dn] / q_rope [N, H, dr] packed rows of the sequences
+    (lens rows each), their caches latents[s] [T, kvr] / k_ropes[s] [T, dr] -> [N, H, dv]; rounded where
+    the torch code rounds, summed in another order (so equal to rounding). None where it does not apply
+    (not bf16, autograd, kernels off): the caller runs the torch code."""
+    if q_nope.dtype != torch.bfloat16 or any(t.dtype != torch.bfloat16 for t in (*latents, *k_ropes)):
+        return None
+    mod = _fused_mod(q_nope, q_rope, w_uk, w_uv, *latents, *k_ropes)
+    if mod is None:
+        return None
+    work = q_nope.shape[1] * sum(t.shape[0] for t in latents) * w_uk.shape[-1]
+    threads = 1 if work < FUSED_PARALLEL * 32 else torch.get_num_threads()
+    return mod.mla_absorbed(
+        q_nope, q_rope, w_uk, w_uv, list(latents), list(k_ropes), list(lens), scale, threads
+    )
 
 
 def delta_rule(q, k, v, g, beta, S, keep_states: bool):

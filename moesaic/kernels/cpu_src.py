@@ -1032,6 +1032,121 @@ std::vector<torch::Tensor> ssd_steps(torch::Tensor x, torch::Tensor dt, torch::T
 #pragma GCC pop_options
 #endif
 
+// a . b and y += s * b over n values, a / y fp32, b bf16 (8 lanes at a time where AVX2 is on)
+inline float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
+    int64_t k = 0;
+    float tail = 0.f;
+#if defined(MOESAIC_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k));
+        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), w, acc);
+    }
+    tail = hsum(acc);
+#endif
+    for (; k < n; ++k) tail += a[k] * bf16_bits_to_f32(b[k]);
+    return tail;
+}
+
+inline void axpy_bf16(float s, const uint16_t* b, float* y, int64_t n) {
+    int64_t k = 0;
+#if defined(MOESAIC_AVX2)
+    const __m256 sv = _mm256_set1_ps(s);
+    for (; k + 8 <= n; k += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k));
+        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        _mm256_storeu_ps(y + k, _mm256_fmadd_ps(sv, w, _mm256_loadu_ps(y + k)));
+    }
+#endif
+    for (; k < n; ++k) y[k] += s * bf16_bits_to_f32(b[k]);
+}
+
+// MLA's absorbed attention (layers/mla.py: absorb_queries, latent_attention, absorb_output) for the
+// sequences of a step in one call, bf16: q_nope [N, H, dn] and q_rope [N, H, dr] hold every sequence's
+// rows in order (lens[s] rows each), w_uk [H, dn, kvr] and w_uv [H, dv, kvr] are views of kv_b, and
+// sequence s attends to its latent[s] [T, kvr] / k_rope[s] [T, dr] (row i of n sees T - n + i + 1 of
+// them). fp32 sums, rounded to bf16 where the torch code's bf16 products round: q_lat, the two score
+// products and their sum, the probabilities, o_lat and the output (torch's bf16 matmuls here run at
+// 35-85 us each on an AVX2 CPU, five per layer; this is a few us). The sums' order differs from
+// torch's matmuls, so it matches the torch code to rounding, not to the bit. Threads over heads.
+torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Tensor w_uk, torch::Tensor w_uv,
+                           std::vector<torch::Tensor> latents, std::vector<torch::Tensor> k_ropes,
+                           std::vector<int64_t> lens, double scale_d, int64_t nthreads) {
+    TORCH_CHECK(q_nope.dim() == 3 && q_rope.dim() == 3 && w_uk.dim() == 3 && w_uv.dim() == 3, "mla_absorbed: ranks");
+    const int64_t N = q_nope.size(0), H = q_nope.size(1), dn = q_nope.size(2), dr = q_rope.size(2);
+    const int64_t kvr = w_uk.size(2), dv = w_uv.size(1);
+    TORCH_CHECK(q_rope.size(0) == N && q_rope.size(1) == H && w_uk.size(0) == H && w_uk.size(1) == dn &&
+                    w_uv.size(0) == H && w_uv.size(2) == kvr, "mla_absorbed: shapes");
+    TORCH_CHECK(latents.size() == lens.size() && k_ropes.size() == lens.size(), "mla_absorbed: one cache per sequence");
+    for (const auto& t : {q_nope, q_rope, w_uk, w_uv})
+        TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.device().is_cpu() && t.stride(-1) == 1,
+                    "mla_absorbed: bf16 CPU tensors, unit last stride");
+    int64_t total = 0;
+    for (size_t s = 0; s < lens.size(); ++s) {
+        const auto& L = latents[s];
+        const auto& R = k_ropes[s];
+        TORCH_CHECK(L.scalar_type() == torch::kBFloat16 && L.dim() == 2 && L.size(1) == kvr && L.stride(1) == 1 &&
+                        R.scalar_type() == torch::kBFloat16 && R.dim() == 2 && R.size(0) == L.size(0) &&
+                        R.size(1) == dr && (dr == 0 || R.stride(1) == 1) && lens[s] <= L.size(0),
+                    "mla_absorbed: latent [T, kvr], k_rope [T, dr] bf16, at least as many rows as queries");
+        total += lens[s];
+    }
+    TORCH_CHECK(total == N, "mla_absorbed: lens must sum to the query rows");
+    auto out = torch::empty({N, H, dv}, q_nope.options());
+    const auto rnd = [](float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); };
+    const auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+    const float scale = (float)scale_d;
+    const uint16_t *qn = u16(q_nope), *qr = u16(q_rope), *wk = u16(w_uk), *wv = u16(w_uv);
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    auto heads = [&](int64_t h0, int64_t h1) {
+        std::vector<float> ql(kvr), ol(kvr), sc, rrow(dr);
+        for (int64_t h = h0; h < h1; ++h) {
+            int64_t row0 = 0;
+            for (size_t s = 0; s < lens.size(); ++s) {
+                const int64_t n = lens[s], T = latents[s].size(0);
+                const uint16_t *lat = u16(latents[s]), *kro = u16(k_ropes[s]);
+                const int64_t ls = latents[s].stride(0), ks = k_ropes[s].stride(0);
+                sc.resize(T);
+                for (int64_t i = 0; i < n; ++i) {
+                    const int64_t r = row0 + i;
+                    const uint16_t* qp = qn + r * q_nope.stride(0) + h * q_nope.stride(1);
+                    std::fill(ql.begin(), ql.end(), 0.f);
+                    for (int64_t d = 0; d < dn; ++d)  // q_lat = q_nope . w_uk[h]
+                        axpy_bf16(bf16_bits_to_f32(qp[d]), wk + h * w_uk.stride(0) + d * w_uk.stride(1), ql.data(), kvr);
+                    for (int64_t c = 0; c < kvr; ++c) ql[c] = rnd(ql[c]);
+                    const uint16_t* rp = qr + r * q_rope.stride(0) + h * q_rope.stride(1);
+                    for (int64_t d = 0; d < dr; ++d) rrow[d] = bf16_bits_to_f32(rp[d]);
+                    const int64_t seen = T - n + i + 1;
+                    float mx = -INFINITY;
+                    for (int64_t t = 0; t < seen; ++t) {
+                        float v = rnd(dot_bf16(ql.data(), lat + t * ls, kvr));
+                        if (dr) v = rnd(v + rnd(dot_bf16(rrow.data(), kro + t * ks, dr)));
+                        sc[t] = v * scale;
+                        mx = std::max(mx, sc[t]);
+                    }
+                    float sum = 0.f;
+                    for (int64_t t = 0; t < seen; ++t) {
+                        sc[t] = std::exp(sc[t] - mx);
+                        sum += sc[t];
+                    }
+                    const float inv = 1.f / sum;
+                    std::fill(ol.begin(), ol.end(), 0.f);
+                    for (int64_t t = 0; t < seen; ++t)  // o_lat = p . latent
+                        axpy_bf16(rnd(sc[t] * inv), lat + t * ls, ol.data(), kvr);
+                    for (int64_t c = 0; c < kvr; ++c) ol[c] = rnd(ol[c]);
+                    for (int64_t v = 0; v < dv; ++v)  // out = o_lat . w_uv[h]ᵀ
+                        op[(r * H + h) * dv + v] =
+                            f32_to_bf16_bits(dot_bf16(ol.data(), wv + h * w_uv.stride(0) + v * w_uv.stride(1), kvr));
+                }
+                row0 += n;
+            }
+        }
+    };
+    over_heads(H, nthreads, heads);
+    return out;
+}
+
 bool has_avx2() {
 #if defined(MOESAIC_AVX2)
     return true;

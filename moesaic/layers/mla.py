@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.paged import PagedRows
+from ..kernels import cpu
 from ..kernels.triton import kernels
 from .linear import linear
 from .norms import rms_norm
@@ -164,6 +165,20 @@ def mla_batch(
                 ]
             )
         w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
+        if not kernels("mla", q_nope):  # bf16 on the CPU: the five small products in one call
+            fused = cpu.mla_absorbed(
+                q_nope[rows],
+                q_rope[rows],
+                w_uk,
+                w_uv,
+                [caches[i]["latent"] for i in absorbed],
+                [caches[i]["k_rope"] for i in absorbed],
+                [batch.seqs[i].n for i in absorbed],
+                scale,
+            )
+            if fused is not None:
+                out[rows] = fused
+                return out
         q_lat = absorb_queries(q_nope[rows], w_uk)
         q_rope_rows = q_rope[rows]
         paged = [batch.seqs[i].state.layers[L] for i in absorbed]
