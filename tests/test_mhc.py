@@ -127,3 +127,38 @@ def test_site_and_weighted_head_match_deepseek_v4():
     print(f"mhc deepseek_v4 weighted head {err:.1e}")
     assert err < TOL
     assert max_err(got, mhc.head_mean(h[0])) > 1e-2  # the weighted head is not GLM's mean
+
+
+def test_bf16_site_weight_takes_the_kernel_without_an_fp32_copy():
+    """A bf16 model's site projection runs the bf16 kernel on fp32 rows (fn never converted): the fp32
+    product of the torch path (F.linear on fn.float()) to fp32 rounding, and no aten copy of fn."""
+    from moesaic.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("CPU kernels unavailable")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 4, 64, generator=g).bfloat16()
+    fn = (torch.randn(24, 256, generator=g) * 0.1).bfloat16()
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.sizes.append(out.numel())
+            return out
+
+    with torch.inference_mode(), Sizes() as seen:
+        m = mhc.project(h, fn, 1e-6)
+    assert fn.numel() not in seen.sizes  # no fp32 copy of fn
+    flat = h.reshape(3, -1).float()
+    ref = torch.nn.functional.linear(
+        flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6), fn.float()
+    )
+    assert m.dtype == torch.float32
+    torch.testing.assert_close(m, ref, rtol=1e-5, atol=1e-5)
