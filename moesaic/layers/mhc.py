@@ -56,6 +56,10 @@ class MhcSite:
     base: Tensor
     scale: Tensor
 
+    def __post_init__(self):  # the maps are computed in fp32: convert the small vectors once, not per step
+        object.__setattr__(self, "base", self.base.float())
+        object.__setattr__(self, "scale", self.scale.float())
+
 
 def site_shapes(dims: MhcDims, hidden_size: int) -> dict[str, tuple[int, ...]]:
     """The shapes of one site's tensors (for tensor contracts)."""
