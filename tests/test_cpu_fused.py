@@ -351,6 +351,8 @@ def test_mla_absorbed_matches_the_torch_code(kernels, H, dn, dv, kvr, dr, lens, 
     assert (
         kernels.mla_absorbed(qn.float(), qr.float(), w_uk.float(), w_uv.float(), lat, kr, lens, 0.1) is None
     )
+    cols = [torch.randn(kvr, T, generator=g).bfloat16().T for T in Ts]  # latent columns not contiguous
+    assert kernels.mla_absorbed(qn, qr, w_uk, w_uv, cols, kr, lens, 0.1) is None
 
 
 @pytest.mark.parametrize("name", ["demo-mistral4", "demo-kimi-linear"])

@@ -361,7 +361,10 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
     (lens rows each), their caches latents[s] [T, kvr] / k_ropes[s] [T, dr] -> [N, H, dv]; rounded where
     the torch code rounds, summed in another order (so equal to rounding). None where it does not apply
     (not bf16, autograd, kernels off): the caller runs the torch code."""
-    if q_nope.dtype != torch.bfloat16 or any(t.dtype != torch.bfloat16 for t in (*latents, *k_ropes)):
+    caches = (*latents, *k_ropes)
+    if q_nope.dtype != torch.bfloat16 or any(t.dtype != torch.bfloat16 or t.dim() != 2 for t in caches):
+        return None
+    if any(t.shape[-1] and t.stride(-1) != 1 for t in (q_nope, q_rope, w_uk, w_uv, *caches)):
         return None
     mod = _fused_mod(q_nope, q_rope, w_uk, w_uv, *latents, *k_ropes)
     if mod is None:
