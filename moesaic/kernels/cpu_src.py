@@ -120,11 +120,10 @@ inline float hsum(__m256 v) {
 
 inline __m256 lanes(float lo, float hi) { return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)); }
 
-inline void dec_bf16(const uint8_t* p, __m256 w[8]) {
-    for (int j = 0; j < 8; ++j) {
-        __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j));
-        w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
+// 8 bf16 values at p -> fp32 (exact: the bits shifted into the high half)
+inline __m256 widen_bf16(const void* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 inline void dec_fp8(const uint8_t* p, __m256 w[8]) {
@@ -153,9 +152,8 @@ inline void dec_fp4(const uint8_t* p, __m256 w[8]) {
     }
 }
 
-inline void dec(int kind, const uint8_t* p, __m256 w[8]) {
-    if (kind == BF16) dec_bf16(p, w);
-    else if (kind == FP8) dec_fp8(p, w);
+inline void dec(int kind, const uint8_t* p, __m256 w[8]) {  // the packed kinds (bf16 is widened in step)
+    if (kind == FP8) dec_fp8(p, w);
     else dec_fp4(p, w);
 }
 
@@ -193,10 +191,7 @@ inline void step(const Ctx& C, const Row* rows, const uint8_t* const* p, int64_t
 #pragma GCC unroll 4
             for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-                for (int j = 0; j < 2; ++j) {
-                    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[r] + 32 * q + 16 * j));
-                    w[r][j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-                }
+                for (int j = 0; j < 2; ++j) w[r][j] = widen_bf16(p[r] + 32 * q + 16 * j);
 #pragma GCC unroll 4
             for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 2
@@ -1039,9 +1034,7 @@ inline float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
 #if defined(MOESAIC_AVX2)
     __m256 acc = _mm256_setzero_ps();
     for (; k + 8 <= n; k += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k));
-        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), w, acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), widen_bf16(b + k), acc);
     }
     tail = hsum(acc);
 #endif
@@ -1054,9 +1047,7 @@ inline void axpy_bf16(float s, const uint16_t* b, float* y, int64_t n) {
 #if defined(MOESAIC_AVX2)
     const __m256 sv = _mm256_set1_ps(s);
     for (; k + 8 <= n; k += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k));
-        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        _mm256_storeu_ps(y + k, _mm256_fmadd_ps(sv, w, _mm256_loadu_ps(y + k)));
+        _mm256_storeu_ps(y + k, _mm256_fmadd_ps(sv, widen_bf16(b + k), _mm256_loadu_ps(y + k)));
     }
 #endif
     for (; k < n; ++k) y[k] += s * bf16_bits_to_f32(b[k]);
