@@ -24,7 +24,7 @@ WIDTHS = (1, 3, 7, 8, 9, 15, 16, 17, 33, 63, 127, 129, 192, 511, 513, 1000, 1024
 
 @pytest.fixture
 def kernels():
-    if cpu.load() is None or not cpu._SUM_LANES:
+    if cpu.load() is None or not cpu.sum_lanes():
         pytest.skip("CPU kernels unavailable (or a CPU build whose sum order they do not follow)")
     return cpu
 
@@ -371,3 +371,11 @@ def test_mla_decode_takes_the_fused_call(kernels, monkeypatch, name):
             runs[flag] = ([o.token_ids for o in llm.generate(prompts, params)], m.names.count("bmm"))
     assert runs["1"][1] == 0 and runs["0"][1] > 0
     assert runs["1"][0] == runs["0"][0]
+
+
+def test_sum_lanes_found_on_x86_builds():
+    """The fused norm's sum order is found by probing torch (an AVX-512 build may still sum on AVX2
+    vectors): on the x86 builds it must find one, or every norm silently takes the slower torch code."""
+    if cpu.load() is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no CPU kernels, or not an x86 build")
+    assert cpu.sum_lanes() in (8, 16)

@@ -29,7 +29,7 @@ E4M3 NaN codes (0x7F/0xFF, which no encoder writes) decode as +-480 instead of N
 
 The fused norm and rope (inference only: autograd keeps the torch code) give the torch code's bits: the
 same float operations and roundings, no FMA contraction, and the norm's mean summed in the order of
-torch's own row sum (which depends on the vector width of the kernels torch dispatches to: `_SUM_LANES`).
+torch's own row sum (which depends on the vector width of the kernels its sum runs on: `sum_lanes`).
 
 Thread count: `threads_for` picks it per call from the weight bytes and rows (small matrices run on
 one thread: see the oversubscription trap in docs/perf.md), never more than torch.get_num_threads().
@@ -288,12 +288,31 @@ def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:
     return True
 
 
-# Lanes of torch's Vectorized<float> in the kernels torch dispatches to (torch.backends.cpu): its row
-# sums go by vectors of that many lanes, and the fused norm sums in the same order. Other builds (ARM,
-# POWER, ...) keep the torch code.
-_SUM_LANES = {"DEFAULT": 8, "NO AVX": 8, "AVX2": 8, "AVX512": 16}.get(
-    torch.backends.cpu.get_cpu_capability(), 0
-)
+# Widths that cross the sum's vector (8 / 16 lanes), its 4-vector items and its cascade steps.
+_PROBE_WIDTHS = (*range(1, 80), 127, 129, 513, 1000, 2049, 4099)
+
+
+def sum_lanes() -> int:
+    """Lanes of the vectors torch's fp32 row sum runs on here (8 or 16), found once by trying the fused
+    norm with each against torch's own `mean` on rows that tell them apart; 0 (the fused norm off) where
+    neither reproduces torch's bits. Found, not read off torch.backends.cpu: a build that dispatches AVX-512
+    kernels still runs its sum on the AVX2 ones (8 lanes; seen on an AVX-512 Zen 4 with torch 2.13)."""
+    if "lanes" not in _state:
+        _state["lanes"] = 0
+        mod = _state["mod"] if _state["tried"] else load()
+        if mod is not None and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2", "AVX512"):
+            g = torch.Generator().manual_seed(0)
+            rows = [torch.randn(3, d, generator=g) * 8 for d in _PROBE_WIDTHS]
+            with torch.inference_mode():
+                refs = [x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) for x in rows]
+                for lanes in (8, 16):
+                    got = (mod.rms_norm(x, torch.ones(x.shape[1]), 1e-6, 0, 0, 0, lanes, 1) for x in rows)
+                    if all(torch.equal(a, b) for a, b in zip(got, refs)):
+                        _state["lanes"] = lanes
+                        break
+    return _state["lanes"]
+
+
 _TY = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_NORM_WIDTH = 16384  # wider rows: torch may split one row's sum between threads (a 32768-value grain)
 FUSED_PARALLEL = 1 << 15  # elements from which the fused norm / rope use torch's threads
@@ -315,18 +334,18 @@ def _fused_mod(*ts):
 def rms_norm(x, w, eps: float, pre, mid, out):
     """`rnd_out(w * rnd_mid(x' * rsqrt(mean(x'^2) + eps)))` with x' = rnd_pre(x), each rnd a rounding to
     that dtype (None or fp32: none), over the last dim of x, in one call: the float operations of
-    layers/norms.py's torch code in its order, the mean's sum in torch's order (`_SUM_LANES`), so the
+    layers/norms.py's torch code in its order, the mean's sum in torch's order (`sum_lanes`), so the
     same bits. None (nothing done) where it does not apply: the caller runs the torch code."""
     d = x.shape[-1] if x.dim() else 0
-    if not (_SUM_LANES and 0 < d <= MAX_NORM_WIDTH and x.stride(-1) == 1 and w.shape == (d,)):
+    if not (0 < d <= MAX_NORM_WIDTH and x.stride(-1) == 1 and w.shape == (d,)):
         return None
     mod = _fused_mod(x, w)
-    if mod is None:
+    if mod is None or not (lanes := sum_lanes()):
         return None
     x2 = x if x.dim() == 2 else x.reshape(-1, d)
     threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
     pre, mid = _TY.get(pre, 0), _TY.get(mid, 0)
-    y = mod.rms_norm(x2, w.contiguous(), eps, pre, mid, _TY[out], _SUM_LANES, threads)
+    y = mod.rms_norm(x2, w.contiguous(), eps, pre, mid, _TY[out], lanes, threads)
     return y if x.dim() == 2 else y.view(x.shape)
 
 
