@@ -276,5 +276,21 @@ def _inspect(args) -> int:
     return 0
 
 
+def run() -> None:
+    """The `moesaic` command: main(), then the process's exit. Under torchrun a rank leaves without the
+    interpreter's teardown once its output is flushed: destroying torch's process groups and stores there
+    raced the other ranks going away, and under load a rank that had finished its work aborted
+    (SIGABRT, "terminate called without an active exception") and failed the launch."""
+    code = main()
+    from .parallel import close_pools, under_torchrun
+
+    if under_torchrun():
+        close_pools()  # what atexit would run: the workers told to stop, the groups closed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

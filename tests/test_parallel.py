@@ -60,7 +60,7 @@ ENGINE = dict(dtype="float32", max_num_batched_tokens=32)  # the 70-token prompt
 @pytest.fixture(scope="module", autouse=True)
 def _stop_workers():
     yield
-    workers._close_pools()
+    workers.close_pools()
 
 
 @functools.cache

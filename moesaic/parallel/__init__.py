@@ -5,11 +5,12 @@ the ranks, the workers' loop and the engine in lockstep. docs/parallel.md says h
 
 from .comm import WorkerError
 from .plan import local_config, rank_bytes, sharded_plan, sharded_specs
-from .workers import build_model, start, under_torchrun
+from .workers import build_model, close_pools, start, under_torchrun
 
 __all__ = [
     "WorkerError",
     "build_model",
+    "close_pools",
     "local_config",
     "rank_bytes",
     "sharded_plan",

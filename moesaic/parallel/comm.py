@@ -18,6 +18,7 @@ The weights that need a collective wrap this rank's piece and are used through `
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import time
@@ -53,6 +54,16 @@ class Group:
         self.broken: str | None = None
         self.why_broken = None  # () -> str: what the launcher knows of its processes (exit codes)
         self.stats = {"collectives": 0, "seconds": 0.0, "bytes": 0}
+
+    def close(self) -> None:
+        """Stops both groups' threads now, while the peers' sockets are known (once, at the end of a
+        run). Left to the interpreter's exit, the Gloo groups' teardown raced rank 0 and the workers going
+        away: under load a rank aborted there (SIGABRT, "terminate called without an active
+        exception") after its work was done."""
+        for pg in (self.ctrl, self.data):
+            with contextlib.suppress(Exception):
+                pg.shutdown()
+        self.broken = self.broken or "tensor parallelism: the group was closed"
 
     # ---- failures
     def _wait(self, work, what: str, nbytes: int = 0) -> None:

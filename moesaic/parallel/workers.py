@@ -148,6 +148,8 @@ class Pool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if group is not None:
+            group.close()
 
 
 _POOLS: dict[tuple[int, str], Pool] = {}
@@ -166,7 +168,8 @@ def pool_for(world: int, device: str) -> Pool:
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """Every pool's workers told to stop and its group closed (at exit, or before leaving without it)."""
     for pool in list(_POOLS.values()):
         pool.close()
     _POOLS.clear()
@@ -233,8 +236,7 @@ def start(ckpt: Checkpoint, world: int, expert_parallel: bool, device: str) -> R
             raise ConfigError(
                 f"tensor_parallel_size={world} but torchrun started WORLD_SIZE={size} processes"
             )
-        serve(Group(store, rank, size, rank_device(device, rank), timeout_s()))
-        sys.exit(0)
+        _serve_then_exit(Group(store, rank, size, rank_device(device, rank), timeout_s()))
     pool = pool_for(world, device)
     return Rank(pool.group, pool.new_key(), expert_parallel, pool)
 
@@ -398,7 +400,17 @@ def _spawned(rank: int, world: int, port: int, device: str, timeout: float, thre
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=STARTUP_S))
     store.set(f"started/{rank}", "1")
-    serve(Group(store, rank, world, device, timeout))
+    _serve_then_exit(Group(store, rank, world, device, timeout))
+
+
+def _serve_then_exit(group: Group) -> None:
+    """A worker's life: serve until rank 0 says exit (or is gone), close the group, flush stdio, and end
+    without the interpreter's teardown (a worker holds nothing else to clean up; see `Group.close`)."""
+    serve(group)
+    group.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def serve(group: Group) -> None:
