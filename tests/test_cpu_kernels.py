@@ -129,6 +129,25 @@ def test_raw_kernel_matches_fp32_reference(kernel, fmt, n, k, generic):
             _assert_bf16_rounding(_raw(w, xb, generic=generic), _reference(w, xb))
 
 
+@pytest.mark.parametrize("n,k", SHAPES + [(40, 1), (37, 31), (36, 33), (64, 2049)])
+def test_bf16_activations_fp32_outputs(kernel, n, k):
+    """bf16 weights x bf16 activations (the vdpbf16ps path on AVX-512 BF16 CPUs, the AVX2 one elsewhere) at
+    every M, into fp32 outputs: the fp32 reference to fp32 rounding, alone and as a grouped stack (K tails
+    below, at and above a 32-value load)."""
+    gen = torch.Generator().manual_seed(n + 7 * k)
+    w = (torch.randn(3, n, k, generator=gen) * 0.1).bfloat16()
+    for m in range(1, 17):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        for threads in (1, 3) if m in (1, 8, 16) else (1,):
+            got = cpu.bf16_matmul(x, w[1], out=torch.empty(m, n), threads=threads)
+            _assert_fp32_close(got, _reference(w[1], x))
+    x = torch.randn(13, k, generator=gen).bfloat16()
+    offs = torch.tensor([5, 5, 13])  # expert 0: rows 0-4, expert 1: none, expert 2: rows 5-12
+    got = cpu.bf16_matmul(x, w, offs=offs, out=torch.empty(13, n))
+    _assert_fp32_close(got[:5], _reference(w[0], x[:5]))
+    _assert_fp32_close(got[5:], _reference(w[2], x[5:]))
+
+
 ENCODE = {  # real weights quantized (values in fp16 range, unlike random codes and scales)
     "bf16": lambda w: w.bfloat16(),
     "mxfp4": lambda w: from_suffix_dict(quantize_mxfp4(w)),
