@@ -148,6 +148,22 @@ def test_bf16_activations_fp32_outputs(kernel, n, k):
     _assert_fp32_close(got[5:], _reference(w[2], x[5:]))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "nvfp4-modelopt"])
+@pytest.mark.parametrize("n,k", [(37, 32), (20, 48), (9, 112), (64, 144), (33, 1088), (5, 4096)])
+def test_fp4_bf16_activations_fp32_outputs(kernel, fmt, n, k):
+    """Packed E2M1 x bf16 activations (the vdpbf16ps path on AVX-512 BF16 CPUs: 128 values a load, K tails
+    inside a load, 4 or 8 groups a load) at every M into fp32 outputs: the reference to fp32 rounding."""
+    multiple, make = FORMATS[fmt]
+    if k % multiple:
+        pytest.skip("K not a multiple of the group")
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    w = make(n, k, gen)
+    for m in range(1, 17):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        for threads in (1, 3) if m in (1, 8, 16) else (1,):
+            _assert_fp32_close(_raw(w, x, out=torch.empty(m, n), threads=threads), _reference(w, x))
+
+
 ENCODE = {  # real weights quantized (values in fp16 range, unlike random codes and scales)
     "bf16": lambda w: w.bfloat16(),
     "mxfp4": lambda w: from_suffix_dict(quantize_mxfp4(w)),

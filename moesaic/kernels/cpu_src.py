@@ -515,6 +515,151 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t 
     for (int64_t i = 0; i < count; ++i)
         for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n0 + pos[i], wbuf[i * M + m]);
 }
+
+// Packed E2M1 (mxfp4 / nvfp4) against bf16 activations: a 64-byte load is 128 values, four 32-value groups
+// (one a 128-bit lane) or eight 16-value ones (two a lane). Two byte tables give each nibble's bf16 bytes
+// (E2M1 values are exact in bf16), and vdpbf16ps adds them against x permuted once per call to the decoded
+// order (prep_x_fp4dp): word i of lane l of vector v is element 32 l + 16 (v & 1) + 2 i + (v >> 1) of the
+// chunk, so vectors 0 and 2 hold a lane's first 16 values, 1 and 3 its last 16. A group's pair sums are
+// scaled once (its lanes), as on the AVX2 path.
+constexpr int64_t FC = 128;  // values per chunk
+
+inline void dec_fp4_bf16(const uint8_t* p, __mmask64 mask, __m512i v[4]) {
+    const __m512i t3 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_B3)));
+    const __m512i t2 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_B2)));
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i b = _mm512_maskz_loadu_epi8(mask, p);
+    const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+    const __m512i a3 = _mm512_shuffle_epi8(t3, lo), a2 = _mm512_shuffle_epi8(t2, lo);
+    const __m512i c3 = _mm512_shuffle_epi8(t3, hi), c2 = _mm512_shuffle_epi8(t2, hi);
+    v[0] = _mm512_unpacklo_epi8(a2, a3);  // words: low byte fp32 bits 23..16, high byte 31..24
+    v[1] = _mm512_unpackhi_epi8(a2, a3);
+    v[2] = _mm512_unpacklo_epi8(c2, c3);
+    v[3] = _mm512_unpackhi_epi8(c2, c3);
+}
+
+// res[m * R + r] = dot of x rows m (prepared, stride xs) and weight rows r over chunks [c0, c1).
+template <int KIND, int R, int MB>
+void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    const __m512i spread4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i even8 = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i odd8 = _mm512_add_epi32(even8, _mm512_set1_epi32(1));
+    const int64_t full = C.K / FC;
+    for (int64_t c = c0; c < c1; ++c) {
+        const int64_t left = C.K - c * FC;  // values of this chunk inside K
+        const __mmask64 mask = c < full ? ~0ull : (1ull << (left / 2)) - 1;
+        const int64_t g0 = c * FC / C.group, ng = std::min<int64_t>(FC, left) / C.group;  // its groups
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* p = rows[r].w + c * (FC / 2);
+            _mm_prefetch(reinterpret_cast<const char*>(p) + 256, _MM_HINT_T0);
+            __m512i v[4];
+            dec_fp4_bf16(p, mask, v);
+            if constexpr (KIND == MX) {
+                const __m128i ix = _mm_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << ng) - 1), rows[r].s8 + g0));
+                const __m128 s4 = _mm_mmask_i32gather_ps(_mm_setzero_ps(), (__mmask8)((1u << ng) - 1), ix, rows[r].stab, 4);
+                const __m512 S = _mm512_permutexvar_ps(spread4, _mm512_castps128_ps512(s4));
+#pragma GCC unroll 4
+                for (int m = 0; m < MB; ++m) {
+                    const uint16_t* xm = x + m * xs + c * FC;
+                    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)v[0], (__m512bh)_mm512_loadu_si512(xm));
+                    t = _mm512_dpbf16_ps(t, (__m512bh)v[1], (__m512bh)_mm512_loadu_si512(xm + 32));
+                    t = _mm512_dpbf16_ps(t, (__m512bh)v[2], (__m512bh)_mm512_loadu_si512(xm + 64));
+                    t = _mm512_dpbf16_ps(t, (__m512bh)v[3], (__m512bh)_mm512_loadu_si512(xm + 96));
+                    acc[r][m] = _mm512_fmadd_ps(t, S, acc[r][m]);
+                }
+            } else {
+                const __m256i ix = _mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << ng) - 1), rows[r].s8 + g0));
+                const __m256 s8 = _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), (__mmask8)((1u << ng) - 1), ix, rows[r].stab, 4);
+                const __m512 SE = _mm512_permutexvar_ps(even8, _mm512_castps256_ps512(s8));
+                const __m512 SO = _mm512_permutexvar_ps(odd8, _mm512_castps256_ps512(s8));
+#pragma GCC unroll 4
+                for (int m = 0; m < MB; ++m) {
+                    const uint16_t* xm = x + m * xs + c * FC;
+                    __m512 te = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)v[0], (__m512bh)_mm512_loadu_si512(xm));
+                    te = _mm512_dpbf16_ps(te, (__m512bh)v[2], (__m512bh)_mm512_loadu_si512(xm + 64));
+                    __m512 to = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)v[1], (__m512bh)_mm512_loadu_si512(xm + 32));
+                    to = _mm512_dpbf16_ps(to, (__m512bh)v[3], (__m512bh)_mm512_loadu_si512(xm + 96));
+                    acc[r][m] = _mm512_fmadd_ps(to, SO, _mm512_fmadd_ps(te, SE, acc[r][m]));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <int KIND, int R>
+void fp4dp_tile_mb(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1,
+                   float* res) {
+    switch (mb) {
+        case 1: fp4dp_tile<KIND, R, 1>(C, rows, x, xs, c0, c1, res); break;
+        case 2: fp4dp_tile<KIND, R, 2>(C, rows, x, xs, c0, c1, res); break;
+        case 3: fp4dp_tile<KIND, R, 3>(C, rows, x, xs, c0, c1, res); break;
+        default: fp4dp_tile<KIND, R, 4>(C, rows, x, xs, c0, c1, res); break;
+    }
+}
+
+// run_item for packed E2M1 x bf16 on this path: the four sections, K blocks of 8 chunks and row blocks of
+// 32 at M > 1 (as run_item); one activation row takes 4 weight rows a tile, more take 2 rows x 4 x rows
+// (each row decoded once for the 4).
+template <int KIND>
+void run_item_fp4dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1,
+                    const uint16_t* x, int64_t xs, int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
+    const int64_t nchunks = (C.K + FC - 1) / FC;
+    const int64_t KB = M == 1 ? nchunks : 8, RB = M == 1 ? n1 - n0 : 32;
+    const int64_t count = n1 - n0, S = (count + 3) / 4;
+    std::vector<int64_t> pos;
+    pos.reserve(count);
+    for (int64_t i = 0; i < S; ++i)
+        for (int64_t k = i; k < count; k += S) pos.push_back(k);
+    std::vector<Row> rows(count);
+    for (int64_t i = 0; i < count; ++i) rows[i] = row_of(C, W, e, slot, n0 + pos[i]);
+    wbuf.assign(count * M, 0.f);
+    float res[16];
+    const uint16_t* xm0 = x + t0 * xs;
+    const int RT = M == 1 ? 4 : 2;
+    for (int64_t r0 = 0; r0 < count; r0 += RB) {
+        const int64_t r1 = std::min(count, r0 + RB);
+        for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
+            const int64_t c1 = std::min(nchunks, c0 + KB);
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int mb = (int)std::min<int64_t>(4, M - m0);
+                for (int64_t n = r0; n < r1; n += RT) {
+                    const int nr = (int)std::min<int64_t>(RT, r1 - n);
+                    auto add = [&](int64_t at, int R) {
+                        for (int m = 0; m < mb; ++m)
+                            for (int r = 0; r < R; ++r) wbuf[(at + r) * M + m0 + m] += res[m * R + r];
+                    };
+                    if (nr == 4) { fp4dp_tile_mb<KIND, 4>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, res); add(n, 4); }
+                    else if (nr == 2) { fp4dp_tile_mb<KIND, 2>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, res); add(n, 2); }
+                    else for (int r = 0; r < nr; ++r) { fp4dp_tile_mb<KIND, 1>(mb, C, rows.data() + n + r, xm0 + m0 * xs, xs, c0, c1, res); add(n + r, 1); }
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < count; ++i)
+        for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n0 + pos[i], wbuf[i * M + m]);
+}
+
+// bf16 x [T, K] -> [T, Kc] bf16 words in each chunk's decoded order, zero padded (Kc: whole chunks).
+std::vector<uint16_t> prep_x_fp4dp(const torch::Tensor& x, int64_t Kc) {
+    const int64_t T = x.size(0), K = x.size(1);
+    std::vector<uint16_t> out((size_t)(T * Kc), 0);
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < Kc; c += FC)
+            for (int v = 0; v < 4; ++v)
+                for (int l = 0; l < 4; ++l)
+                    for (int i = 0; i < 8; ++i) {
+                        const int64_t k = c + 32 * l + 16 * (v & 1) + 2 * i + (v >> 1);
+                        if (k < K) out[t * Kc + c + 32 * v + 8 * l + i] = src[t * K + k];
+                    }
+    return out;
+}
 #endif  // MOESAIC_AVX512BF16
 
 // x [T, K] (fp32/bf16/fp16) -> fp32 [T, Kp] in the kind's chunk order, zero padded, times `factor`.
@@ -659,13 +804,18 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #endif
     C.kind = (int)kind;
 #if defined(MOESAIC_AVX512BF16)
-    const bool dp = kind == BF16 && !generic && x.scalar_type() == torch::kBFloat16;  // vdpbf16ps
+    const bool dp = !generic && x.scalar_type() == torch::kBFloat16 && kind != FP8;  // vdpbf16ps
 #else
     const bool dp = false;
 #endif
     const int64_t Kp = generic ? K : (K + CH - 1) / CH * CH;
     std::vector<float> xp = dp ? std::vector<float>() : prep_x(x, (int)kind, Kp, generic);
-    const uint16_t* xb = dp ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+    std::vector<uint16_t> x4;
+    const int64_t Kc = (K + 127) / 128 * 128;  // the fp4 path's whole chunks
+#if defined(MOESAIC_AVX512BF16)
+    if (dp && kind != BF16) x4 = prep_x_fp4dp(x, Kc);
+#endif
+    const uint16_t* xb = !dp ? nullptr : kind == BF16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : x4.data();
     (void)xb;  // used by the AVX-512 BF16 path only
 
     // work items: (expert, block of rows); enough of them to balance the threads
@@ -688,7 +838,9 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             const int64_t slot = slot_of[e];
 #if defined(MOESAIC_AVX512BF16)
             if (dp) {
-                run_item_dp(C, W, e, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, wbuf);
+                if (kind == BF16) run_item_dp(C, W, e, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, wbuf);
+                else if (kind == MX) run_item_fp4dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
+                else run_item_fp4dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
                 continue;
             }
 #endif
