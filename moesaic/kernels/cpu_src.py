@@ -33,8 +33,9 @@ Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compi
 (`__AVX2__`, `__FMA__`, `__F16C__`), the portable scalar path (same math, row decoded to fp32 first)
 everywhere and on request (`generic`). On CPUs with AVX-512 BF16 (`__AVX512BF16__`: Zen 4, Sapphire
 Rapids) bf16 weights against bf16 activations take vdpbf16ps instead (run_item_dp): 32 weights a load used
-as stored, 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows; fp32 activations and
-the packed kinds keep the AVX2 path.
+as stored, 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows; so do the E2M1 kinds
+against bf16 activations (run_item_fp4dp: 128 values a load, decoded to bf16 by two byte tables). fp32 /
+fp16 activations and fp8 weights keep the AVX2 path.
 """
 
 CPP = r"""
@@ -816,7 +817,7 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     if (dp && kind != BF16) x4 = prep_x_fp4dp(x, Kc);
 #endif
     const uint16_t* xb = !dp ? nullptr : kind == BF16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : x4.data();
-    (void)xb;  // used by the AVX-512 BF16 path only
+    (void)xb;  // used by the AVX-512 BF16 paths only
 
     // work items: (expert, block of rows); enough of them to balance the threads
     const int nt = (int)std::max<int64_t>(1, nthreads);
