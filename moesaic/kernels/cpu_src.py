@@ -377,6 +377,26 @@ inline Row row_of(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64
     return r;
 }
 
+// The order the tiles take an item's `count` rows in: four contiguous sections, side-by-side rows one from
+// each, so the weights are read as four long streams (rows of 1-2 KB read four neighbours at a time restart
+// the hardware prefetcher's streams every row: half the bandwidth, docs/perf.md). Which rows share a tile
+// changes no output's arithmetic.
+std::vector<int64_t> section_order(int64_t count) {
+    const int64_t S = (count + 3) / 4;
+    std::vector<int64_t> pos;
+    pos.reserve(count);
+    for (int64_t i = 0; i < S; ++i)
+        for (int64_t k = i; k < count; k += S) pos.push_back(k);
+    return pos;
+}
+
+// The item's sums (wbuf, rows in section order) to the output.
+void put_rows(const Out& O, int64_t t0, int64_t n0, int64_t M, const std::vector<int64_t>& pos,
+              const std::vector<float>& wbuf) {
+    for (size_t i = 0; i < pos.size(); ++i)
+        for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n0 + pos[i], wbuf[i * M + m]);
+}
+
 // Rows [n0, n1) of expert e against its x rows [t0, t0 + M) (x prepared: row stride xs).
 template <int KIND>
 void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1, const float* x,
@@ -403,15 +423,9 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
     // ... and blocks of RB weight rows, so that their bytes of a K block stay in L2 while the blocks of
     // activation rows pass over them.
     const int64_t RB = M == 1 ? n1 - n0 : 32;
-    // The tiles' side-by-side rows (and the RB blocks) come from four sections of the item's rows, so
-    // the weights are read as four long streams: rows of 1-2 KB read four neighbours at a time restart
-    // the hardware prefetcher's streams every row, half the bandwidth of long streams here (measured:
-    // docs/perf.md). Which rows share a tile does not change any output's arithmetic.
-    const int64_t count = n1 - n0, S = (count + 3) / 4;
-    std::vector<int64_t> pos;
-    pos.reserve(count);
-    for (int64_t i = 0; i < S; ++i)
-        for (int64_t k = i; k < count; k += S) pos.push_back(k);
+    // The tiles' side-by-side rows (and the RB blocks) come from the four sections (section_order).
+    const int64_t count = n1 - n0;
+    const std::vector<int64_t> pos = section_order(count);
     std::vector<Row> rows(count);
     for (int64_t i = 0; i < count; ++i) rows[i] = row_of(C, W, e, slot, n0 + pos[i]);
     wbuf.assign(count * M, 0.f);
@@ -424,8 +438,7 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
                             wbuf.data() + (r0 - n0) * M);
         }
     }
-    for (int64_t i = 0; i < count; ++i)
-        for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n0 + pos[i], wbuf[i * M + m]);
+    put_rows(O, t0, n0, M, pos, wbuf);
 #endif
 }
 
@@ -484,11 +497,8 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t 
                  int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
     const int64_t K = C.K;
     const int64_t KB = M == 1 ? K : 1024, RB = M == 1 ? n1 - n0 : 32;
-    const int64_t count = n1 - n0, S = (count + 3) / 4;
-    std::vector<int64_t> pos;
-    pos.reserve(count);
-    for (int64_t i = 0; i < S; ++i)
-        for (int64_t k = i; k < count; k += S) pos.push_back(k);
+    const int64_t count = n1 - n0;
+    const std::vector<int64_t> pos = section_order(count);
     std::vector<const uint16_t*> rows(count);
     for (int64_t i = 0; i < count; ++i)
         rows[i] = reinterpret_cast<const uint16_t*>(W.w + e * W.w_e + (n0 + pos[i]) * W.w_n);
@@ -513,8 +523,7 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t 
             }
         }
     }
-    for (int64_t i = 0; i < count; ++i)
-        for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n0 + pos[i], wbuf[i * M + m]);
+    put_rows(O, t0, n0, M, pos, wbuf);
 }
 
 // Packed E2M1 (mxfp4 / nvfp4) against bf16 activations: a 64-byte load is 128 values, four 32-value groups
@@ -612,11 +621,8 @@ void run_item_fp4dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int
                     const uint16_t* x, int64_t xs, int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
     const int64_t nchunks = (C.K + FC - 1) / FC;
     const int64_t KB = M == 1 ? nchunks : 8, RB = M == 1 ? n1 - n0 : 32;
-    const int64_t count = n1 - n0, S = (count + 3) / 4;
-    std::vector<int64_t> pos;
-    pos.reserve(count);
-    for (int64_t i = 0; i < S; ++i)
-        for (int64_t k = i; k < count; k += S) pos.push_back(k);
+    const int64_t count = n1 - n0;
+    const std::vector<int64_t> pos = section_order(count);
     std::vector<Row> rows(count);
     for (int64_t i = 0; i < count; ++i) rows[i] = row_of(C, W, e, slot, n0 + pos[i]);
     wbuf.assign(count * M, 0.f);
@@ -642,8 +648,7 @@ void run_item_fp4dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int
             }
         }
     }
-    for (int64_t i = 0; i < count; ++i)
-        for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n0 + pos[i], wbuf[i * M + m]);
+    put_rows(O, t0, n0, M, pos, wbuf);
 }
 
 // bf16 x [T, K] -> [T, Kc] bf16 words in each chunk's decoded order, zero padded (Kc: whole chunks).
