@@ -148,11 +148,23 @@ def test_bf16_activations_fp32_outputs(kernel, n, k):
     _assert_fp32_close(got[5:], _reference(w[2], x[5:]))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "nvfp4-modelopt"])
-@pytest.mark.parametrize("n,k", [(37, 32), (20, 48), (9, 112), (64, 144), (33, 1088), (5, 4096)])
-def test_fp4_bf16_activations_fp32_outputs(kernel, fmt, n, k):
-    """Packed E2M1 x bf16 activations (the vdpbf16ps path on AVX-512 BF16 CPUs: 128 values a load, K tails
-    inside a load, 4 or 8 groups a load) at every M into fp32 outputs: the reference to fp32 rounding."""
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        "mxfp4",
+        "nvfp4-ct",
+        "nvfp4-modelopt",
+        "fp8-128x128-f32",
+        "fp8-32x32-ue8m0",
+        "fp8-channel",
+        "fp8-tensor",
+    ],
+)
+@pytest.mark.parametrize("n,k", [(37, 32), (20, 48), (9, 112), (64, 144), (33, 1088), (5, 4096), (7, 97)])
+def test_packed_bf16_activations_fp32_outputs(kernel, fmt, n, k):
+    """Packed weights x bf16 activations (the vdpbf16ps paths on AVX-512 BF16 CPUs: E2M1 128 values a load,
+    4 or 8 groups in it; E4M3 64 a load, two 32-column scale blocks in it; K tails inside a load) at every M
+    into fp32 outputs: the reference to fp32 rounding."""
     multiple, make = FORMATS[fmt]
     if k % multiple:
         pytest.skip("K not a multiple of the group")

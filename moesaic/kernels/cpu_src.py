@@ -34,7 +34,7 @@ Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compi
 everywhere and on request (`generic`). On CPUs with AVX-512 BF16 (`__AVX512BF16__`: Zen 4, Sapphire
 Rapids) bf16 weights against bf16 activations take vdpbf16ps instead (run_item_dp): 32 weights a load used
 as stored, 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows; so do the E2M1 kinds
-against bf16 activations (run_item_fp4dp: 128 values a load, decoded to bf16 by two byte tables). fp32 /
+against bf16 activations (run_item_packed_dp: 128 values a load, decoded to bf16 by two byte tables). fp32 /
 fp16 activations and fp8 weights keep the AVX2 path.
 """
 
@@ -72,6 +72,9 @@ alignas(16) const uint8_t E2M1_B3[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x4
 alignas(16) const uint8_t E2M1_B2[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
                                          0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
 int FP4_PERM[CH];  // position in the decoded chunk -> element of the chunk
+// bf16 bytes (high, low) of the E4M3 values of the magnitude codes 0..127 (exact: <= 4 significant bits);
+// the NaN code decodes as 480, as on the AVX2 path
+alignas(64) uint8_t E4M3_BF16_HI[128], E4M3_BF16_LO[128];
 
 float bits_to_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 
@@ -82,6 +85,13 @@ bool init_tables() {
         int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
         float v = (e == 15 && m == 7) ? NAN : (e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.f + m / 8.f, e - 7));
         E4M3[b] = s ? -v : v;
+    }
+    for (int b = 0; b < 128; ++b) {
+        uint32_t u;
+        const float v = b == 0x7F ? 480.f : E4M3[b];
+        std::memcpy(&u, &v, 4);
+        E4M3_BF16_HI[b] = (uint8_t)(u >> 24);
+        E4M3_BF16_LO[b] = (uint8_t)(u >> 16);
     }
     // fp4 chunk: vector j (0..7) slot i (0..7). Lane = i / 4 covers bytes 16*lane..+15; vectors 0-3 come
     // from the low 8 bytes of each lane, 4-7 from the high 8; even j the even words, odd j the odd.
@@ -362,6 +372,8 @@ struct Weights {
     int64_t bn;         // fp8 row block
     const float* stab;  // fp4: one 256-entry table per active expert (nvfp4) or the E8M0 table
     bool stab_per_expert;
+    const float* gsc;   // nvfp4: the global scale of each matrix (null: none)
+    bool divides;       // nvfp4: scale / global (else scale * global)
 };
 
 inline Row row_of(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n) {
@@ -531,7 +543,7 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t 
 // (E2M1 values are exact in bf16), and vdpbf16ps adds them against x permuted once per call to the decoded
 // order (prep_x_fp4dp): word i of lane l of vector v is element 32 l + 16 (v & 1) + 2 i + (v >> 1) of the
 // chunk, so vectors 0 and 2 hold a lane's first 16 values, 1 and 3 its last 16. A group's pair sums are
-// scaled once (its lanes), as on the AVX2 path.
+// scaled once (its lanes), as on the AVX2 path; the scales are computed in registers (mx_scales, nv_scales).
 constexpr int64_t FC = 128;  // values per chunk
 
 inline void dec_fp4_bf16(const uint8_t* p, __mmask64 mask, __m512i v[4]) {
@@ -549,8 +561,30 @@ inline void dec_fp4_bf16(const uint8_t* p, __mmask64 mask, __m512i v[4]) {
 }
 
 // res[m * R + r] = dot of x rows m (prepared, stride xs) and weight rows r over chunks [c0, c1).
+// The 4 (mxfp4) or 8 (nvfp4) scales of groups g0.. (ng of them inside K; the others 0) as fp32: the tables'
+// values computed in registers. E8M0: the exponent bits (0 -> 2^-127, 255 -> NaN); E4M3: its value exactly
+// (the fp8 decode's fp16 trick), then the table's one fp32 op with the global scale; NaN codes stay NaN.
+inline __m128 mx_scales(const uint8_t* s, int ng) {
+    const __m128i e = _mm_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << ng) - 1), s));
+    __m128i bits = _mm_slli_epi32(e, 23);
+    bits = _mm_mask_mov_epi32(bits, _mm_cmpeq_epi32_mask(e, _mm_setzero_si128()), _mm_set1_epi32(0x00400000));
+    bits = _mm_mask_mov_epi32(bits, _mm_cmpeq_epi32_mask(e, _mm_set1_epi32(255)), _mm_set1_epi32(0x7FC00000));
+    return _mm_castsi128_ps(bits);
+}
+
+inline __m256 nv_scales(const uint8_t* s, int ng, __m256 ge, bool divides) {
+    const __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << ng) - 1), s);
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16((short)0xBFFF));
+    __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+    v = divides ? _mm256_div_ps(v, ge) : _mm256_mul_ps(v, ge);
+    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+    return _mm256_mask_mov_ps(v, (__mmask8)nan, _mm256_set1_ps(NAN));
+}
+
 template <int KIND, int R, int MB>
-void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
+void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float ge,
+                bool divides, float* res) {
+    const __m256 gev = _mm256_set1_ps(ge);
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -569,9 +603,7 @@ void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
             __m512i v[4];
             dec_fp4_bf16(p, mask, v);
             if constexpr (KIND == MX) {
-                const __m128i ix = _mm_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << ng) - 1), rows[r].s8 + g0));
-                const __m128 s4 = _mm_mmask_i32gather_ps(_mm_setzero_ps(), (__mmask8)((1u << ng) - 1), ix, rows[r].stab, 4);
-                const __m512 S = _mm512_permutexvar_ps(spread4, _mm512_castps128_ps512(s4));
+                const __m512 S = _mm512_permutexvar_ps(spread4, _mm512_castps128_ps512(mx_scales(rows[r].s8 + g0, (int)ng)));
 #pragma GCC unroll 4
                 for (int m = 0; m < MB; ++m) {
                     const uint16_t* xm = x + m * xs + c * FC;
@@ -582,8 +614,7 @@ void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
                     acc[r][m] = _mm512_fmadd_ps(t, S, acc[r][m]);
                 }
             } else {
-                const __m256i ix = _mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << ng) - 1), rows[r].s8 + g0));
-                const __m256 s8 = _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), (__mmask8)((1u << ng) - 1), ix, rows[r].stab, 4);
+                const __m256 s8 = nv_scales(rows[r].s8 + g0, (int)ng, gev, divides);
                 const __m512 SE = _mm512_permutexvar_ps(even8, _mm512_castps256_ps512(s8));
                 const __m512 SO = _mm512_permutexvar_ps(odd8, _mm512_castps256_ps512(s8));
 #pragma GCC unroll 4
@@ -604,22 +635,77 @@ void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
 
 template <int KIND, int R>
 void fp4dp_tile_mb(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1,
-                   float* res) {
+                   float ge, bool divides, float* res) {
     switch (mb) {
-        case 1: fp4dp_tile<KIND, R, 1>(C, rows, x, xs, c0, c1, res); break;
-        case 2: fp4dp_tile<KIND, R, 2>(C, rows, x, xs, c0, c1, res); break;
-        case 3: fp4dp_tile<KIND, R, 3>(C, rows, x, xs, c0, c1, res); break;
-        default: fp4dp_tile<KIND, R, 4>(C, rows, x, xs, c0, c1, res); break;
+        case 1: fp4dp_tile<KIND, R, 1>(C, rows, x, xs, c0, c1, ge, divides, res); break;
+        case 2: fp4dp_tile<KIND, R, 2>(C, rows, x, xs, c0, c1, ge, divides, res); break;
+        case 3: fp4dp_tile<KIND, R, 3>(C, rows, x, xs, c0, c1, ge, divides, res); break;
+        default: fp4dp_tile<KIND, R, 4>(C, rows, x, xs, c0, c1, ge, divides, res); break;
     }
 }
 
-// run_item for packed E2M1 x bf16 on this path: the four sections, K blocks of 8 chunks and row blocks of
-// 32 at M > 1 (as run_item); one activation row takes 4 weight rows a tile, more take 2 rows x 4 x rows
-// (each row decoded once for the 4).
+// E4M3 (fp8 blocks) against bf16 activations: 64 values a load; two 128-entry byte tables (vpermi2b) give
+// each code's bf16 bytes, the sign bit copied; x permuted once per call (prep_x_fp8dp): word i of lane l of
+// vector v is element 16 l + 8 v + i of the chunk, so lanes 0-1 hold the first 32 values (one scale block's
+// columns) and lanes 2-3 the next 32: each block's pair sums are scaled once, as on the AVX2 path.
+template <int R, int MB>
+void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    const __m512i ha = _mm512_load_si512(E4M3_BF16_HI), hb = _mm512_load_si512(E4M3_BF16_HI + 64);
+    const __m512i la = _mm512_load_si512(E4M3_BF16_LO), lb = _mm512_load_si512(E4M3_BF16_LO + 64);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    const int64_t full = C.K / CH;
+    for (int64_t c = c0; c < c1; ++c) {
+        const __mmask64 mask = c < full ? ~0ull : (1ull << (C.K - c * CH)) - 1;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* p = rows[r].w + c * CH;
+            _mm_prefetch(reinterpret_cast<const char*>(p) + 256, _MM_HINT_T0);
+            const __m512i b = _mm512_maskz_loadu_epi8(mask, p);
+            const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(ha, b, hb), _mm512_and_si512(b, sign));
+            const __m512i lo = _mm512_permutex2var_epi8(la, b, lb);
+            const __m512i va = _mm512_unpacklo_epi8(lo, hi), vb = _mm512_unpackhi_epi8(lo, hi);
+            const __m512 S = _mm512_insertf32x8(_mm512_set1_ps(fp8_scale(rows[r], C.sub2blk[2 * c])),
+                                                _mm256_set1_ps(fp8_scale(rows[r], C.sub2blk[2 * c + 1])), 1);
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; ++m) {
+                const uint16_t* xm = x + m * xs + c * CH;
+                __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)va, (__m512bh)_mm512_loadu_si512(xm));
+                t = _mm512_dpbf16_ps(t, (__m512bh)vb, (__m512bh)_mm512_loadu_si512(xm + 32));
+                acc[r][m] = _mm512_fmadd_ps(t, S, acc[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// One packed tile of R weight rows x mb activation rows on this path: the fp8 or the E2M1 one.
+template <int KIND, int R>
+void packed_dp_tile(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1,
+                    float ge, bool divides, float* res) {
+    if constexpr (KIND == FP8) {
+        switch (mb) {
+            case 1: fp8dp_tile<R, 1>(C, rows, x, xs, c0, c1, res); break;
+            case 2: fp8dp_tile<R, 2>(C, rows, x, xs, c0, c1, res); break;
+            case 3: fp8dp_tile<R, 3>(C, rows, x, xs, c0, c1, res); break;
+            default: fp8dp_tile<R, 4>(C, rows, x, xs, c0, c1, res); break;
+        }
+    } else {
+        fp4dp_tile_mb<KIND, R>(mb, C, rows, x, xs, c0, c1, ge, divides, res);
+    }
+}
+
+// run_item for packed weights (E2M1, E4M3) x bf16 on this path: the four sections, K blocks of 8 chunks
+// and row blocks of 32 at M > 1 (as run_item); one activation row takes 4 weight rows a tile, more take
+// 2 rows x 4 x rows (each row decoded once for the 4).
 template <int KIND>
-void run_item_fp4dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1,
+void run_item_packed_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1,
                     const uint16_t* x, int64_t xs, int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
-    const int64_t nchunks = (C.K + FC - 1) / FC;
+    const int64_t width = KIND == FP8 ? CH : FC;  // values a load
+    const int64_t nchunks = (C.K + width - 1) / width;
     const int64_t KB = M == 1 ? nchunks : 8, RB = M == 1 ? n1 - n0 : 32;
     const int64_t count = n1 - n0;
     const std::vector<int64_t> pos = section_order(count);
@@ -629,6 +715,7 @@ void run_item_fp4dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int
     float res[16];
     const uint16_t* xm0 = x + t0 * xs;
     const int RT = M == 1 ? 4 : 2;
+    const float ge = W.gsc ? W.gsc[e] : 1.f;  // nvfp4's global scale for this matrix
     for (int64_t r0 = 0; r0 < count; r0 += RB) {
         const int64_t r1 = std::min(count, r0 + RB);
         for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
@@ -641,9 +728,9 @@ void run_item_fp4dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int
                         for (int m = 0; m < mb; ++m)
                             for (int r = 0; r < R; ++r) wbuf[(at + r) * M + m0 + m] += res[m * R + r];
                     };
-                    if (nr == 4) { fp4dp_tile_mb<KIND, 4>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, res); add(n, 4); }
-                    else if (nr == 2) { fp4dp_tile_mb<KIND, 2>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, res); add(n, 2); }
-                    else for (int r = 0; r < nr; ++r) { fp4dp_tile_mb<KIND, 1>(mb, C, rows.data() + n + r, xm0 + m0 * xs, xs, c0, c1, res); add(n + r, 1); }
+                    if (nr == 4) { packed_dp_tile<KIND, 4>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 4); }
+                    else if (nr == 2) { packed_dp_tile<KIND, 2>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 2); }
+                    else for (int r = 0; r < nr; ++r) { packed_dp_tile<KIND, 1>(mb, C, rows.data() + n + r, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n + r, 1); }
                 }
             }
         }
@@ -662,6 +749,21 @@ std::vector<uint16_t> prep_x_fp4dp(const torch::Tensor& x, int64_t Kc) {
                 for (int l = 0; l < 4; ++l)
                     for (int i = 0; i < 8; ++i) {
                         const int64_t k = c + 32 * l + 16 * (v & 1) + 2 * i + (v >> 1);
+                        if (k < K) out[t * Kc + c + 32 * v + 8 * l + i] = src[t * K + k];
+                    }
+    return out;
+}
+// bf16 x [T, K] -> [T, Kc] bf16 words in each 64-value chunk's decoded fp8 order, zero padded.
+std::vector<uint16_t> prep_x_fp8dp(const torch::Tensor& x, int64_t Kc) {
+    const int64_t T = x.size(0), K = x.size(1);
+    std::vector<uint16_t> out((size_t)(T * Kc), 0);
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < Kc; c += CH)
+            for (int v = 0; v < 2; ++v)
+                for (int l = 0; l < 4; ++l)
+                    for (int i = 0; i < 8; ++i) {
+                        const int64_t k = c + 16 * l + 8 * v + i;
                         if (k < K) out[t * Kc + c + 32 * v + 8 * l + i] = src[t * K + k];
                     }
     return out;
@@ -791,6 +893,8 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
                 }
                 W.stab = tabs.data();
                 W.stab_per_expert = true;
+                W.gsc = g;
+                W.divides = divides;
             } else {  // mxfp4
                 W.stab = E8M0;
             }
@@ -810,16 +914,17 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #endif
     C.kind = (int)kind;
 #if defined(MOESAIC_AVX512BF16)
-    const bool dp = !generic && x.scalar_type() == torch::kBFloat16 && kind != FP8;  // vdpbf16ps
+    const bool dp = !generic && x.scalar_type() == torch::kBFloat16;  // vdpbf16ps
 #else
     const bool dp = false;
 #endif
     const int64_t Kp = generic ? K : (K + CH - 1) / CH * CH;
     std::vector<float> xp = dp ? std::vector<float>() : prep_x(x, (int)kind, Kp, generic);
     std::vector<uint16_t> x4;
-    const int64_t Kc = (K + 127) / 128 * 128;  // the fp4 path's whole chunks
+    const int64_t Kc = kind == FP8 ? (K + CH - 1) / CH * CH : (K + 127) / 128 * 128;  // whole loads
 #if defined(MOESAIC_AVX512BF16)
-    if (dp && kind != BF16) x4 = prep_x_fp4dp(x, Kc);
+    if (dp && kind == FP8) x4 = prep_x_fp8dp(x, Kc);
+    else if (dp && kind != BF16) x4 = prep_x_fp4dp(x, Kc);
 #endif
     const uint16_t* xb = !dp ? nullptr : kind == BF16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : x4.data();
     (void)xb;  // used by the AVX-512 BF16 paths only
@@ -845,8 +950,9 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #if defined(MOESAIC_AVX512BF16)
             if (dp) {
                 if (kind == BF16) run_item_dp(C, W, e, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, wbuf);
-                else if (kind == MX) run_item_fp4dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
-                else run_item_fp4dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
+                else if (kind == FP8) run_item_packed_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
+                else if (kind == MX) run_item_packed_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
+                else run_item_packed_dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
                 continue;
             }
 #endif
