@@ -26,8 +26,9 @@ group/block scale is applied in fp32 to each group's partial sum), products accu
 and each output is rounded once to the output's dtype. The result matches the fp32 reference
 (dequantize in fp32, then matmul) to fp32 rounding; only the summation order differs. One exception:
 E4M3 NaN codes (0x7F/0xFF, which no encoder writes) decode as +-480 instead of NaN. On AVX-512 BF16 CPUs
-bf16 activations against bf16 or E2M1 weights use vdpbf16ps, which adds products in pairs and flushes subnormal inputs and sums to
-zero (bf16 subnormals are below 1.2e-38): the same fp32 accumulation to rounding.
+bf16 activations against bf16, E2M1 or E4M3 weights use vdpbf16ps, which adds products in pairs and
+flushes subnormal inputs and sums to zero (bf16 subnormals are below 1.2e-38): the same fp32
+accumulation to rounding.
 
 The fused norm and rope (inference only: autograd keeps the torch code) give the torch code's bits: the
 same float operations and roundings, no FMA contraction, and the norm's mean summed in the order of
