@@ -738,35 +738,26 @@ void run_item_packed_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot,
     put_rows(O, t0, n0, M, pos, wbuf);
 }
 
-// bf16 x [T, K] -> [T, Kc] bf16 words in each chunk's decoded order, zero padded (Kc: whole chunks).
-std::vector<uint16_t> prep_x_fp4dp(const torch::Tensor& x, int64_t Kc) {
+// bf16 x [T, K] -> [T, Kc] bf16 words in each `width`-value load's decoded order, zero padded (Kc: whole
+// loads): word w of a load (vector w / 32, lane w / 8 % 4, word w % 8) is the load's value elem(v, l, i).
+template <typename Elem>
+std::vector<uint16_t> prep_x_dp(const torch::Tensor& x, int64_t Kc, int64_t width, Elem elem) {
     const int64_t T = x.size(0), K = x.size(1);
     std::vector<uint16_t> out((size_t)(T * Kc), 0);
     const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
     for (int64_t t = 0; t < T; ++t)
-        for (int64_t c = 0; c < Kc; c += FC)
-            for (int v = 0; v < 4; ++v)
-                for (int l = 0; l < 4; ++l)
-                    for (int i = 0; i < 8; ++i) {
-                        const int64_t k = c + 32 * l + 16 * (v & 1) + 2 * i + (v >> 1);
-                        if (k < K) out[t * Kc + c + 32 * v + 8 * l + i] = src[t * K + k];
-                    }
+        for (int64_t c = 0; c < Kc; c += width)
+            for (int64_t w = 0; w < width; ++w) {
+                const int64_t k = c + elem((int)(w / 32), (int)(w / 8 % 4), (int)(w % 8));
+                if (k < K) out[t * Kc + c + w] = src[t * K + k];
+            }
     return out;
 }
-// bf16 x [T, K] -> [T, Kc] bf16 words in each 64-value chunk's decoded fp8 order, zero padded.
-std::vector<uint16_t> prep_x_fp8dp(const torch::Tensor& x, int64_t Kc) {
-    const int64_t T = x.size(0), K = x.size(1);
-    std::vector<uint16_t> out((size_t)(T * Kc), 0);
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t c = 0; c < Kc; c += CH)
-            for (int v = 0; v < 2; ++v)
-                for (int l = 0; l < 4; ++l)
-                    for (int i = 0; i < 8; ++i) {
-                        const int64_t k = c + 16 * l + 8 * v + i;
-                        if (k < K) out[t * Kc + c + 32 * v + 8 * l + i] = src[t * K + k];
-                    }
-    return out;
+std::vector<uint16_t> prep_x_fp4dp(const torch::Tensor& x, int64_t Kc) {  // fp4dp_tile's order
+    return prep_x_dp(x, Kc, FC, [](int v, int l, int i) { return 32 * l + 16 * (v & 1) + 2 * i + (v >> 1); });
+}
+std::vector<uint16_t> prep_x_fp8dp(const torch::Tensor& x, int64_t Kc) {  // fp8dp_tile's order
+    return prep_x_dp(x, Kc, CH, [](int v, int l, int i) { return 16 * l + 8 * v + i; });
 }
 #endif  // MOESAIC_AVX512BF16
 
