@@ -32,10 +32,10 @@ squares summed in the order of torch's cascade sum) and rope.
 Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compiler targets them
 (`__AVX2__`, `__FMA__`, `__F16C__`), the portable scalar path (same math, row decoded to fp32 first)
 everywhere and on request (`generic`). On CPUs with AVX-512 BF16 (`__AVX512BF16__`: Zen 4, Sapphire
-Rapids) bf16 weights against bf16 activations take vdpbf16ps instead (run_item_dp): 32 weights a load used
-as stored, 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows; so do the E2M1 kinds
-against bf16 activations (run_item_packed_dp: 128 values a load, decoded to bf16 by two byte tables). fp32 /
-fp16 activations and fp8 weights keep the AVX2 path.
+Rapids) bf16 activations take vdpbf16ps instead (run_item_dp), against bf16 weights (32 a load, used as
+stored), E2M1 (128 a load, decoded to bf16 by two 16-entry byte tables) and E4M3 (64 a load, by two
+128-entry ones): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows. fp32 / fp16
+activations keep the AVX2 path.
 """
 
 CPP = r"""
@@ -503,41 +503,6 @@ void dp_tile_mb(int mb, const uint16_t* const* w, const uint16_t* x, int64_t xs,
     }
 }
 
-// run_item for bf16 x bf16 on this path: the same four sections (long weight streams), K blocks and row
-// blocks as run_item, the products by dp_tile; x is the caller's bf16 rows (stride xs).
-void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t n1, const uint16_t* x, int64_t xs,
-                 int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
-    const int64_t K = C.K;
-    const int64_t KB = M == 1 ? K : 1024, RB = M == 1 ? n1 - n0 : 32;
-    const int64_t count = n1 - n0;
-    const std::vector<int64_t> pos = section_order(count);
-    std::vector<const uint16_t*> rows(count);
-    for (int64_t i = 0; i < count; ++i)
-        rows[i] = reinterpret_cast<const uint16_t*>(W.w + e * W.w_e + (n0 + pos[i]) * W.w_n);
-    wbuf.assign(count * M, 0.f);
-    float res[16];
-    const uint16_t* xm0 = x + t0 * xs;
-    for (int64_t r0 = 0; r0 < count; r0 += RB) {
-        const int64_t r1 = std::min(count, r0 + RB);
-        for (int64_t k0 = 0; k0 < K; k0 += KB) {
-            const int64_t k1 = std::min(K, k0 + KB);
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int mb = (int)std::min<int64_t>(4, M - m0);
-                for (int64_t n = r0; n < r1; n += 4) {
-                    const int nr = (int)std::min<int64_t>(4, r1 - n);
-                    auto add = [&](int64_t at, int R) {
-                        for (int m = 0; m < mb; ++m)
-                            for (int r = 0; r < R; ++r) wbuf[(at + r) * M + m0 + m] += res[m * R + r];
-                    };
-                    if (nr == 4) { dp_tile_mb<4>(mb, rows.data() + n, xm0 + m0 * xs, xs, k0, k1, res); add(n, 4); }
-                    else for (int r = 0; r < nr; ++r) { dp_tile_mb<1>(mb, rows.data() + n + r, xm0 + m0 * xs, xs, k0, k1, res); add(n + r, 1); }
-                }
-            }
-        }
-    }
-    put_rows(O, t0, n0, M, pos, wbuf);
-}
-
 // Packed E2M1 (mxfp4 / nvfp4) against bf16 activations: a 64-byte load is 128 values, four 32-value groups
 // (one a 128-bit lane) or eight 16-value ones (two a lane). Two byte tables give each nibble's bf16 bytes
 // (E2M1 values are exact in bf16), and vdpbf16ps adds them against x permuted once per call to the decoded
@@ -682,11 +647,16 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
         for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// One packed tile of R weight rows x mb activation rows on this path: the fp8 or the E2M1 one.
+// One tile of R weight rows x mb activation rows on this path over its loads [c0, c1): the bf16, fp8 or
+// E2M1 one (a bf16 load is 32 values, the K tail inside the last).
 template <int KIND, int R>
-void packed_dp_tile(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1,
-                    float ge, bool divides, float* res) {
-    if constexpr (KIND == FP8) {
+void dp_kind_tile(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1,
+                  float ge, bool divides, float* res) {
+    if constexpr (KIND == BF16) {
+        const uint16_t* w[R];
+        for (int r = 0; r < R; ++r) w[r] = reinterpret_cast<const uint16_t*>(rows[r].w);
+        dp_tile_mb<R>(mb, w, x, xs, 32 * c0, std::min(C.K, 32 * c1), res);
+    } else if constexpr (KIND == FP8) {
         switch (mb) {
             case 1: fp8dp_tile<R, 1>(C, rows, x, xs, c0, c1, res); break;
             case 2: fp8dp_tile<R, 2>(C, rows, x, xs, c0, c1, res); break;
@@ -698,15 +668,16 @@ void packed_dp_tile(int mb, const Ctx& C, const Row* rows, const uint16_t* x, in
     }
 }
 
-// run_item for packed weights (E2M1, E4M3) x bf16 on this path: the four sections, K blocks of 8 chunks
-// and row blocks of 32 at M > 1 (as run_item); one activation row takes 4 weight rows a tile, more take
-// 2 rows x 4 x rows (each row decoded once for the 4).
+// run_item for bf16 x bf16 and packed weights (E2M1, E4M3) x bf16 on this path: the four sections, K blocks
+// of ~1024 values (bf16; 8 loads packed) and row blocks of 32 at M > 1 (as run_item). Tiles of 4 weight rows
+// x 4 activation rows; packed rows at M > 1 go 2 a tile (each row decoded once for its 4 x rows). x is the
+// caller's bf16 rows for bf16 weights, else prepared in the decoded order (prep_x_dp); row stride xs.
 template <int KIND>
-void run_item_packed_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1,
-                    const uint16_t* x, int64_t xs, int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
-    const int64_t width = KIND == FP8 ? CH : FC;  // values a load
+void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1,
+                 const uint16_t* x, int64_t xs, int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
+    const int64_t width = KIND == BF16 ? 32 : KIND == FP8 ? CH : FC;  // values a load
     const int64_t nchunks = (C.K + width - 1) / width;
-    const int64_t KB = M == 1 ? nchunks : 8, RB = M == 1 ? n1 - n0 : 32;
+    const int64_t KB = M == 1 ? nchunks : KIND == BF16 ? 32 : 8, RB = M == 1 ? n1 - n0 : 32;
     const int64_t count = n1 - n0;
     const std::vector<int64_t> pos = section_order(count);
     std::vector<Row> rows(count);
@@ -714,7 +685,7 @@ void run_item_packed_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot,
     wbuf.assign(count * M, 0.f);
     float res[16];
     const uint16_t* xm0 = x + t0 * xs;
-    const int RT = M == 1 ? 4 : 2;
+    const int RT = KIND == BF16 || M == 1 ? 4 : 2;
     const float ge = W.gsc ? W.gsc[e] : 1.f;  // nvfp4's global scale for this matrix
     for (int64_t r0 = 0; r0 < count; r0 += RB) {
         const int64_t r1 = std::min(count, r0 + RB);
@@ -728,9 +699,9 @@ void run_item_packed_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot,
                         for (int m = 0; m < mb; ++m)
                             for (int r = 0; r < R; ++r) wbuf[(at + r) * M + m0 + m] += res[m * R + r];
                     };
-                    if (nr == 4) { packed_dp_tile<KIND, 4>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 4); }
-                    else if (nr == 2) { packed_dp_tile<KIND, 2>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 2); }
-                    else for (int r = 0; r < nr; ++r) { packed_dp_tile<KIND, 1>(mb, C, rows.data() + n + r, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n + r, 1); }
+                    if (nr == 4) { dp_kind_tile<KIND, 4>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 4); }
+                    else if (nr == 2) { dp_kind_tile<KIND, 2>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 2); }
+                    else for (int r = 0; r < nr; ++r) { dp_kind_tile<KIND, 1>(mb, C, rows.data() + n + r, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n + r, 1); }
                 }
             }
         }
@@ -940,10 +911,10 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             const int64_t slot = slot_of[e];
 #if defined(MOESAIC_AVX512BF16)
             if (dp) {
-                if (kind == BF16) run_item_dp(C, W, e, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, wbuf);
-                else if (kind == FP8) run_item_packed_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
-                else if (kind == MX) run_item_packed_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
-                else run_item_packed_dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
+                if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, wbuf);
+                else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
+                else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
+                else run_item_dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
                 continue;
             }
 #endif
