@@ -107,7 +107,9 @@ FORMATS = {
     "fp8-tensor": (1, lambda n, k, g: _random_fp8(n, k, g, None, False)),
     "bf16": (1, lambda n, k, g: (torch.randn(n, k, generator=g) * 0.1).bfloat16()),
 }
+# K: tails inside a bf16 (32), fp8 (64) and E2M1 (128 values) load, below / at / above one
 SHAPES = [(67, 96), (131, 48), (200, 256), (5, 32), (3, 97), (33, 200), (9, 1088)]
+SHAPES += [(40, 1), (37, 31), (36, 33), (9, 112), (64, 144), (64, 2049), (5, 4096)]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -122,58 +124,26 @@ def test_raw_kernel_matches_fp32_reference(kernel, fmt, n, k, generic):
     for m in range(1, 17):
         x = torch.randn(m, k, generator=gen)
         ref = _reference(w, x)
-        for threads in (1, 3) if m in (1, 5, 16) else (1,):
+        xb = x.bfloat16()  # bf16 activations (exact in fp32): the vdpbf16ps paths on AVX-512 BF16 CPUs
+        ref_b = _reference(w, xb)
+        for threads in (1, 3) if m in (1, 5, 8, 16) else (1,):
             _assert_fp32_close(_raw(w, x, threads=threads, generic=generic), ref)
-        if m in (1, 4, 11):  # bf16 activations: exact in fp32, one rounding of the output
-            xb = x.bfloat16()
-            _assert_bf16_rounding(_raw(w, xb, generic=generic), _reference(w, xb))
+            _assert_fp32_close(_raw(w, xb, out=torch.empty(m, n), threads=threads, generic=generic), ref_b)
+        if m in (1, 4, 11):  # bf16 out: one rounding of the output
+            _assert_bf16_rounding(_raw(w, xb, generic=generic), ref_b)
 
 
-@pytest.mark.parametrize("n,k", SHAPES + [(40, 1), (37, 31), (36, 33), (64, 2049)])
-def test_bf16_activations_fp32_outputs(kernel, n, k):
-    """bf16 weights x bf16 activations (the vdpbf16ps path on AVX-512 BF16 CPUs, the AVX2 one elsewhere) at
-    every M, into fp32 outputs: the fp32 reference to fp32 rounding, alone and as a grouped stack (K tails
-    below, at and above a 32-value load)."""
+@pytest.mark.parametrize("n,k", [(40, 1), (37, 31), (36, 33), (64, 2049)])
+def test_grouped_bf16_activations_fp32_outputs(kernel, n, k):
+    """A grouped bf16 stack against bf16 activations into fp32 outputs (an expert with no rows between two
+    with rows; K tails below, at and above a 32-value load): each expert's rows are its reference's."""
     gen = torch.Generator().manual_seed(n + 7 * k)
     w = (torch.randn(3, n, k, generator=gen) * 0.1).bfloat16()
-    for m in range(1, 17):
-        x = torch.randn(m, k, generator=gen).bfloat16()
-        for threads in (1, 3) if m in (1, 8, 16) else (1,):
-            got = cpu.bf16_matmul(x, w[1], out=torch.empty(m, n), threads=threads)
-            _assert_fp32_close(got, _reference(w[1], x))
     x = torch.randn(13, k, generator=gen).bfloat16()
     offs = torch.tensor([5, 5, 13])  # expert 0: rows 0-4, expert 1: none, expert 2: rows 5-12
     got = cpu.bf16_matmul(x, w, offs=offs, out=torch.empty(13, n))
     _assert_fp32_close(got[:5], _reference(w[0], x[:5]))
     _assert_fp32_close(got[5:], _reference(w[2], x[5:]))
-
-
-@pytest.mark.parametrize(
-    "fmt",
-    [
-        "mxfp4",
-        "nvfp4-ct",
-        "nvfp4-modelopt",
-        "fp8-128x128-f32",
-        "fp8-32x32-ue8m0",
-        "fp8-channel",
-        "fp8-tensor",
-    ],
-)
-@pytest.mark.parametrize("n,k", [(37, 32), (20, 48), (9, 112), (64, 144), (33, 1088), (5, 4096), (7, 97)])
-def test_packed_bf16_activations_fp32_outputs(kernel, fmt, n, k):
-    """Packed weights x bf16 activations (the vdpbf16ps paths on AVX-512 BF16 CPUs: E2M1 128 values a load,
-    4 or 8 groups in it; E4M3 64 a load, two 32-column scale blocks in it; K tails inside a load) at every M
-    into fp32 outputs: the reference to fp32 rounding."""
-    multiple, make = FORMATS[fmt]
-    if k % multiple:
-        pytest.skip("K not a multiple of the group")
-    gen = torch.Generator().manual_seed(n * 31 + k)
-    w = make(n, k, gen)
-    for m in range(1, 17):
-        x = torch.randn(m, k, generator=gen).bfloat16()
-        for threads in (1, 3) if m in (1, 8, 16) else (1,):
-            _assert_fp32_close(_raw(w, x, out=torch.empty(m, n), threads=threads), _reference(w, x))
 
 
 ENCODE = {  # real weights quantized (values in fp16 range, unlike random codes and scales)
