@@ -259,6 +259,37 @@ def test_bias_and_strided_output(kernel):
     assert (wide[:, :20] == 7).all() and (wide[:, 90:] == 7).all()
 
 
+# ------------------------------------------------------------------------ AMX
+
+
+@pytest.fixture
+def amx(kernel):
+    if not cpu.has_amx():
+        pytest.skip("no AMX tiles on this CPU (or the kernels were not built for them)")
+
+
+@pytest.mark.parametrize("n,k", [(64, 1024), (96, 64), (37, 31), (40, 1), (160, 33), (33, 2049), (512, 256)])
+def test_amx_bf16_rows_invariant(amx, monkeypatch, n, k):
+    """bf16 x bf16 by AMX tiles (row counts that split into 32 sections and ones that do not; K tails inside
+    a 32-value step): the fp32 reference to rounding, and every output the same bits whatever else is in the
+    call (that row alone, any M up to 16, other experts in a grouped call, 1 or 3 threads); the vdpbf16ps
+    path (MOESAIC_CPU_AMX=0) agrees to rounding."""
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    w = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(16, k, generator=gen).bfloat16()
+    alone = torch.cat([cpu.bf16_matmul(x[i : i + 1], w, out=torch.empty(1, n), threads=1) for i in range(16)])
+    _assert_fp32_close(alone, _reference(w, x))
+    for m in (2, 5, 8, 16):
+        for threads in (1, 3):
+            got = cpu.bf16_matmul(x[:m], w, out=torch.empty(m, n), threads=threads)
+            assert torch.equal(got, alone[:m]), (m, threads)
+    stack = torch.stack([w, w.flip(0), w])
+    grouped = cpu.bf16_matmul(x, stack, offs=torch.tensor([3, 3, 16]), out=torch.empty(16, n))
+    assert torch.equal(grouped[:3], alone[:3]) and torch.equal(grouped[3:], alone[3:])
+    monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
+    _assert_fp32_close(cpu.bf16_matmul(x, w, out=torch.empty(16, n)), alone)
+
+
 # ------------------------------------------------------------------------ dense entry points
 
 

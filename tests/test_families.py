@@ -90,5 +90,6 @@ def test_taps_give_every_rows_hidden_and_change_nothing(module_name):
     for t in tapped.values():
         assert t.shape == (12, ck.cfg.hidden_size) and torch.isfinite(t).all()
     _, alone = forward([b], taps)
+    # fp32 to rounding, relative to the hidden state's size (the GEMMs sum a batch in other orders)
     for k in taps:
-        assert (tapped[k][7:] - alone[k]).abs().max() < 1e-5
+        assert (tapped[k][7:] - alone[k]).abs().max() < 1e-5 * max(1.0, alone[k].abs().max().item())

@@ -53,6 +53,8 @@ from .cpu_src import CPP
 __all__ = [
     "MAX_ROWS",
     "enabled",
+    "amx_enabled",
+    "has_amx",
     "load",
     "available",
     "usable",
@@ -88,6 +90,19 @@ def enabled() -> bool:
     return os.environ.get("MOESAIC_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def amx_enabled() -> bool:
+    """False when MOESAIC_CPU_AMX=0 (or 'false'/'off'/'no'): bf16 x bf16 products then take vdpbf16ps on
+    CPUs with AMX too (read at each call; for A/B runs and tests)."""
+    return os.environ.get("MOESAIC_CPU_AMX", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def has_amx() -> bool:
+    """Whether the built kernels multiply bf16 x bf16 by AMX tiles here (compiled for them, and the
+    process may use the tile state)."""
+    mod = load()
+    return mod is not None and bool(mod.has_amx())
+
+
 def _build_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -113,6 +128,7 @@ def load(verbose: bool = False):
                 "gemm",
                 "read_bytes",
                 "has_avx2",
+                "has_amx",
                 "sinkhorn",
                 "rms_norm",
                 "rope",
@@ -177,8 +193,9 @@ def _gemm(kind, x, w, scales, gscale, divides, offs, out, bias, group, block, th
         # grouped: at most one expert per row, so rows per expert >= T / min(T, E)
         rows = x.shape[0] if offs is None else -(-x.shape[0] // max(1, min(x.shape[0], w.shape[0])))
         threads = threads_for(nbytes, rows)
+    path = 1 if generic else 0 if amx_enabled() else 2
     out = mod.gemm(
-        kind, x, w, scales, gscale, divides, offs, out, bias, group, block[0], block[1], threads, generic
+        kind, x, w, scales, gscale, divides, offs, out, bias, group, block[0], block[1], threads, path
     )
     stats["kernel_calls"] += 1
     return out

@@ -56,6 +56,11 @@ CPP = r"""
 #if defined(MOESAIC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define MOESAIC_AVX512BF16 1
 #endif
+#if defined(MOESAIC_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define MOESAIC_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -732,6 +737,118 @@ std::vector<uint16_t> prep_x_fp8dp(const torch::Tensor& x, int64_t Kc) {  // fp8
 }
 #endif  // MOESAIC_AVX512BF16
 
+#if defined(MOESAIC_AMX)
+// bf16 weights against bf16 activations by AMX tiles (Sapphire Rapids and later), at every M <= 16: the
+// weights are the A operand as stored (16 rows x 32 values a tile, row stride K), x the B operand packed once
+// per call (pack_x_amx: per 32 values of K, 16 rows of value pairs x M columns), C = 16 weight rows x M
+// activation rows in fp32. tdpbf16ps adds each pair's products to C with the instruction's rules (exact
+// products, round to nearest even, subnormals flushed, as vdpbf16ps), 32 values of K a step in K order, so an
+// output's arithmetic depends on its own row and column only: the same bits at any M, alone or grouped.
+bool amx_permitted() {  // Linux lends the tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ok;
+}
+
+struct alignas(64) TileCfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// A stored C tile (c: nr weight rows x M activation rows) to outputs [t0, t0 + M) x columns n0 + r * rs:
+// put's arithmetic, its dtype switch taken once a tile.
+template <typename T>
+void put_tile_as(const Out& O, int64_t t0, int64_t M, int64_t n0, int64_t rs, int64_t nr, const float* c) {
+    for (int64_t m = 0; m < M; ++m) {
+        T* o = static_cast<T*>(O.p) + (t0 + m) * O.ld + n0;
+        for (int64_t r = 0; r < nr; ++r) {
+            const float v = O.bias ? c[r * M + m] + O.bias[n0 + r * rs] : c[r * M + m];
+            o[r * rs] = T(v);
+        }
+    }
+}
+void put_tile(const Out& O, int64_t t0, int64_t M, int64_t n0, int64_t rs, int64_t nr, const float* c) {
+    if (O.dtype == 0) put_tile_as<float>(O, t0, M, n0, rs, nr, c);
+    else if (O.dtype == 1) put_tile_as<c10::BFloat16>(O, t0, M, n0, rs, nr, c);
+    else put_tile_as<c10::Half>(O, t0, M, n0, rs, nr, c);
+}
+
+// x rows [t0, t0 + M) -> B tiles at out: 32-value step c, pair row p, column m: the dword
+// (x[t0 + m][32c + 2p], x[t0 + m][32c + 2p + 1]), zero past K.
+void pack_x_amx(const uint16_t* x, int64_t K, int64_t t0, int64_t M, uint32_t* out) {
+    const int64_t pairs = (K + 31) / 32 * 16, whole = K / 2;  // pair rows (padded); pairs inside K
+    for (int64_t m = 0; m < M; ++m) {  // a transpose of x's value pairs, [M, K / 2] -> [K / 2, M]
+        const uint16_t* xr = x + (t0 + m) * K;
+        for (int64_t q = 0; q < whole; ++q) {
+            uint32_t v;
+            std::memcpy(&v, xr + 2 * q, 4);
+            out[q * M + m] = v;
+        }
+        for (int64_t q = whole; q < pairs; ++q) out[q * M + m] = 2 * q < K ? xr[2 * q] : 0;  // odd K; padding
+    }
+}
+
+// Rows [n0, n1) of expert e against its packed x (xb: M columns). Two tiles of 16 weight rows a pass (two C
+// tiles, so consecutive tdpbf16ps do not wait on each other). Blocks of up to 512 rows: a block whose rows
+// split into 32 sections gives each tile's rows one from each section (row stride: a section), so the
+// weights are read as 32 streams of up to 16 rows (16 neighbouring rows a tile read 1-2 KB rows side by
+// side: shorter streams, ~5-10 % slower); the block's outputs stay in L1. Else a tile is 16 neighbouring
+// rows. A partial tile or the K tail is copied, zero padded, into scratch.
+void run_item_amx(const Weights& W, int64_t K, int64_t e, int64_t n0, int64_t n1, const uint32_t* xb, int64_t t0,
+                  int64_t M, const Out& O) {
+    TileCfg cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 2; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = (uint16_t)(4 * M); }          // C0, C1
+    for (int t = 2; t < 4; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }                         // A0, A1
+    cfg.rows[4] = 16; cfg.colsb[4] = (uint16_t)(4 * M);                                          // B
+    _tile_loadconfig(&cfg);
+    const int64_t steps = (K + 31) / 32, full = K / 32, ws = W.w_n;
+    alignas(64) uint16_t scratch[2][16 * 32];
+    alignas(64) float c[16 * 16];
+    const uint8_t* base = W.w + e * W.w_e;
+    for (int64_t b0 = n0; b0 < n1; b0 += 512) {
+        const int64_t b1 = std::min(n1, b0 + 512), count = b1 - b0;
+        const bool sect = count % 32 == 0;
+        const int64_t S = sect ? count / 32 : 1;  // rows a section; the row stride of a tile
+        // A operand of the tile from row r0 for step s: in place, or through scratch t
+        auto a_ptr = [&](int64_t r0, int64_t s, int t, int64_t& stride) -> const void* {
+            const int64_t nr = std::min<int64_t>(16, (b1 - r0 + S - 1) / S);
+            if (nr == 16 && s < full) { stride = ws * S; return base + r0 * ws + 64 * s; }
+            const int64_t kk = std::min<int64_t>(32, K - 32 * s);
+            std::memset(scratch[t], 0, sizeof(scratch[t]));
+            for (int64_t r = 0; r < nr; ++r) std::memcpy(scratch[t] + 32 * r, base + (r0 + r * S) * ws + 64 * s, 2 * kk);
+            stride = 64;
+            return scratch[t];
+        };
+        for (int64_t j = 0; j < (sect ? S : (count + 31) / 32); ++j) {
+            const int64_t r0 = sect ? b0 + j : b0 + 32 * j, r1 = sect ? r0 + 16 * S : r0 + 16;
+            const bool two = r1 < b1;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t s = 0; s < steps; ++s) {
+                int64_t sa, sb = 0;
+                _tile_loadd(4, xb + s * 16 * M, 4 * M);
+                const void* pa = a_ptr(r0, s, 0, sa);
+                _tile_loadd(2, pa, sa);
+                _tile_dpbf16ps(0, 2, 4);
+                if (two) {
+                    const void* pb = a_ptr(r1, s, 1, sb);
+                    _tile_loadd(3, pb, sb);
+                    _tile_dpbf16ps(1, 3, 4);
+                }
+            }
+            _tile_stored(0, c, 4 * M);
+            put_tile(O, t0, M, r0, S, std::min<int64_t>(16, (b1 - r0 + S - 1) / S), c);
+            if (two) {
+                _tile_stored(1, c, 4 * M);
+                put_tile(O, t0, M, r1, S, std::min<int64_t>(16, (b1 - r1 + S - 1) / S), c);
+            }
+        }
+    }
+    _tile_release();
+}
+#endif  // MOESAIC_AMX
+
 // x [T, K] (fp32/bf16/fp16) -> fp32 [T, Kp] in the kind's chunk order, zero padded, times `factor`.
 std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool generic) {
     const int64_t T = x.size(0), K = x.size(1);
@@ -768,8 +885,10 @@ std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool gen
 torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scales,
                    std::optional<torch::Tensor> gscale, bool divides, std::optional<torch::Tensor> offs,
                    std::optional<torch::Tensor> out_, std::optional<torch::Tensor> bias, int64_t group, int64_t bn,
-                   int64_t bk, int64_t nthreads, bool generic) {
+                   int64_t bk, int64_t nthreads, int64_t path) {
     TORCH_CHECK(kind == BF16 || kind == FP8 || kind == FP4, "kind");
+    TORCH_CHECK(path >= 0 && path <= 2, "path: 0 best, 1 generic, 2 no AMX");
+    bool generic = path == 1;
     TORCH_CHECK(x.dim() == 2, "x: [T, K]");
     x = x.contiguous();
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
@@ -890,12 +1009,24 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #endif
     const uint16_t* xb = !dp ? nullptr : kind == BF16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : x4.data();
     (void)xb;  // used by the AVX-512 BF16 paths only
+    bool amx = false;
+#if defined(MOESAIC_AMX)
+    // AMX for bf16 x bf16 wherever the process may use the tiles: every expert's rows packed once
+    amx = dp && kind == BF16 && path == 0 && amx_permitted();
+    std::vector<uint32_t> xa(amx ? (size_t)(T * ((K + 31) / 32) * 16) : 0);
+    if (amx)
+        for (int64_t e : active) {
+            const int64_t t0 = e ? ends[e - 1] : 0;
+            pack_x_amx(xb, K, t0, ends[e] - t0, xa.data() + t0 * ((K + 31) / 32) * 16);
+        }
+#endif
 
     // work items: (expert, block of rows); enough of them to balance the threads
     const int nt = (int)std::max<int64_t>(1, nthreads);
     const int64_t n_act = std::max<int64_t>(1, (int64_t)active.size());
     const int64_t per_expert = nt == 1 ? 1 : std::max<int64_t>(1, (4 * nt + n_act - 1) / n_act);
-    const int64_t rows = std::max<int64_t>(8, ((N + per_expert - 1) / per_expert + 7) / 8 * 8);
+    const int64_t rb = amx ? 32 : 8;  // rows a block (AMX: two tiles)
+    const int64_t rows = std::max<int64_t>(rb, ((N + per_expert - 1) / per_expert + rb - 1) / rb * rb);
     std::vector<std::array<int64_t, 3>> items;  // expert, n0, n1
     for (int64_t e : active)
         for (int64_t n0 = 0; n0 < N; n0 += rows) items.push_back({e, n0, std::min(N, n0 + rows)});
@@ -909,6 +1040,13 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             const int64_t e = items[i][0];
             const int64_t t0 = e ? ends[e - 1] : 0;
             const int64_t slot = slot_of[e];
+#if defined(MOESAIC_AMX)
+            if (amx) {
+                run_item_amx(W, K, e, items[i][1], items[i][2], xa.data() + t0 * ((K + 31) / 32) * 16, t0,
+                             ends[e] - t0, O);
+                continue;
+            }
+#endif
 #if defined(MOESAIC_AVX512BF16)
             if (dp) {
                 if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, wbuf);
@@ -1469,6 +1607,14 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
     };
     over_heads(H, nthreads, heads);
     return out;
+}
+
+bool has_amx() {
+#if defined(MOESAIC_AMX)
+    return amx_permitted();
+#else
+    return false;
+#endif
 }
 
 bool has_avx2() {
