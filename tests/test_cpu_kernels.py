@@ -272,22 +272,27 @@ def amx(kernel):
 def test_amx_bf16_rows_invariant(amx, monkeypatch, n, k):
     """bf16 x bf16 by AMX tiles (row counts that split into 32 sections and ones that do not; K tails inside
     a 32-value step): the fp32 reference to rounding, and every output the same bits whatever else is in the
-    call (that row alone, any M up to 16, other experts in a grouped call, 1 or 3 threads); the vdpbf16ps
-    path (MOESAIC_CPU_AMX=0) agrees to rounding."""
+    call (that row alone, any M up to AMX_ROWS, other experts in a grouped call, 1 or 3 threads; `linear`
+    serves AMX_ROWS rows); the vdpbf16ps path (MOESAIC_CPU_AMX=0, 16 rows) agrees to rounding."""
     gen = torch.Generator().manual_seed(n * 31 + k)
     w = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
-    x = torch.randn(16, k, generator=gen).bfloat16()
-    alone = torch.cat([cpu.bf16_matmul(x[i : i + 1], w, out=torch.empty(1, n), threads=1) for i in range(16)])
+    t = cpu.AMX_ROWS
+    x = torch.randn(t, k, generator=gen).bfloat16()
+    alone = torch.cat([cpu.bf16_matmul(x[i : i + 1], w, out=torch.empty(1, n), threads=1) for i in range(t)])
     _assert_fp32_close(alone, _reference(w, x))
-    for m in (2, 5, 8, 16):
-        for threads in (1, 3):
+    for m in (2, 5, 8, 16, 17, 31, 32, 33, 50, 64):  # one or two B tiles a pass, one or two passes
+        for threads in (1, 3) if m in (5, 33) else (1,):
             got = cpu.bf16_matmul(x[:m], w, out=torch.empty(m, n), threads=threads)
             assert torch.equal(got, alone[:m]), (m, threads)
     stack = torch.stack([w, w.flip(0), w])
-    grouped = cpu.bf16_matmul(x, stack, offs=torch.tensor([3, 3, 16]), out=torch.empty(16, n))
-    assert torch.equal(grouped[:3], alone[:3]) and torch.equal(grouped[3:], alone[3:])
+    grouped = cpu.bf16_matmul(x[:40], stack, offs=torch.tensor([3, 3, 40]), out=torch.empty(40, n))
+    assert torch.equal(grouped, alone[:40])
+    assert cpu.dense_rows() == t and torch.equal(cpu.linear(x, w), alone.bfloat16())
+    bias = torch.randn(n, generator=gen).bfloat16()
+    _assert_bf16_rounding(cpu.linear(x[:20], w, bias), _reference(w, x[:20]) + bias.float())
     monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
-    _assert_fp32_close(cpu.bf16_matmul(x, w, out=torch.empty(16, n)), alone)
+    assert cpu.dense_rows() == cpu.MAX_ROWS
+    _assert_fp32_close(cpu.bf16_matmul(x[:16], w, out=torch.empty(16, n)), alone[:16])
 
 
 # ------------------------------------------------------------------------ dense entry points
@@ -308,8 +313,8 @@ def test_linear_bf16(kernel, m):
     yf = cpu.linear(xf, w)
     assert yf.dtype == torch.float32
     assert torch.equal(yf, cpu.linear(xf.bfloat16(), w).float())
-    # beyond MAX_ROWS and for fp32 weights: F.linear itself
-    big = torch.randn(cpu.MAX_ROWS + 1, 200, generator=gen).bfloat16()
+    # beyond the rows the kernels serve (16, or 64 by AMX tiles) and for fp32 weights: F.linear itself
+    big = torch.randn(cpu.dense_rows() + 1, 200, generator=gen).bfloat16()
     assert torch.equal(cpu.linear(big, w), torch.nn.functional.linear(big, w))
     w32 = w.float()
     assert torch.equal(cpu.linear(xf, w32), torch.nn.functional.linear(xf, w32))

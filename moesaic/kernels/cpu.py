@@ -55,6 +55,8 @@ __all__ = [
     "enabled",
     "amx_enabled",
     "has_amx",
+    "dense_rows",
+    "AMX_ROWS",
     "load",
     "available",
     "usable",
@@ -75,6 +77,9 @@ __all__ = [
 ]
 
 MAX_ROWS = 16  # rows of x per matrix the kernels serve (decode); more rows take the GEMM paths
+# rows of x the AMX path serves against dense bf16 weights: up to here it streams the weights at memory
+# speed, where oneDNN's bf16 GEMM (F.linear) read them at ~5 GB/s (17-32 rows) and ~3.7 GB/s (64) here
+AMX_ROWS = 64
 MIN_THREAD_BYTES = 1 << 18  # weight bytes (per row of x) below which one more thread does not pay
 TILE_ELEMS = 1 << 21  # weight elements converted to fp32 at a time by tiled_linear (8 MB)
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -99,8 +104,16 @@ def amx_enabled() -> bool:
 def has_amx() -> bool:
     """Whether the built kernels multiply bf16 x bf16 by AMX tiles here (compiled for them, and the
     process may use the tile state)."""
-    mod = load()
-    return mod is not None and bool(mod.has_amx())
+    if "amx" not in _state:
+        mod = load()
+        _state["amx"] = mod is not None and bool(mod.has_amx())
+    return _state["amx"]
+
+
+def dense_rows() -> int:
+    """Rows of x per matrix the kernels serve against dense bf16 weights: AMX_ROWS where AMX tiles run
+    them, else MAX_ROWS."""
+    return AMX_ROWS if enabled() and has_amx() and amx_enabled() else MAX_ROWS
 
 
 def _build_name() -> str:
@@ -279,7 +292,7 @@ def _dense_ok(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T (+ bias)` for a dense [N, K] weight, as `layers/linear.py` computes it (x cast to w's
-    dtype, the result cast back): through the bf16 kernel for bf16 weights and at most MAX_ROWS rows
+    dtype, the result cast back): through the bf16 kernel for bf16 weights and at most `dense_rows()` rows
     of x, through fp32 tiles (`tiled_linear`) for half-precision weights at more rows on a CPU without
     a native bf16 GEMM, else F.linear. The one rule every dense product of the model follows (experts
     one by one, grouped or streamed, included)."""
@@ -287,7 +300,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         b = None if bias is None else bias.to(w.dtype)
         return linear(x.to(w.dtype), w, b).to(x.dtype)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if _dense_ok(x2, w, MAX_ROWS):
+    if _dense_ok(x2, w, dense_rows()):
         y = _gemm(_BF16, x2, w, None, None, False, None, None, bias, 0, (1, 1), None, False, w.nbytes)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
     if tiles_apply(x2, w):
@@ -444,22 +457,24 @@ def ssd_steps(x, dt, A, B, C, h, keep_states: bool):
     return y, h, (states if keep_states and m else None)
 
 
-def rows_fit(offs) -> bool:
-    """Whether every expert of a grouped call (offs: end rows) has at most MAX_ROWS rows: then one
-    grouped kernel call computes what one call per expert would (the rule a single matrix follows),
-    bit for bit; otherwise the experts go one by one, each by that rule."""
+def rows_fit(offs, limit: int = MAX_ROWS) -> bool:
+    """Whether every expert of a grouped call (offs: end rows) has at most `limit` rows (MAX_ROWS for
+    packed stacks, `dense_rows()` for dense bf16 ones): then one grouped kernel call computes what one
+    call per expert would (the rule a single matrix follows), bit for bit; otherwise the experts go one
+    by one, each by that rule."""
     ends = offs.tolist() if isinstance(offs, torch.Tensor) else list(offs)
-    return all(b - a <= MAX_ROWS for a, b in zip([0] + ends[:-1], ends))
+    return all(b - a <= limit for a, b in zip([0] + ends[:-1], ends))
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of x [T, K] grouped by expert (offs [E]: end rows) against a dense stack w [E, N, K] ->
     [T, N] in x's dtype, computed in w's dtype like `linear`: one kernel call for bf16 stacks (every
-    expert with at most MAX_ROWS rows: `rows_fit`), else one `linear` per expert with rows (the same
+    expert with at most `dense_rows()` rows: `rows_fit`), else one `linear` per expert with rows (the same
     numbers either way)."""
     if x.dtype != w.dtype:
         return grouped_linear(x.to(w.dtype), w, offs).to(x.dtype)
-    if _dense_ok(x, w, MAX_ROWS * w.shape[0]) and rows_fit(offs):
+    rows = dense_rows()
+    if _dense_ok(x, w, rows * w.shape[0]) and rows_fit(offs, rows):
         return bf16_matmul(x, w, offs=offs)
     out = torch.empty(x.shape[0], w.shape[-2], dtype=x.dtype, device=x.device)
     start = 0

@@ -788,24 +788,20 @@ void pack_x_amx(const uint16_t* x, int64_t K, int64_t t0, int64_t M, uint32_t* o
     }
 }
 
-// Rows [n0, n1) of expert e against its packed x (xb: M columns). Two tiles of 16 weight rows a pass (two C
-// tiles, so consecutive tdpbf16ps do not wait on each other). Blocks of up to 512 rows: a block whose rows
-// split into 32 sections gives each tile's rows one from each section (row stride: a section), so the
-// weights are read as 32 streams of up to 16 rows (16 neighbouring rows a tile read 1-2 KB rows side by
-// side: shorter streams, ~5-10 % slower); the block's outputs stay in L1. Else a tile is 16 neighbouring
-// rows. A partial tile or the K tail is copied, zero padded, into scratch.
+// Rows [n0, n1) of expert e against its packed x (xb: M columns, packed by 16). A pass takes two tiles of 16
+// weight rows against up to 32 activation rows (two B tiles): four C tiles, so consecutive tdpbf16ps do not
+// wait on each other. Blocks of up to 512 rows: a block whose rows split into 32 sections gives each tile's
+// rows one from each section (row stride: a section), so the weights are read as 32 streams of up to 16 rows
+// (16 neighbouring rows a tile read 1-2 KB rows side by side: shorter streams, ~5-10 % slower) and the
+// block's outputs stay in L1; more than 32 activation rows pass over the block again from L2. Else a tile
+// is 16 neighbouring rows. A partial tile or the K tail is copied, zero padded, into scratch.
 void run_item_amx(const Weights& W, int64_t K, int64_t e, int64_t n0, int64_t n1, const uint32_t* xb, int64_t t0,
                   int64_t M, const Out& O) {
-    TileCfg cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 2; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = (uint16_t)(4 * M); }          // C0, C1
-    for (int t = 2; t < 4; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }                         // A0, A1
-    cfg.rows[4] = 16; cfg.colsb[4] = (uint16_t)(4 * M);                                          // B
-    _tile_loadconfig(&cfg);
-    const int64_t steps = (K + 31) / 32, full = K / 32, ws = W.w_n;
+    const int64_t steps = (K + 31) / 32, full = K / 32, ws = W.w_n, pairs = steps * 16;
     alignas(64) uint16_t scratch[2][16 * 32];
     alignas(64) float c[16 * 16];
     const uint8_t* base = W.w + e * W.w_e;
+    int64_t shape = -1;  // the configured column split
     for (int64_t b0 = n0; b0 < n1; b0 += 512) {
         const int64_t b1 = std::min(n1, b0 + 512), count = b1 - b0;
         const bool sect = count % 32 == 0;
@@ -820,28 +816,47 @@ void run_item_amx(const Weights& W, int64_t K, int64_t e, int64_t n0, int64_t n1
             stride = 64;
             return scratch[t];
         };
-        for (int64_t j = 0; j < (sect ? S : (count + 31) / 32); ++j) {
-            const int64_t r0 = sect ? b0 + j : b0 + 32 * j, r1 = sect ? r0 + 16 * S : r0 + 16;
-            const bool two = r1 < b1;
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t s = 0; s < steps; ++s) {
-                int64_t sa, sb = 0;
-                _tile_loadd(4, xb + s * 16 * M, 4 * M);
-                const void* pa = a_ptr(r0, s, 0, sa);
-                _tile_loadd(2, pa, sa);
-                _tile_dpbf16ps(0, 2, 4);
-                if (two) {
-                    const void* pb = a_ptr(r1, s, 1, sb);
-                    _tile_loadd(3, pb, sb);
-                    _tile_dpbf16ps(1, 3, 4);
-                }
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            const int64_t ma = std::min<int64_t>(16, M - m0), mb = std::min<int64_t>(16, std::max<int64_t>(0, M - m0 - 16));
+            if (shape != ma * 17 + mb) {  // tiles: C00 C01 C10 C11 (row tile x column block), A0 A1, B0 B1
+                shape = ma * 17 + mb;
+                TileCfg cfg{};
+                cfg.palette = 1;
+                const int64_t cols[8] = {ma, mb, ma, mb, 16, 16, ma, mb};
+                for (int t = 0; t < 8; ++t)
+                    if (cols[t]) { cfg.rows[t] = 16; cfg.colsb[t] = (uint16_t)(4 * cols[t]); }
+                _tile_loadconfig(&cfg);
             }
-            _tile_stored(0, c, 4 * M);
-            put_tile(O, t0, M, r0, S, std::min<int64_t>(16, (b1 - r0 + S - 1) / S), c);
-            if (two) {
-                _tile_stored(1, c, 4 * M);
-                put_tile(O, t0, M, r1, S, std::min<int64_t>(16, (b1 - r1 + S - 1) / S), c);
+            const uint32_t* xa = xb + m0 * pairs;  // column block 0; block 1 follows 16 rows on
+            const uint32_t* xc = xa + 16 * pairs;
+            for (int64_t j = 0; j < (sect ? S : (count + 31) / 32); ++j) {
+                const int64_t r0 = sect ? b0 + j : b0 + 32 * j, r1 = sect ? r0 + 16 * S : r0 + 16;
+                const bool two = r1 < b1;
+                _tile_zero(0);
+                _tile_zero(2);
+                if (mb) { _tile_zero(1); _tile_zero(3); }
+                for (int64_t s = 0; s < steps; ++s) {
+                    int64_t sa, sb = 0;
+                    _tile_loadd(6, xa + s * 16 * ma, 4 * ma);
+                    if (mb) _tile_loadd(7, xc + s * 16 * mb, 4 * mb);
+                    _tile_loadd(4, a_ptr(r0, s, 0, sa), sa);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (mb) _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, a_ptr(r1, s, 1, sb), sb);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (mb) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                const int64_t na = std::min<int64_t>(16, (b1 - r0 + S - 1) / S), nb = std::min<int64_t>(16, (b1 - r1 + S - 1) / S);
+                _tile_stored(0, c, 4 * ma);
+                put_tile(O, t0 + m0, ma, r0, S, na, c);
+                if (mb) { _tile_stored(1, c, 4 * mb); put_tile(O, t0 + m0 + 16, mb, r0, S, na, c); }
+                if (two) {
+                    _tile_stored(2, c, 4 * ma);
+                    put_tile(O, t0 + m0, ma, r1, S, nb, c);
+                    if (mb) { _tile_stored(3, c, 4 * mb); put_tile(O, t0 + m0 + 16, mb, r1, S, nb, c); }
+                }
             }
         }
     }
@@ -1015,10 +1030,9 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     amx = dp && kind == BF16 && path == 0 && amx_permitted();
     std::vector<uint32_t> xa(amx ? (size_t)(T * ((K + 31) / 32) * 16) : 0);
     if (amx)
-        for (int64_t e : active) {
-            const int64_t t0 = e ? ends[e - 1] : 0;
-            pack_x_amx(xb, K, t0, ends[e] - t0, xa.data() + t0 * ((K + 31) / 32) * 16);
-        }
+        for (int64_t e : active)  // by 16 rows: one B tile's columns
+            for (int64_t t = e ? ends[e - 1] : 0; t < ends[e]; t += 16)
+                pack_x_amx(xb, K, t, std::min<int64_t>(16, ends[e] - t), xa.data() + t * ((K + 31) / 32) * 16);
 #endif
 
     // work items: (expert, block of rows); enough of them to balance the threads

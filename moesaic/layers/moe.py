@@ -147,9 +147,9 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
         ys = _held_rows(
             xs, offs, every_expert, lambda h: w_out.grouped_matmul(act(w_in.grouped_matmul(h, offs)), offs)
         )
-    elif _cpu_half(x, w_in, w_out) and cpu.rows_fit(offs := counts.cumsum(0)):
+    elif _cpu_half(x, w_in, w_out) and cpu.rows_fit(offs := counts.cumsum(0), cpu.dense_rows()):
         # bf16 stacks on the CPU at decode sizes: one kernel call per projection, what `linear` gives
-        # expert by expert (above MAX_ROWS rows an expert takes the loop below: fp32 tiles)
+        # expert by expert (above cpu.dense_rows() rows an expert takes the loop below: fp32 tiles)
         ys = _held_rows(
             xs,
             offs,
