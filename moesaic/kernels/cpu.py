@@ -28,7 +28,11 @@ and each output is rounded once to the output's dtype. The result matches the fp
 E4M3 NaN codes (0x7F/0xFF, which no encoder writes) decode as +-480 instead of NaN. On AVX-512 BF16 CPUs
 bf16 activations against bf16, E2M1 or E4M3 weights use vdpbf16ps, which adds products in pairs and
 flushes subnormal inputs and sums to zero (bf16 subnormals are below 1.2e-38): the same fp32
-accumulation to rounding.
+accumulation to rounding. On CPUs with AMX, bf16 x bf16 products (1 to AMX_ROWS rows) take tdpbf16ps with the
+same rules, 32 values of K a step in K order, so each output has the same bits at any row count, alone or
+grouped, on any thread count; packed weights against more than MAX_ROWS bf16 rows are decoded to bf16 (the
+group scale folded in where the product is exact, else the block's sums scaled) for the same tiles.
+MOESAIC_CPU_AMX=0 keeps them on vdpbf16ps (and the 16-row limit).
 
 The fused norm and rope (inference only: autograd keeps the torch code) give the torch code's bits: the
 same float operations and roundings, no FMA contraction, and the norm's mean summed in the order of
@@ -56,6 +60,7 @@ __all__ = [
     "amx_enabled",
     "has_amx",
     "dense_rows",
+    "packed_rows",
     "AMX_ROWS",
     "load",
     "available",
@@ -114,6 +119,13 @@ def dense_rows() -> int:
     """Rows of x per matrix the kernels serve against dense bf16 weights: AMX_ROWS where AMX tiles run
     them, else MAX_ROWS."""
     return AMX_ROWS if enabled() and has_amx() and amx_enabled() else MAX_ROWS
+
+
+def packed_rows(x: torch.Tensor) -> int:
+    """Rows of x per matrix the kernels serve against packed (fp8 / fp4) weights: MAX_ROWS through their
+    decode paths, and any number for bf16 x where AMX tiles run (above MAX_ROWS the weights are decoded to
+    bf16 a block of rows at a time and multiplied by the tiles: prefill, large batches)."""
+    return 1 << 40 if x.dtype == torch.bfloat16 and dense_rows() == AMX_ROWS else MAX_ROWS
 
 
 def _build_name() -> str:

@@ -35,7 +35,12 @@ everywhere and on request (`generic`). On CPUs with AVX-512 BF16 (`__AVX512BF16_
 Rapids) bf16 activations take vdpbf16ps instead (run_item_dp), against bf16 weights (32 a load, used as
 stored), E2M1 (128 a load, decoded to bf16 by two 16-entry byte tables) and E4M3 (64 a load, by two
 128-entry ones): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows. fp32 / fp16
-activations keep the AVX2 path.
+activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
+bf16 products take AMX tiles at every row count instead (amx_item: the weights as the A operand in place,
+x packed once a call as B, 16 weight rows x up to 32 activation rows a tile pass), and packed weights
+against more than MAX_ROWS bf16 rows are decoded to bf16 a block of rows at a time (decode_bf16_row; group
+scales folded where the product is exact in bf16, fp32 block scales applied to each k-block's sums) and
+multiplied by the same tiles.
 """
 
 CPP = r"""
@@ -67,6 +72,7 @@ namespace {
 // The Python side passes BF16, FP8 or FP4; FP4 becomes MX (groups of 32) or NV (16) here.
 enum Kind { BF16 = 0, FP8 = 1, FP4 = 2, MX = 2, NV = 3 };
 constexpr int64_t CH = 64;                                 // K values per chunk
+constexpr int64_t MAX_ROWS = 16;  // cpu.py's: rows of x the packed kinds take the decode paths for (AMX above)
 constexpr int64_t CHUNK_BYTES[4] = {128, 64, 32, 32};      // bytes of one chunk of one row
 
 float E8M0[256], E4M3[256];
@@ -788,31 +794,48 @@ void pack_x_amx(const uint16_t* x, int64_t K, int64_t t0, int64_t M, uint32_t* o
     }
 }
 
-// Rows [n0, n1) of expert e against its packed x (xb: M columns, packed by 16). A pass takes two tiles of 16
-// weight rows against up to 32 activation rows (two B tiles): four C tiles, so consecutive tdpbf16ps do not
-// wait on each other. Blocks of up to 512 rows: a block whose rows split into 32 sections gives each tile's
-// rows one from each section (row stride: a section), so the weights are read as 32 streams of up to 16 rows
-// (16 neighbouring rows a tile read 1-2 KB rows side by side: shorter streams, ~5-10 % slower) and the
-// block's outputs stay in L1; more than 32 activation rows pass over the block again from L2. Else a tile
-// is 16 neighbouring rows. A partial tile or the K tail is copied, zero padded, into scratch.
-void run_item_amx(const Weights& W, int64_t K, int64_t e, int64_t n0, int64_t n1, const uint32_t* xb, int64_t t0,
-                  int64_t M, const Out& O) {
-    const int64_t steps = (K + 31) / 32, full = K / 32, ws = W.w_n, pairs = steps * 16;
+// Where a block of weight rows [b0, b1) is read from, as bf16 rows: row b0 at base, row stride ws bytes,
+// steps [0, full) in place (past them, and in a partial tile, through zero-padded scratch); sect: the block
+// may be read as 32 sections.
+struct AmxBlock {
+    const uint8_t* base;
+    int64_t ws, full;
+    bool sect;
+};
+
+// Rows [n0, n1) of one matrix against its packed x (xb: M columns, packed by 16), the weights' rows given block
+// by block by src (bf16 in place, or packed rows decoded to bf16). A pass takes two tiles of 16 weight rows
+// against up to 32 activation rows (two B tiles): four C tiles, so consecutive tdpbf16ps do not wait on each
+// other. A block whose rows split into 32 sections gives each tile's rows one from each section (row stride:
+// a section), so in-place weights are read as 32 streams of up to 16 rows (16 neighbouring rows a tile read
+// 1-2 KB rows side by side: shorter streams, ~5-10 % slower) and the block's outputs stay in L1; more than
+// 32 activation rows pass over the block again from L2. Else a tile is 16 neighbouring rows. src's k-blocks
+// (fp32 block scales) are summed in their own C tiles and added to fp32 sums times their scale; its global
+// factor multiplies (or divides) every sum. False (outputs of this call's earlier blocks written) when src
+// cannot give a block.
+template <typename Src>
+bool amx_item(Src& src, int64_t K, int64_t n0, int64_t n1, const uint32_t* xb, int64_t t0, int64_t M, const Out& O) {
+    const int64_t steps = (K + 31) / 32, pairs = steps * 16;
     alignas(64) uint16_t scratch[2][16 * 32];
     alignas(64) float c[16 * 16];
-    const uint8_t* base = W.w + e * W.w_e;
+    alignas(64) float acc[4][16 * 16];
+    float rs_scale[2][16];
+    TileCfg cfg;
     int64_t shape = -1;  // the configured column split
-    for (int64_t b0 = n0; b0 < n1; b0 += 512) {
-        const int64_t b1 = std::min(n1, b0 + 512), count = b1 - b0;
-        const bool sect = count % 32 == 0;
+    for (int64_t b0 = n0; b0 < n1; b0 += src.block_rows) {
+        const int64_t b1 = std::min(n1, b0 + src.block_rows), count = b1 - b0;
+        AmxBlock B;
+        if (!src.block(b0, b1, B)) { _tile_release(); return false; }
+        const bool sect = B.sect && count % 32 == 0;
         const int64_t S = sect ? count / 32 : 1;  // rows a section; the row stride of a tile
         // A operand of the tile from row r0 for step s: in place, or through scratch t
         auto a_ptr = [&](int64_t r0, int64_t s, int t, int64_t& stride) -> const void* {
             const int64_t nr = std::min<int64_t>(16, (b1 - r0 + S - 1) / S);
-            if (nr == 16 && s < full) { stride = ws * S; return base + r0 * ws + 64 * s; }
+            const uint8_t* row = B.base + (r0 - b0) * B.ws + 64 * s;
+            if (nr == 16 && s < B.full) { stride = B.ws * S; return row; }
             const int64_t kk = std::min<int64_t>(32, K - 32 * s);
             std::memset(scratch[t], 0, sizeof(scratch[t]));
-            for (int64_t r = 0; r < nr; ++r) std::memcpy(scratch[t] + 32 * r, base + (r0 + r * S) * ws + 64 * s, 2 * kk);
+            for (int64_t r = 0; r < nr; ++r) std::memcpy(scratch[t] + 32 * r, row + r * S * B.ws, 2 * kk);
             stride = 64;
             return scratch[t];
         };
@@ -820,7 +843,7 @@ void run_item_amx(const Weights& W, int64_t K, int64_t e, int64_t n0, int64_t n1
             const int64_t ma = std::min<int64_t>(16, M - m0), mb = std::min<int64_t>(16, std::max<int64_t>(0, M - m0 - 16));
             if (shape != ma * 17 + mb) {  // tiles: C00 C01 C10 C11 (row tile x column block), A0 A1, B0 B1
                 shape = ma * 17 + mb;
-                TileCfg cfg{};
+                cfg = TileCfg{};
                 cfg.palette = 1;
                 const int64_t cols[8] = {ma, mb, ma, mb, 16, 16, ma, mb};
                 for (int t = 0; t < 8; ++t)
@@ -832,36 +855,140 @@ void run_item_amx(const Weights& W, int64_t K, int64_t e, int64_t n0, int64_t n1
             for (int64_t j = 0; j < (sect ? S : (count + 31) / 32); ++j) {
                 const int64_t r0 = sect ? b0 + j : b0 + 32 * j, r1 = sect ? r0 + 16 * S : r0 + 16;
                 const bool two = r1 < b1;
-                _tile_zero(0);
-                _tile_zero(2);
-                if (mb) { _tile_zero(1); _tile_zero(3); }
+                const int64_t na = std::min<int64_t>(16, (b1 - r0 + S - 1) / S);
+                const int64_t nb = two ? std::min<int64_t>(16, (b1 - r1 + S - 1) / S) : 0;
+                const int64_t cm[4] = {ma, mb, two ? ma : 0, two ? mb : 0};  // columns of each C tile
+                auto zero = [&]() {
+                    _tile_zero(0);
+                    _tile_zero(2);
+                    if (mb) { _tile_zero(1); _tile_zero(3); }
+                };
+                auto store = [&](int t, float* dst) {  // C tile t to dst (row stride: its columns)
+                    switch (t) {
+                        case 0: _tile_stored(0, dst, 4 * cm[0]); break;
+                        case 1: _tile_stored(1, dst, 4 * cm[1]); break;
+                        case 2: _tile_stored(2, dst, 4 * cm[2]); break;
+                        default: _tile_stored(3, dst, 4 * cm[3]); break;
+                    }
+                };
+                zero();
+                if (src.blocked)
+                    for (int t = 0; t < 4; ++t) std::fill(acc[t], acc[t] + 16 * cm[t], 0.f);
                 for (int64_t s = 0; s < steps; ++s) {
                     int64_t sa, sb = 0;
                     _tile_loadd(6, xa + s * 16 * ma, 4 * ma);
                     if (mb) _tile_loadd(7, xc + s * 16 * mb, 4 * mb);
-                    _tile_loadd(4, a_ptr(r0, s, 0, sa), sa);
+                    const void* pa = a_ptr(r0, s, 0, sa);  // (sets sa: not inside the load's arguments)
+                    _tile_loadd(4, pa, sa);
                     _tile_dpbf16ps(0, 4, 6);
                     if (mb) _tile_dpbf16ps(1, 4, 7);
                     if (two) {
-                        _tile_loadd(5, a_ptr(r1, s, 1, sb), sb);
+                        const void* pb = a_ptr(r1, s, 1, sb);
+                        _tile_loadd(5, pb, sb);
                         _tile_dpbf16ps(2, 5, 6);
                         if (mb) _tile_dpbf16ps(3, 5, 7);
                     }
+                    if (src.blocked && src.block_ends(s)) {  // this k-block's sums, times each row's scale
+                        for (int h = 0; h < 2; ++h)
+                            for (int64_t r = 0; r < (h ? nb : na); ++r) rs_scale[h][r] = src.scale((h ? r1 : r0) + r * S, s);
+                        for (int t = 0; t < 4; ++t) {
+                            if (!cm[t]) continue;
+                            store(t, c);
+                            const int64_t nr = t < 2 ? na : nb;
+                            for (int64_t r = 0; r < nr; ++r) {
+                                const float sc = rs_scale[t / 2][r];
+                                for (int64_t m = 0; m < cm[t]; ++m) acc[t][r * cm[t] + m] += sc * c[r * cm[t] + m];
+                            }
+                        }
+                        zero();
+                    }
                 }
-                const int64_t na = std::min<int64_t>(16, (b1 - r0 + S - 1) / S), nb = std::min<int64_t>(16, (b1 - r1 + S - 1) / S);
-                _tile_stored(0, c, 4 * ma);
-                put_tile(O, t0 + m0, ma, r0, S, na, c);
-                if (mb) { _tile_stored(1, c, 4 * mb); put_tile(O, t0 + m0 + 16, mb, r0, S, na, c); }
-                if (two) {
-                    _tile_stored(2, c, 4 * ma);
-                    put_tile(O, t0 + m0, ma, r1, S, nb, c);
-                    if (mb) { _tile_stored(3, c, 4 * mb); put_tile(O, t0 + m0 + 16, mb, r1, S, nb, c); }
+                for (int t = 0; t < 4; ++t) {
+                    if (!cm[t]) continue;
+                    float* v = src.blocked ? acc[t] : c;
+                    if (!src.blocked) store(t, c);
+                    const int64_t nr = t < 2 ? na : nb;
+                    if (src.factor != 1.f)
+                        for (int64_t i = 0; i < nr * cm[t]; ++i) v[i] = src.divides ? v[i] / src.factor : v[i] * src.factor;
+                    put_tile(O, t0 + m0 + 16 * (t & 1), cm[t], t < 2 ? r0 : r1, S, nr, v);
                 }
             }
         }
     }
     _tile_release();
+    return true;
 }
+
+// bf16 weights, read in place.
+struct AmxBf16 {
+    const uint8_t* w;  // the matrix's row 0
+    int64_t ws, full, block_rows = 512;
+    bool blocked = false, divides = false;
+    float factor = 1.f;
+    bool block(int64_t b0, int64_t, AmxBlock& B) const { B = {w + b0 * ws, ws, full, true}; return true; }
+    bool block_ends(int64_t) const { return false; }
+    float scale(int64_t, int64_t) const { return 1.f; }
+};
+
+// One packed row decoded to bf16 words dst[0, Kp) (zero past K): E2M1 times its group's scale (raw_e4m3,
+// nvfp4 with a global scale: the E4M3 byte's own value, the global scale goes on the sums), E4M3 times its E8M0 block scale (fold8),
+// or E4M3 alone (fp32 block scales go on each k-block's sums). False when a scaled value is not exact in bf16
+// (a scale at the ends of the exponent range: subnormal, rounded or overflowing products).
+bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint16_t* dst, int64_t Kp) {
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF), expo = _mm512_set1_epi32(0x7F800000);
+    const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF), zero = _mm512_setzero_si512();
+    __mmask16 bad = 0;
+    auto put16 = [&](__m512 v, uint16_t* o) {
+        const __m512i b = _mm512_castps_si512(v), m = _mm512_and_si512(b, mag);
+        bad |= _mm512_test_epi32_mask(b, lo16);                                                                // rounded
+        bad |= _mm512_mask_cmpeq_epi32_mask(_mm512_test_epi32_mask(m, mag), _mm512_and_si512(m, expo), zero);  // subnormal
+        bad |= _mm512_cmpeq_epi32_mask(m, expo);                                                               // overflow
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+    };
+    int64_t k = 0;
+    if (C.kind == MX || C.kind == NV) {
+        const __m512 tab = _mm512_loadu_ps(E2M1);
+        for (; k < C.K; k += 16) {  // K is a multiple of the group (16 / 32)
+            const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.w + k / 2)));
+            const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
+            const __m512i idx = _mm512_cvtepu16_epi32(_mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi)));
+            const uint8_t sb = r.s8[k / C.group];
+            const float sc = raw_e4m3 ? E4M3[sb] : r.stab[sb];
+            put16(_mm512_mul_ps(_mm512_permutexvar_ps(idx, tab), _mm512_set1_ps(sc)), dst + k);
+        }
+    } else {
+        for (; k < C.K; k += 16) {
+            const __mmask16 in = C.K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C.K - k)) - 1);
+            const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(in, r.w + k));
+            __m512 v = _mm512_i32gather_ps(idx, E4M3, 4);
+            if (fold8) v = _mm512_mul_ps(v, _mm512_set1_ps(fp8_scale(r, C.sub2blk[k / 32])));
+            put16(v, dst + k);
+        }
+    }
+    for (; k < Kp; k += 16) std::memset(dst + k, 0, 32);
+    return bad == 0;
+}
+
+// Packed weights (E2M1, E4M3) decoded to bf16 a block of rows at a time (into buf, kept in L2).
+struct AmxPacked {
+    const Ctx& C;
+    const Weights& W;
+    int64_t e, slot, Kp, block_rows;
+    bool blocked, divides;  // blocked: fp8 with fp32 block scales
+    float factor;           // nvfp4's global scale
+    std::vector<uint16_t>& buf;
+    bool block(int64_t b0, int64_t b1, AmxBlock& B) {
+        buf.resize((size_t)((b1 - b0) * Kp));
+        for (int64_t n = b0; n < b1; ++n)
+            if (!decode_bf16_row(C, row_of(C, W, e, slot, n), C.kind == FP8 && !blocked, C.kind == NV && W.gsc,
+                                 buf.data() + (n - b0) * Kp, Kp))
+                return false;
+        B = {reinterpret_cast<const uint8_t*>(buf.data()), 2 * Kp, Kp / 32, false};
+        return true;
+    }
+    bool block_ends(int64_t s) const { return s + 1 == Kp / 32 || C.sub2blk[s + 1] != C.sub2blk[s]; }
+    float scale(int64_t n, int64_t s) const { return fp8_scale(row_of(C, W, e, slot, n), C.sub2blk[s]); }
+};
 #endif  // MOESAIC_AMX
 
 // x [T, K] (fp32/bf16/fp16) -> fp32 [T, Kp] in the kind's chunk order, zero padded, times `factor`.
@@ -1026,13 +1153,16 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     (void)xb;  // used by the AVX-512 BF16 paths only
     bool amx = false;
 #if defined(MOESAIC_AMX)
-    // AMX for bf16 x bf16 wherever the process may use the tiles: every expert's rows packed once
-    amx = dp && kind == BF16 && path == 0 && amx_permitted();
+    // AMX for bf16 x at every M against bf16 weights, above MAX_ROWS against packed ones (decoded to bf16 a
+    // block of rows at a time), wherever the process may use the tiles: every expert's rows packed once
+    int64_t most = 0;
+    for (int64_t e : active) most = std::max(most, ends[e] - (e ? ends[e - 1] : 0));
+    amx = dp && (kind == BF16 || most > MAX_ROWS) && path == 0 && amx_permitted();
     std::vector<uint32_t> xa(amx ? (size_t)(T * ((K + 31) / 32) * 16) : 0);
     if (amx)
         for (int64_t e : active)  // by 16 rows: one B tile's columns
             for (int64_t t = e ? ends[e - 1] : 0; t < ends[e]; t += 16)
-                pack_x_amx(xb, K, t, std::min<int64_t>(16, ends[e] - t), xa.data() + t * ((K + 31) / 32) * 16);
+                pack_x_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), K, t, std::min<int64_t>(16, ends[e] - t), xa.data() + t * ((K + 31) / 32) * 16);
 #endif
 
     // work items: (expert, block of rows); enough of them to balance the threads
@@ -1049,16 +1179,27 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #pragma omp parallel num_threads(nt) if (nt > 1 && n_items > 1)
     {
         std::vector<float> wbuf;
+        std::vector<uint16_t> dbuf;  // AMX: packed rows decoded to bf16
+        (void)dbuf;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) {
             const int64_t e = items[i][0];
             const int64_t t0 = e ? ends[e - 1] : 0;
             const int64_t slot = slot_of[e];
 #if defined(MOESAIC_AMX)
-            if (amx) {
-                run_item_amx(W, K, e, items[i][1], items[i][2], xa.data() + t0 * ((K + 31) / 32) * 16, t0,
-                             ends[e] - t0, O);
-                continue;
+            const int64_t M = ends[e] - t0;
+            if (amx && (kind == BF16 || M > MAX_ROWS)) {
+                const uint32_t* xe = xa.data() + t0 * ((K + 31) / 32) * 16;
+                if (kind == BF16) {
+                    AmxBf16 src{W.w + e * W.w_e, W.w_n, K / 32};
+                    amx_item(src, K, items[i][1], items[i][2], xe, t0, M, O);
+                    continue;
+                }
+                const int64_t Kp = (K + 31) / 32 * 32, block = std::max<int64_t>(32, std::min<int64_t>(512, (1 << 18) / Kp / 32 * 32));
+                AmxPacked src{C, W, e, slot, Kp, block, kind == FP8 && W.s_f32, W.divides,
+                              kind == NV && W.gsc ? W.gsc[e] : 1.f, dbuf};
+                if (amx_item(src, K, items[i][1], items[i][2], xe, t0, M, O)) continue;
+                // a scale the fold cannot take exactly: this item by vdpbf16ps below
             }
 #endif
 #if defined(MOESAIC_AVX512BF16)

@@ -497,8 +497,9 @@ class QuantizedTensor:
     def matmul(self, x: torch.Tensor, tile_rows: int | None = None) -> torch.Tensor:
         """x @ W.T for W [N, K] with x [..., K] -> [..., N] in x's dtype (fp32 for non-float x).
         For a stacked W [E, N, K], x is [E, ..., K] and the result [E, ..., N] (expert e on x[e]).
-        Up to cpu.MAX_ROWS rows per matrix run through the compiled CPU kernels when they are
-        available; otherwise (or with an explicit `tile_rows`) W is dequantized tile by tile."""
+        Up to cpu.MAX_ROWS rows per matrix (any number of bf16 rows where AMX tiles run:
+        `cpu.packed_rows`) run through the compiled CPU kernels when they are available; otherwise
+        (or with an explicit `tile_rows`) W is dequantized tile by tile."""
         n, k = self.shape[-2:]
         if x.shape[-1] != k:
             raise ValueError(
@@ -575,7 +576,7 @@ class QuantizedTensor:
         matrix `matrix` of the stack or, with offs, the grouped form over the whole stack; None,
         nothing written, where they do not apply."""
         n, k = self.shape[-2:]
-        rows = cpu.MAX_ROWS if offs is None else x2.shape[0]
+        rows = cpu.packed_rows(x2) if offs is None else x2.shape[0]
         if not cpu.usable(x2, self.codes, rows):
             return None
         if self.format == "fp8_block" and not cpu.fp8_block_ok(self.block, k):
