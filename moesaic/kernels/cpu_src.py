@@ -87,6 +87,10 @@ int FP4_PERM[CH];  // position in the decoded chunk -> element of the chunk
 // the NaN code decodes as 480, as on the AVX2 path
 alignas(64) uint8_t E4M3_BF16_HI[128], E4M3_BF16_LO[128];
 
+// the bf16 bits of each E2M1 value (a 32-word vpermw table: codes 0-15, twice); the word order that
+// interleaves 16 low and 16 high nibbles (vpermt2w: 2j <- low j, 2j + 1 <- high j)
+alignas(64) uint16_t E2M1_BF16W[32], NIB_ORDER[32];
+
 float bits_to_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 
 bool init_tables() {
@@ -96,6 +100,12 @@ bool init_tables() {
         int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
         float v = (e == 15 && m == 7) ? NAN : (e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.f + m / 8.f, e - 7));
         E4M3[b] = s ? -v : v;
+    }
+    for (int i = 0; i < 32; ++i) {
+        uint32_t u;
+        std::memcpy(&u, &E2M1[i % 16], 4);
+        E2M1_BF16W[i] = (uint16_t)(u >> 16);
+        NIB_ORDER[i] = (uint16_t)(i % 2 ? 32 + i / 2 : i / 2);
     }
     for (int b = 0; b < 128; ++b) {
         uint32_t u;
@@ -922,7 +932,7 @@ bool amx_item(Src& src, int64_t K, int64_t n0, int64_t n1, const uint32_t* xb, i
 // bf16 weights, read in place.
 struct AmxBf16 {
     const uint8_t* w;  // the matrix's row 0
-    int64_t ws, full, block_rows = 512;
+    int64_t ws, full, block_rows;
     bool blocked = false, divides = false;
     float factor = 1.f;
     bool block(int64_t b0, int64_t, AmxBlock& B) const { B = {w + b0 * ws, ws, full, true}; return true; }
@@ -946,9 +956,34 @@ bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
     };
     int64_t k = 0;
+    if (C.kind == MX || (C.kind == NV && raw_e4m3)) {
+        // 32 values a step: 16 bytes widened to words, the nibbles interleaved in K order (vpermt2w), their
+        // bf16 bits looked up (vpermw); mxfp4's power-of-two scale added to the exponents of the non-zero
+        // values (exact while the scale byte is in [2, 252]), nvfp4's E4M3 scales (one per 16 values)
+        // multiplied in fp32: E2M1 x E4M3 has at most 6 significant bits, always exact in bf16
+        const __m512i tab = _mm512_loadu_si512(E2M1_BF16W), nib = _mm512_loadu_si512(NIB_ORDER);
+        for (; k + 32 <= C.K; k += 32) {
+            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.w + k / 2)));
+            const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(w, _mm256_set1_epi16(15)));
+            const __m512i hi = _mm512_castsi256_si512(_mm256_srli_epi16(w, 4));
+            __m512i v = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, nib, hi), tab);
+            if (C.kind == MX) {
+                const int e = r.s8[k / 32];
+                if (e < 2 || e > 252) return false;
+                v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v,
+                                          _mm512_set1_epi16((int16_t)((e - 127) << 7)));
+            } else {
+                const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+                const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+                v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(b, _mm512_set1_ps(E4M3[r.s8[k / 16 + 1]])),
+                                                 _mm512_mul_ps(a, _mm512_set1_ps(E4M3[r.s8[k / 16]])));
+            }
+            _mm512_storeu_si512(dst + k, v);
+        }
+    }
     if (C.kind == MX || C.kind == NV) {
         const __m512 tab = _mm512_loadu_ps(E2M1);
-        for (; k < C.K; k += 16) {  // K is a multiple of the group (16 / 32)
+        for (; k < C.K; k += 16) {  // K is a multiple of the group (16 / 32): nvfp4's last 16, or every 16
             const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.w + k / 2)));
             const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
             const __m512i idx = _mm512_cvtepu16_epi32(_mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi)));
@@ -957,12 +992,14 @@ bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint
             put16(_mm512_mul_ps(_mm512_permutexvar_ps(idx, tab), _mm512_set1_ps(sc)), dst + k);
         }
     } else {
+        // 16 codes a step by the fp16 trick (the AVX2 path's): sign-extended, << 7 and masked they are the
+        // fp16 bits of value * 2^-8 (subnormals included), widened exactly; the NaN code decodes as 480
+        const __m256i mask = _mm256_set1_epi16((int16_t)0xBF80);
         for (; k < C.K; k += 16) {
             const __mmask16 in = C.K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C.K - k)) - 1);
-            const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(in, r.w + k));
-            __m512 v = _mm512_i32gather_ps(idx, E4M3, 4);
-            if (fold8) v = _mm512_mul_ps(v, _mm512_set1_ps(fp8_scale(r, C.sub2blk[k / 32])));
-            put16(v, dst + k);
+            const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(in, r.w + k)), 7), mask);
+            const float sc = fold8 ? 256.f * fp8_scale(r, C.sub2blk[k / 32]) : 256.f;
+            put16(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(sc)), dst + k);
         }
     }
     for (; k < Kp; k += 16) std::memset(dst + k, 0, 32);
@@ -1191,7 +1228,9 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             if (amx && (kind == BF16 || M > MAX_ROWS)) {
                 const uint32_t* xe = xa.data() + t0 * ((K + 31) / 32) * 16;
                 if (kind == BF16) {
-                    AmxBf16 src{W.w + e * W.w_e, W.w_n, K / 32};
+                    // blocks of at most 1 MB (512 rows of K = 1024): more than 32 activation rows read a
+                    // block again, from L2
+                    AmxBf16 src{W.w + e * W.w_e, W.w_n, K / 32, std::max<int64_t>(32, std::min<int64_t>(512, (1 << 19) / std::max<int64_t>(K, 1) / 32 * 32))};
                     amx_item(src, K, items[i][1], items[i][2], xe, t0, M, O);
                     continue;
                 }
