@@ -299,11 +299,12 @@ def test_amx_bf16_rows_invariant(amx, monkeypatch, n, k):
     "fmt", [f for f in FORMATS if f != "bf16"] + [f"real-{f}" for f in ENCODE if f != "bf16"]
 )
 @pytest.mark.parametrize("n,k", [(67, 96), (200, 256), (64, 2049), (600, 512), (37, 4096)])
-def test_amx_packed_above_max_rows(amx, fmt, n, k):
-    """Packed weights against more than MAX_ROWS bf16 rows by AMX tiles (decoded to bf16 a block of rows at a
-    time; fp32 block scales applied to each k-block's sums, nvfp4's global scale to the sums): the fp32
-    reference to rounding, in fp32 and bf16 outputs, and QuantizedTensor.matmul takes the kernel. Random
-    mxfp4 scales include 2^-127, which no bf16 product holds exactly: that call takes the vdpbf16ps path."""
+def test_amx_packed(amx, fmt, n, k):
+    """Packed weights against 8 or more bf16 rows by AMX tiles (decoded to bf16 a block of rows at a time;
+    fp32 block scales applied to each k-block's sums, nvfp4's global scale to the sums), within and above
+    MAX_ROWS: the fp32 reference to rounding, in fp32 and bf16 outputs, and QuantizedTensor.matmul takes the
+    kernel above MAX_ROWS. Random mxfp4 scales include 2^-127, which no bf16 product holds exactly: that call
+    takes the vdpbf16ps path."""
     gen = torch.Generator().manual_seed(n + k)
     if fmt.startswith("real-"):  # quantized by moesaic's encoders: scales in range, the AMX path
         if k % 32:
@@ -314,7 +315,7 @@ def test_amx_packed_above_max_rows(amx, fmt, n, k):
         if k % multiple:
             pytest.skip("K not a multiple of the group")
         w = make(n, k, gen)
-    for m in (17, 33, 100):
+    for m in (8, 16, 17, 33, 100):
         x = torch.randn(m, k, generator=gen).bfloat16()
         ref = _reference(w, x)
         _assert_fp32_close(_raw(w, x, out=torch.empty(m, n)), ref)

@@ -38,7 +38,7 @@ stored), E2M1 (128 a load, decoded to bf16 by two 16-entry byte tables) and E4M3
 activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
 bf16 products take AMX tiles at every row count instead (amx_item: the weights as the A operand in place,
 x packed once a call as B, 16 weight rows x up to 32 activation rows a tile pass), and packed weights
-against more than MAX_ROWS bf16 rows are decoded to bf16 a block of rows at a time (decode_bf16_row; group
+against 8 or more bf16 rows (E2M1; 16 for E4M3: AMX_PACKED_ROWS) are decoded to bf16 a block of rows at a time (decode_bf16_row; group
 scales folded where the product is exact in bf16, fp32 block scales applied to each k-block's sums) and
 multiplied by the same tiles.
 """
@@ -72,7 +72,10 @@ namespace {
 // The Python side passes BF16, FP8 or FP4; FP4 becomes MX (groups of 32) or NV (16) here.
 enum Kind { BF16 = 0, FP8 = 1, FP4 = 2, MX = 2, NV = 3 };
 constexpr int64_t CH = 64;                                 // K values per chunk
-constexpr int64_t MAX_ROWS = 16;  // cpu.py's: rows of x the packed kinds take the decode paths for (AMX above)
+// rows of x from which packed weights take AMX tiles (decoded to bf16 a block at a time) where the CPU has
+// them: below, the in-register decode of the vdpbf16ps path is faster (one thread, 1024 x 1024: E2M1 0.4-0.5x
+// at 1-2 rows, 1.2-1.4x at 8, 2.2-2.5x at 16; E4M3 with fp32 block scales 0.8x at 8, 1.4x at 16)
+constexpr int64_t AMX_PACKED_ROWS[4] = {0, 16, 8, 8};
 constexpr int64_t CHUNK_BYTES[4] = {128, 64, 32, 32};      // bytes of one chunk of one row
 
 float E8M0[256], E4M3[256];
@@ -1190,11 +1193,11 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     (void)xb;  // used by the AVX-512 BF16 paths only
     bool amx = false;
 #if defined(MOESAIC_AMX)
-    // AMX for bf16 x at every M against bf16 weights, above MAX_ROWS against packed ones (decoded to bf16 a
-    // block of rows at a time), wherever the process may use the tiles: every expert's rows packed once
+    // AMX for bf16 x at every M against bf16 weights, from AMX_PACKED_ROWS against packed ones (decoded to
+    // bf16 a block of rows at a time), wherever the process may use the tiles: every expert's rows packed once
     int64_t most = 0;
     for (int64_t e : active) most = std::max(most, ends[e] - (e ? ends[e - 1] : 0));
-    amx = dp && (kind == BF16 || most > MAX_ROWS) && path == 0 && amx_permitted();
+    amx = dp && most >= AMX_PACKED_ROWS[kind] && path == 0 && amx_permitted();
     std::vector<uint32_t> xa(amx ? (size_t)(T * ((K + 31) / 32) * 16) : 0);
     if (amx)
         for (int64_t e : active)  // by 16 rows: one B tile's columns
@@ -1225,7 +1228,7 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             const int64_t slot = slot_of[e];
 #if defined(MOESAIC_AMX)
             const int64_t M = ends[e] - t0;
-            if (amx && (kind == BF16 || M > MAX_ROWS)) {
+            if (amx && M >= AMX_PACKED_ROWS[kind]) {
                 const uint32_t* xe = xa.data() + t0 * ((K + 31) / 32) * 16;
                 if (kind == BF16) {
                     // blocks of at most 1 MB (512 rows of K = 1024): more than 32 activation rows read a
