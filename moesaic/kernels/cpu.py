@@ -185,6 +185,10 @@ def available() -> bool:
 def usable(x: torch.Tensor, w: torch.Tensor, rows: int = MAX_ROWS) -> bool:
     """Whether the kernels can serve x against weight storage w: enabled and built, both on the CPU,
     x 2-D fp32/bf16/fp16 with 1..rows rows, w's rows contiguous."""
+    return _fits(x, w, rows) and enabled() and (_state["mod"] if _state["tried"] else load()) is not None
+
+
+def _fits(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
     return (
         x.is_cpu
         and w.is_cpu
@@ -192,8 +196,6 @@ def usable(x: torch.Tensor, w: torch.Tensor, rows: int = MAX_ROWS) -> bool:
         and x.dtype in _X_DTYPES
         and x.dim() == 2
         and 0 < x.shape[0] <= rows
-        and enabled()
-        and (_state["mod"] if _state["tried"] else load()) is not None
     )
 
 
@@ -210,7 +212,9 @@ def fp8_block_ok(block, k: int) -> bool:
     return block[1] % 32 == 0 or block[1] >= k
 
 
-def _gemm(kind, x, w, scales, gscale, divides, offs, out, bias, group, block, threads, generic, nbytes):
+def _gemm(
+    kind, x, w, scales, gscale, divides, offs, out, bias, group, block, threads, generic, nbytes, amx=None
+):
     mod = _state["mod"] if _state["tried"] else load()
     if mod is None:
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
@@ -218,7 +222,7 @@ def _gemm(kind, x, w, scales, gscale, divides, offs, out, bias, group, block, th
         # grouped: at most one expert per row, so rows per expert >= T / min(T, E)
         rows = x.shape[0] if offs is None else -(-x.shape[0] // max(1, min(x.shape[0], w.shape[0])))
         threads = threads_for(nbytes, rows)
-    path = 1 if generic else 0 if amx_enabled() else 2
+    path = 1 if generic else 0 if (amx_enabled() if amx is None else amx) else 2
     out = mod.gemm(
         kind, x, w, scales, gscale, divides, offs, out, bias, group, block[0], block[1], threads, path
     )
@@ -312,9 +316,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         b = None if bias is None else bias.to(w.dtype)
         return linear(x.to(w.dtype), w, b).to(x.dtype)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if _dense_ok(x2, w, dense_rows()):
-        y = _gemm(_BF16, x2, w, None, None, False, None, None, bias, 0, (1, 1), None, False, w.nbytes)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+    # dense_rows() and _dense_ok's checks with each environment flag read once: a decode step makes ~100
+    # of these calls, and each read costs ~0.7 us
+    if w.dtype == torch.bfloat16 and enabled() and (_state["mod"] if _state["tried"] else load()) is not None:
+        amx = amx_enabled()
+        if _fits(x2, w, AMX_ROWS if amx and has_amx() else MAX_ROWS):
+            y = _gemm(
+                _BF16, x2, w, None, None, False, None, None, bias, 0, (1, 1), None, False, w.nbytes, amx
+            )
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
     if tiles_apply(x2, w):
         return tiled_linear(x, w, bias)
     return F.linear(x, w, bias)
