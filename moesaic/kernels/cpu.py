@@ -30,7 +30,7 @@ bf16 activations against bf16, E2M1 or E4M3 weights use vdpbf16ps, which adds pr
 flushes subnormal inputs and sums to zero (bf16 subnormals are below 1.2e-38): the same fp32
 accumulation to rounding. On CPUs with AMX, bf16 x bf16 products (1 to AMX_ROWS rows) take tdpbf16ps with the
 same rules, 32 values of K a step in K order, so each output has the same bits at any row count, alone or
-grouped, on any thread count; packed weights against 8 or more bf16 rows (E2M1; 16 for E4M3) are decoded to
+grouped, on any thread count; packed weights against 8 or more bf16 rows are decoded to
 bf16 (the group scale folded in where the product is exact, else the block's sums scaled) for the same tiles.
 MOESAIC_CPU_AMX=0 keeps them on vdpbf16ps (and the 16-row limit).
 

@@ -38,7 +38,7 @@ stored), E2M1 (128 a load, decoded to bf16 by two 16-entry byte tables) and E4M3
 activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
 bf16 products take AMX tiles at every row count instead (amx_item: the weights as the A operand in place,
 x packed once a call as B, 16 weight rows x up to 32 activation rows a tile pass), and packed weights
-against 8 or more bf16 rows (E2M1; 16 for E4M3: AMX_PACKED_ROWS) are decoded to bf16 a block of rows at a time (decode_bf16_row; group
+against 8 or more bf16 rows (AMX_PACKED_ROWS) are decoded to bf16 a block of rows at a time (decode_bf16_row; group
 scales folded where the product is exact in bf16, fp32 block scales applied to each k-block's sums) and
 multiplied by the same tiles.
 """
@@ -73,9 +73,9 @@ namespace {
 enum Kind { BF16 = 0, FP8 = 1, FP4 = 2, MX = 2, NV = 3 };
 constexpr int64_t CH = 64;                                 // K values per chunk
 // rows of x from which packed weights take AMX tiles (decoded to bf16 a block at a time) where the CPU has
-// them: below, the in-register decode of the vdpbf16ps path is faster (one thread, 1024 x 1024: E2M1 0.4-0.5x
-// at 1-2 rows, 1.2-1.4x at 8, 2.2-2.5x at 16; E4M3 with fp32 block scales 0.8x at 8, 1.4x at 16)
-constexpr int64_t AMX_PACKED_ROWS[4] = {0, 16, 8, 8};
+// them: below, the in-register decode of the vdpbf16ps path is faster (one thread, 1024 x 1024, AMX over it:
+// E2M1 0.4-0.5x at 1-2 rows, 0.7-0.8x at 4, 1.2-1.4x at 8, 2.2-2.5x at 16; E4M3 0.7x at 4, 1.1x at 8, 1.5x at 12)
+constexpr int64_t AMX_PACKED_ROWS[4] = {0, 8, 8, 8};
 constexpr int64_t CHUNK_BYTES[4] = {128, 64, 32, 32};      // bytes of one chunk of one row
 
 float E8M0[256], E4M3[256];
@@ -995,9 +995,27 @@ bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint
             put16(_mm512_mul_ps(_mm512_permutexvar_ps(idx, tab), _mm512_set1_ps(sc)), dst + k);
         }
     } else {
-        // 16 codes a step by the fp16 trick (the AVX2 path's): sign-extended, << 7 and masked they are the
-        // fp16 bits of value * 2^-8 (subnormals included), widened exactly; the NaN code decodes as 480
+        // 32 codes a step (then 16 for the tail) by the fp16 trick (the AVX2 path's): sign-extended, << 7 and
+        // masked they are the fp16 bits of value * 2^-8 (subnormals included), widened exactly; the NaN code
+        // decodes as 480. Times 2^8 alone (fp32 block scales) the values are exact: checked only when folded
         const __m256i mask = _mm256_set1_epi16((int16_t)0xBF80);
+        const __m512i mask32 = _mm512_set1_epi16((int16_t)0xBF80);
+        for (; k + 32 <= C.K; k += 32) {
+            const __m512i h = _mm512_and_si512(
+                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.w + k))), 7),
+                mask32);
+            const __m512 sc = _mm512_set1_ps(256.f);
+            const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sc);
+            const __m512 b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sc);
+            __m512i v = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            if (fold8) {  // the E8M0 scale added to the exponents of the non-zero values: exact for bytes 10-246
+                const int e = r.s8[C.sub2blk[k / 32]];
+                if (e < 10 || e > 246) return false;
+                v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v,
+                                          _mm512_set1_epi16((int16_t)((e - 127) << 7)));
+            }
+            _mm512_storeu_si512(dst + k, v);
+        }
         for (; k < C.K; k += 16) {
             const __mmask16 in = C.K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C.K - k)) - 1);
             const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(in, r.w + k)), 7), mask);
