@@ -95,30 +95,45 @@ stats = {"kernel_calls": 0, "fallback_calls": 0}  # counters (tests, benchmarks)
 _state: dict = {"tried": False, "mod": None, "error": None}
 
 
+def _flag(name: str) -> bool:
+    """An on/off environment switch, on unless set to 0 / false / off / no (read at each call)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def enabled() -> bool:
     """False when MOESAIC_CPU_KERNELS=0 (or 'false'/'off'/'no')."""
-    return os.environ.get("MOESAIC_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+    return _flag("MOESAIC_CPU_KERNELS")
 
 
 def amx_enabled() -> bool:
     """False when MOESAIC_CPU_AMX=0 (or 'false'/'off'/'no'): bf16 x bf16 products then take vdpbf16ps on
     CPUs with AMX too (read at each call; for A/B runs and tests)."""
-    return os.environ.get("MOESAIC_CPU_AMX", "1").strip().lower() not in ("0", "false", "off", "no")
+    return _flag("MOESAIC_CPU_AMX")
+
+
+def _module():
+    """The compiled module, built on the first call; None where it cannot be built."""
+    return _state["mod"] if _state["tried"] else load()
 
 
 def has_amx() -> bool:
     """Whether the built kernels multiply bf16 x bf16 by AMX tiles here (compiled for them, and the
     process may use the tile state)."""
     if "amx" not in _state:
-        mod = load()
+        mod = _module()
         _state["amx"] = mod is not None and bool(mod.has_amx())
     return _state["amx"]
+
+
+def _amx_rows(amx: bool) -> int:
+    """Rows of x against dense bf16 weights with MOESAIC_CPU_AMX read as `amx` (kernels enabled)."""
+    return AMX_ROWS if amx and has_amx() else MAX_ROWS
 
 
 def dense_rows() -> int:
     """Rows of x per matrix the kernels serve against dense bf16 weights: AMX_ROWS where AMX tiles run
     them, else MAX_ROWS."""
-    return AMX_ROWS if enabled() and has_amx() and amx_enabled() else MAX_ROWS
+    return _amx_rows(amx_enabled()) if enabled() else MAX_ROWS
 
 
 def packed_rows(x: torch.Tensor) -> int:
@@ -185,7 +200,7 @@ def available() -> bool:
 def usable(x: torch.Tensor, w: torch.Tensor, rows: int = MAX_ROWS) -> bool:
     """Whether the kernels can serve x against weight storage w: enabled and built, both on the CPU,
     x 2-D fp32/bf16/fp16 with 1..rows rows, w's rows contiguous."""
-    return _fits(x, w, rows) and enabled() and (_state["mod"] if _state["tried"] else load()) is not None
+    return _fits(x, w, rows) and enabled() and _module() is not None
 
 
 def _fits(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
@@ -215,7 +230,7 @@ def fp8_block_ok(block, k: int) -> bool:
 def _gemm(
     kind, x, w, scales, gscale, divides, offs, out, bias, group, block, threads, generic, nbytes, amx=None
 ):
-    mod = _state["mod"] if _state["tried"] else load()
+    mod = _module()
     if mod is None:
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
     if threads is None:
@@ -318,9 +333,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     # dense_rows() and _dense_ok's checks with each environment flag read once: a decode step makes ~100
     # of these calls, and each read costs ~0.7 us
-    if w.dtype == torch.bfloat16 and enabled() and (_state["mod"] if _state["tried"] else load()) is not None:
+    if w.dtype == torch.bfloat16 and enabled() and _module() is not None:
         amx = amx_enabled()
-        if _fits(x2, w, AMX_ROWS if amx and has_amx() else MAX_ROWS):
+        if _fits(x2, w, _amx_rows(amx)):
             y = _gemm(
                 _BF16, x2, w, None, None, False, None, None, bias, 0, (1, 1), None, False, w.nbytes, amx
             )
@@ -354,7 +369,7 @@ def sum_lanes() -> int:
     kernels still runs its sum on the AVX2 ones (8 lanes; seen on an AVX-512 Zen 4 with torch 2.13)."""
     if "lanes" not in _state:
         _state["lanes"] = 0
-        mod = _state["mod"] if _state["tried"] else load()
+        mod = _module()
         if mod is not None and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2", "AVX512"):
             g = torch.Generator().manual_seed(0)
             rows = [torch.randn(3, d, generator=g) * 8 for d in _PROBE_WIDTHS]
@@ -383,7 +398,7 @@ def _fused_mod(*ts):
         return None
     if not enabled():
         return None
-    return _state["mod"] if _state["tried"] else load()
+    return _module()
 
 
 def rms_norm(x, w, eps: float, pre, mid, out):

@@ -943,6 +943,16 @@ struct AmxBf16 {
     float scale(int64_t, int64_t) const { return 1.f; }
 };
 
+// bf16 values v times 2^(e - 127) (an E8M0 scale byte e), by adding to the exponents of the non-zero ones:
+// exact while every product stays a normal bf16, which values of bf16 exponents [lo_exp, hi_exp] do for
+// e in [128 - lo_exp, 381 - hi_exp]. False (v unchanged) outside that range.
+inline bool times_pow2(__m512i& v, int e, int lo_exp, int hi_exp) {
+    if (e < 128 - lo_exp || e > 381 - hi_exp) return false;
+    v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v,
+                              _mm512_set1_epi16((int16_t)((e - 127) << 7)));
+    return true;
+}
+
 // One packed row decoded to bf16 words dst[0, Kp) (zero past K): E2M1 times its group's scale (raw_e4m3,
 // nvfp4 with a global scale: the E4M3 byte's own value, the global scale goes on the sums), E4M3 times its E8M0 block scale (fold8),
 // or E4M3 alone (fp32 block scales go on each k-block's sums). False when a scaled value is not exact in bf16
@@ -961,8 +971,8 @@ bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint
     int64_t k = 0;
     if (C.kind == MX || (C.kind == NV && raw_e4m3)) {
         // 32 values a step: 16 bytes widened to words, the nibbles interleaved in K order (vpermt2w), their
-        // bf16 bits looked up (vpermw); mxfp4's power-of-two scale added to the exponents of the non-zero
-        // values (exact while the scale byte is in [2, 252]), nvfp4's E4M3 scales (one per 16 values)
+        // bf16 bits looked up (vpermw); mxfp4's power-of-two scale added to the exponents (times_pow2:
+        // exact while the scale byte is in [2, 252]), nvfp4's E4M3 scales (one per 16 values)
         // multiplied in fp32: E2M1 x E4M3 has at most 6 significant bits, always exact in bf16
         const __m512i tab = _mm512_loadu_si512(E2M1_BF16W), nib = _mm512_loadu_si512(NIB_ORDER);
         for (; k + 32 <= C.K; k += 32) {
@@ -971,10 +981,7 @@ bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint
             const __m512i hi = _mm512_castsi256_si512(_mm256_srli_epi16(w, 4));
             __m512i v = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, nib, hi), tab);
             if (C.kind == MX) {
-                const int e = r.s8[k / 32];
-                if (e < 2 || e > 252) return false;
-                v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v,
-                                          _mm512_set1_epi16((int16_t)((e - 127) << 7)));
+                if (!times_pow2(v, r.s8[k / 32], 126, 129)) return false;  // E2M1: 0.5 .. 6
             } else {
                 const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
                 const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
@@ -1008,12 +1015,7 @@ bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint
             const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sc);
             const __m512 b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sc);
             __m512i v = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-            if (fold8) {  // the E8M0 scale added to the exponents of the non-zero values: exact for bytes 10-246
-                const int e = r.s8[C.sub2blk[k / 32]];
-                if (e < 10 || e > 246) return false;
-                v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v,
-                                          _mm512_set1_epi16((int16_t)((e - 127) << 7)));
-            }
+            if (fold8 && !times_pow2(v, r.s8[C.sub2blk[k / 32]], 118, 135)) return false;  // E4M3: 2^-9 .. 448
             _mm512_storeu_si512(dst + k, v);
         }
         for (; k < C.K; k += 16) {
@@ -1216,11 +1218,13 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     int64_t most = 0;
     for (int64_t e : active) most = std::max(most, ends[e] - (e ? ends[e - 1] : 0));
     amx = dp && most >= AMX_PACKED_ROWS[kind] && path == 0 && amx_permitted();
-    std::vector<uint32_t> xa(amx ? (size_t)(T * ((K + 31) / 32) * 16) : 0);
+    const int64_t pairs = (K + 31) / 32 * 16;  // dwords of one packed x row
+    std::vector<uint32_t> xa(amx ? (size_t)(T * pairs) : 0);
     if (amx)
         for (int64_t e : active)  // by 16 rows: one B tile's columns
             for (int64_t t = e ? ends[e - 1] : 0; t < ends[e]; t += 16)
-                pack_x_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), K, t, std::min<int64_t>(16, ends[e] - t), xa.data() + t * ((K + 31) / 32) * 16);
+                pack_x_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), K, t, std::min<int64_t>(16, ends[e] - t),
+                           xa.data() + t * pairs);
 #endif
 
     // work items: (expert, block of rows); enough of them to balance the threads
@@ -1247,7 +1251,7 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #if defined(MOESAIC_AMX)
             const int64_t M = ends[e] - t0;
             if (amx && M >= AMX_PACKED_ROWS[kind]) {
-                const uint32_t* xe = xa.data() + t0 * ((K + 31) / 32) * 16;
+                const uint32_t* xe = xa.data() + t0 * pairs;
                 if (kind == BF16) {
                     // blocks of at most 1 MB (512 rows of K = 1024): more than 32 activation rows read a
                     // block again, from L2
