@@ -53,14 +53,17 @@ def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch
     for (n, snap), seqs in groups.items():
         rows = [tuple(f[s.start : s.start + n] for f in feats) for s in seqs]
         states = [s.state.layers[L].value for s in seqs]
+        # a lone row's only snapshot is the new state, and a lone row takes the token recurrence with or
+        # without snapshots: none are asked for (a decode step with a rollback window copies nothing)
+        ask = 0 if n == 1 else snap
         if len(seqs) > 1 and mixer.fold is not None:
             fr, fw, fd, fs = mixer.fold(rows, w, dims, states)
-            results = mixer.unfold(*mixer.recur(fr, fw, fd, fs, snapshot_last=snap), len(seqs), dims)
+            results = mixer.unfold(*mixer.recur(fr, fw, fd, fs, snapshot_last=ask), len(seqs), dims)
         else:
-            results = [mixer.recur(r, w, dims, st, snapshot_last=snap) for r, st in zip(rows, states)]
+            results = [mixer.recur(r, w, dims, st, snapshot_last=ask) for r, st in zip(rows, states)]
         for s, (y, new, snaps) in zip(seqs, results):
-            if snaps:  # the last snapshot is the new state: keep one copy
-                snaps[-1] = new
+            if snap:  # the last snapshot is the new state: keep one copy
+                snaps = list(snaps[:-1]) + [new] if ask else [new]
             s.state.layers[L].advance(new, snaps, n)
             if o is None:
                 o = y.new_empty((x.shape[0],) + y.shape[1:])
