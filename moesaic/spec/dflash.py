@@ -18,6 +18,9 @@ depend only on committed rows, so they are cached per sequence and per layer; th
 each round and never kept, so a rejected draft leaves nothing behind (z-lab crops its cache back to the
 committed length; here the context cache only ever receives committed rows). Rows the target did not
 compute (a prefix served by the prefix cache) have no features: the context starts after them.
+`observe` only keeps the committed rows' tap features; the next `propose` that drafts for the sequence runs
+them through fc and each layer's k / v, for every sequence it drafts for at once (a sequence that is not
+drafting, e.g. turned off by the adaptive policy, costs a copy of its taps per step, not a drafter pass).
 The trained demo's drafter (docs/train_demo.md §4) is exactly this.
 """
 
@@ -41,6 +44,7 @@ from ..weights.store import WeightStore
 from .base import Draft
 
 WHERE = "the DFlash drafter's config.json"
+MAX_DEFERRED = 64  # committed rows a sequence may hold back before they are run on their own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,6 +231,8 @@ class DFlashProposer:
         self.widths = {f"{x}{i}": kv for i in range(cfg.num_hidden_layers) for x in "kv"}
         self.context: dict[int, TokenRows] = {}  # per sequence: every layer's context K (roped) and V
         self.length: dict[int, int] = {}  # committed rows seen (the next anchor's position)
+        # per sequence: (first position, tap features [m, taps * d]) of committed rows not yet in its context
+        self.deferred: dict[int, list[tuple[int, torch.Tensor]]] = {}
 
     # -- math
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -242,23 +248,40 @@ class DFlashProposer:
         k = rms_norm(linear(x, w.k).view(n, c.num_key_value_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
         return self._rope(k, positions).flatten(1), linear(x, w.v)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Non-causal GQA: q [n, H, hd] over k, v [T, KV * hd] -> [n, H * hd]."""
-        c = self.cfg
-        rep = c.num_attention_heads // c.num_key_value_heads
-        T = k.shape[0]
-        k = k.view(T, c.num_key_value_heads, c.head_dim).repeat_interleave(rep, 1).transpose(0, 1)
-        v = v.view(T, c.num_key_value_heads, c.head_dim).repeat_interleave(rep, 1).transpose(0, 1)
-        s = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)).float() * c.head_dim**-0.5  # [H, n, T]
-        o = torch.matmul(torch.softmax(s, -1).to(v.dtype), v)  # [H, n, hd]
-        return o.transpose(0, 1).flatten(1)
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: list, ctx_v: list
+    ) -> torch.Tensor:
+        """Non-causal GQA of S blocks at once: q [S * B, H, hd] over each block's context rows (ctx_k[j],
+        ctx_v[j] [T_j, KV * hd]) then its own rows (k, v [S * B, KV * hd]) -> [S * B, H * hd]. The contexts
+        are padded to the longest, the padding masked."""
+        c, B = self.cfg, self.cfg.block_size
+        KV, hd = c.num_key_value_heads, c.head_dim
+        S, rep = len(ctx_k), c.num_attention_heads // c.num_key_value_heads
+        T = max(x.shape[0] for x in ctx_k) + B
+        keys = k.new_zeros(S, T, KV * hd)
+        values = v.new_zeros(S, T, KV * hd)
+        masked = torch.zeros(S, T, dtype=torch.bool, device=k.device)
+        for j, (ck, cv) in enumerate(zip(ctx_k, ctx_v)):
+            n = ck.shape[0]
+            keys[j, :n], values[j, :n] = ck, cv
+            keys[j, n : n + B], values[j, n : n + B] = k[j * B : (j + 1) * B], v[j * B : (j + 1) * B]
+            masked[j, n + B :] = True
+        # each KV head's rep query heads over the block's B rows, as rep * B rows of that KV head
+        q = q.view(S, B, KV, rep, hd).permute(0, 2, 3, 1, 4).reshape(S, KV, rep * B, hd)
+        keys, values = keys.view(S, T, KV, hd).transpose(1, 2), values.view(S, T, KV, hd).transpose(1, 2)
+        s = torch.matmul(q, keys.transpose(-1, -2)).float() * hd**-0.5  # [S, KV, rep * B, T]
+        s = s.masked_fill(masked[:, None, None, :], float("-inf"))
+        o = torch.matmul(torch.softmax(s, -1).to(values.dtype), values)  # [S, KV, rep * B, hd]
+        return o.view(S, KV, rep, B, hd).permute(0, 3, 1, 2, 4).reshape(S * B, KV * rep * hd)
 
     # -- the interface
     def start(self, seq_id: int) -> None:
         self.context[seq_id] = TokenRows(self.widths, self.dtype, self.device, 1 << 40)
         self.length[seq_id] = 0
+        self.deferred.pop(seq_id, None)
 
     def fork(self, parent: int, child: int) -> None:
+        self._flush([parent])
         self.start(child)
         self.context[child].restore(self.context[parent].snapshot())
         self.length[child] = self.length[parent]
@@ -272,17 +295,37 @@ class DFlashProposer:
         self.length[seq_id] = start + len(tokens)
         if not hidden:  # rows the target did not compute: no features for them
             return
-        c = self.cfg
-        feats = torch.cat([hidden[L].to(self.dtype) for L in self.taps], -1)
-        ctx = rms_norm(linear(feats, self.fc), self.hidden_norm, c.rms_norm_eps)
-        positions = torch.arange(start, start + len(tokens), device=self.device)
-        rows = {}
-        for i, w in enumerate(self.layers):
-            rows[f"k{i}"], rows[f"v{i}"] = self._keys(w, ctx, positions)
-        self.context[seq_id].append(**rows)
+        held = self.deferred.setdefault(seq_id, [])
+        held.append((start, torch.cat([hidden[L].to(self.dtype) for L in self.taps], -1)))
+        if sum(f.shape[0] for _, f in held) >= MAX_DEFERRED:  # a sequence that has not drafted for a while
+            self._flush([seq_id])
 
+    @torch.inference_mode()
+    def _flush(self, seq_ids) -> None:
+        """The deferred rows of `seq_ids` into their contexts: one fc and one k / v per layer for them all."""
+        items = [(s, self.deferred.pop(s)) for s in seq_ids if self.deferred.get(s)]
+        if not items:
+            return
+        c = self.cfg
+        held = [x for _, rows in items for x in rows]
+        feats = torch.cat([f for _, f in held])
+        positions = torch.cat([torch.arange(p, p + f.shape[0]) for p, f in held]).to(self.device)
+        ctx = rms_norm(linear(feats, self.fc), self.hidden_norm, c.rms_norm_eps)
+        keys = [self._keys(w, ctx, positions) for w in self.layers]
+        lo = 0
+        for s, rows in items:
+            hi = lo + sum(f.shape[0] for _, f in rows)
+            add = {}
+            for i, (k, v) in enumerate(keys):
+                add[f"k{i}"], add[f"v{i}"] = k[lo:hi], v[lo:hi]
+            self.context[s].append(**add)
+            lo = hi
+
+    @torch.inference_mode()
     def propose(self, requests: list[tuple[int, int, int]]) -> list[Draft]:
-        drafts = self.block_logits(requests).argmax(-1)  # [S, max_k]
+        # the rows past the longest draft are computed (the block attends to them) but not read
+        longest = max(k for _, _, k in requests)
+        drafts = linear(self.block_hidden(requests)[:, :longest], self.lm_head).argmax(-1)  # [S, longest]
         return [Draft(drafts[j, :k].tolist()) for j, (_, _, k) in enumerate(requests)]
 
     @torch.inference_mode()
@@ -295,26 +338,20 @@ class DFlashProposer:
         """The final-normed hidden [S, max_k, d] of block rows first_row .. B - 1 (what lm_head reads)."""
         c, B = self.cfg, self.cfg.block_size
         S = len(requests)
+        self._flush([s for s, _, _ in requests])
         ids = torch.full((S, B), c.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = torch.tensor([last for _, last, _ in requests], device=self.device)
         anchors = torch.tensor([self.length[s] for s, _, _ in requests], device=self.device)
         positions = (anchors[:, None] + torch.arange(B, device=self.device)).flatten()
-        contexts = []
-        for s, _, _ in requests:
-            held = self.context[s]
-            contexts.append({f: b[: held.length] for f, b in held.bufs.items()})
+        held = [self.context[s] for s, _, _ in requests]
         x = F.embedding(ids.flatten(), self.embed).to(self.dtype)  # [S * B, d]
         H, hd = c.num_attention_heads, c.head_dim
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
             q = self._rope(rms_norm(linear(h, w.q).view(S * B, H, hd), w.q_norm, c.rms_norm_eps), positions)
             k, v = self._keys(w, h, positions)
-            out = torch.empty(S * B, H * hd, dtype=x.dtype, device=x.device)
-            for j, ctx in enumerate(contexts):
-                rows = slice(j * B, (j + 1) * B)
-                out[rows] = self._attend(
-                    q[rows], torch.cat([ctx[f"k{i}"], k[rows]]), torch.cat([ctx[f"v{i}"], v[rows]])
-                )
+            ctx_k = [t.bufs[f"k{i}"][: t.length] for t in held]
+            out = self._attend(q, k, v, ctx_k, [t.bufs[f"v{i}"][: t.length] for t in held])
             x = x + linear(out, w.o)
             h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
             x = x + linear(F.silu(linear(h, w.gate)) * linear(h, w.up), w.down)
@@ -324,6 +361,7 @@ class DFlashProposer:
     def finish(self, seq_id: int) -> None:
         self.context.pop(seq_id, None)
         self.length.pop(seq_id, None)
+        self.deferred.pop(seq_id, None)
 
 
 def read_tensors(specs: list[TensorSpec], store: WeightStore, model, naming: Naming = NAMING) -> Tensors:
