@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections import defaultdict
 
 import pytest
@@ -25,7 +26,7 @@ from moesaic.cache.paged import BLOCK_SIZE
 from moesaic.cache.state import SequenceState
 from moesaic.errors import ConfigError
 from moesaic.spec import adaptive
-from moesaic.spec.adaptive import Acceptance, DraftLength
+from moesaic.spec.adaptive import Acceptance, DraftGate, DraftLength
 from moesaic.spec.base import Draft
 from moesaic.spec.forced import ForcedProposer
 from moesaic.spec.verify import accept_greedy, accept_sampled, inverse_cdf
@@ -538,6 +539,18 @@ def test_dflash_logits_equal_the_formula_and_greedy_equals_plain(name, tmp_path)
     got = proposer.block_logits([(0, ids[31], 4)])[0]
     want = drafter_reference(folder, llm.model, ids[:31], ids[31])[1:] @ llm.model.lm_head.float().T
     assert (got - want).abs().max() < 1e-3 * max(1.0, want.abs().max().item())
+    # a shorter sequence drafting in the same call (its context padded to the longer one's, masked)
+    st1 = llm.model.new_state()
+    proposer.start(1)
+    batch = ForwardBatch.build([(st1, ids[:12])])
+    batch.taps = proposer.taps
+    llm.model.forward(batch)
+    proposer.observe(1, 0, ids[:12], batch.tapped)
+    alone = proposer.block_logits([(1, ids[12], 4)])[0]
+    both = proposer.block_logits([(0, ids[31], 4), (1, ids[12], 4)])
+    assert (both[0] - got).abs().max() < 1e-4 * max(1.0, got.abs().max().item())
+    assert (both[1] - alone).abs().max() < 1e-4 * max(1.0, alone.abs().max().item())
+    assert (alone - got).abs().max() > 1e-2  # two different blocks
     # end to end
     ps, sp = prompts()[:3], greedy(16)
     assert [o.token_ids for o in llm.generate(ps, sp)] == [o.token_ids for o in plain(name, ps, sp)]
@@ -660,6 +673,45 @@ def test_adaptive_time_model_is_fitted_per_batch_size():
     assert policy.costs(4)[1] == pytest.approx(0.1) and policy.costs(1)[1] == pytest.approx(0.0029 / 0.011)
 
 
+def accepting(rate: float) -> Acceptance:
+    """A sequence whose measured acceptance is `rate` (a long record outweighs the prior)."""
+    return Acceptance(accepted=rate * 1e6, tried=1e6)
+
+
+def test_step_lengths_weigh_the_drafter_once_per_step():
+    """Sequences draft as far as their drafts are worth their rows (a^j >= beta); the drafter's cost is the
+    step's, so it pays only if the step's tokens together pay for it."""
+    policy = DraftLength(k=3)
+    policy.costs = lambda decoders: (0.2, 0.05)  # a row: 20 % of a plain step per decoding sequence
+    accs = [accepting(r) for r in (0.9, 0.9, 0.3, 0.1)]
+    assert policy.lengths(accs, 4, [3, 3, 3, 3]) == [3, 3, 1, 0]
+    assert accs[3].off == 1 and accs[0].off == 0  # the one left at 0 is off (its record fades)
+    assert policy.lengths(accs[:2], 4, [1, 3]) == [1, 3]  # each within its limit
+    policy.draft_cost = "per_token"  # MTP: a head forward per draft, for every sequence at once
+    policy.costs = lambda decoders: (0.05, 0.4)
+    one_good = [accepting(r) for r in (0.9, 0.05, 0.05, 0.05)]
+    assert policy.lengths(one_good, 4, [3] * 4) == [0] * 4  # one sequence cannot pay the step's drafter
+    assert policy.lengths(one_good[:1], 1, [3]) != [0]  # alone, it does
+    assert policy.lengths([accepting(0.9)] * 4, 4, [3] * 4) == [policy.lengths(one_good[:1], 1, [3])[0]] * 4
+
+
+def test_draft_gate_keeps_the_faster_of_drafting_and_plain_steps():
+    gate = DraftGate()
+    assert [gate.allows(4) for _ in range(adaptive.GATE_MIN)] == [True] * adaptive.GATE_MIN
+    for _ in range(adaptive.GATE_MIN):  # drafting steps: 8 tokens in 20 ms (400 tok/s)
+        gate.record(4, 8, 0.020, drafted=True)
+    assert gate.allows(4) is False  # now the plain arm is measured
+    for _ in range(adaptive.GATE_MIN):  # plain steps: 4 tokens in 8 ms (500 tok/s)
+        gate.record(4, 4, 0.008, drafted=False)
+    got = [gate.allows(4) for _ in range(2 * adaptive.EXPLORE_EVERY)]
+    assert got.count(True) == 2  # plain wins; one step in EXPLORE_EVERY drafts, to keep measuring it
+    assert gate.allows(1) is True  # every batch size is measured on its own
+    for _ in range(20):  # drafting got better (e.g. the text became repetitive): 8 tokens in 10 ms
+        gate.record(4, 8, 0.010, drafted=True)
+    got = [gate.allows(4) for _ in range(2 * adaptive.EXPLORE_EVERY)]
+    assert got.count(False) == 2
+
+
 def test_adaptive_drafting_turns_off_for_a_drafter_that_never_hits(monkeypatch):
     name = "demo-mistral4"
     ps, sp = prompts()[:2], greedy(40)
@@ -673,6 +725,28 @@ def test_adaptive_drafting_turns_off_for_a_drafter_that_never_hits(monkeypatch):
     off, on = never.stats()["speculative"], always.stats()["speculative"]
     assert off["rounds"] < 0.5 * 2 * 40 and off["accepted"] == 0  # it stopped drafting early on
     assert on["accepted"] == on["drafted"] and on["tau"] > 3
+
+
+def test_adaptive_drafting_stops_when_its_steps_are_slower_than_plain_ones(monkeypatch):
+    """A drafter that is always right but takes 100 ms a call: its steps commit 5 tokens where a plain step
+    commits 1 in a few ms. The time model is told drafting is cheap (it does not see the sleep), so only the
+    DraftGate, which measures whole steps of both kinds, keeps plain decoding."""
+    name = "demo-mistral4"
+    monkeypatch.setattr(DraftLength, "costs", lambda self, decoders: (0.05, 0.0))
+    ps, sp = prompts()[:2], greedy(40)
+    want = plain(name, ps, sp)
+
+    class Slow(ForcedProposer):
+        def propose(self, requests):
+            time.sleep(0.1)
+            return super().propose(requests)
+
+    slow = Slow([o.prompt_token_ids + o.token_ids for o in want], VOCAB + 1)
+    llm = spec_llm(name, slow, 4, spec={"adaptive": True})
+    assert [o.token_ids for o in llm.generate(ps, sp)] == [o.token_ids for o in want]
+    s = llm.stats()["speculative"]
+    assert s["accepted"] == s["drafted"] > 0  # it drafted (first measured), and every draft was right
+    assert s["gated_steps"] > 10 and s["rounds"] <= 2 * (adaptive.GATE_MIN + 2)
 
 
 def test_counters_add_up():

@@ -39,7 +39,7 @@ from ..cache.paged import BLOCK_SIZE, BlockTable, PagePool, free_memory
 from ..cache.state import TokenRows
 from ..errors import CapacityError, ConfigError, RequestError
 from ..spec import SpecConfig
-from ..spec.adaptive import DraftLength
+from ..spec.adaptive import DraftGate, DraftLength
 from ..spec.base import Draft, DraftProposer
 from ..spec.verify import accept_greedy, accept_sampled
 from .block_manager import BlockManager, SnapshotStore
@@ -211,6 +211,9 @@ class Engine:
         self.draft_length = DraftLength(spec.k, spec.adaptive) if spec is not None else None
         if self.draft_length is not None:  # how the drafter's time grows with the draft length
             self.draft_length.draft_cost = getattr(proposer, "draft_cost", "per_round")
+        # adaptive: drafting runs only while its decode steps commit more tokens a second than plain ones
+        self.gate = DraftGate() if spec is not None and spec.adaptive else None
+        self._propose_s = 0.0  # the last step's propose call: the next step, which verifies, pays for it
         self._plan_memory(state_bytes)
         self.counters = dict(
             requests=0, finished=0, aborted=0, failed=0, prompt_tokens=0, generated_tokens=0, steps=0
@@ -230,6 +233,7 @@ class Engine:
             rolled_back=0,  # rows rolled back
             draft_s=0.0,
             proposer_errors=0,
+            gated_steps=0,  # decode steps the DraftGate kept from drafting (plain decoding measured faster)
         )
 
     # ---- memory
@@ -500,6 +504,7 @@ class Engine:
         return rows, taps, failed
 
     def _run(self, sched) -> list[tuple[Sequence, int]]:
+        t_start = time.perf_counter()
         if self.proposer is not None:
             self._start_drafting(sched)
         marks = [s.state.mark() for s, _ in sched]
@@ -568,7 +573,10 @@ class Engine:
             for (s, _), t in zip(sched, taps):
                 if s.id not in failed:
                     self._observe(s, t)
+            spent, carried = time.perf_counter() - t_start, self._propose_s
             self._propose()
+            if self.gate is not None and decoding and not failed:
+                self.gate.record(len(sched), len(events), spent + carried, bool(drafts))
         return events
 
     def _end_round(self, seq: Sequence, drafted: int, accepted: int, outputs: int) -> None:
@@ -722,6 +730,7 @@ class Engine:
 
     def _propose(self) -> None:
         """Asks the proposer, in one call, for the next drafts of every decoding sequence that has none."""
+        self._propose_s = 0.0
         ready = [
             s
             for s in self.running
@@ -730,7 +739,12 @@ class Engine:
         if not ready:
             return
         decoders = sum(s.num_pending == 1 for s in self.running)
-        requests = []
+        if self.gate is not None and not self.gate.allows(decoders):
+            self.spec_counters["gated_steps"] += 1
+            for s in ready:
+                s.draft = Draft([])
+            return
+        limits = []
         snapshots = self.hybrid and self.limits.enable_prefix_caching
         for s in ready:
             limit = s.params.max_tokens - len(s.output_ids) - 1
@@ -741,7 +755,10 @@ class Engine:
                 limit = min(limit, (pending // BLOCK_SIZE + 1) * BLOCK_SIZE - 1 - pending)
             if s.processor is not None:  # structured output: its grammar state cannot take drafts back
                 limit = 0
-            k = self.draft_length.length(s.acceptance, decoders, limit)
+            limits.append(limit)
+        lengths = self.draft_length.lengths([s.acceptance for s in ready], decoders, limits)
+        requests = []
+        for s, k in zip(ready, lengths):
             if k > 0:
                 requests.append((s, k))
             else:
@@ -752,7 +769,7 @@ class Engine:
         out = self._call_proposer(
             None, self.proposer.propose, [(s.id, s.token_ids[-1], k) for s, k in requests]
         )
-        dt = time.perf_counter() - t0
+        dt = self._propose_s = time.perf_counter() - t0
         self.spec_counters["draft_s"] += dt
         self.draft_length.draft_done(dt, max(k for _, k in requests))
         vocab = self.model.cfg.vocab_size
@@ -925,6 +942,7 @@ class Engine:
             rolled_back_rows=c["rolled_back"],
             draft_time_s=c["draft_s"],
             proposer_errors=c["proposer_errors"],
+            gated_steps=c["gated_steps"],
         )
 
     def reset_prefix_cache(self) -> None:

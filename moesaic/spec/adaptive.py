@@ -1,17 +1,28 @@
-"""Adaptive draft length: per sequence, how many drafts pay this round, from its measured acceptance and the
-cost of a step at the current batch size.
+"""Adaptive draft length: each step, how many drafts each decoding sequence gets, from its measured acceptance
+and the cost of a step at the current batch size.
 
 With a per-draft acceptance rate a (the chance that a draft is accepted given the ones before it were), a
-round of k drafts commits E(a, k) = 1 + a + ... + a^k tokens. Its cost, relative to a plain decode step of
-the same batch, is 1 + beta * k + delta (delta * k for a drafter that runs once per draft, MTP): beta = what one more row per decoding sequence adds to a step
-(from a fitted time model t = t0 + t1 * rows of the target's forwards: beta = t1 * B / (t0 + t1 * B) for B
-decoding sequences, so it grows with the batch), delta = the drafter's time per round over the plain step.
-The draft length is the k in 0..K that maximises E(a, k) / (1 + beta * k + delta [k > 0]); 0 turns
-drafting off for the sequence (it does not pay: colibri, a DeepSeek engine, stops below ~60 %
-acceptance; here the threshold follows from the measured costs). While off, its acceptance record decays
-towards the prior, so drafting is retried when the prior pays, and after RETRY_AFTER rounds off in any case:
-a time model fitted on a noisy stretch (this shared machine's step times move by half between phases) may
-price a row far above its cost, and only rounds that draft measure it again.
+round of k drafts commits E(a, k) = 1 + a + ... + a^k tokens. A step of S decoding sequences, sequence i
+drafting k_i, costs, relative to a plain decode step of the same batch, 1 + beta * sum(k_i) / S + delta
+(delta * max k_i for a drafter that runs once per draft, MTP): beta = what one more row per decoding
+sequence adds to a step (from a fitted time model t = t0 + t1 * rows of the target's forwards: beta =
+t1 * S / (t0 + t1 * S), so it grows with the batch), delta = the drafter's time per call (per draft) over
+the plain step. The drafter runs once a step for every sequence together, so its cost is the step's, not
+each sequence's: the policy picks the step's longest draft c that maximises sum E(a_i, k_i) / S over that
+cost, where each sequence drafts k_i = min(c, the drafts worth their row: a_i^j >= beta). c = 0 (plain
+decoding) wins unless drafting pays by 2 %; a sequence left at 0 is off (colibri, a DeepSeek engine, stops
+below ~60 % acceptance; here the threshold follows from the measured costs). While off, its acceptance
+record decays towards the prior, so drafting is retried when the prior pays, and after RETRY_AFTER rounds
+off in any case: a time model fitted on a noisy stretch (this shared machine's step times move by half
+between phases) may price a row far above its cost, and only rounds that draft measure it again.
+
+The model above prices what it can see (a step's rows, a propose call); it cannot see all that drafting costs
+(a verify forward's rows may take slower paths than a decode row's, rollbacks, the drafter's bookkeeping)
+nor what the batch loses when one sequence's round holds the others. So `DraftGate` also measures the whole
+thing: per batch size, the tokens committed per second of decode steps that verified drafts against steps
+that did not, and lets drafting run only while it is the faster of the two (each arm kept measured by one
+step in EXPLORE_EVERY). That is what makes adaptive drafting no slower than plain decoding, whatever the
+model gets wrong.
 """
 
 from __future__ import annotations
@@ -24,6 +35,9 @@ DECAY = 0.9  # weight of the past per measured round (an exponential moving aver
 OFF_DECAY = 0.95  # per round spent not drafting: the record fades, so drafting is tried again
 TIME_DECAY = 0.98  # weight of the past forwards in the time model
 RETRY_AFTER = 16  # rounds off after which one round drafts the full length again (and measures its cost)
+GATE_DECAY = 0.9  # weight of an arm's past per step it records (DraftGate)
+GATE_MIN = 3  # steps each arm needs at a batch size before the two are compared
+EXPLORE_EVERY = 16  # while one arm wins, every this-many-th step takes the other, so that it stays measured
 
 
 @dataclass
@@ -121,21 +135,79 @@ class DraftLength:
 
     def length(self, acc: Acceptance, decoders: int, limit: int) -> int:
         """The draft length for one sequence this round (at most `limit`)."""
-        k = min(self.k, limit)
-        if not self.adaptive or k <= 0:
-            return max(k, 0)
-        beta, delta = self.costs(max(decoders, 1))
-        rate = acc.rate
-        best, best_k = 1.0, 0
-        for j in range(1, k + 1):
-            gain = expected_tokens(rate, j) / (1.0 + beta * j + delta * self.draft_units(j))
-            if gain > best * 1.02:  # a 2 % margin: within noise, plain decoding wins
-                best, best_k = gain, j
-        if best_k == 0:
+        return self.lengths([acc], decoders, [limit])[0]
+
+    def lengths(self, accs: list[Acceptance], decoders: int, limits: list[int]) -> list[int]:
+        """The draft lengths of the sequences asking this step (each at most its limit), in a step of
+        `decoders` decoding sequences (those not asking decode one token)."""
+        caps = [max(0, min(self.k, limit)) for limit in limits]
+        if not self.adaptive:
+            return caps
+        S = max(decoders, len(accs), 1)
+        beta, delta = self.costs(S)
+        rates = [acc.rate for acc in accs]
+        # drafts worth their row: the j-th commits a^j tokens more for beta / S of a plain step's cost,
+        # which makes S tokens (the drafter's cost is the step's and weighed below, for the longest draft)
+        worth = [next((j for j in range(cap) if r ** (j + 1) < beta), cap) for r, cap in zip(rates, caps)]
+        best, ks = 1.0, [0] * len(accs)
+        for c in range(1, max(worth, default=0) + 1):
+            trial = [min(c, w) for w in worth]
+            gain = (sum(expected_tokens(r, k) for r, k in zip(rates, trial)) + S - len(accs)) / S
+            cost = 1.0 + beta * sum(trial) / S + delta * self.draft_units(c)
+            if gain / cost > best * 1.02:  # a 2 % margin: within noise, plain decoding wins
+                best, ks = gain / cost, trial
+        for i, acc in enumerate(accs):
+            if caps[i] == 0:  # the request's limit, not the policy
+                continue
+            if ks[i] > 0:
+                acc.off = 0
+                continue
             acc.fade()
             acc.off += 1
-            if acc.off < RETRY_AFTER:
-                return 0
-            best_k = k  # a retry: the costs it is judged by are measured again
-        acc.off = 0
-        return best_k
+            if acc.off >= RETRY_AFTER:  # a retry: the costs it is judged by are measured again
+                acc.off, ks[i] = 0, caps[i]
+        return ks
+
+
+@dataclass
+class Arm:
+    """Moving sums of the tokens committed and the seconds spent by one kind of step."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = GATE_DECAY * self.tokens + tokens
+        self.seconds = GATE_DECAY * self.seconds + seconds
+        self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class DraftGate:
+    """Whether the next decode step of `seqs` sequences may draft at all: drafting runs while steps that
+    verified drafts (everything such a step costs: the propose call that made its drafts, the verify forward,
+    acceptance and rollbacks) commit more tokens per second than steps that did not, at that batch size.
+    The drafting arm is measured first; then the plain one; then the faster wins, but one step in
+    EXPLORE_EVERY takes the other so that a change (acceptance, batch mix, the machine) is seen."""
+
+    def __init__(self):
+        self.arms: dict[int, tuple[Arm, Arm]] = {}  # batch size -> (plain steps, drafting steps)
+        self.turns: dict[int, int] = {}
+
+    def record(self, seqs: int, tokens: int, seconds: float, drafted: bool) -> None:
+        """A decode step of `seqs` sequences committed `tokens` in `seconds`; `drafted`: it verified drafts."""
+        self.arms.setdefault(seqs, (Arm(), Arm()))[drafted].add(tokens, seconds)
+
+    def allows(self, seqs: int) -> bool:
+        plain, drafting = self.arms.setdefault(seqs, (Arm(), Arm()))
+        turn = self.turns[seqs] = self.turns.get(seqs, 0) + 1
+        if drafting.steps < GATE_MIN:
+            return True
+        if plain.steps < GATE_MIN:
+            return False
+        better = drafting.rate >= plain.rate
+        return better != (turn % EXPLORE_EVERY == 0)
