@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..cache.state import TailRows, TokenRows, can_rollback
 from ..kernels.triton import kernels
-from .linear import linear
+from .linear import linear, matmul
 from .norms import rms_norm_cast_once
 from .rope import cos_sin, rope_pairs
 
@@ -324,27 +324,27 @@ def sink_attention(
         keys = win[lo - win_start : p0 + j - win_start]  # positions lo .. p0 + j - 1
         kpos = torch.arange(lo, p0 + j, device=q.device)
         t = positions[i:j, None]
-        s = torch.matmul(q[i:j], keys.t()) * scale  # [b, H, L]
+        s = matmul(q[i:j], keys.t()) * scale  # [b, H, L]
         s = s.float().masked_fill(((kpos > t) | (kpos <= t - window))[:, None], float("-inf"))
         vals = keys
         if comp is not None and comp_sel is None:
-            sc = (torch.matmul(q[i:j], comp.t()) * scale).float()
+            sc = (matmul(q[i:j], comp.t()) * scale).float()
             hidden = torch.arange(comp.shape[0], device=q.device)[None] >= (t + 1) // comp_ratio
             s = torch.cat([s, sc.masked_fill(hidden[:, None], float("-inf"))], dim=-1)
             vals = torch.cat([keys, comp])
         elif comp is not None:
             sel = comp_sel[i:j]
             picked = comp[sel.clamp(min=0)]  # [b, k, D]
-            sc = (torch.matmul(q[i:j], picked.transpose(1, 2)) * scale).float()
+            sc = (matmul(q[i:j], picked.transpose(1, 2)) * scale).float()
             s = torch.cat([s, sc.masked_fill((sel < 0)[:, None], float("-inf"))], dim=-1)
         logits = torch.cat([s, sinks.expand(j - i, H, 1)], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         p = torch.softmax(logits, dim=-1)[..., :-1].to(dt)
         if comp is not None and comp_sel is not None:
             L = keys.shape[0]
-            out[i:j] = torch.matmul(p[..., :L], keys) + torch.matmul(p[..., L:], picked)
+            out[i:j] = matmul(p[..., :L], keys) + matmul(p[..., L:], picked)
         else:
-            out[i:j] = torch.matmul(p, vals)
+            out[i:j] = matmul(p, vals)
     return out
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.triton import kernels
-from .linear import linear
+from .linear import linear, matmul
 from .mla import page_tables, shared_pages
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
@@ -219,25 +219,25 @@ def attend_expanded(q, latent, w_kv_b, dv, scale, selection):
     kv = F.linear(latent, w_kv_b).view(T, H, dn + dv).transpose(0, 1)  # [H, T, dn+dv]
     k, v = kv[..., :dn], kv[..., dn:]
     mask = selection_mask(selection, T)
-    s = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [H, n, T]
+    s = matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [H, n, T]
     s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) * mask.any(-1, keepdim=True)
-    return torch.matmul(p, v).transpose(0, 1)
+    return matmul(p, v).transpose(0, 1)
 
 
 def attend_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems: int = 1 << 25):
     n, H, dn = q.shape
     kvr = latent.shape[1]
     w = w_kv_b.view(H, dn + dv, kvr)
-    q_lat = torch.einsum("nhd,hdk->nhk", q, w[:, :dn])
+    q_lat = matmul(q.transpose(0, 1), w[:, :dn]).transpose(0, 1)  # [n, H, kvr]
     o_lat = q_lat.new_empty(n, H, kvr)
     step = max(1, block_elems // max(1, selection.shape[1] * kvr))  # queries per block: bounds the gather
     for a in range(0, n, step):
         sel = selection[a : a + step]
         valid = sel >= 0
         lat = latent[sel.clamp(min=0)]  # [b, W, kvr]
-        s = torch.einsum("nhk,nwk->nhw", q_lat[a : a + step], lat).float() * scale
+        s = matmul(q_lat[a : a + step], lat.transpose(1, 2)).float() * scale  # [b, H, W]
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
         p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(latent.dtype)
-        o_lat[a : a + step] = torch.einsum("nhw,nwk->nhk", p, lat)
-    return torch.einsum("nhk,hvk->nhv", o_lat, w[:, dn:])
+        o_lat[a : a + step] = matmul(p, lat)
+    return matmul(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)  # [n, H, dv]

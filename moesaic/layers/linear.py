@@ -20,6 +20,20 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return y if bias is None else y + bias.to(y.dtype)
 
 
+SMALL_PRODUCT = 1 << 18  # operand elements up to which a half-precision CPU product runs in fp32 (matmul)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.matmul of two activations (attention scores and mixes, MLA's absorbed heads). On the CPU a
+    bf16 / fp16 product of small operands runs in fp32 and is rounded once: the products are exact in
+    fp32 and the half-precision GEMM sums them in fp32 too, but oneDNN builds a primitive for each new
+    shape, and a decode step's context length is new every step (0.5-0.9 ms a call at a new shape, ~25 us
+    at a known one, against 10-17 us for the fp32 product and its casts; docs/perf.md)."""
+    if a.is_cpu and a.dtype in (torch.bfloat16, torch.float16) and a.numel() + b.numel() <= SMALL_PRODUCT:
+        return torch.matmul(a.float(), b.float()).to(a.dtype)
+    return torch.matmul(a, b)
+
+
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:
     """Rows `ids` of an embedding table: a dense [vocab, d] tensor, or a table split over ranks (its
     own `lookup`)."""

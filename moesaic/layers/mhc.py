@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
+from .linear import matmul
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,7 @@ def update(streams: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """h'[k] = post[k] · y + Σ_j comb[j, k] h[j], in the streams' dtype. streams [N, n, d],
     y [N, d] (the block output), post [N, n], comb [N, n, n]."""
     dt = streams.dtype
-    return post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + torch.matmul(
-        comb.to(dt).transpose(-1, -2), streams
-    )
+    return post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + matmul(comb.to(dt).transpose(-1, -2), streams)
 
 
 def site_input(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Tensor, Tensor]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..cache.paged import PagedRows
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear
+from .linear import linear, matmul
 from .norms import rms_norm
 
 
@@ -62,12 +62,12 @@ def split_kv_b(w_kv_b: torch.Tensor, heads: int, dn: int, dv: int):
 
 def absorb_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """[n, H, dn] -> [H, n, kvr]: the query in the latent space."""
-    return torch.bmm(q_nope.transpose(0, 1), w_uk)
+    return matmul(q_nope.transpose(0, 1), w_uk)
 
 
 def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """[H, n, kvr] -> [n, H, dv]."""
-    return torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)
+    return matmul(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 def latent_attention(q_lat, q_rope, latent, k_rope, scale) -> torch.Tensor:
@@ -76,14 +76,14 @@ def latent_attention(q_lat, q_rope, latent, k_rope, scale) -> torch.Tensor:
     if tk := kernels("mla", q_lat):
         return tk.latent_attention(q_lat, q_rope, latent, k_rope, scale)
     n, T = q_lat.shape[1], latent.shape[0]
-    scores = torch.matmul(q_lat, latent.T)
+    scores = matmul(q_lat, latent.T)
     if k_rope.shape[1]:
-        scores = scores + torch.matmul(q_rope.transpose(0, 1), k_rope.T)
+        scores = scores + matmul(q_rope.transpose(0, 1), k_rope.T)
     scores = scores.float() * scale
     mask = causal_mask(n, T, latent.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(latent.dtype), latent)
+    return matmul(torch.softmax(scores, dim=-1).to(latent.dtype), latent)
 
 
 def expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale) -> torch.Tensor:
