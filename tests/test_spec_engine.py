@@ -697,19 +697,28 @@ def test_step_lengths_weigh_the_drafter_once_per_step():
 
 def test_draft_gate_keeps_the_faster_of_drafting_and_plain_steps():
     gate = DraftGate()
-    assert [gate.allows(4) for _ in range(adaptive.GATE_MIN)] == [True] * adaptive.GATE_MIN
-    for _ in range(adaptive.GATE_MIN):  # drafting steps: 8 tokens in 20 ms (400 tok/s)
-        gate.record(4, 8, 0.020, drafted=True)
-    assert gate.allows(4) is False  # now the plain arm is measured
-    for _ in range(adaptive.GATE_MIN):  # plain steps: 4 tokens in 8 ms (500 tok/s)
-        gate.record(4, 4, 0.008, drafted=False)
-    got = [gate.allows(4) for _ in range(2 * adaptive.EXPLORE_EVERY)]
-    assert got.count(True) == 2  # plain wins; one step in EXPLORE_EVERY drafts, to keep measuring it
+    period = adaptive.EXPLORE_EVERY * adaptive.EXPLORE_RUN
+
+    def run(turns, drafting_s):  # a drafting step commits 8 tokens in drafting_s, a plain one 4 in 8 ms
+        got = []
+        for _ in range(turns):
+            got.append(gate.allows(4))
+            gate.record(4, 8 if got[-1] else 4, drafting_s if got[-1] else 0.008, drafted=got[-1])
+        return got
+
+    first = run(2 * (adaptive.GATE_MIN + 1), 0.020)  # drafting at 400 tok/s, plain at 500
+    want = [True] * (adaptive.GATE_MIN + 1) + [False] * (adaptive.GATE_MIN + 1)  # each arm: a warm-up step
+    assert first == want
+    assert gate.arms[4][1].steps == gate.arms[4][0].steps == adaptive.GATE_MIN
+    got = run(3 * period, 0.020)
+    assert got.count(True) == 3 * adaptive.EXPLORE_RUN  # plain wins; drafting explored in runs
+    assert "True, True, True, True" in str(got)
+    # the runs' first steps (warm-ups) are not measured
+    assert gate.arms[4][1].steps == adaptive.GATE_MIN + 3 * (adaptive.EXPLORE_RUN - 1)
     assert gate.allows(1) is True  # every batch size is measured on its own
-    for _ in range(20):  # drafting got better (e.g. the text became repetitive): 8 tokens in 10 ms
-        gate.record(4, 8, 0.010, drafted=True)
-    got = [gate.allows(4) for _ in range(2 * adaptive.EXPLORE_EVERY)]
-    assert got.count(False) == 2
+    run(2 * period, 0.010)  # drafting got better (e.g. the text became repetitive): 800 tok/s
+    got = run(2 * period, 0.010)
+    assert got.count(False) == 2 * adaptive.EXPLORE_RUN
 
 
 def test_adaptive_drafting_turns_off_for_a_drafter_that_never_hits(monkeypatch):

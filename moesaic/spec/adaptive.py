@@ -21,7 +21,7 @@ The model above prices what it can see (a step's rows, a propose call); it canno
 nor what the batch loses when one sequence's round holds the others. So `DraftGate` also measures the whole
 thing: per batch size, the tokens committed per second of decode steps that verified drafts against steps
 that did not, and lets drafting run only while it is the faster of the two (each arm kept measured by one
-step in EXPLORE_EVERY). That is what makes adaptive drafting no slower than plain decoding, whatever the
+step in EXPLORE_EVERY, in runs of EXPLORE_RUN). That is what makes adaptive drafting no slower than plain decoding, whatever the
 model gets wrong.
 """
 
@@ -37,7 +37,8 @@ TIME_DECAY = 0.98  # weight of the past forwards in the time model
 RETRY_AFTER = 16  # rounds off after which one round drafts the full length again (and measures its cost)
 GATE_DECAY = 0.9  # weight of an arm's past per step it records (DraftGate)
 GATE_MIN = 3  # steps each arm needs at a batch size before the two are compared
-EXPLORE_EVERY = 16  # while one arm wins, every this-many-th step takes the other, so that it stays measured
+EXPLORE_EVERY = 16  # while one arm wins, the other takes one step in this many, so that it stays measured
+EXPLORE_RUN = 4  # ... in runs of this many steps, the first of which is not measured (see DraftGate)
 
 
 @dataclass
@@ -191,23 +192,36 @@ class DraftGate:
     """Whether the next decode step of `seqs` sequences may draft at all: drafting runs while steps that
     verified drafts (everything such a step costs: the propose call that made its drafts, the verify forward,
     acceptance and rollbacks) commit more tokens per second than steps that did not, at that batch size.
-    The drafting arm is measured first; then the plain one; then the faster wins, but one step in
-    EXPLORE_EVERY takes the other so that a change (acceptance, batch mix, the machine) is seen."""
+    The drafting arm is measured first; then the plain one; then the faster wins, and the other runs
+    EXPLORE_RUN steps in a row once every EXPLORE_EVERY * EXPLORE_RUN, so that a change (acceptance, batch
+    mix, the machine) is seen. The first step after a switch is not measured: it pays for the switch (a
+    drafter that defers its context rows catches up on every row committed while it was off), which a
+    drafting arm measured one step at a time would always be charged with."""
 
     def __init__(self):
         self.arms: dict[int, tuple[Arm, Arm]] = {}  # batch size -> (plain steps, drafting steps)
         self.turns: dict[int, int] = {}
+        self.last: dict[int, bool] = {}  # batch size -> the last decision
+        self.warming: set[int] = set()  # batch sizes whose next step follows a switch
 
     def record(self, seqs: int, tokens: int, seconds: float, drafted: bool) -> None:
         """A decode step of `seqs` sequences committed `tokens` in `seconds`; `drafted`: it verified drafts."""
+        if seqs in self.warming:
+            self.warming.discard(seqs)
+            return
         self.arms.setdefault(seqs, (Arm(), Arm()))[drafted].add(tokens, seconds)
 
     def allows(self, seqs: int) -> bool:
         plain, drafting = self.arms.setdefault(seqs, (Arm(), Arm()))
         turn = self.turns[seqs] = self.turns.get(seqs, 0) + 1
         if drafting.steps < GATE_MIN:
-            return True
-        if plain.steps < GATE_MIN:
-            return False
-        better = drafting.rate >= plain.rate
-        return better != (turn % EXPLORE_EVERY == 0)
+            want = True
+        elif plain.steps < GATE_MIN:
+            want = False
+        else:
+            explore = turn % (EXPLORE_EVERY * EXPLORE_RUN) < EXPLORE_RUN
+            want = (drafting.rate >= plain.rate) != explore
+        if want != self.last.get(seqs):
+            self.warming.add(seqs)
+        self.last[seqs] = want
+        return want
