@@ -127,9 +127,12 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
     N, k = ids.shape
     flat = ids.reshape(-1)
     flat = flat.masked_fill((flat < 0) | (flat >= E), E)  # another rank's: a group after the last, never run
-    order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=E + 1)[:E]
-    xs = x[order // k]
+    if N == 1 and every_expert:  # one token (a batch-1 decode): its sorted slots are already by expert
+        order, xs = None, x.expand(k, -1).contiguous()
+    else:
+        order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
+        xs = x[order // k]
     if hasattr(w_in, "fetch"):  # streamed (weights/experts.py): the same per-expert products
         ys = torch.empty_like(xs)
         starts = (counts.cumsum(0) - counts).tolist()
@@ -170,9 +173,12 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
             if c:
                 ys[start : start + c] = linear(act(linear(xs[start : start + c], w_in[e])), w_out[e])
                 start += c
-    y = torch.empty_like(ys)
-    y[order] = ys
-    y = y.view(N, k, -1)
+    if order is None:
+        y = ys.view(N, k, -1)
+    else:
+        y = torch.empty_like(ys)
+        y[order] = ys
+        y = y.view(N, k, -1)
     # every slot's product at once (in the promoted dtype), then the slots added in order, each sum
     # rounded to that dtype: the bits of `out = 0; out += y[:, j] * w[:, j]` in fewer small ops
     terms = y * weights[..., None]
