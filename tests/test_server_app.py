@@ -544,6 +544,7 @@ def test_speculative_decoding_behind_the_server_and_its_metrics():
     assert value("moesaic_spec_decode_num_draft_tokens_total") == s["drafted"]
     assert value("moesaic_spec_decode_num_accepted_tokens_total") == s["accepted"]
     assert value("moesaic_spec_decode_num_drafts_total") == s["rounds"]
+    assert value("moesaic_spec_decode_gated_steps_total") == s["gated_steps"]
     per = re.findall(r'^moesaic_spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"\} (\S+)$',
                      metrics, re.M)  # fmt: skip
     assert [float(v) for _, v in per] == s["per_position_accepted"]

@@ -153,6 +153,11 @@ class _EngineCollector:
             yield gauge(
                 "spec_decode_mean_accepted_length", "Tokens committed per verify round (tau)", spec["tau"]
             )
+            yield counter(
+                "spec_decode_gated_steps",
+                "Decode steps adaptive drafting held off (plain steps measured faster)",
+                spec["gated_steps"],
+            )
             per = CounterMetricFamily(
                 "moesaic_spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted at each draft position",
