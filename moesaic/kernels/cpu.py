@@ -45,13 +45,13 @@ one thread: see the oversubscription trap in docs/perf.md), never more than torc
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from . import env
 from .cpu_src import CPP
 
 __all__ = [
@@ -97,7 +97,7 @@ _state: dict = {"tried": False, "mod": None, "error": None}
 
 def _flag(name: str) -> bool:
     """An on/off environment switch, on unless set to 0 / false / off / no (read at each call)."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env.flag(name)
 
 
 def enabled() -> bool:

@@ -47,6 +47,8 @@ import warnings
 
 import torch
 
+from .. import env
+
 
 def interpreting() -> bool:
     """Whether Triton's interpreter was requested (TRITON_INTERPRET=1): kernels then run on CPU tensors."""
@@ -84,17 +86,8 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-# os.environ.get of an unset name costs two exceptions (~1-3 us); the layers ask at every call, so the
-# switch is read from the mapping's own dict (CPython keeps os.environ in `_data`; os.environ.get elsewhere)
-_ENV = getattr(os.environ, "_data", None)
-_KEY = os.environ.encodekey("MOESAIC_TRITON") if _ENV is not None else None
-
-
 def _switch() -> str:
-    if _ENV is None:
-        return os.environ.get("MOESAIC_TRITON", "")
-    v = _ENV.get(_KEY)
-    return "" if v is None else os.environ.decodevalue(v)
+    return env.get("MOESAIC_TRITON") or ""  # read at every call, cheaply (kernels/env.py)
 
 
 def mode() -> str:

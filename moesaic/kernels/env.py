@@ -1,0 +1,43 @@
+"""Environment switches that hot paths read at every call (kernel dispatch: ~190 reads a decode step).
+
+CPython keeps os.environ in the mapping's `_data` dict, keys and values encoded: a lookup there costs
+~0.05 us, where os.environ.get encodes the key and decodes the value (~0.9 us; an unset name raises and
+catches two exceptions inside). A change made while the process runs (os.environ[...] = ..., a test's
+monkeypatch.setenv) is seen at the next read, as with os.environ.get. Elsewhere os.environ.get serves."""
+
+from __future__ import annotations
+
+import os
+
+_DATA = getattr(os.environ, "_data", None)
+_DATA = _DATA if isinstance(_DATA, dict) and hasattr(os.environ, "encodekey") else None
+_KEYS: dict = {}  # name -> its key in _DATA
+_PARSED: dict = {}  # a flag's raw value -> on / off
+OFF = ("0", "false", "off", "no")
+
+
+def _raw(name: str):
+    if _DATA is None:
+        return os.environ.get(name)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = os.environ.encodekey(name)
+    return _DATA.get(key)
+
+
+def get(name: str) -> str | None:
+    """os.environ.get(name)."""
+    v = _raw(name)
+    return v if v is None or _DATA is None else os.environ.decodevalue(v)
+
+
+def flag(name: str) -> bool:
+    """An on/off switch: on unless set to 0 / false / off / no (any case, spaces around ignored)."""
+    raw = _raw(name)
+    if raw is None:
+        return True
+    on = _PARSED.get(raw)
+    if on is None:
+        text = raw if _DATA is None else os.environ.decodevalue(raw)
+        on = _PARSED[raw] = text.strip().lower() not in OFF
+    return on
