@@ -11,7 +11,8 @@ first lines again: the continuation copies). Each configuration (plain, then eac
 length and with adaptive drafting) is one `LLM`; a run generates `--new` greedy tokens (EOS ignored) for each
 of `--groups` batches of prompts in turn (at batch 1: that many prompts one after another, so tau is not one
 prompt's). Decode tok/s = generated tokens / (wall time - the same run's time for one token), so the
-prefill is not counted; the best of `--reps` runs (the machine is shared). tau and the acceptance are those
+prefill is not counted; the best of `--reps` runs, each repetition running every configuration in turn
+(interleaved: the machine is shared, and its speed moves between phases). tau and the acceptance are those
 of all the runs of that row. Outputs are checked equal to plain decoding (they are, in fp32; in bf16 rows verified
 together round differently than rows computed one at a time, so a near-tie may flip a token).
 """
@@ -68,17 +69,34 @@ def timed(llm, groups, params) -> tuple[float, list]:
     return time.perf_counter() - t0, outs
 
 
-def measure(llm, prompts: list[str], batch: int, new: int, reps: int) -> tuple[float, list[list[int]]]:
-    """Decode tok/s over `prompts` run `batch` at a time (the best of `reps` runs: the machine is shared),
-    and the tokens."""
+def measure(llms: list, prompts: list[str], batch: int, new: int, reps: int) -> list[tuple[float, list]]:
+    """Per LLM: decode tok/s over `prompts` run `batch` at a time, and the tokens. Every repetition runs each
+    LLM in turn (interleaved: this shared machine's speed moves by half between phases, and a phase then
+    falls on every configuration alike), and each LLM's best of `reps` counts."""
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     one = moesaic.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     full = moesaic.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    llm.generate(groups[0], one)  # warm-up
-    first = min(timed(llm, groups, one)[0] for _ in range(reps))
-    runs = [timed(llm, groups, full) for _ in range(reps)]
-    best = min(t for t, _ in runs)
-    return len(prompts) * (new - 1) / (best - first), [o.token_ids for o in runs[0][1]]
+    for llm in llms:
+        llm.generate(groups[0], one)  # warm-up
+    firsts, runs = [[] for _ in llms], [[] for _ in llms]
+    for _ in range(reps):
+        for i, llm in enumerate(llms):
+            firsts[i].append(timed(llm, groups, one)[0])
+            runs[i].append(timed(llm, groups, full))
+    out = []
+    for first, done in zip(firsts, runs):
+        best = min(t for t, _ in done)
+        out.append((len(prompts) * (new - 1) / (best - min(first)), [o.token_ids for o in done[0][1]]))
+    return out
+
+
+def counters(llm) -> dict | None:
+    c = llm.engine.spec_counters if llm.engine.spec is not None else None
+    return (
+        None
+        if c is None
+        else {**c, "drafted_at": list(c["drafted_at"]), "accepted_at": list(c["accepted_at"])}
+    )
 
 
 def main(argv=None) -> None:
@@ -108,13 +126,7 @@ def main(argv=None) -> None:
         "| method | k | adaptive | prompts | batch | tok/s | x plain | tau | acceptance by position | equal |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    plain = moesaic.LLM(str(path), dtype=a.dtype)
-    base = {}
-    for name, prompts in sets.items():
-        for b in batches:
-            rate, toks = measure(plain, prompts[: b * a.groups], b, a.new, a.reps)
-            base[name, b] = rate, toks
-            print(f"| plain | - | - | {name} | {b} | {rate:.1f} | 1.00 | 1.00 | - | - |")
+    configs = [("plain", "-", "-", moesaic.LLM(str(path), dtype=a.dtype))]
     for method in a.methods.split(","):
         k = a.ngram_k if method == "ngram" else a.k
         for adaptive in (False, True):
@@ -122,31 +134,35 @@ def main(argv=None) -> None:
             if method in ("dflash", "dspark"):
                 config["model"] = str(drafter)
             try:
-                llm = moesaic.LLM(str(path), dtype=a.dtype, speculative_config=config)
+                configs.append(
+                    (method, k, adaptive, moesaic.LLM(str(path), dtype=a.dtype, speculative_config=config))
+                )
             except ConfigError as e:
                 print(f"| {method} | {k} | {adaptive} | - | - | n/a: {e} | | | | |")
                 break
-            for name, prompts in sets.items():
-                if method == "ngram" and name == "code" or method != "ngram" and name == "repetitive":
+    for name, prompts in sets.items():
+        here = [c for c in configs if c[0] == "plain" or (c[0] == "ngram") == (name == "repetitive")]
+        for b in batches:
+            before = [counters(llm) for *_, llm in here]
+            results = measure([llm for *_, llm in here], prompts[: b * a.groups], b, a.new, a.reps)
+            ref_rate, ref_toks = results[0]
+            for (method, k, adaptive, llm), c0, (rate, toks) in zip(here, before, results):
+                if c0 is None:
+                    print(f"| plain | - | - | {name} | {b} | {rate:.1f} | 1.00 | 1.00 | - | - |")
                     continue
-                for b in batches:
-                    c = llm.engine.spec_counters
-                    before = {**c, "drafted_at": list(c["drafted_at"]), "accepted_at": list(c["accepted_at"])}
-                    rate, toks = measure(llm, prompts[: b * a.groups], b, a.new, a.reps)
-                    c = llm.engine.spec_counters
-                    rounds = c["rounds"] - before["rounds"]
-                    tau = (c["committed"] - before["committed"]) / rounds if rounds else 1.0
-                    per = [
-                        (x - x0) / (d - d0) if d > d0 else 0.0
-                        for x, x0, d, d0 in zip(
-                            c["accepted_at"], before["accepted_at"], c["drafted_at"], before["drafted_at"]
-                        )
-                    ]
-                    ref_rate, ref_toks = base[name, b]
-                    print(
-                        f"| {method} | {k} | {adaptive} | {name} | {b} | {rate:.1f} | {rate / ref_rate:.2f} | "
-                        f"{tau:.2f} | {' '.join(f'{x:.2f}' for x in per)} | {'yes' if toks == ref_toks else 'no'} |"
+                c = counters(llm)
+                rounds = c["rounds"] - c0["rounds"]
+                tau = (c["committed"] - c0["committed"]) / rounds if rounds else 1.0
+                per = [
+                    (x - x0) / (d - d0) if d > d0 else 0.0
+                    for x, x0, d, d0 in zip(
+                        c["accepted_at"], c0["accepted_at"], c["drafted_at"], c0["drafted_at"]
                     )
+                ]
+                print(
+                    f"| {method} | {k} | {adaptive} | {name} | {b} | {rate:.1f} | {rate / ref_rate:.2f} | "
+                    f"{tau:.2f} | {' '.join(f'{x:.2f}' for x in per)} | {'yes' if toks == ref_toks else 'no'} |"
+                )
 
 
 if __name__ == "__main__":
