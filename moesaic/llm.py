@@ -355,7 +355,7 @@ class LLM:
         seqs = [Sequence(self.encode(p), sp) for p, sp in zip(prompts, plist)]
         for s in seqs:  # every request is checked before any starts
             self.engine.check(s)
-        with self._lock:
+        with self._lock, self.engine.whole_batch():  # the call returns when all are done
             added = []
             try:
                 for s in seqs:

@@ -11,6 +11,7 @@ max_tokens and n stay exact; the adaptive policy; bad speculative configs are Co
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -112,6 +113,9 @@ def test_ngram_greedy_equals_plain_on_every_family(name, monkeypatch):
     ps, sp = prompts(), greedy(16)
     want = plain(name, ps, sp, max_num_batched_tokens=24)
     llm = spec_llm(name, "ngram", 3, max_num_batched_tokens=24, spec={"prompt_lookup_min": 1})
+    # every sequence drafts as a served request would (generate's in-step drafting would hold back those
+    # that decode while another prefills): verify rows then share forwards with prompt chunks
+    monkeypatch.setattr(llm.engine, "whole_batch", contextlib.nullcontext)
     kinds = record_forwards(llm, monkeypatch)
     got = llm.generate(ps, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -756,6 +760,27 @@ def test_adaptive_drafting_stops_when_its_steps_are_slower_than_plain_ones(monke
     s = llm.stats()["speculative"]
     assert s["accepted"] == s["drafted"] > 0  # it drafted (first measured), and every draft was right
     assert s["gated_steps"] > 10 and s["rounds"] <= 2 * (adaptive.GATE_MIN + 2)
+
+
+def test_generate_keeps_its_batch_in_step():
+    """LLM.generate returns when every sequence is done: a sequence ahead of the furthest-behind one gains
+    nothing by drafting, so its drafts are held back (the tokens never change). Two requests of 40 and 12
+    tokens, an always-right drafter: the short one drafts only once the long one has come within a round."""
+    name = "demo-mistral4"
+    ps, sps = prompts()[:2], [greedy(40), greedy(12)]
+    want = [o.token_ids for o in plain(name, ps, sps)]
+    refs = [p + w for p, w in zip(ps, want)]
+    stats = {}
+    for in_step in (True, False):
+        llm = spec_llm(name, ForcedProposer(refs, VOCAB + 1), 4)
+        if not in_step:  # as a served request would: every sequence drafts
+            llm.engine.whole_batch = contextlib.nullcontext
+        assert [o.token_ids for o in llm.generate(ps, sps)] == want
+        stats[in_step] = llm.stats()["speculative"]
+    held, free = stats[True], stats[False]
+    assert held["accepted"] == held["drafted"] and free["accepted"] == free["drafted"]
+    assert held["drafted"] < free["drafted"]  # the short one's rounds
+    assert held["target_forwards"] <= free["target_forwards"]  # the batch ends no later
 
 
 def test_counters_add_up():

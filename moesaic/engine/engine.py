@@ -214,6 +214,7 @@ class Engine:
         # adaptive: drafting runs only while its decode steps commit more tokens a second than plain ones
         self.gate = DraftGate() if spec is not None and spec.adaptive else None
         self._propose_s = 0.0  # the last step's propose call: the next step, which verifies, pays for it
+        self.keep_in_step = False  # whole_batch(): drafts keep decoding sequences in step
         self._plan_memory(state_bytes)
         self.counters = dict(
             requests=0, finished=0, aborted=0, failed=0, prompt_tokens=0, generated_tokens=0, steps=0
@@ -409,6 +410,18 @@ class Engine:
         if self.proposer is not None:
             seq.observed = -2
             self._call_proposer(seq, self.proposer.finish, seq.id)
+
+    @contextlib.contextmanager
+    def whole_batch(self):
+        """While a caller waits for every running sequence (LLM.generate): once nothing waits to be admitted,
+        a decoding sequence ahead of the furthest-behind one gains nothing by drafting (it would wait at the
+        end, and its rows cost every step), so drafts keep each within one round of that one. Serving does
+        not use it: there each request's own latency counts."""
+        self.keep_in_step = True
+        try:
+            yield
+        finally:
+            self.keep_in_step = False
 
     # ---- one step
     def step(self) -> list[tuple[Sequence, int]]:
@@ -746,6 +759,9 @@ class Engine:
             return
         limits = []
         snapshots = self.hybrid and self.limits.enable_prefix_caching
+        behind = None  # the most tokens a decoding sequence may still generate (LLM.generate's batches)
+        if self.keep_in_step and not self.waiting:
+            behind = max(r.params.max_tokens - len(r.output_ids) for r in self.running if r.num_pending == 1)
         for s in ready:
             limit = s.params.max_tokens - len(s.output_ids) - 1
             if self.max_context is not None:
@@ -755,6 +771,8 @@ class Engine:
                 limit = min(limit, (pending // BLOCK_SIZE + 1) * BLOCK_SIZE - 1 - pending)
             if s.processor is not None:  # structured output: its grammar state cannot take drafts back
                 limit = 0
+            if behind is not None:  # how far this one is ahead of the furthest behind, less a round
+                limit = min(limit, self.spec.k - (behind - (s.params.max_tokens - len(s.output_ids))))
             limits.append(limit)
         lengths = self.draft_length.lengths([s.acceptance for s in ready], decoders, limits)
         requests = []
