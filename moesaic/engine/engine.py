@@ -15,7 +15,9 @@ reserved for `max_num_seqs` sequences. Snapshots for the prefix cache have their
 
 Speculative decoding (spec/): with a draft proposer, every forward also leaves the hidden states the
 proposer taps, and each step ends by giving the proposer the rows committed in it and asking it for the
-next drafts of the decoding sequences (their length set per sequence by spec/adaptive.py). The next
+next drafts of the decoding sequences (their lengths set each step by spec/adaptive.py's DraftLength, and
+drafting held off by its DraftGate while plain steps measure faster; LLM.generate's batches keep their
+sequences within a round of each other: `whole_batch`). The next
 step verifies each sequence's [pending token, d1..dk] in the same forward as everything else, accepts
 exactly (spec/verify.py) and rolls the rejected rows back in every state kind (states are made with a
 rollback window of k + 1 rows). Draft rows are never in the prefix cache: the blocks and snapshots only
