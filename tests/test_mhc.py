@@ -162,3 +162,27 @@ def test_bf16_site_weight_takes_the_kernel_without_an_fp32_copy():
     )
     assert m.dtype == torch.float32
     torch.testing.assert_close(m, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_site_maps_keep_their_bits_at_every_batch_size(dtype):
+    """site_maps scales the projected row in one product (a per-column scale vector) and keeps each sigmoid
+    over its own contiguous [N, n]: the same bits as the map-by-map formula below at every N (torch's
+    sigmoid rounds differently in its vector and its scalar code, and which it takes follows the layout)."""
+    g = torch.Generator().manual_seed(3)
+    n, d = 4, 64
+    dims = MhcDims(n, 20, 1e-6, 1e-5)
+    site = MhcSite(
+        (torch.randn((2 + n) * n, n * d, generator=g) * 0.05).to(dtype), torch.randn(24), torch.rand(3)
+    )
+    for N in (1, 3, 8, 17, 130):
+        x = torch.randn(N, n, d, generator=g).to(dtype)
+        m = mhc.project(x, site.fn, dims.norm_eps)
+        b, s = site.base, site.scale
+        pre = torch.sigmoid(m[..., :n] * s[0] + b[:n]) + dims.hc_eps
+        post = 2 * torch.sigmoid(m[..., n : 2 * n] * s[1] + b[n : 2 * n])
+        comb = mhc.sinkhorn(
+            (m[..., 2 * n :] * s[2] + b[2 * n :]).view(N, n, n), dims.sinkhorn_iters, dims.hc_eps
+        )
+        got = mhc.site_maps(x, site, dims)
+        assert all(torch.equal(u, v) for u, v in zip(got, (pre, post, comb))), N

@@ -25,6 +25,7 @@ model dtype (as transformers keeps them) and `post`/`comb` are cast to it for th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,13 @@ class MhcSite:
     def __post_init__(self):  # the maps are computed in fp32: convert the small vectors once, not per step
         object.__setattr__(self, "base", self.base.float())
         object.__setattr__(self, "scale", self.scale.float())
+        # a mixing site's scale[0] for the pre columns, scale[1] for post, scale[2] for comb, as one
+        # product over the row (site_maps); None for a head site (DeepSeek-V4's hc_head: one scale)
+        columns = None
+        if self.scale.numel() == 3:
+            n = round(math.sqrt(self.base.shape[-1] + 1)) - 1  # (2 + n) n columns
+            columns = self.scale.repeat_interleave(torch.tensor([n, n, n * n], device=self.scale.device))
+        object.__setattr__(self, "columns", columns)
 
 
 def site_shapes(dims: MhcDims, hidden_size: int) -> dict[str, tuple[int, ...]]:
@@ -120,12 +128,12 @@ def site_maps(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Te
     if tk := kernels("mhc", streams):
         return tk.site_maps(streams, site, dims)
     n = dims.hc_mult
-    m = project(streams, site.fn, dims.norm_eps)
-    base, scale = site.base.float(), site.scale.float()
-    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + dims.hc_eps
-    post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).view(*m.shape[:-1], n, n)
-    return pre, post, sinkhorn(comb_logits, dims.sinkhorn_iters, dims.hc_eps)
+    z = project(streams, site.fn, dims.norm_eps) * site.columns + site.base  # each column's own scale
+    # each sigmoid over its own contiguous [N, n]: torch's sigmoid takes its vector or its scalar code by
+    # the layout, and the two round differently (these are the bits the maps have always had)
+    pre = torch.sigmoid(z[..., :n].contiguous()) + dims.hc_eps
+    post = 2 * torch.sigmoid(z[..., n : 2 * n].contiguous())
+    return pre, post, sinkhorn(z[..., 2 * n :].view(*z.shape[:-1], n, n), dims.sinkhorn_iters, dims.hc_eps)
 
 
 def collapse(streams: Tensor, pre: Tensor) -> Tensor:
