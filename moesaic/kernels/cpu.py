@@ -95,20 +95,15 @@ stats = {"kernel_calls": 0, "fallback_calls": 0}  # counters (tests, benchmarks)
 _state: dict = {"tried": False, "mod": None, "error": None}
 
 
-def _flag(name: str) -> bool:
-    """An on/off environment switch, on unless set to 0 / false / off / no (read at each call)."""
-    return env.flag(name)
-
-
 def enabled() -> bool:
     """False when MOESAIC_CPU_KERNELS=0 (or 'false'/'off'/'no')."""
-    return _flag("MOESAIC_CPU_KERNELS")
+    return env.flag("MOESAIC_CPU_KERNELS")  # read at each call, cheaply
 
 
 def amx_enabled() -> bool:
     """False when MOESAIC_CPU_AMX=0 (or 'false'/'off'/'no'): bf16 x bf16 products then take vdpbf16ps on
     CPUs with AMX too (read at each call; for A/B runs and tests)."""
-    return _flag("MOESAIC_CPU_AMX")
+    return env.flag("MOESAIC_CPU_AMX")
 
 
 def _module():

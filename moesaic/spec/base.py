@@ -27,6 +27,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+# committed rows a sequence's drafter may hold back (to run them with its next drafts, for every drafting
+# sequence at once) before they are run on their own: mtp.py and dflash.py defer their `observe` work
+MAX_DEFERRED = 64
+
 
 @dataclass
 class Draft:

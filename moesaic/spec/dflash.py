@@ -41,10 +41,9 @@ from ..layers.rope import RopeConfig, cos_sin, inv_freq, rope_half
 from ..weights.bind import Tensors
 from ..weights.contract import Naming, TensorSpec, direct, load_tensors, plan_load
 from ..weights.store import WeightStore
-from .base import Draft
+from .base import MAX_DEFERRED, Draft
 
 WHERE = "the DFlash drafter's config.json"
-MAX_DEFERRED = 64  # committed rows a sequence may hold back before they are run on their own
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,7 +48,7 @@ from ..layers.linear import linear
 from ..layers.mhc import expand, head_weighted
 from ..layers.norms import rms_norm, rms_norm_cast_once, rms_norm_fp32_weight
 from ..models import deepseek_v4, glm5next, nemotron_h
-from .base import Draft
+from .base import MAX_DEFERRED, Draft
 
 DEFAULT_K = 3  # drafts per round when the speculative config does not say
 
@@ -156,9 +156,6 @@ HEADS = {glm5next.Model: GlmHead, deepseek_v4.Model: DeepseekV4Head, nemotron_h.
 
 
 # ---------------------------------------------------------------- the proposer
-
-
-MAX_DEFERRED = 64  # committed rows a sequence may hold back before they are run on their own
 
 
 @dataclass
