@@ -402,6 +402,70 @@ def test_grouped_equals_per_expert_loop(kernel, fmt, dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("fmt", list(STACKS))
+def test_one_token_ffn_equals_torch_code(kernel, monkeypatch, fmt):
+    """layers/moe.py's block at one row (cpu.ffn_one: routed experts, shared expert, dense MLP in one call)
+    gives the torch code's bits: softmax and sigmoid routers, bf16 and fp32 routing weights, with and
+    without a shared expert, activations large and small; the fused call is taken (one call in the kernel
+    counter's terms per product), and a stack it cannot take (gate | up quantized apart) runs the torch code."""
+    from moesaic.layers import moe as M
+
+    gen = torch.Generator().manual_seed(len(fmt))
+    e, d, i, si = 8, 96, 64, 32
+    mats = STACKS[fmt]
+    single = lambda n, k: mats(1, n, k, gen)[0]  # noqa: E731  one matrix of the format
+    shared = M.Mlp(up=single(si, d), down=single(d, si), gate=single(si, d))
+    for trial in range(6):
+        w = M.MoeWeights(
+            router=torch.randn(e, d, generator=gen).bfloat16(),
+            experts_in=mats(e, 2 * i, d, gen),
+            experts_out=mats(e, d, i, gen),
+            bias=torch.randn(e, generator=gen) if trial % 2 else None,
+            shared=shared if trial < 4 else None,
+        )
+        spec = M.MoeSpec(M.Router("sigmoid" if trial % 2 else "softmax", 3, fp32=trial % 3 == 0))
+        x = (torch.randn(1, d, generator=gen) * (8 if trial == 2 else 1)).bfloat16()
+        before = cpu.stats["kernel_calls"]
+        fused = M.moe(x, w, spec)
+        router_calls = 0 if spec.router.fp32 else 1  # an fp32 router is F.linear
+        assert cpu.stats["kernel_calls"] - before == router_calls + 2 + (3 if trial < 4 else 0)
+        monkeypatch.setattr(cpu, "ffn_one", lambda *a, **k: None)
+        want = M.moe(x, w, spec)
+        assert torch.equal(fused.view(torch.int16), want.view(torch.int16)), trial
+        dense_want = shared(x)
+        monkeypatch.undo()
+        assert torch.equal(shared(x).view(torch.int16), dense_want.view(torch.int16))
+    # gate and up quantized apart (a ConcatRows stack; a streamed one is alike): the torch code, no fused
+    # call, not even for the shared expert alone (the routed experts would be left out)
+    parts = ConcatRows([mats(e, i, d, gen), mats(e, i, d, gen)])
+    w = M.MoeWeights(router=w.router, experts_in=parts, experts_out=w.experts_out, shared=shared)
+    weights, ids = M.route(x, w, spec.router)
+    assert M.operand(parts) is None and M._one_token(x, w, spec, weights, ids) is None
+    assert cpu.ffn_one(x, weights, ids, None, M.operand(w.experts_out), shared.operands()) is None
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_one_token_weighted_sum_rounds_like_torch(kernel, monkeypatch, score):
+    """The fused block's weighted sum over many tokens of a wide layer, in bf16 (softmax over bf16 logits)
+    and in fp32 (the sigmoid router's weights): each product rounded before it is added, as torch's `y * w`
+    then sum does (an FMA-contracted fp32 sum differs in about one token in fifty at this width)."""
+    from moesaic.layers import moe as M
+
+    gen = torch.Generator().manual_seed(3)
+    e, d, i = 16, 1024, 32
+    w = M.MoeWeights(
+        router=torch.randn(e, d, generator=gen).bfloat16(),
+        experts_in=(torch.randn(e, 2 * i, d, generator=gen) / 16).bfloat16(),
+        experts_out=(torch.randn(e, d, i, generator=gen) / 4).bfloat16(),
+    )
+    spec = M.MoeSpec(M.Router(score, 4, scale=2.446))
+    xs = [(torch.randn(1, d, generator=gen) * (0.3 + t / 10)).bfloat16() for t in range(120)]
+    fused = [M.moe(x, w, spec) for x in xs]
+    monkeypatch.setattr(cpu, "ffn_one", lambda *a, **k: None)
+    for x, got in zip(xs, fused):
+        assert torch.equal(got.view(torch.int16), M.moe(x, w, spec).view(torch.int16))
+
+
 def test_grouped_concat_rows_and_fallback(kernel, monkeypatch):
     """ConcatRows (gate | up quantized separately) grouped: one call per part into its columns; with
     the kernels off the plain path gives the same values within fp32 rounding."""

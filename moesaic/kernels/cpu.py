@@ -170,6 +170,7 @@ def load(verbose: bool = False):
                 "delta_rule",
                 "ssd_steps",
                 "mla_absorbed",
+                "ffn_one",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -222,20 +223,18 @@ def fp8_block_ok(block, k: int) -> bool:
     return block[1] % 32 == 0 or block[1] >= k
 
 
-def _gemm(
-    kind, x, w, scales, gscale, divides, offs, out, bias, group, block, threads, generic, nbytes, amx=None
-):
+def _gemm(op: tuple, x, offs, out, bias, threads, generic, nbytes, amx=None):
+    """One kernel call: x against the weight operand `op` (bf16_operand / fp8_operand / fp4_operand)."""
     mod = _module()
     if mod is None:
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
+    kind, w, scales, gscale, divides, group, bn, bk = op
     if threads is None:
         # grouped: at most one expert per row, so rows per expert >= T / min(T, E)
         rows = x.shape[0] if offs is None else -(-x.shape[0] // max(1, min(x.shape[0], w.shape[0])))
         threads = threads_for(nbytes, rows)
     path = 1 if generic else 0 if (amx_enabled() if amx is None else amx) else 2
-    out = mod.gemm(
-        kind, x, w, scales, gscale, divides, offs, out, bias, group, block[0], block[1], threads, path
-    )
+    out = mod.gemm(kind, x, w, scales, gscale, divides, offs, out, bias, group, bn, bk, threads, path)
     stats["kernel_calls"] += 1
     return out
 
@@ -247,26 +246,56 @@ def _active_bytes(w: torch.Tensor, x: torch.Tensor, offs) -> int:
     return w.nbytes // w.shape[0] * min(w.shape[0], x.shape[0])
 
 
+# A weight as the kernels take it: (kind, w or codes, scales, global scale, divides, group, block rows,
+# block cols). One builder per encoding, used by the *_matmul entry points and by ffn_one.
+def bf16_operand(w: torch.Tensor) -> tuple:
+    """A dense bf16 weight [N, K] (or stack [E, N, K])."""
+    return (_BF16, w, None, None, False, 0, 1, 1)
+
+
+def fp8_operand(codes, scales, block) -> tuple:
+    """E4M3 codes [.., N, K] with one scale per `block` (see fp8_matmul)."""
+    if scales.element_size() == 1:
+        scales = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    elif scales.dtype != torch.float32:
+        scales = scales.float()
+    return (_FP8, codes.view(torch.uint8), scales.contiguous(), None, False, 0, block[0], block[1])
+
+
+def fp4_operand(codes, scales, group, global_scale=None, divides=False) -> tuple:
+    """Packed E2M1 codes [.., N, K/2] with a scale byte per `group` inputs (see fp4_matmul)."""
+    g = global_scale
+    if g is not None and (g.dtype != torch.float32 or not g.is_contiguous()):
+        g = g.to(torch.float32).contiguous()
+    codes = codes if codes.dtype == torch.uint8 else codes.view(torch.uint8)
+    scales = scales if scales.dtype == torch.uint8 else scales.view(torch.uint8)
+    return (_FP4, codes, scales, g, bool(divides), int(group), 1, 1)
+
+
+def operand_bytes(op: tuple, x: torch.Tensor, offs) -> int:
+    """Weight bytes a call reads (threads_for's measure): the active matrices, plus fp4's scales."""
+    return _active_bytes(op[1], x, offs) + (op[2].nbytes if op[0] == _FP4 else 0)
+
+
+def operand_matmul(x, op: tuple, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
+    """x [M, K] against a weight operand (one matrix, or with offs a stack) -> out [M, N] (default x's
+    dtype). Raises if the kernels are unavailable."""
+    return _gemm(op, x, offs, out, None, threads, generic, operand_bytes(op, x, offs))
+
+
 def bf16_matmul(x, w, bias=None, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
     """x [M, K] @ w.T for w bf16 [N, K] (or, with offs, [E, N, K]) -> out [M, N] (default x's dtype),
     plus bias [N]. Raises if the kernels are unavailable."""
-    nbytes = _active_bytes(w, x, offs)
-    return _gemm(_BF16, x, w, None, None, False, offs, out, bias, 0, (1, 1), threads, generic, nbytes)
+    op = bf16_operand(w)
+    return _gemm(op, x, offs, out, bias, threads, generic, operand_bytes(op, x, offs))
 
 
 def fp8_matmul(x, codes, scales, block, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
     """x [M, K] @ W.T for E4M3 codes [N, K] (float8_e4m3fn or bytes; with offs [E, N, K]) and one scale
     per `block` = (rows, cols) block: scales [.., ceil(N/rows), ceil(K/cols)] fp32 multipliers or E8M0
     bytes (uint8 / float8_e8m0fnu). Per-tensor fp8 is the block (N, K) with scales [.., 1, 1]."""
-    if scales.element_size() == 1:
-        scales = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
-    elif scales.dtype != torch.float32:
-        scales = scales.float()
-    nbytes = _active_bytes(codes, x, offs)
-    codes = codes.view(torch.uint8)
-    return _gemm(
-        _FP8, x, codes, scales.contiguous(), None, False, offs, out, None, 0, block, threads, generic, nbytes
-    )
+    op = fp8_operand(codes, scales, block)
+    return operand_matmul(x, op, offs=offs, out=out, threads=threads, generic=generic)
 
 
 def fp4_matmul(
@@ -286,30 +315,8 @@ def fp4_matmul(
     [E, N, K/2]) and one scale byte per `group` inputs, scales [.., N, K/group]: group 32 = E8M0
     (mxfp4), group 16 = E4M3 (nvfp4) with the fp32 global scale (one per matrix) applied as
     `scale / global` when `divides` (compressed-tensors) else `scale * global` (ModelOpt)."""
-    g = global_scale
-    if g is not None and (g.dtype != torch.float32 or not g.is_contiguous()):
-        g = g.to(torch.float32).contiguous()
-    if codes.dtype != torch.uint8:
-        codes = codes.view(torch.uint8)
-    if scales.dtype != torch.uint8:
-        scales = scales.view(torch.uint8)
-    nbytes = _active_bytes(codes, x, offs) + scales.nbytes
-    return _gemm(
-        _FP4,
-        x,
-        codes,
-        scales,
-        g,
-        bool(divides),
-        offs,
-        out,
-        None,
-        int(group),
-        (1, 1),
-        threads,
-        generic,
-        nbytes,
-    )
+    op = fp4_operand(codes, scales, group, global_scale, divides)
+    return operand_matmul(x, op, offs=offs, out=out, threads=threads, generic=generic)
 
 
 def _dense_ok(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
@@ -331,9 +338,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if w.dtype == torch.bfloat16 and enabled() and _module() is not None:
         amx = amx_enabled()
         if _fits(x2, w, _amx_rows(amx)):
-            y = _gemm(
-                _BF16, x2, w, None, None, False, None, None, bias, 0, (1, 1), None, False, w.nbytes, amx
-            )
+            y = _gemm(bf16_operand(w), x2, None, None, bias, None, False, w.nbytes, amx)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
     if tiles_apply(x2, w):
         return tiled_linear(x, w, bias)
@@ -458,6 +463,40 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
     return mod.mla_absorbed(
         q_nope, q_rope, w_uk, w_uv, list(latents), list(k_ropes), list(lens), scale, threads
     )
+
+
+def ffn_one(x, weights=None, ids=None, w_in=None, w_out=None, dense=()):
+    """One token's SwiGLU feed-forward block in one call (layers/moe.py's torch code at one row, the same
+    bits): the routed experts (weights / ids [1, k], stacks w_in [E, 2I, d] gate|up and w_out [E, d, I])
+    summed in ascending expert id, plus `dense` = (gate, up, down) (a shared expert or a dense MLP), either
+    part optional (routing weights given: w_in and w_out are needed). Weights are operands (bf16_operand,
+    fp8_operand, fp4_operand); x bf16 [1, d]. None where it does not apply (the caller runs the torch
+    code)."""
+    ops = (w_in, w_out, *dense) if weights is not None else dense
+    if not (ops and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.stride(-1) == 1):
+        return None
+    if weights is not None and weights.dtype not in _WEIGHTS:
+        return None
+    for op in ops:
+        if (
+            op is None
+            or not op[1].is_cpu
+            or op[1].stride(-1) != 1
+            or (op[0] == _BF16 and op[1].dtype != x.dtype)
+        ):
+            return None
+    mod = _fused_mod(x)
+    if mod is None:
+        return None
+    gate, up, down = dense or (None, None, None)
+    path = 0 if amx_enabled() else 2
+    y = mod.ffn_one(x, weights, ids, w_in, w_out, gate, up, down, MIN_THREAD_BYTES, path)
+    if y is not None:
+        stats["kernel_calls"] += len(ops)
+    return y
+
+
+_WEIGHTS = (torch.bfloat16, torch.float32)
 
 
 def delta_rule(q, k, v, g, beta, S, keep_states: bool):

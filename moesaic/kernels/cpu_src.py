@@ -1828,6 +1828,113 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
     return out;
 }
 
+// A weight as kernels/cpu.py's *_operand builders give it: (kind, w or codes, scales, global scale, divides,
+// group, block rows, block cols), gemm's arguments.
+using Operand = std::tuple<int64_t, torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, bool,
+                           int64_t, int64_t, int64_t>;
+
+// No FMA contraction in ffn_one: torch rounds every product of the weighted sum.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+// One token's feed-forward block (layers/moe.py at one row, a batch-1 decode) in one call, where the
+// block's Python and small torch ops cost as much as its products: the routed experts (ids / weights [1, k]
+// from the router; stacks w_in [E, 2I, d] gate|up and w_out [E, d, I], dense bf16 or packed) as two grouped
+// gemm calls over the token once per expert in ascending id, silu(gate) * up by torch's own ops on the same
+// views, the weighted sum over the slots in that order in the weights' dtype (bf16: each product and each
+// partial sum rounded, from 0; fp32: summed from 0, rounded once to x's dtype); then the dense SwiGLU MLP
+// (gate / up [I', d], down [d, I']: a shared expert) added in x's dtype. Either part may be absent.
+// The same float operations in the same order as that code: the same bits (tests/test_cpu_kernels.py).
+// Thread counts per product as kernels/cpu.py's threads_for (one per min_thread_bytes of weights). An
+// expert chosen twice returns an undefined tensor (None): the caller runs the torch code.
+torch::Tensor ffn_one(torch::Tensor x, std::optional<torch::Tensor> weights, std::optional<torch::Tensor> ids,
+                      std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
+                      std::optional<Operand> up, std::optional<Operand> down, int64_t min_thread_bytes, int64_t path) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == torch::kBFloat16, "ffn_one: x bf16 [1, d]");
+    const bool routed = w_in.has_value(), dense = gate.has_value();
+    TORCH_CHECK(routed == (weights && ids && w_out) && dense == (up && down) && (routed || dense), "ffn_one: parts");
+    const int64_t d = x.size(1), most = at::get_num_threads();
+    // x against one operand; `active` of a stack's E matrices read (threads_for's bytes, as operand_bytes)
+    auto product = [&](const torch::Tensor& a, const Operand& m, std::optional<torch::Tensor> offs, int64_t active) {
+        const auto& [kind, w, scales, gscale, divides, group, bn, bk] = m;
+        int64_t nbytes = w.dim() == 3 ? w.nbytes() / w.size(0) * active : w.nbytes();
+        if (kind == FP4 && scales) nbytes += scales->nbytes();
+        const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(most, nbytes / min_thread_bytes));
+        return gemm(kind, a, w, scales, gscale, divides, offs, std::nullopt, std::nullopt, group, bn, bk, threads, path);
+    };
+    auto rows = [](const Operand& m) { return std::get<1>(m).size(-2); };
+    auto swiglu = [](const torch::Tensor& gu, int64_t I) {  // layers/moe.py silu_glu over gu's two halves
+        return at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+    };
+    torch::Tensor out;
+    if (routed) {
+        const auto& Wi = std::get<1>(*w_in);
+        const int64_t E = Wi.size(0), k = ids->size(1), I = rows(*w_in) / 2;
+        TORCH_CHECK(ids->dim() == 2 && ids->size(0) == 1 && ids->scalar_type() == torch::kInt64, "ffn_one: ids [1, k] int64");
+        TORCH_CHECK(weights->dim() == 2 && weights->size(0) == 1 && weights->size(1) == k &&
+                        (weights->scalar_type() == torch::kBFloat16 || weights->scalar_type() == torch::kFloat32),
+                    "ffn_one: weights [1, k] bf16 or fp32");
+        TORCH_CHECK(Wi.dim() == 3 && std::get<1>(*w_out).dim() == 3 && std::get<1>(*w_out).size(0) == E &&
+                        rows(*w_out) == d && rows(*w_in) == 2 * I, "ffn_one: w_in [E, 2I, d], w_out [E, d, I]");
+        auto idc = ids->contiguous();
+        auto wc = weights->contiguous();
+        const int64_t* ip = idc.data_ptr<int64_t>();
+        std::vector<int64_t> slot(k);
+        for (int64_t j = 0; j < k; ++j) {
+            TORCH_CHECK(ip[j] >= 0 && ip[j] < E, "ffn_one: expert id out of range");
+            slot[j] = j;
+        }
+        std::stable_sort(slot.begin(), slot.end(), [&](int64_t a, int64_t b) { return ip[a] < ip[b]; });
+        for (int64_t j = 1; j < k; ++j)  // torch's sort may order a repeated id's slots either way
+            if (ip[slot[j]] == ip[slot[j - 1]]) return torch::Tensor();
+        auto offs = torch::empty({E}, torch::kInt64);
+        int64_t* op = offs.data_ptr<int64_t>();
+        for (int64_t e = 0, j = 0; e < E; ++e) {
+            while (j < k && ip[slot[j]] <= e) ++j;
+            op[e] = j;
+        }
+        const int64_t active = std::min(E, k);
+        auto gu = product(x.expand({k, d}).contiguous(), *w_in, offs, active);
+        auto y = product(swiglu(gu, I), *w_out, offs, active);  // [k, d], the slots by expert
+        const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr());
+        out = torch::empty({1, d}, x.options());
+        uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+        std::vector<float> acc(d, 0.f);
+        if (wc.scalar_type() == torch::kFloat32) {  // terms in fp32, `terms.sum(1)` in slot order, one rounding
+            const float* wp = wc.data_ptr<float>();
+            for (int64_t j = 0; j < k; ++j) {
+                const float wj = wp[slot[j]];
+                const uint16_t* r = yp + j * d;
+                for (int64_t c = 0; c < d; ++c) acc[c] += bf16_bits_to_f32(r[c]) * wj;
+            }
+        } else {  // bf16 terms, each partial sum rounded: `out = terms[:, 0] + 0; out += terms[:, j]`
+            const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+            for (int64_t j = 0; j < k; ++j) {
+                const float wj = bf16_bits_to_f32(wp[slot[j]]);
+                const uint16_t* r = yp + j * d;
+                for (int64_t c = 0; c < d; ++c) {
+                    const float t = bf16_bits_to_f32(f32_to_bf16_bits(bf16_bits_to_f32(r[c]) * wj));
+                    acc[c] = bf16_bits_to_f32(f32_to_bf16_bits(acc[c] + t));
+                }
+            }
+        }
+        for (int64_t c = 0; c < d; ++c) o[c] = f32_to_bf16_bits(acc[c]);
+    }
+    if (dense) {
+        const int64_t I = rows(*gate);
+        TORCH_CHECK(rows(*up) == I && rows(*down) == d, "ffn_one: gate / up [I, d], down [d, I]");
+        auto h = at::silu(product(x, *gate, std::nullopt, 1)).mul_(product(x, *up, std::nullopt, 1));
+        auto s = product(h, *down, std::nullopt, 1);
+        if (!routed) return s;
+        out.add_(s);  // `y + s` in bf16
+    }
+    return out;
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 bool has_amx() {
 #if defined(MOESAIC_AMX)
     return amx_permitted();

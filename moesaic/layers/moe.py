@@ -280,7 +280,22 @@ class Mlp:
     def __call__(self, x: torch.Tensor, glu=silu_glu, act=relu2) -> torch.Tensor:
         if self.gate is None:
             return linear(act(linear(x, self.up)), self.down)
+        if x.shape[0] == 1 and glu is silu_glu and (y := cpu.ffn_one(x, dense=self.operands())) is not None:
+            return y  # one token on the CPU: the same products and roundings in one call
         return linear(glu(linear(x, self.gate), linear(x, self.up)), self.down)
+
+    def operands(self) -> tuple:
+        """(gate, up, down) of a gated MLP as the CPU kernels take them (each None where they do not); ()
+        for an ungated one."""
+        return () if self.gate is None else (operand(self.gate), operand(self.up), operand(self.down))
+
+
+def operand(w) -> tuple | None:
+    """A weight as the compiled CPU kernels take it: a dense bf16 tensor or a packed one (its own
+    `kernel_operand`); None for anything else (a tensor-parallel piece, a streamed stack, fp32)."""
+    if type(w) is torch.Tensor:
+        return cpu.bf16_operand(w) if w.dtype == torch.bfloat16 else None
+    return w.kernel_operand() if hasattr(w, "kernel_operand") else None
 
 
 @dataclass
@@ -336,9 +351,30 @@ def prefetch(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor 
         w.experts_in.prefetch(route(x, w, r, token_ids)[1].unique().tolist())
 
 
+def _one_token(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids) -> torch.Tensor | None:
+    """The block for one token (a batch-1 decode) as one compiled call where it applies: SwiGLU experts in
+    dense bf16 or packed stacks on the CPU, all held here, no latent projections; the same bits as the code
+    below."""
+    if not (spec.gated and spec.glu is silu_glu and w.latent_in is None and w.latent_out is None):
+        return None
+    if w.latent_norm is not None or w.reduce is not None or w.first_expert or w.next_moe is not None:
+        return None
+    if w.shared is not None and w.shared.gate is None:
+        return None
+    if w.experts_in.shape[0] != w.router.shape[0]:
+        return None
+    w_in, w_out = operand(w.experts_in), operand(w.experts_out)
+    if w_in is None or w_out is None:  # streamed, split over ranks, gate | up quantized apart, fp32
+        return None
+    dense = () if w.shared is None else w.shared.operands()
+    return cpu.ffn_one(x, weights, ids, w_in, w_out, dense)
+
+
 def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE block on packed tokens x [N, d] (token_ids: for a hash layer's table)."""
     weights, ids = route(x, w, spec.router, token_ids)
+    if x.shape[0] == 1 and (y := _one_token(x, w, spec, weights, ids)) is not None:
+        return y
     h = x if w.latent_in is None else linear(x, w.latent_in)
     act = (lambda gu: spec.glu(*gu.chunk(2, dim=-1))) if spec.gated else spec.act
     then = None

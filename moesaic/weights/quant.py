@@ -575,26 +575,32 @@ class QuantizedTensor:
         """x2 @ W.T (into `out`, or a new tensor of x2's dtype) through the compiled CPU kernels, for
         matrix `matrix` of the stack or, with offs, the grouped form over the whole stack; None,
         nothing written, where they do not apply."""
-        n, k = self.shape[-2:]
         rows = cpu.packed_rows(x2) if offs is None else x2.shape[0]
         if not cpu.usable(x2, self.codes, rows):
             return None
+        op = self.kernel_operand(None if offs is not None else matrix)
+        return None if op is None else cpu.operand_matmul(x2, op, offs=offs, out=out)
+
+    def kernel_operand(self, matrix: int | None = None) -> tuple | None:
+        """Matrix `matrix` of the stack, or with None the whole stack as [E, ...] (a grouped call), as the
+        compiled CPU kernels take it (kernels/cpu.py's *_operand); None where they do not serve it."""
+        n, k = self.shape[-2:]
         if self.format == "fp8_block" and not cpu.fp8_block_ok(self.block, k):
             return None
-        if offs is None:
+        if matrix is not None:
             codes, scale, g = self._matrix(matrix)
-        else:  # the whole stack as [E, ...]
+        else:
             codes = self.codes.reshape(-1, *self.codes.shape[-2:])
             scale = self.scale.reshape(-1, *self.scale.shape[-2:]) if self.scale.ndim >= 2 else self.scale
             g = self.global_scale
         if self.format in ("mxfp4", "nvfp4"):
             group = MXFP4_GROUP if self.format == "mxfp4" else NVFP4_GROUP
-            return cpu.fp4_matmul(x2, codes, scale, group, g, self.global_divides, offs=offs, out=out)
+            return cpu.fp4_operand(codes, scale, group, g, self.global_divides)
         if self.format == "fp8_block":
-            return cpu.fp8_matmul(x2, codes, scale, self.block, offs=offs, out=out)
+            return cpu.fp8_operand(codes, scale, self.block)
         # fp8_tensor: one block spanning the matrix
-        scale = scale.reshape(-1, 1, 1) if offs is not None else scale.reshape(1, 1)
-        return cpu.fp8_matmul(x2, codes, scale, (n, k), offs=offs, out=out)
+        scale = scale.reshape(-1, 1, 1) if matrix is None else scale.reshape(1, 1)
+        return cpu.fp8_operand(codes, scale, (n, k))
 
 
 def stack(tensors: Sequence[QuantizedTensor], name: str | None = None) -> QuantizedTensor:
