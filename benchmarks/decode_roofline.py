@@ -110,7 +110,7 @@ def hf_gen(model):
 
 def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
     """(ms per batch-1 decode step, ms of it in matrix products): the kernels' calls, the fp32 tiles and
-    torch's mm / bmm / matmul are timed (wall clock) around each call; cpu.ffn_one (a token's whole
+    torch's mm / bmm / matmul are timed (wall clock) around each call; cpu.ffn_rows (a token's whole
     feed-forward block: its products, a silu, a mul and the weighted sum) is counted as products."""
     acc = [0.0]
 
@@ -124,8 +124,8 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
 
         return g
 
-    saved = cpu._gemm, cpu.tiled_linear, cpu.ffn_one, torch.bmm, torch.matmul
-    cpu._gemm, cpu.tiled_linear, cpu.ffn_one = timed(cpu._gemm), timed(cpu.tiled_linear), timed(cpu.ffn_one)
+    saved = cpu._gemm, cpu.tiled_linear, cpu.ffn_rows, torch.bmm, torch.matmul
+    cpu._gemm, cpu.tiled_linear, cpu.ffn_rows = timed(cpu._gemm), timed(cpu.tiled_linear), timed(cpu.ffn_rows)
     torch.bmm, torch.matmul = timed(torch.bmm), timed(torch.matmul)
     try:
         gen = moesaic_gen(llm)
@@ -142,7 +142,7 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
             step, mm = (tn - t1) / (new - 1), (gn - g1) / (new - 1)
             best = (step, mm) if best is None or step < best[0] else best
     finally:
-        cpu._gemm, cpu.tiled_linear, cpu.ffn_one, torch.bmm, torch.matmul = saved
+        cpu._gemm, cpu.tiled_linear, cpu.ffn_rows, torch.bmm, torch.matmul = saved
     return best[0] * 1e3, best[1] * 1e3
 
 

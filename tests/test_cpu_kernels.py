@@ -403,11 +403,12 @@ def test_grouped_equals_per_expert_loop(kernel, fmt, dtype):
 
 
 @pytest.mark.parametrize("fmt", list(STACKS))
-def test_one_token_ffn_equals_torch_code(kernel, monkeypatch, fmt):
-    """layers/moe.py's block at one row (cpu.ffn_one: routed experts, shared expert, dense MLP in one call)
-    gives the torch code's bits: softmax and sigmoid routers, bf16 and fp32 routing weights, with and
-    without a shared expert, activations large and small; the fused call is taken (one call in the kernel
-    counter's terms per product), and a stack it cannot take (gate | up quantized apart) runs the torch code."""
+def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
+    """layers/moe.py's block at decode sizes (cpu.ffn_rows: routed experts, shared expert, dense MLP in one
+    call) gives the torch code's bits: 1 to MAX_ROWS tokens (experts shared between tokens), softmax and
+    sigmoid routers, bf16 and fp32 routing weights, with and without a shared expert, activations large and
+    small; the fused call is taken (one call in the kernel counter's terms per product); more rows than
+    MAX_ROWS, or a stack it cannot take (gate | up quantized apart), run the torch code."""
     from moesaic.layers import moe as M
 
     gen = torch.Generator().manual_seed(len(fmt))
@@ -415,7 +416,7 @@ def test_one_token_ffn_equals_torch_code(kernel, monkeypatch, fmt):
     mats = STACKS[fmt]
     single = lambda n, k: mats(1, n, k, gen)[0]  # noqa: E731  one matrix of the format
     shared = M.Mlp(up=single(si, d), down=single(d, si), gate=single(si, d))
-    for trial in range(6):
+    for trial, n in enumerate([1, 1, 3, 16, 2, 7]):
         w = M.MoeWeights(
             router=torch.randn(e, d, generator=gen).bfloat16(),
             experts_in=mats(e, 2 * i, d, gen),
@@ -424,12 +425,12 @@ def test_one_token_ffn_equals_torch_code(kernel, monkeypatch, fmt):
             shared=shared if trial < 4 else None,
         )
         spec = M.MoeSpec(M.Router("sigmoid" if trial % 2 else "softmax", 3, fp32=trial % 3 == 0))
-        x = (torch.randn(1, d, generator=gen) * (8 if trial == 2 else 1)).bfloat16()
+        x = (torch.randn(n, d, generator=gen) * (8 if trial == 2 else 1)).bfloat16()
         before = cpu.stats["kernel_calls"]
         fused = M.moe(x, w, spec)
         router_calls = 0 if spec.router.fp32 else 1  # an fp32 router is F.linear
         assert cpu.stats["kernel_calls"] - before == router_calls + 2 + (3 if trial < 4 else 0)
-        monkeypatch.setattr(cpu, "ffn_one", lambda *a, **k: None)
+        monkeypatch.setattr(cpu, "ffn_rows", lambda *a, **k: None)
         want = M.moe(x, w, spec)
         assert torch.equal(fused.view(torch.int16), want.view(torch.int16)), trial
         dense_want = shared(x)
@@ -440,12 +441,14 @@ def test_one_token_ffn_equals_torch_code(kernel, monkeypatch, fmt):
     parts = ConcatRows([mats(e, i, d, gen), mats(e, i, d, gen)])
     w = M.MoeWeights(router=w.router, experts_in=parts, experts_out=w.experts_out, shared=shared)
     weights, ids = M.route(x, w, spec.router)
-    assert M.operand(parts) is None and M._one_token(x, w, spec, weights, ids) is None
-    assert cpu.ffn_one(x, weights, ids, None, M.operand(w.experts_out), shared.operands()) is None
+    assert M.operand(parts) is None and M._fused(x, w, spec, weights, ids) is None
+    assert cpu.ffn_rows(x, weights, ids, None, M.operand(w.experts_out), shared.operands()) is None
+    many = torch.randn(cpu.MAX_ROWS + 1, d, generator=gen).bfloat16()
+    assert cpu.ffn_rows(many, dense=shared.operands()) is None
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_one_token_weighted_sum_rounds_like_torch(kernel, monkeypatch, score):
+def test_fused_ffn_weighted_sum_rounds_like_torch(kernel, monkeypatch, score):
     """The fused block's weighted sum over many tokens of a wide layer, in bf16 (softmax over bf16 logits)
     and in fp32 (the sigmoid router's weights): each product rounded before it is added, as torch's `y * w`
     then sum does (an FMA-contracted fp32 sum differs in about one token in fifty at this width)."""
@@ -459,9 +462,9 @@ def test_one_token_weighted_sum_rounds_like_torch(kernel, monkeypatch, score):
         experts_out=(torch.randn(e, d, i, generator=gen) / 4).bfloat16(),
     )
     spec = M.MoeSpec(M.Router(score, 4, scale=2.446))
-    xs = [(torch.randn(1, d, generator=gen) * (0.3 + t / 10)).bfloat16() for t in range(120)]
+    xs = [(torch.randn(1 + t % 5, d, generator=gen) * (0.3 + t / 10)).bfloat16() for t in range(60)]
     fused = [M.moe(x, w, spec) for x in xs]
-    monkeypatch.setattr(cpu, "ffn_one", lambda *a, **k: None)
+    monkeypatch.setattr(cpu, "ffn_rows", lambda *a, **k: None)
     for x, got in zip(xs, fused):
         assert torch.equal(got.view(torch.int16), M.moe(x, w, spec).view(torch.int16))
 

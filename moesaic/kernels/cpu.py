@@ -170,7 +170,7 @@ def load(verbose: bool = False):
                 "delta_rule",
                 "ssd_steps",
                 "mla_absorbed",
-                "ffn_one",
+                "ffn_rows",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -247,7 +247,7 @@ def _active_bytes(w: torch.Tensor, x: torch.Tensor, offs) -> int:
 
 
 # A weight as the kernels take it: (kind, w or codes, scales, global scale, divides, group, block rows,
-# block cols). One builder per encoding, used by the *_matmul entry points and by ffn_one.
+# block cols). One builder per encoding, used by the *_matmul entry points and by ffn_rows.
 def bf16_operand(w: torch.Tensor) -> tuple:
     """A dense bf16 weight [N, K] (or stack [E, N, K])."""
     return (_BF16, w, None, None, False, 0, 1, 1)
@@ -465,15 +465,15 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
     )
 
 
-def ffn_one(x, weights=None, ids=None, w_in=None, w_out=None, dense=()):
-    """One token's SwiGLU feed-forward block in one call (layers/moe.py's torch code at one row, the same
-    bits): the routed experts (weights / ids [1, k], stacks w_in [E, 2I, d] gate|up and w_out [E, d, I])
-    summed in ascending expert id, plus `dense` = (gate, up, down) (a shared expert or a dense MLP), either
-    part optional (routing weights given: w_in and w_out are needed). Weights are operands (bf16_operand,
-    fp8_operand, fp4_operand); x bf16 [1, d]. None where it does not apply (the caller runs the torch
-    code)."""
+def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=()):
+    """A few tokens' SwiGLU feed-forward block in one call (layers/moe.py's torch code at up to MAX_ROWS rows,
+    the same bits): the routed experts (weights / ids [N, k], stacks w_in [E, 2I, d] gate|up and w_out [E, d,
+    I]), each token's terms summed in ascending expert id, plus `dense` = (gate, up, down) (a shared expert
+    or a dense MLP), either part optional (routing weights given: w_in and w_out are needed). Weights are
+    operands (bf16_operand, fp8_operand, fp4_operand); x bf16 [N, d]. None where it does not apply (the
+    caller runs the torch code)."""
     ops = (w_in, w_out, *dense) if weights is not None else dense
-    if not (ops and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.stride(-1) == 1):
+    if not (ops and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
         return None
     if weights is not None and weights.dtype not in _WEIGHTS:
         return None
@@ -490,7 +490,7 @@ def ffn_one(x, weights=None, ids=None, w_in=None, w_out=None, dense=()):
         return None
     gate, up, down = dense or (None, None, None)
     path = 0 if amx_enabled() else 2
-    y = mod.ffn_one(x, weights, ids, w_in, w_out, gate, up, down, MIN_THREAD_BYTES, path)
+    y = mod.ffn_rows(x, weights, ids, w_in, w_out, gate, up, down, MIN_THREAD_BYTES, path)
     if y is not None:
         stats["kernel_calls"] += len(ops)
     return y

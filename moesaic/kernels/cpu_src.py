@@ -1833,99 +1833,120 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
 using Operand = std::tuple<int64_t, torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, bool,
                            int64_t, int64_t, int64_t>;
 
-// No FMA contraction in ffn_one: torch rounds every product of the weighted sum.
+// No FMA contraction in ffn_rows: torch rounds every product of the weighted sum.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 #endif
-// One token's feed-forward block (layers/moe.py at one row, a batch-1 decode) in one call, where the
-// block's Python and small torch ops cost as much as its products: the routed experts (ids / weights [1, k]
-// from the router; stacks w_in [E, 2I, d] gate|up and w_out [E, d, I], dense bf16 or packed) as two grouped
-// gemm calls over the token once per expert in ascending id, silu(gate) * up by torch's own ops on the same
-// views, the weighted sum over the slots in that order in the weights' dtype (bf16: each product and each
-// partial sum rounded, from 0; fp32: summed from 0, rounded once to x's dtype); then the dense SwiGLU MLP
-// (gate / up [I', d], down [d, I']: a shared expert) added in x's dtype. Either part may be absent.
-// The same float operations in the same order as that code: the same bits (tests/test_cpu_kernels.py).
-// Thread counts per product as kernels/cpu.py's threads_for (one per min_thread_bytes of weights). An
-// expert chosen twice returns an undefined tensor (None): the caller runs the torch code.
-torch::Tensor ffn_one(torch::Tensor x, std::optional<torch::Tensor> weights, std::optional<torch::Tensor> ids,
-                      std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
-                      std::optional<Operand> up, std::optional<Operand> down, int64_t min_thread_bytes, int64_t path) {
-    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == torch::kBFloat16, "ffn_one: x bf16 [1, d]");
+// A few tokens' feed-forward block (layers/moe.py at decode sizes: a batch's decode rows, a verify block) in
+// one call, where the block's Python and small torch ops cost as much as its products: the routed experts
+// (ids / weights [N, k] from the router; stacks w_in [E, 2I, d] gate|up and w_out [E, d, I], dense bf16 or
+// packed) as two grouped gemm calls over the (token, slot) pairs grouped by expert (each token's slots in
+// ascending id, the pairs in that order within an expert: run_experts' sort and stable argsort), silu(gate)
+// * up by torch's own ops on the same views, each token's weighted sum over its slots in ascending id in
+// the weights' dtype (bf16: each product and each partial sum rounded, from 0; fp32: summed from 0, rounded
+// once to x's dtype); then the dense SwiGLU MLP (gate / up [I', d], down [d, I']: a shared expert) added in
+// x's dtype. Either part may be absent. The same products over the same rows, the same float operations in
+// the same order as that code: the same bits (tests/test_cpu_kernels.py). Thread counts per product as
+// kernels/cpu.py's threads_for. A token choosing an expert twice returns an undefined tensor (None): the
+// caller runs the torch code.
+torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, std::optional<torch::Tensor> ids,
+                       std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
+                       std::optional<Operand> up, std::optional<Operand> down, int64_t min_thread_bytes, int64_t path) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.scalar_type() == torch::kBFloat16, "ffn_rows: x bf16 [N, d]");
     const bool routed = w_in.has_value(), dense = gate.has_value();
-    TORCH_CHECK(routed == (weights && ids && w_out) && dense == (up && down) && (routed || dense), "ffn_one: parts");
-    const int64_t d = x.size(1), most = at::get_num_threads();
-    // x against one operand; `active` of a stack's E matrices read (threads_for's bytes, as operand_bytes)
-    auto product = [&](const torch::Tensor& a, const Operand& m, std::optional<torch::Tensor> offs, int64_t active) {
+    TORCH_CHECK(routed == (weights && ids && w_out) && dense == (up && down) && (routed || dense), "ffn_rows: parts");
+    x = x.contiguous();
+    const int64_t N = x.size(0), d = x.size(1), most = at::get_num_threads();
+    // a against one operand, `rows` of a per matrix (threads_for's measure), `active` of a stack's matrices
+    auto product = [&](const torch::Tensor& a, const Operand& m, std::optional<torch::Tensor> offs, int64_t rows,
+                       int64_t active) {
         const auto& [kind, w, scales, gscale, divides, group, bn, bk] = m;
         int64_t nbytes = w.dim() == 3 ? w.nbytes() / w.size(0) * active : w.nbytes();
         if (kind == FP4 && scales) nbytes += scales->nbytes();
-        const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(most, nbytes / min_thread_bytes));
+        const int64_t work = rows > 1 ? nbytes + nbytes * (rows - 1) / 4 : nbytes;
+        const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(most, work / min_thread_bytes));
         return gemm(kind, a, w, scales, gscale, divides, offs, std::nullopt, std::nullopt, group, bn, bk, threads, path);
     };
-    auto rows = [](const Operand& m) { return std::get<1>(m).size(-2); };
+    auto out_rows = [](const Operand& m) { return std::get<1>(m).size(-2); };
     auto swiglu = [](const torch::Tensor& gu, int64_t I) {  // layers/moe.py silu_glu over gu's two halves
         return at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
     };
     torch::Tensor out;
     if (routed) {
         const auto& Wi = std::get<1>(*w_in);
-        const int64_t E = Wi.size(0), k = ids->size(1), I = rows(*w_in) / 2;
-        TORCH_CHECK(ids->dim() == 2 && ids->size(0) == 1 && ids->scalar_type() == torch::kInt64, "ffn_one: ids [1, k] int64");
-        TORCH_CHECK(weights->dim() == 2 && weights->size(0) == 1 && weights->size(1) == k &&
+        const int64_t E = Wi.size(0), k = ids->size(1), T = N * k, I = out_rows(*w_in) / 2;
+        TORCH_CHECK(ids->dim() == 2 && ids->size(0) == N && ids->scalar_type() == torch::kInt64, "ffn_rows: ids [N, k] int64");
+        TORCH_CHECK(weights->dim() == 2 && weights->size(0) == N && weights->size(1) == k &&
                         (weights->scalar_type() == torch::kBFloat16 || weights->scalar_type() == torch::kFloat32),
-                    "ffn_one: weights [1, k] bf16 or fp32");
+                    "ffn_rows: weights [N, k] bf16 or fp32");
         TORCH_CHECK(Wi.dim() == 3 && std::get<1>(*w_out).dim() == 3 && std::get<1>(*w_out).size(0) == E &&
-                        rows(*w_out) == d && rows(*w_in) == 2 * I, "ffn_one: w_in [E, 2I, d], w_out [E, d, I]");
+                        out_rows(*w_out) == d && out_rows(*w_in) == 2 * I, "ffn_rows: w_in [E, 2I, d], w_out [E, d, I]");
         auto idc = ids->contiguous();
         auto wc = weights->contiguous();
         const int64_t* ip = idc.data_ptr<int64_t>();
-        std::vector<int64_t> slot(k);
-        for (int64_t j = 0; j < k; ++j) {
-            TORCH_CHECK(ip[j] >= 0 && ip[j] < E, "ffn_one: expert id out of range");
-            slot[j] = j;
+        std::vector<int64_t> slot(T);  // slot[t * k + j]: token t's j-th slot in ascending expert id
+        std::vector<int64_t> count(E, 0);
+        for (int64_t t = 0; t < N; ++t) {
+            int64_t* sl = slot.data() + t * k;
+            const int64_t* id = ip + t * k;
+            for (int64_t j = 0; j < k; ++j) {
+                TORCH_CHECK(id[j] >= 0 && id[j] < E, "ffn_rows: expert id out of range");
+                sl[j] = j;
+                ++count[id[j]];
+            }
+            std::stable_sort(sl, sl + k, [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+            for (int64_t j = 1; j < k; ++j)  // torch's sort may order a repeated id's slots either way
+                if (id[sl[j]] == id[sl[j - 1]]) return torch::Tensor();
         }
-        std::stable_sort(slot.begin(), slot.end(), [&](int64_t a, int64_t b) { return ip[a] < ip[b]; });
-        for (int64_t j = 1; j < k; ++j)  // torch's sort may order a repeated id's slots either way
-            if (ip[slot[j]] == ip[slot[j - 1]]) return torch::Tensor();
         auto offs = torch::empty({E}, torch::kInt64);
         int64_t* op = offs.data_ptr<int64_t>();
-        for (int64_t e = 0, j = 0; e < E; ++e) {
-            while (j < k && ip[slot[j]] <= e) ++j;
-            op[e] = j;
+        std::vector<int64_t> next(E);  // the pairs grouped by expert: a stable counting sort of p = t * k + j
+        for (int64_t e = 0, end = 0; e < E; ++e) {
+            next[e] = end;
+            end += count[e];
+            op[e] = end;
         }
-        const int64_t active = std::min(E, k);
-        auto gu = product(x.expand({k, d}).contiguous(), *w_in, offs, active);
-        auto y = product(swiglu(gu, I), *w_out, offs, active);  // [k, d], the slots by expert
+        std::vector<int64_t> row_of(T);  // pair p's row in the grouped products
+        auto src = torch::empty({T}, torch::kInt64);  // the token of each grouped row
+        int64_t* sp = src.data_ptr<int64_t>();
+        for (int64_t p = 0; p < T; ++p) {
+            const int64_t e = ip[(p / k) * k + slot[p]];
+            row_of[p] = next[e]++;
+            sp[row_of[p]] = p / k;
+        }
+        const int64_t per = (T + std::min(T, E) - 1) / std::min(T, E);  // rows per expert, as _gemm counts them
+        auto gu = product(x.index_select(0, src), *w_in, offs, per, std::min(E, T));
+        auto y = product(swiglu(gu, I), *w_out, offs, per, std::min(E, T));  // [T, d], grouped by expert
         const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr());
-        out = torch::empty({1, d}, x.options());
+        out = torch::empty({N, d}, x.options());
         uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-        std::vector<float> acc(d, 0.f);
-        if (wc.scalar_type() == torch::kFloat32) {  // terms in fp32, `terms.sum(1)` in slot order, one rounding
-            const float* wp = wc.data_ptr<float>();
+        std::vector<float> acc(d);
+        const bool f32 = wc.scalar_type() == torch::kFloat32;
+        for (int64_t t = 0; t < N; ++t) {
+            std::fill(acc.begin(), acc.end(), 0.f);
             for (int64_t j = 0; j < k; ++j) {
-                const float wj = wp[slot[j]];
-                const uint16_t* r = yp + j * d;
-                for (int64_t c = 0; c < d; ++c) acc[c] += bf16_bits_to_f32(r[c]) * wj;
-            }
-        } else {  // bf16 terms, each partial sum rounded: `out = terms[:, 0] + 0; out += terms[:, j]`
-            const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-            for (int64_t j = 0; j < k; ++j) {
-                const float wj = bf16_bits_to_f32(wp[slot[j]]);
-                const uint16_t* r = yp + j * d;
-                for (int64_t c = 0; c < d; ++c) {
-                    const float t = bf16_bits_to_f32(f32_to_bf16_bits(bf16_bits_to_f32(r[c]) * wj));
-                    acc[c] = bf16_bits_to_f32(f32_to_bf16_bits(acc[c] + t));
+                const int64_t s = slot[t * k + j];
+                const uint16_t* r = yp + row_of[t * k + j] * d;
+                if (f32) {  // terms in fp32, `terms.sum(1)` in slot order, one rounding
+                    const float wj = wc.data_ptr<float>()[t * k + s];
+                    for (int64_t c = 0; c < d; ++c) acc[c] += bf16_bits_to_f32(r[c]) * wj;
+                } else {  // bf16 terms, each partial sum rounded: `out = terms[:, 0] + 0; out += terms[:, j]`
+                    const float wj = bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(wc.data_ptr())[t * k + s]);
+                    for (int64_t c = 0; c < d; ++c) {
+                        const float term = bf16_bits_to_f32(f32_to_bf16_bits(bf16_bits_to_f32(r[c]) * wj));
+                        acc[c] = bf16_bits_to_f32(f32_to_bf16_bits(acc[c] + term));
+                    }
                 }
             }
+            for (int64_t c = 0; c < d; ++c) o[t * d + c] = f32_to_bf16_bits(acc[c]);
         }
-        for (int64_t c = 0; c < d; ++c) o[c] = f32_to_bf16_bits(acc[c]);
     }
     if (dense) {
-        const int64_t I = rows(*gate);
-        TORCH_CHECK(rows(*up) == I && rows(*down) == d, "ffn_one: gate / up [I, d], down [d, I]");
-        auto h = at::silu(product(x, *gate, std::nullopt, 1)).mul_(product(x, *up, std::nullopt, 1));
-        auto s = product(h, *down, std::nullopt, 1);
+        const int64_t I = out_rows(*gate);
+        TORCH_CHECK(out_rows(*up) == I && out_rows(*down) == d, "ffn_rows: gate / up [I, d], down [d, I]");
+        auto h = at::silu(product(x, *gate, std::nullopt, N, 1)).mul_(product(x, *up, std::nullopt, N, 1));
+        auto s = product(h, *down, std::nullopt, N, 1);
         if (!routed) return s;
         out.add_(s);  // `y + s` in bf16
     }

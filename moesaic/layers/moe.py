@@ -280,8 +280,12 @@ class Mlp:
     def __call__(self, x: torch.Tensor, glu=silu_glu, act=relu2) -> torch.Tensor:
         if self.gate is None:
             return linear(act(linear(x, self.up)), self.down)
-        if x.shape[0] == 1 and glu is silu_glu and (y := cpu.ffn_one(x, dense=self.operands())) is not None:
-            return y  # one token on the CPU: the same products and roundings in one call
+        if (
+            x.shape[0] <= cpu.MAX_ROWS
+            and glu is silu_glu
+            and (y := cpu.ffn_rows(x, dense=self.operands())) is not None
+        ):
+            return y  # decode rows on the CPU: the same products and roundings in one call
         return linear(glu(linear(x, self.gate), linear(x, self.up)), self.down)
 
     def operands(self) -> tuple:
@@ -351,10 +355,10 @@ def prefetch(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor 
         w.experts_in.prefetch(route(x, w, r, token_ids)[1].unique().tolist())
 
 
-def _one_token(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids) -> torch.Tensor | None:
-    """The block for one token (a batch-1 decode) as one compiled call where it applies: SwiGLU experts in
-    dense bf16 or packed stacks on the CPU, all held here, no latent projections; the same bits as the code
-    below."""
+def _fused(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids) -> torch.Tensor | None:
+    """The block for a few tokens (decode rows, a verify block) as one compiled call where it applies:
+    SwiGLU experts in dense bf16 or packed stacks on the CPU, all held here, no latent projections; the
+    same bits as the code below (cpu.ffn_rows)."""
     if not (spec.gated and spec.glu is silu_glu and w.latent_in is None and w.latent_out is None):
         return None
     if w.latent_norm is not None or w.reduce is not None or w.first_expert or w.next_moe is not None:
@@ -367,13 +371,13 @@ def _one_token(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids) -> t
     if w_in is None or w_out is None:  # streamed, split over ranks, gate | up quantized apart, fp32
         return None
     dense = () if w.shared is None else w.shared.operands()
-    return cpu.ffn_one(x, weights, ids, w_in, w_out, dense)
+    return cpu.ffn_rows(x, weights, ids, w_in, w_out, dense)
 
 
 def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE block on packed tokens x [N, d] (token_ids: for a hash layer's table)."""
     weights, ids = route(x, w, spec.router, token_ids)
-    if x.shape[0] == 1 and (y := _one_token(x, w, spec, weights, ids)) is not None:
+    if x.shape[0] <= cpu.MAX_ROWS and (y := _fused(x, w, spec, weights, ids)) is not None:
         return y
     h = x if w.latent_in is None else linear(x, w.latent_in)
     act = (lambda gu: spec.glu(*gu.chunk(2, dim=-1))) if spec.gated else spec.act
