@@ -1366,8 +1366,10 @@ void sinkhorn(torch::Tensor c, int64_t iters, double eps_d) {
 namespace {
 enum Ty { F32 = 0, BF16T = 1, F16T = 2 };  // a storage / rounding type
 
-inline float bf16_bits_to_f32(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
-inline uint16_t f32_to_bf16_bits(float f) {  // nearest even, NaN kept quiet (c10::BFloat16's rounding)
+// always_inline: GCC does not inline across the optimize attributes of these regions otherwise (mla_absorbed,
+// outside them, called both per value: 13 % of its time at 4096 cached rows)
+__attribute__((always_inline)) inline float bf16_bits_to_f32(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+__attribute__((always_inline)) inline uint16_t f32_to_bf16_bits(float f) {  // nearest even, NaN kept quiet (c10's)
     uint32_t u;
     std::memcpy(&u, &f, 4);
     return f != f ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
@@ -1743,6 +1745,141 @@ inline void axpy_bf16(float s, const uint16_t* b, float* y, int64_t n) {
     for (; k < n; ++k) y[k] += s * bf16_bits_to_f32(b[k]);
 }
 
+// R dots a . b_r (rows b + r * bs), each summed exactly as dot_bf16 sums it (8 lanes in k order, hsum, the
+// tail in order): the same bits, R independent chains of FMAs instead of one chain at a time.
+template <int R>
+inline void dot_bf16_rows(const float* a, const uint16_t* b, int64_t bs, int64_t n, float* out) {
+    int64_t k = 0;
+#if defined(MOESAIC_AVX2)
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+        const __m256 av = _mm256_loadu_ps(a + k);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(av, widen_bf16(b + r * bs + k), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+#else
+    for (int r = 0; r < R; ++r) out[r] = 0.f;
+#endif
+    for (int r = 0; r < R; ++r)
+        for (int64_t j = k; j < n; ++j) out[r] += a[j] * bf16_bits_to_f32(b[r * bs + j]);
+}
+
+// out[i] = a . b_i for m rows b_i = b + i * bs: dot_bf16's bits, eight rows at a time.
+inline void dot_bf16_many(const float* a, const uint16_t* b, int64_t bs, int64_t n, int64_t m, float* out) {
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) dot_bf16_rows<8>(a, b + i * bs, bs, n, out + i);
+    for (; i < m; ++i) out[i] = dot_bf16(a, b + i * bs, n);
+}
+
+// y[c] += s[i] * b_i[c] for the m rows b_i = b + i * bs in order: each y[c] the same chain of FMAs as m calls
+// of axpy_bf16 (the same bits), with a block of y held in registers over all the rows instead of loaded and
+// stored for each.
+inline void axpy_bf16_many(const float* s, const uint16_t* b, int64_t bs, int64_t m, float* y, int64_t n) {
+    int64_t c = 0;
+#if defined(MOESAIC_AVX2)
+    for (; c + 64 <= n; c += 64) {
+        __m256 o[8];
+        for (int j = 0; j < 8; ++j) o[j] = _mm256_loadu_ps(y + c + 8 * j);
+        for (int64_t i = 0; i < m; ++i) {
+            const __m256 sv = _mm256_set1_ps(s[i]);
+            const uint16_t* row = b + i * bs + c;
+            for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(sv, widen_bf16(row + 8 * j), o[j]);
+        }
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(y + c + 8 * j, o[j]);
+    }
+    for (; c + 8 <= n; c += 8) {
+        __m256 o = _mm256_loadu_ps(y + c);
+        for (int64_t i = 0; i < m; ++i) o = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), widen_bf16(b + i * bs + c), o);
+        _mm256_storeu_ps(y + c, o);
+    }
+#endif
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t k = c; k < n; ++k) y[k] += s[i] * bf16_bits_to_f32(b[i * bs + k]);
+}
+
+#if defined(MOESAIC_AVX512BF16)
+// vdpbf16ps forms of the two products over the cached rows (a long context's decode is these): q and the rows
+// are bf16 (q_lat and the probabilities are rounded to bf16 where the torch code rounds them), so every
+// product is exact and only the order of the fp32 sums differs from dot_bf16 / axpy_bf16 (equal to rounding;
+// subnormal bf16 inputs count as zero). qb: q's bf16 bits zero-padded to a multiple of 32.
+// out[t] = q . b_t for the m rows b_t = b + t * bs of n values.
+inline void dp_rows(const uint16_t* qb, const uint16_t* b, int64_t bs, int64_t n, int64_t m, float* out) {
+    const int64_t full = n / 32, rem = n % 32;
+    const __mmask32 tail = (__mmask32)((1ull << rem) - 1);
+    int64_t t = 0;
+    for (; t + 4 <= m; t += 4) {
+        __m512 acc[4];
+        for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t j = 0; j <= full; ++j) {
+            if (j == full && !rem) break;
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + 32 * j);
+            for (int r = 0; r < 4; ++r) {
+                const uint16_t* row = b + (t + r) * bs + 32 * j;
+                const __m512i bv = j < full ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(tail, row);
+                acc[r] = _mm512_dpbf16_ps(acc[r], qv, (__m512bh)bv);
+            }
+        }
+        for (int r = 0; r < 4; ++r) out[t + r] = _mm512_reduce_add_ps(acc[r]);
+    }
+    for (; t < m; ++t) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j * 32 < n; ++j) {
+            const uint16_t* row = b + t * bs + 32 * j;
+            const __m512i bv = j < full ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(tail, row);
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + 32 * j), (__m512bh)bv);
+        }
+        out[t] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+// y[c] = sum_t p[t] * b_t[c] over the m rows b_t = b + t * bs of n <= 32 C values, p as bf16 bits: two rows
+// a step, their values interleaved into pairs (vpunpck*wd: within each 128-bit lane, so accumulator lane
+// 4i + k holds value 8i + k of the low half and 8i + 4 + k of the high half). C a constant: the 2 C
+// accumulators stay in registers.
+template <int C>
+inline void dp_mix(const uint16_t* p, const uint16_t* b, int64_t bs, int64_t m, int64_t n, float* y) {
+    const __mmask32 tail = (__mmask32)((n % 32) ? ((1ull << (n % 32)) - 1) : ~0ull);
+    __m512 lo[C], hi[C];
+    for (int j = 0; j < C; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
+    auto load = [&](const uint16_t* row, int j) {
+        return j + 1 < C ? _mm512_loadu_si512(row + 32 * j) : _mm512_maskz_loadu_epi16(tail, row + 32 * j);
+    };
+    for (int64_t t = 0; t < m; t += 2) {
+        const bool two = t + 1 < m;
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)((uint32_t)p[t] | ((uint32_t)(two ? p[t + 1] : 0) << 16)));
+        const uint16_t* r0 = b + t * bs;
+        for (int j = 0; j < C; ++j) {  // a lone last row pairs with zeros (not itself times 0: inf * 0)
+            const __m512i v0 = load(r0, j), v1 = two ? load(r0 + bs, j) : _mm512_setzero_si512();
+            lo[j] = _mm512_dpbf16_ps(lo[j], (__m512bh)_mm512_unpacklo_epi16(v0, v1), pv);
+            hi[j] = _mm512_dpbf16_ps(hi[j], (__m512bh)_mm512_unpackhi_epi16(v0, v1), pv);
+        }
+    }
+    alignas(64) float l[16], h[16];
+    for (int j = 0; j < C; ++j) {
+        _mm512_store_ps(l, lo[j]);
+        _mm512_store_ps(h, hi[j]);
+        for (int i = 0; i < 4; ++i)
+            for (int k = 0; k < 4; ++k) {
+                const int64_t c = 32 * j + 8 * i + k;
+                if (c < n) y[c] = l[4 * i + k];
+                if (c + 4 < n) y[c + 4] = h[4 * i + k];
+            }
+    }
+}
+
+// dp_mix for n <= 128 values (the latent widths of the MLA models here: 128, DeepSeek's 512 takes axpy)
+inline bool dp_mix_any(const uint16_t* p, const uint16_t* b, int64_t bs, int64_t m, int64_t n, float* y) {
+    switch ((n + 31) / 32) {
+        case 1: dp_mix<1>(p, b, bs, m, n, y); return true;
+        case 2: dp_mix<2>(p, b, bs, m, n, y); return true;
+        case 3: dp_mix<3>(p, b, bs, m, n, y); return true;
+        case 4: dp_mix<4>(p, b, bs, m, n, y); return true;
+        default: return false;
+    }
+}
+#endif
+
 // MLA's absorbed attention (layers/mla.py: absorb_queries, latent_attention, absorb_output) for the
 // sequences of a step in one call, bf16: q_nope [N, H, dn] and q_rope [N, H, dr] hold every sequence's
 // rows in order (lens[s] rows each), w_uk [H, dn, kvr] and w_uv [H, dv, kvr] are views of kv_b, and
@@ -1781,7 +1918,8 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
     const uint16_t *qn = u16(q_nope), *qr = u16(q_rope), *wk = u16(w_uk), *wv = u16(w_uv);
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     auto heads = [&](int64_t h0, int64_t h1) {
-        std::vector<float> ql(kvr), ol(kvr), sc, rrow(dr);
+        std::vector<float> ql(kvr), ol(kvr), sc, sr, qv(dn), rrow(dr);
+        std::vector<uint16_t> qb((kvr + 31) / 32 * 32, 0), rb((dr + 31) / 32 * 32, 0), pb;  // bf16 bits
         for (int64_t h = h0; h < h1; ++h) {
             int64_t row0 = 0;
             for (size_t s = 0; s < lens.size(); ++s) {
@@ -1789,20 +1927,31 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                 const uint16_t *lat = u16(latents[s]), *kro = u16(k_ropes[s]);
                 const int64_t ls = latents[s].stride(0), ks = k_ropes[s].stride(0);
                 sc.resize(T);
+                sr.resize(std::max<int64_t>(T, dv));
+                pb.resize(T);
                 for (int64_t i = 0; i < n; ++i) {
                     const int64_t r = row0 + i;
                     const uint16_t* qp = qn + r * q_nope.stride(0) + h * q_nope.stride(1);
-                    std::fill(ql.begin(), ql.end(), 0.f);
-                    for (int64_t d = 0; d < dn; ++d)  // q_lat = q_nope . w_uk[h]
-                        axpy_bf16(bf16_bits_to_f32(qp[d]), wk + h * w_uk.stride(0) + d * w_uk.stride(1), ql.data(), kvr);
+                    for (int64_t d = 0; d < dn; ++d) qv[d] = bf16_bits_to_f32(qp[d]);
+                    std::fill(ql.begin(), ql.end(), 0.f);  // q_lat = q_nope . w_uk[h]
+                    axpy_bf16_many(qv.data(), wk + h * w_uk.stride(0), w_uk.stride(1), dn, ql.data(), kvr);
                     for (int64_t c = 0; c < kvr; ++c) ql[c] = rnd(ql[c]);
                     const uint16_t* rp = qr + r * q_rope.stride(0) + h * q_rope.stride(1);
                     for (int64_t d = 0; d < dr; ++d) rrow[d] = bf16_bits_to_f32(rp[d]);
                     const int64_t seen = T - n + i + 1;
+#if defined(MOESAIC_AVX512BF16)
+                    for (int64_t c = 0; c < kvr; ++c) qb[c] = f32_to_bf16_bits(ql[c]);  // ql is rounded: exact
+                    for (int64_t d = 0; d < dr; ++d) rb[d] = rp[d];
+                    dp_rows(qb.data(), lat, ls, kvr, seen, sc.data());
+                    if (dr) dp_rows(rb.data(), kro, ks, dr, seen, sr.data());
+#else
+                    dot_bf16_many(ql.data(), lat, ls, kvr, seen, sc.data());
+                    if (dr) dot_bf16_many(rrow.data(), kro, ks, dr, seen, sr.data());
+#endif
                     float mx = -INFINITY;
                     for (int64_t t = 0; t < seen; ++t) {
-                        float v = rnd(dot_bf16(ql.data(), lat + t * ls, kvr));
-                        if (dr) v = rnd(v + rnd(dot_bf16(rrow.data(), kro + t * ks, dr)));
+                        float v = rnd(sc[t]);
+                        if (dr) v = rnd(v + rnd(sr[t]));
                         sc[t] = v * scale;
                         mx = std::max(mx, sc[t]);
                     }
@@ -1812,13 +1961,19 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                         sum += sc[t];
                     }
                     const float inv = 1.f / sum;
-                    std::fill(ol.begin(), ol.end(), 0.f);
-                    for (int64_t t = 0; t < seen; ++t)  // o_lat = p . latent
-                        axpy_bf16(rnd(sc[t] * inv), lat + t * ls, ol.data(), kvr);
+                    for (int64_t t = 0; t < seen; ++t) sc[t] = rnd(sc[t] * inv);
+#if defined(MOESAIC_AVX512BF16)
+                    for (int64_t t = 0; t < seen; ++t) pb[t] = f32_to_bf16_bits(sc[t]);
+                    if (!dp_mix_any(pb.data(), lat, ls, seen, kvr, ol.data()))  // o_lat = p . latent
+#endif
+                    {
+                        std::fill(ol.begin(), ol.end(), 0.f);  // o_lat = p . latent
+                        axpy_bf16_many(sc.data(), lat, ls, seen, ol.data(), kvr);
+                    }
                     for (int64_t c = 0; c < kvr; ++c) ol[c] = rnd(ol[c]);
+                    dot_bf16_many(ol.data(), wv + h * w_uv.stride(0), w_uv.stride(1), kvr, dv, sr.data());
                     for (int64_t v = 0; v < dv; ++v)  // out = o_lat . w_uv[h]ᵀ
-                        op[(r * H + h) * dv + v] =
-                            f32_to_bf16_bits(dot_bf16(ol.data(), wv + h * w_uv.stride(0) + v * w_uv.stride(1), kvr));
+                        op[(r * H + h) * dv + v] = f32_to_bf16_bits(sr[v]);
                 }
                 row0 += n;
             }
