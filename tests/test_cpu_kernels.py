@@ -3,6 +3,8 @@ fp32, then matmul): bf16, FP8 (block scales fp32 / UE8M0, per channel, per tenso
 (compressed-tensors and ModelOpt global scales), single and grouped; QuantizedTensor / ConcatRows
 dispatch and fallback; thread-count selection; the quantized demos give the same tokens either way."""
 
+import functools
+
 import pytest
 import torch
 
@@ -406,8 +408,8 @@ def test_grouped_equals_per_expert_loop(kernel, fmt, dtype):
 def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
     """layers/moe.py's block at decode sizes (cpu.ffn_rows: routed experts, shared expert, dense MLP in one
     call) gives the torch code's bits: 1 to MAX_ROWS tokens (experts shared between tokens), softmax and
-    sigmoid routers, bf16 and fp32 routing weights, with and without a shared expert, activations large and
-    small; the fused call is taken (one call in the kernel counter's terms per product); more rows than
+    sigmoid routers, bf16 and fp32 routing weights, SwiGLU plain and clamped (GLM-5.3, DeepSeek-V4), with
+    and without a shared expert, activations large and small; the fused call is taken (one call in the kernel counter's terms per product); more rows than
     MAX_ROWS, or a stack it cannot take (gate | up quantized apart), run the torch code."""
     from moesaic.layers import moe as M
 
@@ -424,7 +426,8 @@ def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
             bias=torch.randn(e, generator=gen) if trial % 2 else None,
             shared=shared if trial < 4 else None,
         )
-        spec = M.MoeSpec(M.Router("sigmoid" if trial % 2 else "softmax", 3, fp32=trial % 3 == 0))
+        glu = functools.partial(M.clamped_silu_glu, limit=0.5) if trial >= 3 else M.silu_glu  # clamps
+        spec = M.MoeSpec(M.Router("sigmoid" if trial % 2 else "softmax", 3, fp32=trial % 3 == 0), glu=glu)
         x = (torch.randn(n, d, generator=gen) * (8 if trial == 2 else 1)).bfloat16()
         before = cpu.stats["kernel_calls"]
         fused = M.moe(x, w, spec)
@@ -433,9 +436,9 @@ def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
         monkeypatch.setattr(cpu, "ffn_rows", lambda *a, **k: None)
         want = M.moe(x, w, spec)
         assert torch.equal(fused.view(torch.int16), want.view(torch.int16)), trial
-        dense_want = shared(x)
+        dense_want = shared(x, glu)
         monkeypatch.undo()
-        assert torch.equal(shared(x).view(torch.int16), dense_want.view(torch.int16))
+        assert torch.equal(shared(x, glu).view(torch.int16), dense_want.view(torch.int16))
     # gate and up quantized apart (a ConcatRows stack; a streamed one is alike): the torch code, no fused
     # call, not even for the shared expert alone (the routed experts would be left out)
     parts = ConcatRows([mats(e, i, d, gen), mats(e, i, d, gen)])
@@ -443,6 +446,10 @@ def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
     weights, ids = M.route(x, w, spec.router)
     assert M.operand(parts) is None and M._fused(x, w, spec, weights, ids) is None
     assert cpu.ffn_rows(x, weights, ids, None, M.operand(w.experts_out), shared.operands()) is None
+    assert (
+        M.swiglu_limit(M.situ_glu) is False
+        and M.swiglu_limit(functools.partial(M.clamped_silu_glu, 0.5)) is False
+    )
     many = torch.randn(cpu.MAX_ROWS + 1, d, generator=gen).bfloat16()
     assert cpu.ffn_rows(many, dense=shared.operands()) is None
 

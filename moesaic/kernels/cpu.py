@@ -465,11 +465,12 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
     )
 
 
-def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=()):
+def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=None):
     """A few tokens' SwiGLU feed-forward block in one call (layers/moe.py's torch code at up to MAX_ROWS rows,
     the same bits): the routed experts (weights / ids [N, k], stacks w_in [E, 2I, d] gate|up and w_out [E, d,
     I]), each token's terms summed in ascending expert id, plus `dense` = (gate, up, down) (a shared expert
-    or a dense MLP), either part optional (routing weights given: w_in and w_out are needed). Weights are
+    or a dense MLP), either part optional (routing weights given: w_in and w_out are needed); the SwiGLU
+    clamped at `limit` when given (layers/moe.py's clamped_silu_glu). Weights are
     operands (bf16_operand, fp8_operand, fp4_operand); x bf16 [N, d]. None where it does not apply (the
     caller runs the torch code)."""
     ops = (w_in, w_out, *dense) if weights is not None else dense
@@ -490,7 +491,7 @@ def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=()):
         return None
     gate, up, down = dense or (None, None, None)
     path = 0 if amx_enabled() else 2
-    y = mod.ffn_rows(x, weights, ids, w_in, w_out, gate, up, down, MIN_THREAD_BYTES, path)
+    y = mod.ffn_rows(x, weights, ids, w_in, w_out, gate, up, down, limit, MIN_THREAD_BYTES, path)
     if y is not None:
         stats["kernel_calls"] += len(ops)
     return y

@@ -1998,7 +1998,7 @@ using Operand = std::tuple<int64_t, torch::Tensor, std::optional<torch::Tensor>,
 // (ids / weights [N, k] from the router; stacks w_in [E, 2I, d] gate|up and w_out [E, d, I], dense bf16 or
 // packed) as two grouped gemm calls over the (token, slot) pairs grouped by expert (each token's slots in
 // ascending id, the pairs in that order within an expert: run_experts' sort and stable argsort), silu(gate)
-// * up by torch's own ops on the same views, each token's weighted sum over its slots in ascending id in
+// * up (clamped at `limit`: clamped_silu_glu) by torch's own ops on the same views, each token's weighted sum over its slots in ascending id in
 // the weights' dtype (bf16: each product and each partial sum rounded, from 0; fp32: summed from 0, rounded
 // once to x's dtype); then the dense SwiGLU MLP (gate / up [I', d], down [d, I']: a shared expert) added in
 // x's dtype. Either part may be absent. The same products over the same rows, the same float operations in
@@ -2007,7 +2007,8 @@ using Operand = std::tuple<int64_t, torch::Tensor, std::optional<torch::Tensor>,
 // caller runs the torch code.
 torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, std::optional<torch::Tensor> ids,
                        std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
-                       std::optional<Operand> up, std::optional<Operand> down, int64_t min_thread_bytes, int64_t path) {
+                       std::optional<Operand> up, std::optional<Operand> down, std::optional<double> limit,
+                       int64_t min_thread_bytes, int64_t path) {
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.scalar_type() == torch::kBFloat16, "ffn_rows: x bf16 [N, d]");
     const bool routed = w_in.has_value(), dense = gate.has_value();
     TORCH_CHECK(routed == (weights && ids && w_out) && dense == (up && down) && (routed || dense), "ffn_rows: parts");
@@ -2024,9 +2025,12 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
         return gemm(kind, a, w, scales, gscale, divides, offs, std::nullopt, std::nullopt, group, bn, bk, threads, path);
     };
     auto out_rows = [](const Operand& m) { return std::get<1>(m).size(-2); };
-    auto swiglu = [](const torch::Tensor& gu, int64_t I) {  // layers/moe.py silu_glu over gu's two halves
-        return at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+    // layers/moe.py's silu_glu, or clamped_silu_glu with `limit`, by torch's ops on the same views
+    auto glu = [&](const torch::Tensor& gate, const torch::Tensor& up) {
+        if (!limit) return at::silu(gate).mul_(up);
+        return at::silu(at::clamp(gate, std::nullopt, *limit)).mul_(at::clamp(up, -*limit, *limit));
     };
+    auto swiglu = [&](const torch::Tensor& gu, int64_t I) { return glu(gu.narrow(1, 0, I), gu.narrow(1, I, I)); };
     torch::Tensor out;
     if (routed) {
         const auto& Wi = std::get<1>(*w_in);
@@ -2100,7 +2104,7 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
     if (dense) {
         const int64_t I = out_rows(*gate);
         TORCH_CHECK(out_rows(*up) == I && out_rows(*down) == d, "ffn_rows: gate / up [I, d], down [d, I]");
-        auto h = at::silu(product(x, *gate, std::nullopt, N, 1)).mul_(product(x, *up, std::nullopt, N, 1));
+        auto h = glu(product(x, *gate, std::nullopt, N, 1), product(x, *up, std::nullopt, N, 1));
         auto s = product(h, *down, std::nullopt, N, 1);
         if (!routed) return s;
         out.add_(s);  // `y + s` in bf16

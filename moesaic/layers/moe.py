@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -282,8 +283,8 @@ class Mlp:
             return linear(act(linear(x, self.up)), self.down)
         if (
             x.shape[0] <= cpu.MAX_ROWS
-            and glu is silu_glu
-            and (y := cpu.ffn_rows(x, dense=self.operands())) is not None
+            and (limit := swiglu_limit(glu)) is not False
+            and (y := cpu.ffn_rows(x, dense=self.operands(), limit=limit)) is not None
         ):
             return y  # decode rows on the CPU: the same products and roundings in one call
         return linear(glu(linear(x, self.gate), linear(x, self.up)), self.down)
@@ -359,7 +360,8 @@ def _fused(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids) -> torch
     """The block for a few tokens (decode rows, a verify block) as one compiled call where it applies:
     SwiGLU experts in dense bf16 or packed stacks on the CPU, all held here, no latent projections; the
     same bits as the code below (cpu.ffn_rows)."""
-    if not (spec.gated and spec.glu is silu_glu and w.latent_in is None and w.latent_out is None):
+    limit = swiglu_limit(spec.glu)
+    if not (spec.gated and limit is not False and w.latent_in is None and w.latent_out is None):
         return None
     if w.latent_norm is not None or w.reduce is not None or w.first_expert or w.next_moe is not None:
         return None
@@ -371,7 +373,23 @@ def _fused(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids) -> torch
     if w_in is None or w_out is None:  # streamed, split over ranks, gate | up quantized apart, fp32
         return None
     dense = () if w.shared is None else w.shared.operands()
-    return cpu.ffn_rows(x, weights, ids, w_in, w_out, dense)
+    return cpu.ffn_rows(x, weights, ids, w_in, w_out, dense, limit)
+
+
+def swiglu_limit(glu) -> float | None | bool:
+    """What the fused block needs to know of a gated activation: None for silu_glu, the limit of
+    clamped_silu_glu bound by `partial(clamped_silu_glu, limit=L)` (the families' form), False for any
+    other (the torch code runs it)."""
+    if glu is silu_glu:
+        return None
+    if (
+        isinstance(glu, partial)
+        and glu.func is clamped_silu_glu
+        and not glu.args
+        and set(glu.keywords) == {"limit"}
+    ):
+        return float(glu.keywords["limit"])
+    return False
 
 
 def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor | None = None) -> torch.Tensor:
