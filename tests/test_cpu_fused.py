@@ -374,6 +374,58 @@ def test_mla_decode_takes_the_fused_call(kernels, monkeypatch, name):
     assert runs["1"][0] == runs["0"][0]
 
 
+def _spy(f, taken: list):
+    """f, noting in `taken` whether each call returned a result (None: it did not apply)."""
+
+    def call(*args):
+        out = f(*args)
+        taken.append(out is not None)
+        return out
+
+    return call
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fn_dtype", [torch.bfloat16, torch.float32])
+def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn_dtype):
+    """layers/mhc.py's site_input and update in one call each (cpu.mhc_site_input / mhc_update) give the torch
+    code's bits: 4 streams, rows 1 to MAX_ROWS + 1 (the site's product by the kernel, then by torch's linear),
+    bf16 and fp32 streams and fn, a comb product small enough for fp32 and one that is not; the calls are
+    taken (a stream count the fused Sinkhorn does not take runs the torch code)."""
+    from moesaic.layers import mhc
+
+    g = torch.Generator().manual_seed(7)
+    dims = mhc.MhcDims(4, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-5)
+    for N, d in ((1, 96), (3, 96), (cpu.MAX_ROWS, 64), (cpu.MAX_ROWS + 1, 64), (2, 4096)):
+        site = mhc.MhcSite(
+            (torch.randn(dims.site_width, 4 * d, generator=g) * 0.05).to(fn_dtype),
+            torch.randn(dims.site_width, generator=g),
+            torch.rand(3, generator=g) + 0.5,
+        )
+        h = (torch.randn(N, 4, d, generator=g) * 3).to(dtype)
+        y = torch.randn(N, d, generator=g).to(dtype)
+        taken = []
+        for name in ("mhc_site_input", "mhc_update"):
+            monkeypatch.setattr(cpu, name, _spy(getattr(cpu, name), taken))
+        fused = mhc.site_input(h, site, dims)
+        fused_h = mhc.update(h, y, fused[1], fused[2])
+        assert taken == [True, True]  # both fused calls ran and returned
+        monkeypatch.undo()
+        monkeypatch.setattr(cpu, "mhc_site_input", lambda *a: None)
+        monkeypatch.setattr(cpu, "mhc_update", lambda *a: None)
+        want = mhc.site_input(h, site, dims)
+        want_h = mhc.update(h, y, want[1], want[2])
+        monkeypatch.undo()
+        for got, ref in zip((*fused, fused_h), (*want, want_h)):
+            assert got.dtype == ref.dtype and torch.equal(got, ref), (N, d)
+    five = mhc.MhcDims(5)
+    h5 = torch.randn(1, 5, 8, generator=g)
+    site5 = mhc.MhcSite(
+        torch.randn(five.site_width, 40, generator=g), torch.zeros(five.site_width), torch.ones(3)
+    )
+    assert cpu.mhc_site_input(h5, site5.fn, site5.columns, site5.base, torch.ones(40), 1e-6, 1e-6, 20) is None
+
+
 def test_sum_lanes_found_on_x86_builds():
     """The fused norm's sum order is found by probing torch (an AVX-512 build may still sum on AVX2
     vectors): on the x86 builds it must find one, or every norm silently takes the slower torch code."""

@@ -171,6 +171,8 @@ def load(verbose: bool = False):
                 "ssd_steps",
                 "mla_absorbed",
                 "ffn_rows",
+                "mhc_site_input",
+                "mhc_update",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -439,6 +441,50 @@ def rope(x, cos, sin, layout: int):
     threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
     y = mod.rope(x3, cos.contiguous(), sin.contiguous(), layout, threads)
     return y if x.dim() == 3 else y.view(x.shape)
+
+
+def mhc_site_input(streams, fn, columns, base, ones, norm_eps: float, hc_eps: float, iters: int):
+    """layers/mhc.py's site_input (site_maps, collapse) in one call, the same bits: (x [N, d], post [N, n],
+    comb [N, n, n]) for streams [N, n, d] (contiguous, n <= 4: the fused Sinkhorn's rule) and a site's fn,
+    per-column scale `columns`, base (fp32) and the norm's unit weight `ones` [n d]. None where it does
+    not apply (the caller runs the torch code)."""
+    if not (streams.dim() == 3 and streams.is_contiguous() and streams.shape[1] <= 4 and iters >= 1):
+        return None
+    N, n, d = streams.shape
+    if not (
+        0 < n * d <= MAX_NORM_WIDTH and columns is not None and columns.dtype == base.dtype == torch.float32
+    ):
+        return None
+    mod = _fused_mod(streams, fn)
+    if mod is None or not (lanes := sum_lanes()):
+        return None
+    kernel_fn = fn.dtype == torch.bfloat16 and fn.stride(-1) == 1 and N <= MAX_ROWS
+    norm_threads = 1 if streams.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    path = 0 if amx_enabled() else 2
+    x, post, comb = mod.mhc_site_input(
+        streams,
+        fn,
+        columns,
+        base,
+        ones,
+        norm_eps,
+        hc_eps,
+        iters,
+        lanes,
+        kernel_fn,
+        norm_threads,
+        threads_for(fn.nbytes, N),
+        path,
+    )
+    stats["kernel_calls"] += kernel_fn
+    return x, post, comb
+
+
+def mhc_update(streams, y, post, comb, small: bool):
+    """layers/mhc.py's update in one call (the same torch ops, the same bits); `small`: the comb product
+    takes layers/linear.py's small-product rule. None where it does not apply."""
+    mod = _fused_mod(streams, y, post, comb)
+    return None if mod is None else mod.mhc_update(streams, y, post, comb, small)
 
 
 DELTA_PARALLEL = 1 << 16  # state values x tokens from which the recurrences share their heads out to threads

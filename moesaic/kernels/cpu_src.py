@@ -2115,6 +2115,42 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
 #pragma GCC pop_options
 #endif
 
+// mHC's site (layers/mhc.py site_input: site_maps, then collapse) and its update, one call each: the same
+// torch ops in the same order on the same views, and the compiled norm, product and Sinkhorn rounds its
+// Python calls, so the same bits. What a decode step paid here was the ~22 + ~12 small ops' Python: ~170 us
+// a site and ~75 us an update on the 4-stream demo. streams [N, n, d]; fn [(2+n) n, n d]; columns / base
+// [(2+n) n] fp32; ones [n d] fp32 (the norm's unit weight). kernel_fn: fn through gemm (bf16, few rows),
+// else torch's linear on fn in fp32. Returns (x [N, d] in the streams' dtype, post [N, n], comb [N, n, n]).
+std::vector<torch::Tensor> mhc_site_input(torch::Tensor streams, torch::Tensor fn, torch::Tensor columns,
+                                          torch::Tensor base, torch::Tensor ones, double norm_eps, double hc_eps,
+                                          int64_t iters, int64_t lanes, bool kernel_fn, int64_t norm_threads,
+                                          int64_t fn_threads, int64_t path) {
+    TORCH_CHECK(streams.dim() == 3 && streams.is_contiguous(), "mhc_site_input: streams [N, n, d], contiguous");
+    const int64_t N = streams.size(0), n = streams.size(1), d = streams.size(2);
+    TORCH_CHECK(n <= 4 && iters >= 1 && fn.size(0) == (2 + n) * n && fn.size(1) == n * d, "mhc_site_input: shapes");
+    auto scaled = rms_norm(streams.reshape({N, n * d}), ones, norm_eps, F32, F32, F32, lanes, norm_threads);
+    auto m = kernel_fn ? gemm(BF16, scaled, fn, std::nullopt, std::nullopt, false, std::nullopt, std::nullopt,
+                              std::nullopt, 0, 1, 1, fn_threads, path)
+                       : at::linear(scaled, fn.to(torch::kFloat32));
+    auto z = m.mul(columns).add(base);  // `project(..) * site.columns + site.base`
+    auto pre = at::sigmoid(z.narrow(1, 0, n).contiguous()).add(hc_eps);
+    auto post = at::sigmoid(z.narrow(1, n, n).contiguous()).mul(2);
+    auto comb = at::softmax(z.narrow(1, 2 * n, n * n).view({N, n, n}), -1).add(hc_eps);
+    sinkhorn(comb, iters, hc_eps);
+    auto x = pre.unsqueeze(-1).mul(streams).sum(-2).to(streams.scalar_type());  // collapse
+    return {x, post, comb};
+}
+
+// layers/mhc.py's update: post[k] y + sum_j comb[j, k] h[j] in the streams' dtype; `small`: the comb
+// product in fp32 and rounded once (layers/linear.py's small_product rule), as matmul takes it.
+torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor post, torch::Tensor comb, bool small) {
+    const auto dt = streams.scalar_type();
+    auto spread = post.to(dt).unsqueeze(-1).mul(y.to(dt).unsqueeze(-2));
+    auto ct = comb.to(dt).transpose(-1, -2);
+    auto mixed = small ? at::matmul(ct.to(torch::kFloat32), streams.to(torch::kFloat32)).to(dt) : at::matmul(ct, streams);
+    return spread.add(mixed);
+}
+
 bool has_amx() {
 #if defined(MOESAIC_AMX)
     return amx_permitted();

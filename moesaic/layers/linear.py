@@ -29,9 +29,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     fp32 and the half-precision GEMM sums them in fp32 too, but oneDNN builds a primitive for each new
     shape, and a decode step's context length is new every step (0.5-0.9 ms a call at a new shape, ~25 us
     at a known one, against 10-17 us for the fp32 product and its casts; docs/perf.md)."""
-    if a.is_cpu and a.dtype in (torch.bfloat16, torch.float16) and a.numel() + b.numel() <= SMALL_PRODUCT:
+    if small_product(a, b):
         return torch.matmul(a.float(), b.float()).to(a.dtype)
     return torch.matmul(a, b)
+
+
+def small_product(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `matmul` runs a @ b in fp32 (a half-precision product of small operands on the CPU)."""
+    return a.is_cpu and a.dtype in (torch.bfloat16, torch.float16) and a.numel() + b.numel() <= SMALL_PRODUCT
 
 
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:

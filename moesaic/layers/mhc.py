@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import matmul
+from .linear import matmul, small_product
 
 
 @dataclass(frozen=True)
@@ -145,11 +145,20 @@ def update(streams: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """h'[k] = post[k] · y + Σ_j comb[j, k] h[j], in the streams' dtype. streams [N, n, d],
     y [N, d] (the block output), post [N, n], comb [N, n, n]."""
     dt = streams.dtype
+    if streams.is_cpu and not kernels("mhc", streams):  # the same ops in one compiled call
+        h = cpu.mhc_update(streams, y, post, comb, small_product(comb.to(dt), streams))
+        if h is not None:
+            return h
     return post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + matmul(comb.to(dt).transpose(-1, -2), streams)
 
 
 def site_input(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Tensor, Tensor]:
     """The usual (non-delayed) site: (block input [N, d], post, comb); finish with `update`."""
+    if streams.is_cpu and not kernels("mhc", streams):  # the same ops in one compiled call
+        ones = _ones(streams.shape[-2] * streams.shape[-1], streams.device)
+        args = (site.fn, site.columns, site.base, ones, dims.norm_eps, dims.hc_eps, dims.sinkhorn_iters)
+        if (fused := cpu.mhc_site_input(streams, *args)) is not None:
+            return fused
     pre, post, comb = site_maps(streams, site, dims)
     return collapse(streams, pre), post, comb
 
