@@ -762,6 +762,56 @@ def test_adaptive_drafting_stops_when_its_steps_are_slower_than_plain_ones(monke
     assert s["gated_steps"] > 10 and s["rounds"] <= 2 * (adaptive.GATE_MIN + 2)
 
 
+def test_drafter_cost_is_learnt_from_calls_without_catch_up(monkeypatch):
+    """A proposer runs the rows it deferred while its sequence did not draft in its next call (MTP and DFlash
+    defer up to MAX_DEFERRED), so that call costs more than drafting does. Charged to the drafts, a stretch off
+    drafting made them look dear, which kept drafting off (seen at batch 4: 189 of 239 steps gated). Every
+    fourth round here drafts nothing and the call after it sleeps 50 ms: the learnt cost stays the steady
+    calls' (fails when every call is charged)."""
+    name = "demo-mistral4"
+    ps, sp = prompts()[:2], greedy(40)
+    want = plain(name, ps, sp)
+    calls = itertools.count()
+
+    def every_fourth_round_off(self, accs, decoders, limits):
+        off = next(calls) % 4 == 3
+        return [0 if off else max(0, min(self.k, limit)) for limit in limits]
+
+    monkeypatch.setattr(DraftLength, "lengths", every_fourth_round_off)
+
+    class CatchingUp(ForcedProposer):
+        """Sleeps when a sequence was observed twice since its last call (a round without drafts between)."""
+
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.seen: dict[int, int] = defaultdict(int)
+            self.slow_calls = 0
+
+        def observe(self, seq_id, start, tokens, hidden):
+            super().observe(seq_id, start, tokens, hidden)
+            self.seen[seq_id] += 1
+
+        def propose(self, requests):
+            if any(self.seen[i] >= 2 for i, _, _ in requests):
+                self.slow_calls += 1
+                time.sleep(0.05)
+            for i, _, _ in requests:
+                self.seen[i] = 0
+            return super().propose(requests)
+
+    charged = []
+    learn = DraftLength.draft_done
+    monkeypatch.setattr(
+        DraftLength, "draft_done", lambda self, t, k=1: charged.append(t) or learn(self, t, k)
+    )
+    drafter = CatchingUp([o.prompt_token_ids + o.token_ids for o in want], VOCAB + 1)
+    llm = spec_llm(name, drafter, 4, spec={"adaptive": True})
+    llm.engine.gate = None  # every step asks the length policy
+    assert [o.token_ids for o in llm.generate(ps, sp)] == [o.token_ids for o in want]
+    assert drafter.slow_calls >= 2 and len(charged) >= 4
+    assert max(charged) < 0.04  # no catch-up call charged to the drafts
+
+
 def test_generate_keeps_its_batch_in_step():
     """LLM.generate returns when every sequence is done: a sequence ahead of the furthest-behind one gains
     nothing by drafting, so its drafts are held back (the tokens never change). Two requests of 40 and 12

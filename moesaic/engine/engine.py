@@ -757,7 +757,7 @@ class Engine:
         if self.gate is not None and not self.gate.allows(decoders):
             self.spec_counters["gated_steps"] += 1
             for s in ready:
-                s.draft = Draft([])
+                s.draft, s.drafted = Draft([]), False
             return
         limits = []
         snapshots = self.hybrid and self.limits.enable_prefix_caching
@@ -782,16 +782,23 @@ class Engine:
             if k > 0:
                 requests.append((s, k))
             else:
-                s.draft = Draft([])
+                s.draft, s.drafted = Draft([]), False
         if not requests:
             return
+        # a call for a sequence whose last round had no drafts also runs the rows the proposer deferred
+        # meanwhile (up to MAX_DEFERRED): the drafter's cost is learnt from the calls without that catch-up,
+        # else a stretch off drafting makes drafts look dear, which keeps drafting off
+        steady = all(s.drafted for s, _ in requests)
         t0 = time.perf_counter()
         out = self._call_proposer(
             None, self.proposer.propose, [(s.id, s.token_ids[-1], k) for s, k in requests]
         )
         dt = self._propose_s = time.perf_counter() - t0
         self.spec_counters["draft_s"] += dt
-        self.draft_length.draft_done(dt, max(k for _, k in requests))
+        for s, _ in requests:
+            s.drafted = True
+        if steady or self.draft_length.draft_seconds is None:
+            self.draft_length.draft_done(dt, max(k for _, k in requests))
         vocab = self.model.cfg.vocab_size
         for i, (s, k) in enumerate(requests):
             draft = out[i] if out is not None and i < len(out) else Draft([])
