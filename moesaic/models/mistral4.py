@@ -18,6 +18,7 @@ Checkpoint namings read here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -85,7 +86,7 @@ class Mistral4Config:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    @property
+    @cached_property  # read by every attention call
     def softmax_scale(self) -> float:
         scale = self.qk_head_dim**-0.5
         if self.rope.kind != "default" and self.rope.mscale_all_dim:
