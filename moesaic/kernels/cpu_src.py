@@ -1833,15 +1833,19 @@ inline void dp_rows(const uint16_t* qb, const uint16_t* b, int64_t bs, int64_t n
     }
 }
 
-// y[c] = sum_t p[t] * b_t[c] over the m rows b_t = b + t * bs of n <= 32 C values, p as bf16 bits: two rows
+// acc += sum_t p[t] * b_t[c] over the m rows b_t = b + t * bs of n <= 32 C values, p as bf16 bits: two rows
 // a step, their values interleaved into pairs (vpunpck*wd: within each 128-bit lane, so accumulator lane
-// 4i + k holds value 8i + k of the low half and 8i + 4 + k of the high half). C a constant: the 2 C
-// accumulators stay in registers.
+// 4i + k holds value 8i + k of the low half and 8i + 4 + k of the high half). acc: 2 C x 16 floats (chunk
+// j's low then high lanes), carried between calls, so the rows can come in blocks (of an even count: the
+// same pairs, the same sums); mix_out writes the values. C a constant: the accumulators stay in registers.
 template <int C>
-inline void dp_mix(const uint16_t* p, const uint16_t* b, int64_t bs, int64_t m, int64_t n, float* y) {
+inline void dp_mix(const uint16_t* p, const uint16_t* b, int64_t bs, int64_t m, int64_t n, float* acc) {
     const __mmask32 tail = (__mmask32)((n % 32) ? ((1ull << (n % 32)) - 1) : ~0ull);
     __m512 lo[C], hi[C];
-    for (int j = 0; j < C; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
+    for (int j = 0; j < C; ++j) {
+        lo[j] = _mm512_loadu_ps(acc + 32 * j);
+        hi[j] = _mm512_loadu_ps(acc + 32 * j + 16);
+    }
     auto load = [&](const uint16_t* row, int j) {
         return j + 1 < C ? _mm512_loadu_si512(row + 32 * j) : _mm512_maskz_loadu_epi16(tail, row + 32 * j);
     };
@@ -1855,28 +1859,32 @@ inline void dp_mix(const uint16_t* p, const uint16_t* b, int64_t bs, int64_t m, 
             hi[j] = _mm512_dpbf16_ps(hi[j], (__m512bh)_mm512_unpackhi_epi16(v0, v1), pv);
         }
     }
-    alignas(64) float l[16], h[16];
     for (int j = 0; j < C; ++j) {
-        _mm512_store_ps(l, lo[j]);
-        _mm512_store_ps(h, hi[j]);
-        for (int i = 0; i < 4; ++i)
-            for (int k = 0; k < 4; ++k) {
-                const int64_t c = 32 * j + 8 * i + k;
-                if (c < n) y[c] = l[4 * i + k];
-                if (c + 4 < n) y[c + 4] = h[4 * i + k];
-            }
+        _mm512_storeu_ps(acc + 32 * j, lo[j]);
+        _mm512_storeu_ps(acc + 32 * j + 16, hi[j]);
     }
 }
 
-// dp_mix for n <= 128 values (the latent widths of the MLA models here: 128, DeepSeek's 512 takes axpy)
-inline bool dp_mix_any(const uint16_t* p, const uint16_t* b, int64_t bs, int64_t m, int64_t n, float* y) {
+// dp_mix for n <= 128 values (the latent widths of the MLA models here: 128; DeepSeek's 512 takes axpy)
+inline bool dp_mix_any(const uint16_t* p, const uint16_t* b, int64_t bs, int64_t m, int64_t n, float* acc) {
     switch ((n + 31) / 32) {
-        case 1: dp_mix<1>(p, b, bs, m, n, y); return true;
-        case 2: dp_mix<2>(p, b, bs, m, n, y); return true;
-        case 3: dp_mix<3>(p, b, bs, m, n, y); return true;
-        case 4: dp_mix<4>(p, b, bs, m, n, y); return true;
+        case 1: dp_mix<1>(p, b, bs, m, n, acc); return true;
+        case 2: dp_mix<2>(p, b, bs, m, n, acc); return true;
+        case 3: dp_mix<3>(p, b, bs, m, n, acc); return true;
+        case 4: dp_mix<4>(p, b, bs, m, n, acc); return true;
         default: return false;
     }
+}
+
+// the n values of dp_mix's accumulators, in order
+inline void mix_out(const float* acc, int64_t n, float* y) {
+    for (int64_t j = 0; 32 * j < n; ++j)
+        for (int i = 0; i < 4; ++i)
+            for (int k = 0; k < 4; ++k) {
+                const int64_t c = 32 * j + 8 * i + k;
+                if (c < n) y[c] = acc[32 * j + 4 * i + k];
+                if (c + 4 < n) y[c + 4] = acc[32 * j + 16 + 4 * i + k];
+            }
 }
 #endif
 
@@ -1917,66 +1925,106 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
     const float scale = (float)scale_d;
     const uint16_t *qn = u16(q_nope), *qr = u16(q_rope), *wk = u16(w_uk), *wv = u16(w_uv);
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    auto heads = [&](int64_t h0, int64_t h1) {
-        std::vector<float> ql(kvr), ol(kvr), sc, sr, qv(dn), rrow(dr);
-        std::vector<uint16_t> qb((kvr + 31) / 32 * 32, 0), rb((dr + 31) / 32 * 32, 0), pb;  // bf16 bits
-        for (int64_t h = h0; h < h1; ++h) {
-            int64_t row0 = 0;
-            for (size_t s = 0; s < lens.size(); ++s) {
-                const int64_t n = lens[s], T = latents[s].size(0);
-                const uint16_t *lat = u16(latents[s]), *kro = u16(k_ropes[s]);
-                const int64_t ls = latents[s].stride(0), ks = k_ropes[s].stride(0);
-                sc.resize(T);
-                sr.resize(std::max<int64_t>(T, dv));
-                pb.resize(T);
-                for (int64_t i = 0; i < n; ++i) {
-                    const int64_t r = row0 + i;
-                    const uint16_t* qp = qn + r * q_nope.stride(0) + h * q_nope.stride(1);
-                    for (int64_t d = 0; d < dn; ++d) qv[d] = bf16_bits_to_f32(qp[d]);
-                    std::fill(ql.begin(), ql.end(), 0.f);  // q_lat = q_nope . w_uk[h]
-                    axpy_bf16_many(qv.data(), wk + h * w_uk.stride(0), w_uk.stride(1), dn, ql.data(), kvr);
-                    for (int64_t c = 0; c < kvr; ++c) ql[c] = rnd(ql[c]);
-                    const uint16_t* rp = qr + r * q_rope.stride(0) + h * q_rope.stride(1);
-                    for (int64_t d = 0; d < dr; ++d) rrow[d] = bf16_bits_to_f32(rp[d]);
-                    const int64_t seen = T - n + i + 1;
+    // A thread's heads go through the cached rows together, a block of rows at a time, so that each block is
+    // read from memory once for all of them (past ~8k rows the cache outgrows L2). The same sums in the same
+    // order as one head at a time: each score is its own dot, and the mix's pairs / chains run in row order.
+    constexpr int64_t ROWS = 256;  // rows a block (even: dp_mix's pairs never straddle two blocks)
+    constexpr int64_t MIX_ACC = 4 * 32;  // floats of one dp_mix accumulator set (up to 128 values)
 #if defined(MOESAIC_AVX512BF16)
-                    for (int64_t c = 0; c < kvr; ++c) qb[c] = f32_to_bf16_bits(ql[c]);  // ql is rounded: exact
-                    for (int64_t d = 0; d < dr; ++d) rb[d] = rp[d];
-                    dp_rows(qb.data(), lat, ls, kvr, seen, sc.data());
-                    if (dr) dp_rows(rb.data(), kro, ks, dr, seen, sr.data());
+    const bool mix = kvr <= 128;  // dp_mix's widths
 #else
-                    dot_bf16_many(ql.data(), lat, ls, kvr, seen, sc.data());
-                    if (dr) dot_bf16_many(rrow.data(), kro, ks, dr, seen, sr.data());
+    const bool mix = false;
 #endif
+    auto heads = [&](int64_t h0, int64_t h1) {
+        const int64_t nh = h1 - h0, kp = (kvr + 31) / 32 * 32, rpad = (dr + 31) / 32 * 32;
+        std::vector<float> ql(nh * kvr), ol(nh * kvr), rrow(nh * dr), qv(dn), acc(nh * MIX_ACC), sc, sr, ov(dv);
+        std::vector<uint16_t> qb(nh * kp, 0), rb(nh * rpad, 0), pb;  // bf16 bits
+        int64_t row0 = 0;
+        for (size_t s = 0; s < lens.size(); ++s) {
+            const int64_t n = lens[s], T = latents[s].size(0);
+            const uint16_t *lat = u16(latents[s]), *kro = u16(k_ropes[s]);
+            const int64_t ls = latents[s].stride(0), ks = k_ropes[s].stride(0);
+            sc.resize(nh * T);
+            sr.resize(nh * T);
+            pb.resize(nh * T);
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t r = row0 + i, seen = T - n + i + 1;
+                for (int64_t hh = 0; hh < nh; ++hh) {  // q_lat = q_nope . w_uk[h], rounded to bf16
+                    const int64_t h = h0 + hh;
+                    const uint16_t* qp = qn + r * q_nope.stride(0) + h * q_nope.stride(1);
+                    const uint16_t* rp = qr + r * q_rope.stride(0) + h * q_rope.stride(1);
+                    float* q = ql.data() + hh * kvr;
+                    for (int64_t d = 0; d < dn; ++d) qv[d] = bf16_bits_to_f32(qp[d]);
+                    std::fill(q, q + kvr, 0.f);
+                    axpy_bf16_many(qv.data(), wk + h * w_uk.stride(0), w_uk.stride(1), dn, q, kvr);
+                    for (int64_t c = 0; c < kvr; ++c) {
+                        q[c] = rnd(q[c]);
+                        qb[hh * kp + c] = f32_to_bf16_bits(q[c]);  // exact: q is rounded
+                    }
+                    for (int64_t d = 0; d < dr; ++d) {
+                        rrow[hh * dr + d] = bf16_bits_to_f32(rp[d]);
+                        rb[hh * rpad + d] = rp[d];
+                    }
+                }
+                for (int64_t t0 = 0; t0 < seen; t0 += ROWS) {  // the scores, a block of rows for every head
+                    const int64_t m = std::min(ROWS, seen - t0);
+                    for (int64_t hh = 0; hh < nh; ++hh) {
+#if defined(MOESAIC_AVX512BF16)
+                        dp_rows(qb.data() + hh * kp, lat + t0 * ls, ls, kvr, m, sc.data() + hh * T + t0);
+                        if (dr) dp_rows(rb.data() + hh * rpad, kro + t0 * ks, ks, dr, m, sr.data() + hh * T + t0);
+#else
+                        dot_bf16_many(ql.data() + hh * kvr, lat + t0 * ls, ls, kvr, m, sc.data() + hh * T + t0);
+                        if (dr) dot_bf16_many(rrow.data() + hh * dr, kro + t0 * ks, ks, dr, m, sr.data() + hh * T + t0);
+#endif
+                    }
+                }
+                for (int64_t hh = 0; hh < nh; ++hh) {  // the softmax, head by head
+                    float* sh = sc.data() + hh * T;
+                    const float* rh = sr.data() + hh * T;
                     float mx = -INFINITY;
                     for (int64_t t = 0; t < seen; ++t) {
-                        float v = rnd(sc[t]);
-                        if (dr) v = rnd(v + rnd(sr[t]));
-                        sc[t] = v * scale;
-                        mx = std::max(mx, sc[t]);
+                        float v = rnd(sh[t]);
+                        if (dr) v = rnd(v + rnd(rh[t]));
+                        sh[t] = v * scale;
+                        mx = std::max(mx, sh[t]);
                     }
                     float sum = 0.f;
                     for (int64_t t = 0; t < seen; ++t) {
-                        sc[t] = std::exp(sc[t] - mx);
-                        sum += sc[t];
+                        sh[t] = std::exp(sh[t] - mx);
+                        sum += sh[t];
                     }
                     const float inv = 1.f / sum;
-                    for (int64_t t = 0; t < seen; ++t) sc[t] = rnd(sc[t] * inv);
-#if defined(MOESAIC_AVX512BF16)
-                    for (int64_t t = 0; t < seen; ++t) pb[t] = f32_to_bf16_bits(sc[t]);
-                    if (!dp_mix_any(pb.data(), lat, ls, seen, kvr, ol.data()))  // o_lat = p . latent
-#endif
-                    {
-                        std::fill(ol.begin(), ol.end(), 0.f);  // o_lat = p . latent
-                        axpy_bf16_many(sc.data(), lat, ls, seen, ol.data(), kvr);
+                    for (int64_t t = 0; t < seen; ++t) {
+                        sh[t] = rnd(sh[t] * inv);
+                        pb[hh * T + t] = f32_to_bf16_bits(sh[t]);
                     }
-                    for (int64_t c = 0; c < kvr; ++c) ol[c] = rnd(ol[c]);
-                    dot_bf16_many(ol.data(), wv + h * w_uv.stride(0), w_uv.stride(1), kvr, dv, sr.data());
-                    for (int64_t v = 0; v < dv; ++v)  // out = o_lat . w_uv[h]ᵀ
-                        op[(r * H + h) * dv + v] = f32_to_bf16_bits(sr[v]);
                 }
-                row0 += n;
+                std::fill(acc.begin(), acc.end(), 0.f);  // o_lat = p . latent, a block of rows for every head
+                std::fill(ol.begin(), ol.end(), 0.f);
+                for (int64_t t0 = 0; t0 < seen; t0 += ROWS) {
+                    const int64_t m = std::min(ROWS, seen - t0);
+                    for (int64_t hh = 0; hh < nh; ++hh) {
+#if defined(MOESAIC_AVX512BF16)
+                        if (mix) {
+                            dp_mix_any(pb.data() + hh * T + t0, lat + t0 * ls, ls, m, kvr, acc.data() + hh * MIX_ACC);
+                            continue;
+                        }
+#endif
+                        axpy_bf16_many(sc.data() + hh * T + t0, lat + t0 * ls, ls, m, ol.data() + hh * kvr, kvr);
+                    }
+                }
+                for (int64_t hh = 0; hh < nh; ++hh) {  // out = o_lat . w_uv[h]ᵀ
+                    const int64_t h = h0 + hh;
+                    float* o = ol.data() + hh * kvr;
+#if defined(MOESAIC_AVX512BF16)
+                    if (mix) mix_out(acc.data() + hh * MIX_ACC, kvr, o);
+#endif
+                    for (int64_t c = 0; c < kvr; ++c) o[c] = rnd(o[c]);
+                    dot_bf16_many(o, wv + h * w_uv.stride(0), w_uv.stride(1), kvr, dv, ov.data());
+                    for (int64_t v = 0; v < dv; ++v) op[(r * H + h) * dv + v] = f32_to_bf16_bits(ov[v]);
+                }
             }
+            row0 += n;
         }
     };
     over_heads(H, nthreads, heads);
