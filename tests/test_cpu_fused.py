@@ -355,6 +355,60 @@ def test_mla_absorbed_matches_the_torch_code(kernels, H, dn, dv, kvr, dr, lens, 
     assert kernels.mla_absorbed(qn, qr, w_uk, w_uv, cols, kr, lens, 0.1) is None
 
 
+def test_mla_absorbed_reads_pages_in_place(kernels):
+    """The fused absorbed attention over paged caches (a pool's views and each sequence's block ids, read in
+    place) gives the bits of the same call over the rows gathered: lengths inside, at and past a block's end,
+    queries of one row and causal blocks, two sequences in one call."""
+    g = torch.Generator().manual_seed(11)
+    H, dn, dv, kvr, dr, rows = 8, 64, 64, 128, 32, 64
+    w = (torch.randn(H * (dn + dv), kvr, generator=g) * 0.1).bfloat16().view(H, dn + dv, kvr)
+    lat = torch.randn(20, 3, rows, kvr, generator=g).bfloat16()  # [blocks, layers, block rows, width]
+    rope = torch.randn(20, 3, rows, dr, generator=g).bfloat16()
+    seqs = [(150, 1, [5, 2, 9]), (64, 1, [7]), (65, 2, [1, 3]), (300, 3, [0, 4, 8, 12, 16])]
+    for pair in (seqs[:1], seqs[1:2], seqs[2:3], seqs[3:], seqs[::3]):
+        n = sum(q for _, q, _ in pair)
+        qn = torch.randn(n, H, dn, generator=g).bfloat16()
+        qr = torch.randn(n, H, dr, generator=g).bfloat16()
+        gathered = [
+            (lat[ids, 1].reshape(-1, kvr)[:T], rope[ids, 1].reshape(-1, dr)[:T]) for T, _, ids in pair
+        ]
+        lens = [q for _, q, _ in pair]
+        want = kernels.mla_absorbed(
+            qn, qr, w[:, :dn], w[:, dn:], [a for a, _ in gathered], [b for _, b in gathered], lens, 0.125
+        )
+        got = kernels.mla_absorbed(
+            qn,
+            qr,
+            w[:, :dn],
+            w[:, dn:],
+            [lat[:, 1]] * len(pair),
+            [rope[:, 1]] * len(pair),
+            lens,
+            0.125,
+            blocks=[ids for _, _, ids in pair],
+            lengths=[T for T, _, _ in pair],
+        )
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["demo-mistral4", "demo-kimi-linear"])
+def test_mla_decode_reads_its_pages_in_place(kernels, monkeypatch, name):
+    """The engine's bf16 MLA decode reads its paged caches in place (no gather per layer and step) and
+    generates the tokens of the gathered path (prefix caching off: a hit would change the prefill's rows)."""
+    import moesaic
+    from moesaic.layers import mla
+
+    llm = moesaic.LLM(name, dtype="bfloat16", enable_prefix_caching=False)
+    params = moesaic.SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+    ps = [[5, 6, 7] * 30, [9, 10], list(range(3, 140))]
+    taken = []
+    monkeypatch.setattr(mla, "_absorbed_in_place", _spy(mla._absorbed_in_place, taken))
+    fast = [o.token_ids for o in llm.generate(ps, params)]
+    assert sum(taken) >= 60  # the decode steps' calls read in place
+    monkeypatch.setattr(mla, "_absorbed_in_place", lambda *a: None)
+    assert fast == [o.token_ids for o in llm.generate(ps, params)]
+
+
 @pytest.mark.parametrize("name", ["demo-mistral4", "demo-kimi-linear"])
 def test_mla_decode_takes_the_fused_call(kernels, monkeypatch, name):
     """A bf16 MLA model's decode runs no bmm / matmul (the absorbed folds and the latent attention are one

@@ -148,6 +148,17 @@ class PagedRows(LengthRollback):
 
     def append(self, **rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Writes the new rows into their pages; returns all rows held, gathered from the pages."""
+        self.write(**rows)
+        return self._gather(self.length)
+
+    def pages(self) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """This layer's views of the pool ({field: [num_blocks, BLOCK_SIZE, width]}) and the ids of the blocks
+        that hold rows 0..length in order: for a kernel that reads the rows in place (no gather)."""
+        nb = -(-self.length // BLOCK_SIZE)
+        return {k: t[:, self.index] for k, t in self.fields.items()}, self.table.ids[:nb]
+
+    def write(self, **rows: torch.Tensor) -> None:
+        """Writes the new rows into their pages (append without the gather)."""
         n = next(iter(rows.values())).shape[0]
         end = self.length + n
         if end > self.max_tokens:
@@ -168,7 +179,6 @@ class PagedRows(LengthRollback):
             for k, r in rows.items():
                 self.fields[k][blocks, self.index, offsets] = r.to(self.dtype)
         self.length = end
-        return self._gather(end)
 
     def _gather(self, end: int) -> dict[str, torch.Tensor]:
         nb = -(-end // BLOCK_SIZE)

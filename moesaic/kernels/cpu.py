@@ -490,24 +490,28 @@ def mhc_update(streams, y, post, comb, small: bool):
 DELTA_PARALLEL = 1 << 16  # state values x tokens from which the recurrences share their heads out to threads
 
 
-def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: float):
+def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: float, blocks=None, lengths=None):
     """layers/mla.py's absorbed attention (absorb_queries, latent_attention per sequence, absorb_output)
     for bf16 tensors in one call: q_nope [N, H, dn] / q_rope [N, H, dr] packed rows of the sequences
     (lens rows each), their caches latents[s] [T, kvr] / k_ropes[s] [T, dr] -> [N, H, dv]; rounded where
-    the torch code rounds, summed in another order (so equal to rounding). None where it does not apply
+    the torch code rounds, summed in another order (so equal to rounding). With `blocks` (and `lengths`)
+    the caches are read in place from pages: latents[s] / k_ropes[s] a pool's views [num_blocks, block
+    rows, width], sequence s's rows 0..lengths[s] in its blocks[s] in order. None where it does not apply
     (not bf16, autograd, kernels off): the caller runs the torch code."""
     caches = (*latents, *k_ropes)
-    if q_nope.dtype != torch.bfloat16 or any(t.dtype != torch.bfloat16 or t.dim() != 2 for t in caches):
+    dims = 2 if blocks is None else 3
+    if q_nope.dtype != torch.bfloat16 or any(t.dtype != torch.bfloat16 or t.dim() != dims for t in caches):
         return None
     if any(t.shape[-1] and t.stride(-1) != 1 for t in (q_nope, q_rope, w_uk, w_uv, *caches)):
         return None
     mod = _fused_mod(q_nope, q_rope, w_uk, w_uv, *latents, *k_ropes)
     if mod is None:
         return None
-    work = q_nope.shape[1] * sum(t.shape[0] for t in latents) * w_uk.shape[-1]
+    rows = sum(t.shape[0] for t in latents) if blocks is None else sum(lengths)
+    work = q_nope.shape[1] * rows * w_uk.shape[-1]
     threads = 1 if work < FUSED_PARALLEL * 32 else torch.get_num_threads()
     return mod.mla_absorbed(
-        q_nope, q_rope, w_uk, w_uv, list(latents), list(k_ropes), list(lens), scale, threads
+        q_nope, q_rope, w_uk, w_uv, list(latents), list(k_ropes), list(lens), scale, threads, blocks, lengths
     )
 
 

@@ -1896,9 +1896,13 @@ inline void mix_out(const float* acc, int64_t n, float* y) {
 // products and their sum, the probabilities, o_lat and the output (torch's bf16 matmuls here run at
 // 35-85 us each on an AVX2 CPU, five per layer; this is a few us). The sums' order differs from
 // torch's matmuls, so it matches the torch code to rounding, not to the bit. Threads over heads.
+// Paged caches (`blocks` given): latents[s] / k_ropes[s] are a pool's views [num_blocks, block rows, width],
+// and sequence s holds rows 0..lengths[s] in its blocks[s], in order: read in place, not gathered.
 torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Tensor w_uk, torch::Tensor w_uv,
                            std::vector<torch::Tensor> latents, std::vector<torch::Tensor> k_ropes,
-                           std::vector<int64_t> lens, double scale_d, int64_t nthreads) {
+                           std::vector<int64_t> lens, double scale_d, int64_t nthreads,
+                           std::optional<std::vector<std::vector<int64_t>>> blocks,
+                           std::optional<std::vector<int64_t>> lengths) {
     TORCH_CHECK(q_nope.dim() == 3 && q_rope.dim() == 3 && w_uk.dim() == 3 && w_uv.dim() == 3, "mla_absorbed: ranks");
     const int64_t N = q_nope.size(0), H = q_nope.size(1), dn = q_nope.size(2), dr = q_rope.size(2);
     const int64_t kvr = w_uk.size(2), dv = w_uv.size(1);
@@ -1908,27 +1912,57 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
     for (const auto& t : {q_nope, q_rope, w_uk, w_uv})
         TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.device().is_cpu() && t.stride(-1) == 1,
                     "mla_absorbed: bf16 CPU tensors, unit last stride");
+    const bool paged = blocks.has_value();
+    TORCH_CHECK(!paged || (lengths && blocks->size() == lens.size() && lengths->size() == lens.size()),
+                "mla_absorbed: one block list and length per sequence");
+    // each sequence's cached rows as segments of contiguous rows: pages, or blocks of ROWS rows of one
+    // tensor (an even count: dp_mix's pairs never straddle two segments but where the rows end)
+    constexpr int64_t ROWS = 256;
+    struct Seg {
+        const uint16_t *lat, *rope;
+        int64_t t0, rows;
+    };
+    const auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+    std::vector<std::vector<Seg>> segs(lens.size());
+    std::vector<int64_t> Ts(lens.size()), lss(lens.size()), kss(lens.size());
     int64_t total = 0;
     for (size_t s = 0; s < lens.size(); ++s) {
         const auto& L = latents[s];
         const auto& R = k_ropes[s];
-        TORCH_CHECK(L.scalar_type() == torch::kBFloat16 && L.dim() == 2 && L.size(1) == kvr && L.stride(1) == 1 &&
-                        R.scalar_type() == torch::kBFloat16 && R.dim() == 2 && R.size(0) == L.size(0) &&
-                        R.size(1) == dr && (dr == 0 || R.stride(1) == 1) && lens[s] <= L.size(0),
-                    "mla_absorbed: latent [T, kvr], k_rope [T, dr] bf16, at least as many rows as queries");
+        const int64_t d = paged ? 3 : 2;
+        TORCH_CHECK(L.scalar_type() == torch::kBFloat16 && L.dim() == d && L.size(-1) == kvr && L.stride(-1) == 1 &&
+                        R.scalar_type() == torch::kBFloat16 && R.dim() == d && R.size(-1) == dr &&
+                        (dr == 0 || R.stride(-1) == 1) && R.size(0) == L.size(0) && R.size(d - 2) == L.size(d - 2),
+                    "mla_absorbed: latent [T, kvr] / k_rope [T, dr] bf16 (paged: [blocks, rows, width])");
+        const int64_t T = paged ? (*lengths)[s] : L.size(0);
+        TORCH_CHECK(lens[s] <= T, "mla_absorbed: at least as many cached rows as queries");
+        Ts[s] = T;
+        lss[s] = L.stride(-2);
+        kss[s] = R.stride(-2);
+        if (paged) {
+            const int64_t per = L.size(1);
+            const auto& ids = (*blocks)[s];
+            TORCH_CHECK((int64_t)ids.size() * per >= T && per % 2 == 0, "mla_absorbed: blocks for every row, even rows a block");
+            for (int64_t b = 0; b * per < T; ++b) {
+                TORCH_CHECK(ids[b] >= 0 && ids[b] < L.size(0), "mla_absorbed: block id out of range");
+                segs[s].push_back({u16(L) + ids[b] * L.stride(0), u16(R) + ids[b] * R.stride(0), b * per,
+                                   std::min(per, T - b * per)});
+            }
+        } else {
+            for (int64_t t0 = 0; t0 < T; t0 += ROWS)
+                segs[s].push_back({u16(L) + t0 * lss[s], u16(R) + t0 * kss[s], t0, std::min(ROWS, T - t0)});
+        }
         total += lens[s];
     }
     TORCH_CHECK(total == N, "mla_absorbed: lens must sum to the query rows");
     auto out = torch::empty({N, H, dv}, q_nope.options());
     const auto rnd = [](float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); };
-    const auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
     const float scale = (float)scale_d;
     const uint16_t *qn = u16(q_nope), *qr = u16(q_rope), *wk = u16(w_uk), *wv = u16(w_uv);
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    // A thread's heads go through the cached rows together, a block of rows at a time, so that each block is
-    // read from memory once for all of them (past ~8k rows the cache outgrows L2). The same sums in the same
-    // order as one head at a time: each score is its own dot, and the mix's pairs / chains run in row order.
-    constexpr int64_t ROWS = 256;  // rows a block (even: dp_mix's pairs never straddle two blocks)
+    // A thread's heads go through the cached rows together, a segment of rows at a time, so that each is read
+    // from memory once for all of them (past ~8k rows the cache outgrows L2). The same sums in the same order
+    // as one head at a time: each score is its own dot, and the mix's pairs / chains run in row order.
     constexpr int64_t MIX_ACC = 4 * 32;  // floats of one dp_mix accumulator set (up to 128 values)
 #if defined(MOESAIC_AVX512BF16)
     const bool mix = kvr <= 128;  // dp_mix's widths
@@ -1941,9 +1975,7 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
         std::vector<uint16_t> qb(nh * kp, 0), rb(nh * rpad, 0), pb;  // bf16 bits
         int64_t row0 = 0;
         for (size_t s = 0; s < lens.size(); ++s) {
-            const int64_t n = lens[s], T = latents[s].size(0);
-            const uint16_t *lat = u16(latents[s]), *kro = u16(k_ropes[s]);
-            const int64_t ls = latents[s].stride(0), ks = k_ropes[s].stride(0);
+            const int64_t n = lens[s], T = Ts[s], ls = lss[s], ks = kss[s];
             sc.resize(nh * T);
             sr.resize(nh * T);
             pb.resize(nh * T);
@@ -1966,15 +1998,16 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                         rb[hh * rpad + d] = rp[d];
                     }
                 }
-                for (int64_t t0 = 0; t0 < seen; t0 += ROWS) {  // the scores, a block of rows for every head
-                    const int64_t m = std::min(ROWS, seen - t0);
+                for (const Seg& g : segs[s]) {  // the scores, a segment of rows for every head
+                    if (g.t0 >= seen) break;
+                    const int64_t t0 = g.t0, m = std::min(g.rows, seen - t0);
                     for (int64_t hh = 0; hh < nh; ++hh) {
 #if defined(MOESAIC_AVX512BF16)
-                        dp_rows(qb.data() + hh * kp, lat + t0 * ls, ls, kvr, m, sc.data() + hh * T + t0);
-                        if (dr) dp_rows(rb.data() + hh * rpad, kro + t0 * ks, ks, dr, m, sr.data() + hh * T + t0);
+                        dp_rows(qb.data() + hh * kp, g.lat, ls, kvr, m, sc.data() + hh * T + t0);
+                        if (dr) dp_rows(rb.data() + hh * rpad, g.rope, ks, dr, m, sr.data() + hh * T + t0);
 #else
-                        dot_bf16_many(ql.data() + hh * kvr, lat + t0 * ls, ls, kvr, m, sc.data() + hh * T + t0);
-                        if (dr) dot_bf16_many(rrow.data() + hh * dr, kro + t0 * ks, ks, dr, m, sr.data() + hh * T + t0);
+                        dot_bf16_many(ql.data() + hh * kvr, g.lat, ls, kvr, m, sc.data() + hh * T + t0);
+                        if (dr) dot_bf16_many(rrow.data() + hh * dr, g.rope, ks, dr, m, sr.data() + hh * T + t0);
 #endif
                     }
                 }
@@ -2001,16 +2034,17 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                 }
                 std::fill(acc.begin(), acc.end(), 0.f);  // o_lat = p . latent, a block of rows for every head
                 std::fill(ol.begin(), ol.end(), 0.f);
-                for (int64_t t0 = 0; t0 < seen; t0 += ROWS) {
-                    const int64_t m = std::min(ROWS, seen - t0);
+                for (const Seg& g : segs[s]) {
+                    if (g.t0 >= seen) break;
+                    const int64_t t0 = g.t0, m = std::min(g.rows, seen - t0);
                     for (int64_t hh = 0; hh < nh; ++hh) {
 #if defined(MOESAIC_AVX512BF16)
                         if (mix) {
-                            dp_mix_any(pb.data() + hh * T + t0, lat + t0 * ls, ls, m, kvr, acc.data() + hh * MIX_ACC);
+                            dp_mix_any(pb.data() + hh * T + t0, g.lat, ls, m, kvr, acc.data() + hh * MIX_ACC);
                             continue;
                         }
 #endif
-                        axpy_bf16_many(sc.data() + hh * T + t0, lat + t0 * ls, ls, m, ol.data() + hh * kvr, kvr);
+                        axpy_bf16_many(sc.data() + hh * T + t0, g.lat, ls, m, ol.data() + hh * kvr, kvr);
                     }
                 }
                 for (int64_t hh = 0; hh < nh; ++hh) {  // out = o_lat . w_uv[h]ᵀ

@@ -126,13 +126,21 @@ def mla_batch(
     once over all their packed tokens; the others expand their cache. -> [N, H, dv]."""
     N, H, dn = q_nope.shape
     kvr, dr = latent.shape[1], k_rope.shape[1]
-    out = q_nope.new_empty(N, H, v_head_dim)
-    caches = [
-        s.state.layers[L].append(
-            latent=latent[s.start : s.start + s.n], k_rope=k_rope[s.start : s.start + s.n]
-        )
+    layers = [s.state.layers[L] for s in batch.seqs]
+    new = [
+        dict(latent=latent[s.start : s.start + s.n], k_rope=k_rope[s.start : s.start + s.n])
         for s in batch.seqs
     ]
+    if shared_pages(layers) and q_nope.dtype == torch.bfloat16 and not kernels("mla", q_nope):
+        # the CPU's fused call reads the pages in place: no gather of every cached row per layer and step
+        for r, rows in zip(layers, new):
+            r.write(**rows)
+        if (y := _absorbed_in_place(batch, layers, q_nope, q_rope, w_kv_b, v_head_dim, scale)) is not None:
+            return y
+        caches = [r.bufs for r in layers]
+    else:
+        caches = [r.append(**rows) for r, rows in zip(layers, new)]
+    out = q_nope.new_empty(N, H, v_head_dim)
     absorbed = [i for i, s in enumerate(batch.seqs) if prefers_absorbed(s.n, kvr, dr, dn, v_head_dim)]
     for i, s in enumerate(batch.seqs):
         if i not in absorbed:
@@ -203,6 +211,34 @@ def mla_batch(
                 at += n
         out[rows] = absorb_output(o_lat, w_uv)
     return out
+
+
+def _absorbed_in_place(batch, layers: list, q_nope, q_rope, w_kv_b, v_head_dim: int, scale: float):
+    """Every sequence's rows absorbed (decode rows, verify blocks), packed in order, over paged caches whose
+    new rows are written: cpu.mla_absorbed reading the pages in place; None where it does not apply."""
+    N, H, dn = q_nope.shape
+    kvr, dr = w_kv_b.shape[-1], q_rope.shape[-1]
+    at = 0
+    for s in batch.seqs:
+        if s.start != at or not prefers_absorbed(s.n, kvr, dr, dn, v_head_dim):
+            return None
+        at += s.n
+    if at != N:
+        return None
+    views, ids = zip(*(r.pages() for r in layers))
+    w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
+    return cpu.mla_absorbed(
+        q_nope,
+        q_rope,
+        w_uk,
+        w_uv,
+        [v["latent"] for v in views],
+        [v["k_rope"] for v in views],
+        [s.n for s in batch.seqs],
+        scale,
+        blocks=[list(b) for b in ids],
+        lengths=[r.length for r in layers],
+    )
 
 
 def shared_pages(rows: list) -> bool:
