@@ -235,17 +235,23 @@ def _gemm(op: tuple, x, offs, out, bias, threads, generic, nbytes, amx=None):
         # grouped: at most one expert per row, so rows per expert >= T / min(T, E)
         rows = x.shape[0] if offs is None else -(-x.shape[0] // max(1, min(x.shape[0], w.shape[0])))
         threads = threads_for(nbytes, rows)
-    path = 1 if generic else 0 if (amx_enabled() if amx is None else amx) else 2
-    out = mod.gemm(kind, x, w, scales, gscale, divides, offs, out, bias, group, bn, bk, threads, path)
+    out = mod.gemm(
+        kind, x, w, scales, gscale, divides, offs, out, bias, group, bn, bk, threads, _path(generic, amx)
+    )
     stats["kernel_calls"] += 1
     return out
 
 
-def _active_bytes(w: torch.Tensor, x: torch.Tensor, offs) -> int:
+def _path(generic: bool = False, amx: bool | None = None) -> int:
+    """gemm's path argument: 1 the portable code, 0 the best this CPU has (AMX where enabled), 2 without AMX."""
+    return 1 if generic else 0 if (amx_enabled() if amx is None else amx) else 2
+
+
+def _active_bytes(w: torch.Tensor, rows: int, grouped: bool) -> int:
     """Bytes of the matrices a call reads: all of w, or (grouped) at most one expert per row of x."""
-    if offs is None or w.dim() < 3:
+    if not grouped or w.dim() < 3:
         return w.nbytes
-    return w.nbytes // w.shape[0] * min(w.shape[0], x.shape[0])
+    return w.nbytes // w.shape[0] * min(w.shape[0], rows)
 
 
 # A weight as the kernels take it: (kind, w or codes, scales, global scale, divides, group, block rows,
@@ -274,22 +280,25 @@ def fp4_operand(codes, scales, group, global_scale=None, divides=False) -> tuple
     return (_FP4, codes, scales, g, bool(divides), int(group), 1, 1)
 
 
-def operand_bytes(op: tuple, x: torch.Tensor, offs) -> int:
-    """Weight bytes a call reads (threads_for's measure): the active matrices, plus fp4's scales."""
-    return _active_bytes(op[1], x, offs) + (op[2].nbytes if op[0] == _FP4 else 0)
+def operand_bytes(op: tuple, rows: int, grouped: bool) -> int:
+    """Weight bytes a call over `rows` rows of x reads (threads_for's measure): the active matrices (a
+    grouped call: at most one expert a row), plus fp4's scales."""
+    return _active_bytes(op[1], rows, grouped) + (op[2].nbytes if op[0] == _FP4 else 0)
 
 
-def operand_matmul(x, op: tuple, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
+def operand_matmul(
+    x, op: tuple, bias=None, *, offs=None, out=None, threads=None, generic=False
+) -> torch.Tensor:
     """x [M, K] against a weight operand (one matrix, or with offs a stack) -> out [M, N] (default x's
-    dtype). Raises if the kernels are unavailable."""
-    return _gemm(op, x, offs, out, None, threads, generic, operand_bytes(op, x, offs))
+    dtype), plus bias [N]. Raises if the kernels are unavailable."""
+    nbytes = operand_bytes(op, x.shape[0], offs is not None)
+    return _gemm(op, x, offs, out, bias, threads, generic, nbytes)
 
 
 def bf16_matmul(x, w, bias=None, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
     """x [M, K] @ w.T for w bf16 [N, K] (or, with offs, [E, N, K]) -> out [M, N] (default x's dtype),
     plus bias [N]. Raises if the kernels are unavailable."""
-    op = bf16_operand(w)
-    return _gemm(op, x, offs, out, bias, threads, generic, operand_bytes(op, x, offs))
+    return operand_matmul(x, bf16_operand(w), bias, offs=offs, out=out, threads=threads, generic=generic)
 
 
 def fp8_matmul(x, codes, scales, block, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:
@@ -460,7 +469,6 @@ def mhc_site_input(streams, fn, columns, base, ones, norm_eps: float, hc_eps: fl
         return None
     kernel_fn = fn.dtype == torch.bfloat16 and fn.stride(-1) == 1 and N <= MAX_ROWS
     norm_threads = 1 if streams.numel() < FUSED_PARALLEL else torch.get_num_threads()
-    path = 0 if amx_enabled() else 2
     x, post, comb = mod.mhc_site_input(
         streams,
         fn,
@@ -474,7 +482,7 @@ def mhc_site_input(streams, fn, columns, base, ones, norm_eps: float, hc_eps: fl
         kernel_fn,
         norm_threads,
         threads_for(fn.nbytes, N),
-        path,
+        _path(),
     )
     stats["kernel_calls"] += kernel_fn
     return x, post, comb
@@ -540,8 +548,15 @@ def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=N
     if mod is None:
         return None
     gate, up, down = dense or (None, None, None)
-    path = 0 if amx_enabled() else 2
-    y = mod.ffn_rows(x, weights, ids, w_in, w_out, gate, up, down, limit, MIN_THREAD_BYTES, path)
+    # each product's threads as its own call would have them: a grouped call's rows are the (token, slot)
+    # pairs, at most one expert a row
+    N = x.shape[0]
+    threads = [threads_for(operand_bytes(op, N, False), N) for op in dense]
+    if weights is not None:
+        T, E = N * ids.shape[1], w_in[1].shape[0]
+        per = -(-T // max(1, min(T, E)))
+        threads = [threads_for(operand_bytes(op, T, True), per) for op in (w_in, w_out)] + threads
+    y = mod.ffn_rows(x, weights, ids, w_in, w_out, gate, up, down, limit, threads, _path())
     if y is not None:
         stats["kernel_calls"] += len(ops)
     return y

@@ -1734,17 +1734,6 @@ inline float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
     return tail;
 }
 
-inline void axpy_bf16(float s, const uint16_t* b, float* y, int64_t n) {
-    int64_t k = 0;
-#if defined(MOESAIC_AVX2)
-    const __m256 sv = _mm256_set1_ps(s);
-    for (; k + 8 <= n; k += 8) {
-        _mm256_storeu_ps(y + k, _mm256_fmadd_ps(sv, widen_bf16(b + k), _mm256_loadu_ps(y + k)));
-    }
-#endif
-    for (; k < n; ++k) y[k] += s * bf16_bits_to_f32(b[k]);
-}
-
 // R dots a . b_r (rows b + r * bs), each summed exactly as dot_bf16 sums it (8 lanes in k order, hsum, the
 // tail in order): the same bits, R independent chains of FMAs instead of one chain at a time.
 template <int R>
@@ -1772,9 +1761,8 @@ inline void dot_bf16_many(const float* a, const uint16_t* b, int64_t bs, int64_t
     for (; i < m; ++i) out[i] = dot_bf16(a, b + i * bs, n);
 }
 
-// y[c] += s[i] * b_i[c] for the m rows b_i = b + i * bs in order: each y[c] the same chain of FMAs as m calls
-// of axpy_bf16 (the same bits), with a block of y held in registers over all the rows instead of loaded and
-// stored for each.
+// y[c] += s[i] * b_i[c] for the m rows b_i = b + i * bs in order: each y[c] one chain of FMAs over the rows
+// (8 lanes of y at a time, the tail in scalar code), a block of y held in registers over all the rows.
 inline void axpy_bf16_many(const float* s, const uint16_t* b, int64_t bs, int64_t m, float* y, int64_t n) {
     int64_t c = 0;
 #if defined(MOESAIC_AVX2)
@@ -1801,7 +1789,7 @@ inline void axpy_bf16_many(const float* s, const uint16_t* b, int64_t bs, int64_
 #if defined(MOESAIC_AVX512BF16)
 // vdpbf16ps forms of the two products over the cached rows (a long context's decode is these): q and the rows
 // are bf16 (q_lat and the probabilities are rounded to bf16 where the torch code rounds them), so every
-// product is exact and only the order of the fp32 sums differs from dot_bf16 / axpy_bf16 (equal to rounding;
+// product is exact and only the order of the fp32 sums differs from dot_bf16 / axpy_bf16_many (equal to rounding;
 // subnormal bf16 inputs count as zero). qb: q's bf16 bits zero-padded to a multiple of 32.
 // out[t] = q . b_t for the m rows b_t = b + t * bs of n values.
 inline void dp_rows(const uint16_t* qb, const uint16_t* b, int64_t bs, int64_t n, int64_t m, float* out) {
@@ -2084,27 +2072,24 @@ using Operand = std::tuple<int64_t, torch::Tensor, std::optional<torch::Tensor>,
 // the weights' dtype (bf16: each product and each partial sum rounded, from 0; fp32: summed from 0, rounded
 // once to x's dtype); then the dense SwiGLU MLP (gate / up [I', d], down [d, I']: a shared expert) added in
 // x's dtype. Either part may be absent. The same products over the same rows, the same float operations in
-// the same order as that code: the same bits (tests/test_cpu_kernels.py). Thread counts per product as
-// kernels/cpu.py's threads_for. A token choosing an expert twice returns an undefined tensor (None): the
-// caller runs the torch code.
+// the same order as that code: the same bits (tests/test_cpu_kernels.py). `threads`: each product's thread
+// count, in order (w_in, w_out, gate, up, down: the parts given), from kernels/cpu.py's threads_for. A token
+// choosing an expert twice returns an undefined tensor (None): the caller runs the torch code.
 torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, std::optional<torch::Tensor> ids,
                        std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
                        std::optional<Operand> up, std::optional<Operand> down, std::optional<double> limit,
-                       int64_t min_thread_bytes, int64_t path) {
+                       std::vector<int64_t> threads, int64_t path) {
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.scalar_type() == torch::kBFloat16, "ffn_rows: x bf16 [N, d]");
     const bool routed = w_in.has_value(), dense = gate.has_value();
     TORCH_CHECK(routed == (weights && ids && w_out) && dense == (up && down) && (routed || dense), "ffn_rows: parts");
+    TORCH_CHECK((int64_t)threads.size() == 2 * routed + 3 * dense, "ffn_rows: one thread count per product");
     x = x.contiguous();
-    const int64_t N = x.size(0), d = x.size(1), most = at::get_num_threads();
-    // a against one operand, `rows` of a per matrix (threads_for's measure), `active` of a stack's matrices
-    auto product = [&](const torch::Tensor& a, const Operand& m, std::optional<torch::Tensor> offs, int64_t rows,
-                       int64_t active) {
+    const int64_t N = x.size(0), d = x.size(1);
+    size_t call = 0;  // the products in order: w_in, w_out, gate, up, down (each part that is given)
+    auto product = [&](const torch::Tensor& a, const Operand& m, std::optional<torch::Tensor> offs) {
         const auto& [kind, w, scales, gscale, divides, group, bn, bk] = m;
-        int64_t nbytes = w.dim() == 3 ? w.nbytes() / w.size(0) * active : w.nbytes();
-        if (kind == FP4 && scales) nbytes += scales->nbytes();
-        const int64_t work = rows > 1 ? nbytes + nbytes * (rows - 1) / 4 : nbytes;
-        const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(most, work / min_thread_bytes));
-        return gemm(kind, a, w, scales, gscale, divides, offs, std::nullopt, std::nullopt, group, bn, bk, threads, path);
+        return gemm(kind, a, w, scales, gscale, divides, offs, std::nullopt, std::nullopt, group, bn, bk, threads[call++],
+                    path);
     };
     auto out_rows = [](const Operand& m) { return std::get<1>(m).size(-2); };
     // layers/moe.py's silu_glu, or clamped_silu_glu with `limit`, by torch's ops on the same views
@@ -2156,9 +2141,8 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
             row_of[p] = next[e]++;
             sp[row_of[p]] = p / k;
         }
-        const int64_t per = (T + std::min(T, E) - 1) / std::min(T, E);  // rows per expert, as _gemm counts them
-        auto gu = product(x.index_select(0, src), *w_in, offs, per, std::min(E, T));
-        auto y = product(swiglu(gu, I), *w_out, offs, per, std::min(E, T));  // [T, d], grouped by expert
+        auto gu = product(x.index_select(0, src), *w_in, offs);
+        auto y = product(swiglu(gu, I), *w_out, offs);  // [T, d], grouped by expert
         const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr());
         out = torch::empty({N, d}, x.options());
         uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -2186,8 +2170,9 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
     if (dense) {
         const int64_t I = out_rows(*gate);
         TORCH_CHECK(out_rows(*up) == I && out_rows(*down) == d, "ffn_rows: gate / up [I, d], down [d, I]");
-        auto h = glu(product(x, *gate, std::nullopt, N, 1), product(x, *up, std::nullopt, N, 1));
-        auto s = product(h, *down, std::nullopt, N, 1);
+        auto g = product(x, *gate, std::nullopt);
+        auto h = glu(g, product(x, *up, std::nullopt));
+        auto s = product(h, *down, std::nullopt);
         if (!routed) return s;
         out.add_(s);  // `y + s` in bf16
     }
