@@ -444,7 +444,7 @@ def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
     parts = ConcatRows([mats(e, i, d, gen), mats(e, i, d, gen)])
     w = M.MoeWeights(router=w.router, experts_in=parts, experts_out=w.experts_out, shared=shared)
     weights, ids = M.route(x, w, spec.router)
-    assert M.operand(parts) is None and M._fused(x, w, spec, weights, ids) is None
+    assert M.operand(parts) is None and M._fused(x, w, spec, weights, ids, True) is None
     assert cpu.ffn_rows(x, weights, ids, None, M.operand(w.experts_out), shared.operands()) is None
     assert (
         M.swiglu_limit(M.situ_glu) is False

@@ -356,18 +356,16 @@ def prefetch(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor 
         w.experts_in.prefetch(route(x, w, r, token_ids)[1].unique().tolist())
 
 
-def _fused(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids) -> torch.Tensor | None:
+def _fused(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids, every: bool) -> torch.Tensor | None:
     """The block for a few tokens (decode rows, a verify block) as one compiled call where it applies:
-    SwiGLU experts in dense bf16 or packed stacks on the CPU, all held here, no latent projections; the
-    same bits as the code below (cpu.ffn_rows)."""
+    SwiGLU experts in dense bf16 or packed stacks on the CPU, `every` one held here, no latent projections;
+    the same bits as the code below (cpu.ffn_rows)."""
     limit = swiglu_limit(spec.glu)
-    if not (spec.gated and limit is not False and w.latent_in is None and w.latent_out is None):
+    if not (every and spec.gated and limit is not False and w.latent_in is None and w.latent_out is None):
         return None
-    if w.latent_norm is not None or w.reduce is not None or w.first_expert or w.next_moe is not None:
+    if w.latent_norm is not None or w.reduce is not None or w.next_moe is not None:
         return None
     if w.shared is not None and w.shared.gate is None:
-        return None
-    if w.experts_in.shape[0] != w.router.shape[0]:
         return None
     w_in, w_out = operand(w.experts_in), operand(w.experts_out)
     if w_in is None or w_out is None:  # streamed, split over ranks, gate | up quantized apart, fp32
@@ -395,14 +393,14 @@ def swiglu_limit(glu) -> float | None | bool:
 def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE block on packed tokens x [N, d] (token_ids: for a hash layer's table)."""
     weights, ids = route(x, w, spec.router, token_ids)
-    if x.shape[0] <= cpu.MAX_ROWS and (y := _fused(x, w, spec, weights, ids)) is not None:
+    every = w.first_expert == 0 and w.experts_in.shape[0] == w.router.shape[0]  # no expert on another rank
+    if x.shape[0] <= cpu.MAX_ROWS and (y := _fused(x, w, spec, weights, ids, every)) is not None:
         return y
     h = x if w.latent_in is None else linear(x, w.latent_in)
     act = (lambda gu: spec.glu(*gu.chunk(2, dim=-1))) if spec.gated else spec.act
     then = None
     if w.next_moe is not None and x.shape[0] <= PREFETCH_MAX_TOKENS:  # a prefill chunk reads, not guesses
         then = lambda: prefetch(x, w.next_moe, spec.router, token_ids)  # noqa: E731
-    every = w.first_expert == 0 and w.experts_in.shape[0] == w.router.shape[0]  # no expert on another rank
     y = run_experts(h, weights, ids - w.first_expert, w.experts_in, w.experts_out, act, then, every)
     reduce = w.reduce  # split over ranks: y (and the shared expert's output) are this rank's part
     if w.latent_norm is not None:
