@@ -33,8 +33,8 @@ Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compi
 (`__AVX2__`, `__FMA__`, `__F16C__`), the portable scalar path (same math, row decoded to fp32 first)
 everywhere and on request (`generic`). On CPUs with AVX-512 BF16 (`__AVX512BF16__`: Zen 4, Sapphire
 Rapids) bf16 activations take vdpbf16ps instead (run_item_dp), against bf16 weights (32 a load, used as
-stored), E2M1 (128 a load, decoded to bf16 by two 16-entry byte tables) and E4M3 (64 a load, by two
-128-entry ones): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows. fp32 / fp16
+stored), E2M1 (128 a load, decoded to bf16 by one 32-word table, vpermw) and E4M3 (64 a load, by two
+128-entry byte tables): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows. fp32 / fp16
 activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
 bf16 products take AMX tiles at every row count instead (amx_item: the weights as the A operand in place,
 x packed once a call as B, 16 weight rows x up to 32 activation rows a tile pass), and packed weights
@@ -528,93 +528,85 @@ void dp_tile_mb(int mb, const uint16_t* const* w, const uint16_t* x, int64_t xs,
 }
 
 // Packed E2M1 (mxfp4 / nvfp4) against bf16 activations: a 64-byte load is 128 values, four 32-value groups
-// (one a 128-bit lane) or eight 16-value ones (two a lane). Two byte tables give each nibble's bf16 bytes
-// (E2M1 values are exact in bf16), and vdpbf16ps adds them against x permuted once per call to the decoded
-// order (prep_x_fp4dp): word i of lane l of vector v is element 32 l + 16 (v & 1) + 2 i + (v >> 1) of the
-// chunk, so vectors 0 and 2 hold a lane's first 16 values, 1 and 3 its last 16. A group's pair sums are
-// scaled once (its lanes), as on the AVX2 path; the scales are computed in registers (mx_scales, nv_scales).
+// (one a 128-bit lane) or eight 16-value ones (two a lane). vpermw looks each 16-bit word's low 5 bits up in a
+// 32-word table of bf16 values (E2M1 values are exact in bf16; entries i and i + 16 are both code i's), so the
+// loaded words shifted right by 0, 4, 8 and 12 bits decode their four nibbles: one shuffle per 32 values.
+// vdpbf16ps adds them against x permuted once per call to the decoded order (prep_x_fp4dp): word i of lane l
+// of vector v is element 32 l + 4 i + v of the chunk, so each lane holds its own 32 values (a mxfp4 group;
+// nvfp4's two groups in its fp32 halves 0-1 and 2-3). A group's pair sums are scaled once, as on the AVX2
+// path; the scales are computed in registers (fp4_scales16).
 constexpr int64_t FC = 128;  // values per chunk
 
 inline void dec_fp4_bf16(const uint8_t* p, __mmask64 mask, __m512i v[4]) {
-    const __m512i t3 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_B3)));
-    const __m512i t2 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_B2)));
-    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i t = _mm512_load_si512(E2M1_BF16W);
     const __m512i b = _mm512_maskz_loadu_epi8(mask, p);
-    const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
-    const __m512i a3 = _mm512_shuffle_epi8(t3, lo), a2 = _mm512_shuffle_epi8(t2, lo);
-    const __m512i c3 = _mm512_shuffle_epi8(t3, hi), c2 = _mm512_shuffle_epi8(t2, hi);
-    v[0] = _mm512_unpacklo_epi8(a2, a3);  // words: low byte fp32 bits 23..16, high byte 31..24
-    v[1] = _mm512_unpackhi_epi8(a2, a3);
-    v[2] = _mm512_unpacklo_epi8(c2, c3);
-    v[3] = _mm512_unpackhi_epi8(c2, c3);
+    v[0] = _mm512_permutexvar_epi16(b, t);
+    v[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), t);
+    v[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), t);
+    v[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), t);
 }
 
-// res[m * R + r] = dot of x rows m (prepared, stride xs) and weight rows r over chunks [c0, c1).
-// The 4 (mxfp4) or 8 (nvfp4) scales of groups g0.. (ng of them inside K; the others 0) as fp32: the tables'
-// values computed in registers. E8M0: the exponent bits (0 -> 2^-127, 255 -> NaN); E4M3: its value exactly
-// (the fp8 decode's fp16 trick), then the table's one fp32 op with the global scale; NaN codes stay NaN.
-inline __m128 mx_scales(const uint8_t* s, int ng) {
-    const __m128i e = _mm_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << ng) - 1), s));
-    __m128i bits = _mm_slli_epi32(e, 23);
-    bits = _mm_mask_mov_epi32(bits, _mm_cmpeq_epi32_mask(e, _mm_setzero_si128()), _mm_set1_epi32(0x00400000));
-    bits = _mm_mask_mov_epi32(bits, _mm_cmpeq_epi32_mask(e, _mm_set1_epi32(255)), _mm_set1_epi32(0x7FC00000));
-    return _mm_castsi128_ps(bits);
+// The scales of 16 groups g0.. (ng of them inside K; the others 0) as fp32: the tables' values computed in
+// registers. E8M0 (mxfp4): the exponent bits (0 -> 2^-127, 255 -> NaN); E4M3 (nvfp4): its value exactly (the
+// fp8 decode's fp16 trick), then the table's one fp32 op with the global scale; NaN codes stay NaN.
+template <int KIND>
+inline __m512 fp4_scales16(const uint8_t* s, int64_t ng, __m512 ge, bool divides) {
+    const __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << std::min<int64_t>(ng, 16)) - 1), s);
+    if constexpr (KIND == MX) {
+        const __m512i e = _mm512_cvtepu8_epi32(b);
+        __m512i bits = _mm512_slli_epi32(e, 23);
+        bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+        bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+        return _mm512_castsi512_ps(bits);
+    } else {
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xBFFF));
+        __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+        v = divides ? _mm512_div_ps(v, ge) : _mm512_mul_ps(v, ge);
+        const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+        return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN));
+    }
 }
 
-inline __m256 nv_scales(const uint8_t* s, int ng, __m256 ge, bool divides) {
-    const __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << ng) - 1), s);
-    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16((short)0xBFFF));
-    __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
-    v = divides ? _mm256_div_ps(v, ge) : _mm256_mul_ps(v, ge);
-    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
-    return _mm256_mask_mov_ps(v, (__mmask8)nan, _mm256_set1_ps(NAN));
+// A decoded chunk's pair sums against x's prepared chunk xm: the four vectors' products in one fp32 vector.
+inline __m512 chunk_dot(const __m512i v[4], const uint16_t* xm) {
+    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)v[0], (__m512bh)_mm512_loadu_si512(xm));
+    t = _mm512_dpbf16_ps(t, (__m512bh)v[1], (__m512bh)_mm512_loadu_si512(xm + 32));
+    t = _mm512_dpbf16_ps(t, (__m512bh)v[2], (__m512bh)_mm512_loadu_si512(xm + 64));
+    return _mm512_dpbf16_ps(t, (__m512bh)v[3], (__m512bh)_mm512_loadu_si512(xm + 96));
 }
 
+// res[m * R + r] = dot of x rows m (prepared, stride xs) and weight rows r over chunks [c0, c1). A row's
+// scales are read 16 groups at a time (SPAN chunks), and each chunk's fp32 lanes take theirs by one permute.
 template <int KIND, int R, int MB>
 void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float ge,
                 bool divides, float* res) {
-    const __m256 gev = _mm256_set1_ps(ge);
+    constexpr int SPAN = KIND == MX ? 4 : 2, GC = 16 / SPAN;  // chunks a scale vector covers; groups a chunk
+    const __m512 gev = _mm512_set1_ps(ge);
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    const __m512i spread4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i even8 = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-    const __m512i odd8 = _mm512_add_epi32(even8, _mm512_set1_epi32(1));
+    __m512i pick[SPAN];  // chunk j's fp32 lane i: group GC j + i / (16 / GC)
+    for (int j = 0; j < SPAN; ++j)
+        pick[j] = _mm512_add_epi32(_mm512_set1_epi32(GC * j), _mm512_srli_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), KIND == MX ? 2 : 1));
     const int64_t full = C.K / FC;
-    for (int64_t c = c0; c < c1; ++c) {
-        const int64_t left = C.K - c * FC;  // values of this chunk inside K
-        const __mmask64 mask = c < full ? ~0ull : (1ull << (left / 2)) - 1;
-        const int64_t g0 = c * FC / C.group, ng = std::min<int64_t>(FC, left) / C.group;  // its groups
+    for (int64_t cs = c0; cs < c1; cs += SPAN) {
+        const int64_t g0 = cs * GC;
+        __m512 Z[R];
+        for (int r = 0; r < R; ++r) Z[r] = fp4_scales16<KIND>(rows[r].s8 + g0, C.ngroups - g0, gev, divides);
+        const int nj = (int)std::min<int64_t>(SPAN, c1 - cs);
+        for (int j = 0; j < nj; ++j) {
+            const int64_t c = cs + j;
+            const __mmask64 mask = c < full ? ~0ull : (1ull << ((C.K - c * FC) / 2)) - 1;
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-            const uint8_t* p = rows[r].w + c * (FC / 2);
-            _mm_prefetch(reinterpret_cast<const char*>(p) + 256, _MM_HINT_T0);
-            __m512i v[4];
-            dec_fp4_bf16(p, mask, v);
-            if constexpr (KIND == MX) {
-                const __m512 S = _mm512_permutexvar_ps(spread4, _mm512_castps128_ps512(mx_scales(rows[r].s8 + g0, (int)ng)));
+            for (int r = 0; r < R; ++r) {
+                const uint8_t* p = rows[r].w + c * (FC / 2);
+                _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+                __m512i v[4];
+                dec_fp4_bf16(p, mask, v);
+                const __m512 S = _mm512_permutexvar_ps(pick[j], Z[r]);
 #pragma GCC unroll 4
-                for (int m = 0; m < MB; ++m) {
-                    const uint16_t* xm = x + m * xs + c * FC;
-                    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)v[0], (__m512bh)_mm512_loadu_si512(xm));
-                    t = _mm512_dpbf16_ps(t, (__m512bh)v[1], (__m512bh)_mm512_loadu_si512(xm + 32));
-                    t = _mm512_dpbf16_ps(t, (__m512bh)v[2], (__m512bh)_mm512_loadu_si512(xm + 64));
-                    t = _mm512_dpbf16_ps(t, (__m512bh)v[3], (__m512bh)_mm512_loadu_si512(xm + 96));
-                    acc[r][m] = _mm512_fmadd_ps(t, S, acc[r][m]);
-                }
-            } else {
-                const __m256 s8 = nv_scales(rows[r].s8 + g0, (int)ng, gev, divides);
-                const __m512 SE = _mm512_permutexvar_ps(even8, _mm512_castps256_ps512(s8));
-                const __m512 SO = _mm512_permutexvar_ps(odd8, _mm512_castps256_ps512(s8));
-#pragma GCC unroll 4
-                for (int m = 0; m < MB; ++m) {
-                    const uint16_t* xm = x + m * xs + c * FC;
-                    __m512 te = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)v[0], (__m512bh)_mm512_loadu_si512(xm));
-                    te = _mm512_dpbf16_ps(te, (__m512bh)v[2], (__m512bh)_mm512_loadu_si512(xm + 64));
-                    __m512 to = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)v[1], (__m512bh)_mm512_loadu_si512(xm + 32));
-                    to = _mm512_dpbf16_ps(to, (__m512bh)v[3], (__m512bh)_mm512_loadu_si512(xm + 96));
-                    acc[r][m] = _mm512_fmadd_ps(to, SO, _mm512_fmadd_ps(te, SE, acc[r][m]));
-                }
+                for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(chunk_dot(v, x + m * xs + c * FC), S, acc[r][m]);
             }
         }
     }
@@ -651,7 +643,7 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
             const uint8_t* p = rows[r].w + c * CH;
-            _mm_prefetch(reinterpret_cast<const char*>(p) + 256, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
             const __m512i b = _mm512_maskz_loadu_epi8(mask, p);
             const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(ha, b, hb), _mm512_and_si512(b, sign));
             const __m512i lo = _mm512_permutex2var_epi8(la, b, lb);
@@ -749,7 +741,7 @@ std::vector<uint16_t> prep_x_dp(const torch::Tensor& x, int64_t Kc, int64_t widt
     return out;
 }
 std::vector<uint16_t> prep_x_fp4dp(const torch::Tensor& x, int64_t Kc) {  // fp4dp_tile's order
-    return prep_x_dp(x, Kc, FC, [](int v, int l, int i) { return 32 * l + 16 * (v & 1) + 2 * i + (v >> 1); });
+    return prep_x_dp(x, Kc, FC, [](int v, int l, int i) { return 32 * l + 4 * i + v; });
 }
 std::vector<uint16_t> prep_x_fp8dp(const torch::Tensor& x, int64_t Kc) {  // fp8dp_tile's order
     return prep_x_dp(x, Kc, CH, [](int v, int l, int i) { return 16 * l + 8 * v + i; });
