@@ -583,7 +583,14 @@ class QuantizedTensor:
 
     def kernel_operand(self, matrix: int | None = None) -> tuple | None:
         """Matrix `matrix` of the stack, or with None the whole stack as [E, ...] (a grouped call), as the
-        compiled CPU kernels take it (kernels/cpu.py's *_operand); None where they do not serve it."""
+        compiled CPU kernels take it (kernels/cpu.py's *_operand); None where they do not serve it. Built
+        once per matrix (a decode step asks for each of its matrices again)."""
+        cache = self.__dict__.setdefault("_operands", {})
+        if matrix not in cache:
+            cache[matrix] = self._kernel_operand(matrix)
+        return cache[matrix]
+
+    def _kernel_operand(self, matrix: int | None) -> tuple | None:
         n, k = self.shape[-2:]
         if self.format == "fp8_block" and not cpu.fp8_block_ok(self.block, k):
             return None
