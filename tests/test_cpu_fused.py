@@ -486,3 +486,42 @@ def test_sum_lanes_found_on_x86_builds():
     if cpu.load() is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("no CPU kernels, or not an x86 build")
     assert cpu.sum_lanes() in (8, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_routers_keep_the_torch_bits(kernels, monkeypatch, dtype):
+    """layers/moe.py's routers in one call each (cpu.route) give the torch code's weights and ids: softmax,
+    sigmoid and sqrt(softplus) scores, with and without a correction bias (bf16 and fp32), normalised or
+    not, scaled, a hash layer's given ids, 1 to 17 rows; the calls are taken."""
+    from moesaic.layers import moe
+
+    g = torch.Generator().manual_seed(11)
+    for N, E, k in ((1, 32, 4), (3, 256, 8), (17, 64, 6)):
+        logits = (torch.randn(N, E, generator=g) * 2).to(dtype)
+        bias_f = torch.randn(E, generator=g) * 0.1
+        hash_ids = torch.randint(0, E, (N, k), generator=g)
+        cases = [
+            (moe.route_softmax, (logits, k), dict(normalize=nz, scale=s))
+            for nz in (True, False)
+            for s in (1.0, 2.5)
+        ]
+        cases += [
+            (moe.route_sigmoid, (logits, k), dict(bias=b, normalize=nz, scale=2.5))
+            for b in (None, bias_f, bias_f.bfloat16())
+            for nz in (True, False)
+        ]
+        cases += [
+            (moe.route_sqrtsoftplus, (logits, k), dict(bias=b, scale=1.5, ids=i))
+            for b in (None, bias_f.to(dtype))
+            for i in (None, hash_ids)
+        ]
+        for f, args, kw in cases:
+            taken = []
+            monkeypatch.setattr(cpu, "route", _spy(cpu.route, taken))
+            got = f(*args, **kw)
+            assert taken == [True], f.__name__
+            monkeypatch.setattr(cpu, "route", lambda *a: None)
+            want = f(*args, **kw)
+            monkeypatch.undo()
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b), (f.__name__, N, kw)

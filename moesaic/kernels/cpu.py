@@ -173,6 +173,7 @@ def load(verbose: bool = False):
                 "ffn_rows",
                 "mhc_site_input",
                 "mhc_update",
+                "route",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -493,6 +494,19 @@ def mhc_update(streams, y, post, comb, small: bool):
     takes layers/linear.py's small-product rule. None where it does not apply."""
     mod = _fused_mod(streams, y, post, comb)
     return None if mod is None else mod.mhc_update(streams, y, post, comb, small)
+
+
+ROUTER_SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+
+def route(logits, score: str, top_k: int, bias=None, ids=None, normalize: bool = True, scale: float = 1.0):
+    """layers/moe.py's router `score` (one expert group) in one call: the same torch ops, the same bits.
+    (weights, ids), or None where it does not apply."""
+    mod = _fused_mod(logits) if logits.dim() == 2 else None
+    if mod is None:
+        return None
+    w, chosen = mod.route(logits, ROUTER_SCORES[score], top_k, bias, ids, normalize, scale)
+    return w, chosen
 
 
 DELTA_PARALLEL = 1 << 16  # state values x tokens from which the recurrences share their heads out to threads

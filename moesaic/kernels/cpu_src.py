@@ -2210,6 +2210,27 @@ torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor p
     return spread.add(mixed);
 }
 
+// layers/moe.py's routers without group limiting (score 0 softmax in the logits' dtype, 1 sigmoid in fp32,
+// 2 sqrt(softplus)): the same torch ops in the same order, so the same bits; ids given (a hash layer's) are
+// used as they are. Returns {weights, ids}.
+std::vector<torch::Tensor> route(torch::Tensor logits, int64_t score, int64_t top_k, std::optional<torch::Tensor> bias,
+                                 std::optional<torch::Tensor> ids, bool normalize, double scale) {
+    torch::Tensor scores;
+    if (score == 0) scores = logits.softmax(-1);
+    else if (score == 1) scores = logits.to(torch::kFloat32).sigmoid();
+    else scores = at::softplus(logits, 1, 20).sqrt();
+    torch::Tensor chosen;
+    if (ids) {
+        chosen = *ids;
+    } else {
+        auto choice = !bias ? scores : score == 1 ? scores + bias->to(torch::kFloat32) : scores + *bias;
+        chosen = std::get<1>(choice.topk(top_k, -1, true, false));
+    }
+    auto w = scores.gather(1, chosen);
+    if (normalize) w = w / (w.sum(-1, true) + 1e-20);
+    return {w * scale, chosen};
+}
+
 bool has_amx() {
 #if defined(MOESAIC_AMX)
     return amx_permitted();

@@ -44,6 +44,8 @@ def route_softmax(logits, top_k, n_group=1, topk_group=1, normalize=True, scale=
     """Softmax router (Mistral/DeepSeek-V2 style), in the logits' dtype. Returns (weights, ids) [N, k]."""
     if tk := kernels("router", logits):
         return tk.route_softmax(logits, top_k, n_group, topk_group, normalize, scale)
+    if n_group <= 1 and (fused := cpu.route(logits, "softmax", top_k, None, None, normalize, scale)):
+        return fused
     scores = logits.softmax(-1)
     choice = limit_groups(scores, n_group, topk_group, 0.0)
     ids = choice.topk(top_k, dim=-1, sorted=False).indices
@@ -57,6 +59,8 @@ def route_sigmoid(logits, top_k, bias=None, n_group=1, topk_group=1, normalize=T
     """Sigmoid router with a selection-only correction bias (DeepSeek-V3 style), fp32."""
     if tk := kernels("router", logits):
         return tk.route_sigmoid(logits, top_k, bias, n_group, topk_group, normalize, scale)
+    if n_group <= 1 and (fused := cpu.route(logits, "sigmoid", top_k, bias, None, normalize, scale)):
+        return fused
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias.float()
     choice = limit_groups(choice, n_group, topk_group, float("-inf"))
@@ -239,6 +243,8 @@ def route_sqrtsoftplus(logits, top_k, bias=None, scale=1.0, ids=None):
     hash layer (tid2eid[token]); weights = s[experts] / (sum + 1e-20) * scale. Returns (weights, ids)."""
     if tk := kernels("router", logits):
         return tk.route_sqrtsoftplus(logits, top_k, bias, scale, ids)
+    if fused := cpu.route(logits, "sqrtsoftplus", top_k, bias, ids, True, scale):
+        return fused
     scores = F.softplus(logits).sqrt()
     if ids is None:
         choice = scores if bias is None else scores + bias
