@@ -525,3 +525,50 @@ def test_routers_keep_the_torch_bits(kernels, monkeypatch, dtype):
             monkeypatch.undo()
             for a, b in zip(got, want):
                 assert a.dtype == b.dtype and torch.equal(a, b), (f.__name__, N, kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kda_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
+    """layers/kda.py's kda_recur in one call (cpu.kda_recur: the short conv, the l2 norms, the delta rule) for
+    decode rows and verify blocks gives the torch code's output, state, snapshots and conv tails bit for bit:
+    one row with and without its snapshot, blocks of 2-5 rows with every snapshot or all but the first, 2-8
+    heads, bf16 and fp32 rows; a block the chunked form takes keeps the torch code."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(13)
+    for H, D, K, n, snap in (
+        (2, 16, 4, 1, 0),
+        (2, 16, 4, 1, 1),
+        (4, 32, 4, 4, 4),
+        (4, 32, 4, 5, 4),
+        (8, 8, 3, 2, 1),
+    ):
+        C = 3 * H * D
+        w = SimpleNamespace(conv=torch.randn(C, K, generator=g) * 0.5)
+        dims = SimpleNamespace(num_heads=H, head_dim=D, conv_kernel=K, chunk_size=64)
+        rows = (
+            torch.randn(n, C, generator=g).to(dtype),
+            -torch.rand(n, H, D, generator=g),  # log-decay
+            torch.rand(n, H, generator=g),
+            None,
+        )
+        state = kda.KdaState(torch.randn(K - 1, C, generator=g), torch.randn(H, D, D, generator=g) * 0.1)
+        taken = []
+        monkeypatch.setattr(cpu, "kda_recur", _spy(cpu.kda_recur, taken))
+        got = kda.kda_recur(rows, w, dims, state, snap)
+        assert taken == [True], (n, snap)
+        monkeypatch.setattr(cpu, "kda_recur", lambda *a: None)
+        want = kda.kda_recur(rows, w, dims, state, snap)
+        monkeypatch.undo()
+        assert torch.equal(got[0], want[0]) and got[0].dtype == want[0].dtype, (n, snap)
+        for a, b in zip([got[1], *got[2]], [want[1], *want[2]]):
+            assert torch.equal(a.conv, b.conv) and torch.equal(a.recurrent, b.recurrent), (n, snap)
+        assert len(got[2]) == len(want[2]) == snap
+    rows = (
+        torch.randn(3, 3 * 32, generator=g),
+        -torch.rand(3, 2, 16, generator=g),
+        torch.rand(3, 2, generator=g),
+    )
+    assert (
+        cpu.kda_recur(*rows, torch.zeros(3, 96), torch.ones(96, 4), None, 2, 16, 1, 1e-6) is None
+    )  # 2 chunked rows

@@ -174,6 +174,7 @@ def load(verbose: bool = False):
                 "mhc_site_input",
                 "mhc_update",
                 "route",
+                "kda_recur",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -588,10 +589,36 @@ def delta_rule(q, k, v, g, beta, S, keep_states: bool):
     if mod is None or q.dim() != 3 or not all(t.dtype == torch.float32 for t in (q, k, v, g, beta, S)):
         return None
     H, n, Dk = q.shape
-    work = n * H * Dk * v.shape[-1]
-    threads = 1 if work < DELTA_PARALLEL else torch.get_num_threads()
+    threads = _delta_threads(n, H, Dk, v.shape[-1])
     o, S, states = mod.delta_rule(q, k, v, torch.exp(g), beta, S, keep_states, threads)
     return o, S, (states if keep_states and n else None)
+
+
+def _delta_threads(n: int, H: int, Dk: int, Dv: int) -> int:
+    """delta_rule's threads over n tokens of H heads: one below DELTA_PARALLEL state values x tokens."""
+    return 1 if n * H * Dk * Dv < DELTA_PARALLEL else torch.get_num_threads()
+
+
+def kda_recur(qkv, g, beta, tail, conv_w, S, heads: int, head_dim: int, snapshot_last: int, eps: float):
+    """layers/kda.py's kda_recur (the short conv, the l2 norms, the delta rule) for rows the token recurrence
+    takes whole (n - snapshot_last <= 1), in one call: the same torch ops, the same bits. (o [n, H, Dv], the
+    final state, the snapshots [snapshot_last, H, Dk, Dv], the conv's padded input), or None where it does not
+    apply (the caller runs the torch code)."""
+    n = qkv.shape[0]
+    if n == 0 or n - snapshot_last > 1 or g.dtype != torch.float32 or beta.dtype != torch.float32:
+        return None
+    if S is not None and S.dtype != torch.float32:
+        return None
+    mod = _fused_mod(qkv, g, beta, tail, conv_w, *(() if S is None else (S,)))
+    if mod is None:
+        return None
+    one = _delta_threads(1, heads, head_dim, head_dim)
+    snap = _delta_threads(snapshot_last, heads, head_dim, head_dim)
+    return tuple(
+        mod.kda_recur(
+            qkv, g, beta, tail, conv_w, S, heads, head_dim, snapshot_last, eps, head_dim**-0.5, one, snap
+        )
+    )
 
 
 def ssd_steps(x, dt, A, B, C, h, keep_states: bool):

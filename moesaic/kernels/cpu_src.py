@@ -1652,6 +1652,42 @@ std::vector<torch::Tensor> delta_rule(torch::Tensor q, torch::Tensor k, torch::T
     return {o, S, states};
 }
 
+// layers/kda.py's kda_recur for rows the token recurrence takes whole (n - snapshot_last <= 1: decode rows,
+// verify blocks): the short conv and SiLU from the tail, q, k and v as the rows' dtype, the l2 norms (q scaled),
+// then delta_rule above (exp(g) by torch), its threads passed for the lone row and the snapshot rows. The same
+// torch ops in the same order on the same views as the Python code, so the same bits. Returns {o [n, H, Dv],
+// the final state, the snapshots [snapshot_last, H, Dk, Dv], the conv's padded input [K - 1 + n, C]}.
+std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::Tensor beta, torch::Tensor tail,
+                                     torch::Tensor conv_w, std::optional<torch::Tensor> state, int64_t H, int64_t D,
+                                     int64_t snapshot_last, double eps, double qscale, int64_t threads_one,
+                                     int64_t threads_snap) {
+    const auto f32 = torch::kFloat32;
+    const int64_t n = qkv.size(0), K = conv_w.size(-1), m = n - snapshot_last;
+    TORCH_CHECK(n > 0 && m <= 1 && m >= 0, "kda_recur: rows the token recurrence takes whole");
+    auto full = at::cat({tail.to(f32), qkv.to(f32)});
+    auto w = conv_w.to(f32);
+    auto y = full.slice(0, 0, n) * w.select(1, 0);
+    for (int64_t j = 1; j < K; ++j) y = y + full.slice(0, j, j + n) * w.select(1, j);
+    auto parts = at::silu(y).to(qkv.scalar_type()).view({n, 3, H, D}).unbind(1);
+    auto l2 = [&](const torch::Tensor& x) { return x / at::sqrt((x * x).sum(-1, true) + eps); };
+    auto q = (l2(parts[0].to(f32)) * qscale).transpose(0, 1);
+    auto k = l2(parts[1].to(f32)).transpose(0, 1);
+    auto v = parts[2].to(f32).transpose(0, 1), gt = g.to(f32).transpose(0, 1), bt = beta.to(f32).transpose(0, 1);
+    auto S = state ? state->to(f32) : torch::zeros({H, D, v.size(-1)}, v.options());
+    std::vector<torch::Tensor> outs;
+    auto snaps = S.new_empty({0, S.size(0), S.size(1), S.size(2)});
+    auto run = [&](int64_t a, int64_t b, bool keep, int64_t threads) {
+        auto r = delta_rule(q.slice(1, a, b), k.slice(1, a, b), v.slice(1, a, b), at::exp(gt.slice(1, a, b)),
+                            bt.slice(1, a, b), S, keep, threads);
+        outs.push_back(r[0]);
+        S = r[1];
+        if (keep) snaps = r[2];
+    };
+    if (m == 1) run(0, 1, false, threads_one);
+    if (snapshot_last) run(m, n, true, threads_snap);
+    return {at::cat(outs, 1).transpose(0, 1).contiguous(), S, snaps, full};
+}
+
 // Mamba-2's recurrent step over m tokens for H independent heads (layers/mamba2.py's ssd_step, token by
 // token): h = dA_t h + (x_t dt_t) B_tᵀ;  y_t = h C_t, with dA = exp(dt A) computed by torch beforehand.
 // x [m, H, P], dt and dA [m, H], B and C [m, H, N] (any strides, fp32), h0 [H, P, N]. The state update is

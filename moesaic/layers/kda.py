@@ -316,9 +316,17 @@ def kda_recur(
     `snapshot_last` rows, oldest first)."""
     qkv, g, beta, _ = rows
     n, H, D, K = qkv.shape[0], dims.num_heads, dims.head_dim, dims.conv_kernel
-    y, full = short_conv(qkv, state.conv, w.conv)
-    q, k, v = y.to(qkv.dtype).view(n, 3, H, D).unbind(1)
-    o, S, snaps = kda_attend(q, k, v, g, beta, state.recurrent, dims.chunk_size, snapshot_last)
+    fused = (
+        None
+        if kernels("kda", qkv)
+        else cpu.kda_recur(qkv, g, beta, state.conv, w.conv, state.recurrent, H, D, snapshot_last, L2NORM_EPS)
+    )
+    if fused is not None:  # decode rows and verify blocks on the CPU: the code below in one call
+        o, S, snaps, full = fused
+    else:
+        y, full = short_conv(qkv, state.conv, w.conv)
+        q, k, v = y.to(qkv.dtype).view(n, 3, H, D).unbind(1)
+        o, S, snaps = kda_attend(q, k, v, g, beta, state.recurrent, dims.chunk_size, snapshot_last)
     new_state = KdaState(conv=full[full.shape[0] - (K - 1) :].clone(), recurrent=S)
     # after new token t the conv tail is full[t+1 : t+K]
     snapshots = [
