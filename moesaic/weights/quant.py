@@ -336,6 +336,7 @@ class QuantizedTensor:
         new = object.__new__(QuantizedTensor)
         new.__dict__.update(self.__dict__)
         new.__dict__.update(kw)
+        new.__dict__.pop("_operands", None)  # kernel_operand's cache is this tensor's own
         return new
 
     # --- stacking --------------------------------------------------------------------------
