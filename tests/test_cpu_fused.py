@@ -572,3 +572,34 @@ def test_kda_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
     assert (
         cpu.kda_recur(*rows, torch.zeros(3, 96), torch.ones(96, 4), None, 2, 16, 1, 1e-6) is None
     )  # 2 chunked rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dsa_gathered_keeps_the_torch_bits(kernels, monkeypatch, dtype):
+    """layers/dsa.py's attend_gathered in one call (cpu.dsa_gathered) gives the torch code's bits: 1-5 queries,
+    selections padded with -1, a query with nothing selected (zeros), blocks of queries (a small block
+    budget), operands small enough for linear.matmul's fp32 rule and large ones that are not; the call is
+    taken."""
+    from moesaic.layers import dsa
+
+    g = torch.Generator().manual_seed(17)
+    for n, H, dn, dv, kvr, T, W, block in (
+        (1, 4, 48, 48, 64, 200, 200, 1 << 25),
+        (3, 4, 48, 48, 64, 90, 64, 64 * 64),  # one query a block
+        (5, 8, 64, 32, 128, 700, 512, 1 << 25),
+        (2, 16, 128, 128, 512, 300, 256, 1 << 25),  # operands past SMALL_PRODUCT
+    ):
+        q = torch.randn(n, H, dn, generator=g).to(dtype)
+        latent = torch.randn(T, kvr, generator=g).to(dtype)
+        w = (torch.randn(H * (dn + dv), kvr, generator=g) * 0.1).to(dtype)
+        sel = torch.stack([torch.randperm(T, generator=g)[:W] for _ in range(n)])
+        sel[:, W // 2 :] = torch.where(torch.rand(n, W - W // 2, generator=g) < 0.3, -1, sel[:, W // 2 :])
+        sel[-1] = -1 if n > 1 else sel[-1]  # nothing selected
+        taken = []
+        monkeypatch.setattr(cpu, "dsa_gathered", _spy(cpu.dsa_gathered, taken))
+        got = dsa.attend_gathered(q, latent, w, dv, 0.125, sel, block)
+        assert taken == [True]
+        monkeypatch.setattr(cpu, "dsa_gathered", lambda *a: None)
+        want = dsa.attend_gathered(q, latent, w, dv, 0.125, sel, block)
+        monkeypatch.undo()
+        assert got.dtype == want.dtype and torch.equal(got, want), (n, H, T, W)

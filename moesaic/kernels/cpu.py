@@ -175,6 +175,7 @@ def load(verbose: bool = False):
                 "mhc_update",
                 "route",
                 "kda_recur",
+                "dsa_gathered",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -508,6 +509,15 @@ def route(logits, score: str, top_k: int, bias=None, ids=None, normalize: bool =
         return None
     w, chosen = mod.route(logits, ROUTER_SCORES[score], top_k, bias, ids, normalize, scale)
     return w, chosen
+
+
+def dsa_gathered(q, latent, w_kv_b, dv: int, scale: float, selection, block_elems: int, small: int):
+    """layers/dsa.py's attend_gathered in one call (the same torch ops, layers/linear.py's matmul rule with
+    `small` its SMALL_PRODUCT, the same bits); None where it does not apply."""
+    mod = _fused_mod(q, latent, w_kv_b) if q.dim() == 3 and selection.dtype == torch.int64 else None
+    return (
+        None if mod is None else mod.dsa_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems, small)
+    )
 
 
 DELTA_PARALLEL = 1 << 16  # state values x tokens from which the recurrences share their heads out to threads

@@ -2267,6 +2267,35 @@ std::vector<torch::Tensor> route(torch::Tensor logits, int64_t score, int64_t to
     return {w * scale, chosen};
 }
 
+// layers/dsa.py's attend_gathered (each query over its selected latents, W_k absorbed into the query, W_v
+// after): the same torch ops in the same order, layers/linear.py's matmul rule (`small`: half-precision
+// operands of at most that many elements multiply in fp32, rounded once) included, so the same bits.
+torch::Tensor dsa_gathered(torch::Tensor q, torch::Tensor latent, torch::Tensor w_kv_b, int64_t dv, double scale,
+                           torch::Tensor selection, int64_t block_elems, int64_t small) {
+    const auto f32 = torch::kFloat32;
+    auto mm = [&](const torch::Tensor& a, const torch::Tensor& b) {
+        const bool half = a.scalar_type() == torch::kBFloat16 || a.scalar_type() == torch::kHalf;
+        if (half && a.numel() + b.numel() <= small) return at::matmul(a.to(f32), b.to(f32)).to(a.scalar_type());
+        return at::matmul(a, b);
+    };
+    const int64_t n = q.size(0), H = q.size(1), dn = q.size(2), kvr = latent.size(1);
+    auto w = w_kv_b.view({H, dn + dv, kvr});
+    auto q_lat = mm(q.transpose(0, 1), w.slice(1, 0, dn)).transpose(0, 1);  // [n, H, kvr]
+    auto o_lat = q_lat.new_empty({n, H, kvr});
+    const int64_t step = std::max<int64_t>(1, block_elems / std::max<int64_t>(1, selection.size(1) * kvr));
+    for (int64_t a = 0; a < n; a += step) {
+        const int64_t b = std::min(n, a + step);
+        auto sel = selection.slice(0, a, b);
+        auto valid = sel >= 0;
+        auto lat = latent.index({sel.clamp_min(0)});  // [b, W, kvr]
+        auto sc = mm(q_lat.slice(0, a, b), lat.transpose(1, 2)).to(f32) * scale;  // [b, H, W]
+        sc = sc.masked_fill(valid.unsqueeze(1).bitwise_not(), -INFINITY);
+        auto p = at::softmax(sc, -1).nan_to_num(0.0).to(latent.scalar_type());
+        o_lat.slice(0, a, b).copy_(mm(p, lat));
+    }
+    return mm(o_lat.transpose(0, 1), w.slice(1, dn, dn + dv).transpose(1, 2)).transpose(0, 1);  // [n, H, dv]
+}
+
 bool has_amx() {
 #if defined(MOESAIC_AMX)
     return amx_permitted();

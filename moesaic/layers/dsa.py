@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, matmul
+from .linear import SMALL_PRODUCT, linear, matmul
 from .mla import page_tables, shared_pages
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
@@ -226,6 +227,9 @@ def attend_expanded(q, latent, w_kv_b, dv, scale, selection):
 
 
 def attend_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems: int = 1 << 25):
+    fused = cpu.dsa_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems, SMALL_PRODUCT)
+    if fused is not None:  # the code below in one call on the CPU
+        return fused
     n, H, dn = q.shape
     kvr = latent.shape[1]
     w = w_kv_b.view(H, dn + dv, kvr)
