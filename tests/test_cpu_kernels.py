@@ -454,6 +454,50 @@ def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
     assert cpu.ffn_rows(many, dense=shared.operands()) is None
 
 
+@pytest.mark.parametrize("fmt", list(STACKS))
+def test_fused_ffn_ungated_relu2_equals_torch_code(kernel, monkeypatch, fmt):
+    """Nemotron-H's ungated block (experts w_in [E, I, d], relu(h)^2, an ungated shared expert) through
+    cpu.ffn_rows gives the torch code's bits at 1 to MAX_ROWS tokens, with and without the shared expert, and
+    so does the ungated MLP alone; the fused call is taken; another activation, or a gated shared expert
+    beside ungated experts, runs the torch code."""
+    from moesaic.layers import moe as M
+
+    gen = torch.Generator().manual_seed(11 + len(fmt))
+    e, d, i, si = 8, 96, 64, 32
+    mats = STACKS[fmt]
+    single = lambda n, k: mats(1, n, k, gen)[0]  # noqa: E731  one matrix of the format
+    shared = M.Mlp(up=single(si, d), down=single(d, si))
+    spec = M.MoeSpec(M.Router("sigmoid", 3), gated=False, act=M.relu2)
+    for trial, n in enumerate([1, 3, 16, 5]):
+        w = M.MoeWeights(
+            router=torch.randn(e, d, generator=gen).bfloat16(),
+            experts_in=mats(e, i, d, gen),
+            experts_out=mats(e, d, i, gen),
+            shared=shared if trial < 3 else None,
+        )
+        x = (torch.randn(n, d, generator=gen) * (4 if trial == 1 else 1)).bfloat16()
+        before = cpu.stats["kernel_calls"]
+        fused = M.moe(x, w, spec)
+        assert cpu.stats["kernel_calls"] - before == 1 + 2 + (
+            2 if trial < 3 else 0
+        )  # router, experts, shared
+        dense = shared(x, act=M.relu2)
+        monkeypatch.setattr(cpu, "ffn_rows", lambda *a, **k: None)
+        want = M.moe(x, w, spec)
+        dense_want = shared(x, act=M.relu2)
+        monkeypatch.undo()
+        assert torch.equal(fused.view(torch.int16), want.view(torch.int16)), trial
+        assert torch.equal(dense.view(torch.int16), dense_want.view(torch.int16)), trial
+    weights, ids = M.route(x, w, spec.router)
+    other = M.MoeSpec(spec.router, gated=False, act=torch.nn.functional.gelu)
+    assert M._fused(x, w, other, weights, ids, True) is None
+    gated_shared = M.Mlp(up=single(si, d), down=single(d, si), gate=single(si, d))
+    mixed = M.MoeWeights(
+        router=w.router, experts_in=w.experts_in, experts_out=w.experts_out, shared=gated_shared
+    )
+    assert M._fused(x, mixed, spec, weights, ids, True) is None
+
+
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_fused_ffn_weighted_sum_rounds_like_torch(kernel, monkeypatch, score):
     """The fused block's weighted sum over many tokens of a wide layer, in bf16 (softmax over bf16 logits)

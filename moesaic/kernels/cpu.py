@@ -548,15 +548,18 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
     )
 
 
-def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=None):
+def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=None, relu2=False):
     """A few tokens' SwiGLU feed-forward block in one call (layers/moe.py's torch code at up to MAX_ROWS rows,
     the same bits): the routed experts (weights / ids [N, k], stacks w_in [E, 2I, d] gate|up and w_out [E, d,
     I]), each token's terms summed in ascending expert id, plus `dense` = (gate, up, down) (a shared expert
     or a dense MLP), either part optional (routing weights given: w_in and w_out are needed); the SwiGLU
-    clamped at `limit` when given (layers/moe.py's clamped_silu_glu). Weights are
-    operands (bf16_operand, fp8_operand, fp4_operand); x bf16 [N, d]. None where it does not apply (the
-    caller runs the torch code)."""
-    ops = (w_in, w_out, *dense) if weights is not None else dense
+    clamped at `limit` when given (layers/moe.py's clamped_silu_glu). `relu2`: ungated experts (w_in [E, I, d])
+    and dense = (None, up, down), relu(h)^2 (layers/moe.py's relu2, Nemotron-H). Weights are operands
+    (bf16_operand, fp8_operand, fp4_operand); x bf16 [N, d]. None where it does not apply (the caller runs
+    the torch code)."""
+    gate, up, down = dense or (None, None, None)
+    dense_ops = () if not dense else (up, down) if relu2 else (gate, up, down)
+    ops = ((w_in, w_out) if weights is not None else ()) + dense_ops
     if not (ops and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
         return None
     if weights is not None and weights.dtype not in _WEIGHTS:
@@ -572,16 +575,17 @@ def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=N
     mod = _fused_mod(x)
     if mod is None:
         return None
-    gate, up, down = dense or (None, None, None)
     # each product's threads as its own call would have them: a grouped call's rows are the (token, slot)
     # pairs, at most one expert a row
     N = x.shape[0]
-    threads = [threads_for(operand_bytes(op, N, False), N) for op in dense]
+    threads = [threads_for(operand_bytes(op, N, False), N) for op in dense_ops]
     if weights is not None:
         T, E = N * ids.shape[1], w_in[1].shape[0]
         per = -(-T // max(1, min(T, E)))
         threads = [threads_for(operand_bytes(op, T, True), per) for op in (w_in, w_out)] + threads
-    y = mod.ffn_rows(x, weights, ids, w_in, w_out, gate, up, down, limit, threads, _path())
+    y = mod.ffn_rows(
+        x, weights, ids, w_in, w_out, gate if dense else None, up, down, limit, relu2, threads, _path()
+    )
     if y is not None:
         stats["kernel_calls"] += len(ops)
     return y

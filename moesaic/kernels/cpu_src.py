@@ -2099,18 +2099,20 @@ using Operand = std::tuple<int64_t, torch::Tensor, std::optional<torch::Tensor>,
 // * up (clamped at `limit`: clamped_silu_glu) by torch's own ops on the same views, each token's weighted sum over its slots in ascending id in
 // the weights' dtype (bf16: each product and each partial sum rounded, from 0; fp32: summed from 0, rounded
 // once to x's dtype); then the dense SwiGLU MLP (gate / up [I', d], down [d, I']: a shared expert) added in
-// x's dtype. Either part may be absent. The same products over the same rows, the same float operations in
+// x's dtype. Either part may be absent. `relu2`: ungated experts and MLP instead (Nemotron-H: w_in [E, I, d],
+// no gate, relu(h)^2 by torch's ops: layers/moe.py's relu2). The same products over the same rows, the same float operations in
 // the same order as that code: the same bits (tests/test_cpu_kernels.py). `threads`: each product's thread
 // count, in order (w_in, w_out, gate, up, down: the parts given), from kernels/cpu.py's threads_for. A token
 // choosing an expert twice returns an undefined tensor (None): the caller runs the torch code.
 torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, std::optional<torch::Tensor> ids,
                        std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
                        std::optional<Operand> up, std::optional<Operand> down, std::optional<double> limit,
-                       std::vector<int64_t> threads, int64_t path) {
+                       bool relu2, std::vector<int64_t> threads, int64_t path) {
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.scalar_type() == torch::kBFloat16, "ffn_rows: x bf16 [N, d]");
-    const bool routed = w_in.has_value(), dense = gate.has_value();
-    TORCH_CHECK(routed == (weights && ids && w_out) && dense == (up && down) && (routed || dense), "ffn_rows: parts");
-    TORCH_CHECK((int64_t)threads.size() == 2 * routed + 3 * dense, "ffn_rows: one thread count per product");
+    const bool routed = w_in.has_value(), dense = up.has_value();
+    TORCH_CHECK(routed == (weights && ids && w_out) && dense == bool(down) && (routed || dense) &&
+                    (!dense || gate.has_value() != relu2), "ffn_rows: parts");
+    TORCH_CHECK((int64_t)threads.size() == 2 * routed + (3 - relu2) * dense, "ffn_rows: one thread count per product");
     x = x.contiguous();
     const int64_t N = x.size(0), d = x.size(1);
     size_t call = 0;  // the products in order: w_in, w_out, gate, up, down (each part that is given)
@@ -2125,17 +2127,20 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
         if (!limit) return at::silu(gate).mul_(up);
         return at::silu(at::clamp(gate, std::nullopt, *limit)).mul_(at::clamp(up, -*limit, *limit));
     };
-    auto swiglu = [&](const torch::Tensor& gu, int64_t I) { return glu(gu.narrow(1, 0, I), gu.narrow(1, I, I)); };
+    auto act = [&](const torch::Tensor& gu, int64_t I) {  // the experts' activation over w_in's rows
+        return relu2 ? at::relu(gu).square() : glu(gu.narrow(1, 0, I), gu.narrow(1, I, I));
+    };
     torch::Tensor out;
     if (routed) {
         const auto& Wi = std::get<1>(*w_in);
-        const int64_t E = Wi.size(0), k = ids->size(1), T = N * k, I = out_rows(*w_in) / 2;
+        const int64_t E = Wi.size(0), k = ids->size(1), T = N * k, I = out_rows(*w_in) / (relu2 ? 1 : 2);
         TORCH_CHECK(ids->dim() == 2 && ids->size(0) == N && ids->scalar_type() == torch::kInt64, "ffn_rows: ids [N, k] int64");
         TORCH_CHECK(weights->dim() == 2 && weights->size(0) == N && weights->size(1) == k &&
                         (weights->scalar_type() == torch::kBFloat16 || weights->scalar_type() == torch::kFloat32),
                     "ffn_rows: weights [N, k] bf16 or fp32");
         TORCH_CHECK(Wi.dim() == 3 && std::get<1>(*w_out).dim() == 3 && std::get<1>(*w_out).size(0) == E &&
-                        out_rows(*w_out) == d && out_rows(*w_in) == 2 * I, "ffn_rows: w_in [E, 2I, d], w_out [E, d, I]");
+                        out_rows(*w_out) == d && out_rows(*w_in) == (relu2 ? I : 2 * I),
+                    "ffn_rows: w_in [E, 2I, d] (ungated [E, I, d]), w_out [E, d, I]");
         auto idc = ids->contiguous();
         auto wc = weights->contiguous();
         const int64_t* ip = idc.data_ptr<int64_t>();
@@ -2170,7 +2175,7 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
             sp[row_of[p]] = p / k;
         }
         auto gu = product(x.index_select(0, src), *w_in, offs);
-        auto y = product(swiglu(gu, I), *w_out, offs);  // [T, d], grouped by expert
+        auto y = product(act(gu, I), *w_out, offs);  // [T, d], grouped by expert
         const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr());
         out = torch::empty({N, d}, x.options());
         uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -2196,10 +2201,15 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
         }
     }
     if (dense) {
-        const int64_t I = out_rows(*gate);
-        TORCH_CHECK(out_rows(*up) == I && out_rows(*down) == d, "ffn_rows: gate / up [I, d], down [d, I]");
-        auto g = product(x, *gate, std::nullopt);
-        auto h = glu(g, product(x, *up, std::nullopt));
+        const int64_t I = out_rows(*up);
+        TORCH_CHECK((relu2 || out_rows(*gate) == I) && out_rows(*down) == d, "ffn_rows: gate / up [I, d], down [d, I]");
+        torch::Tensor h;
+        if (relu2) {
+            h = at::relu(product(x, *up, std::nullopt)).square();
+        } else {
+            auto g = product(x, *gate, std::nullopt);
+            h = glu(g, product(x, *up, std::nullopt));
+        }
         auto s = product(h, *down, std::nullopt);
         if (!routed) return s;
         out.add_(s);  // `y + s` in bf16

@@ -286,6 +286,12 @@ class Mlp:
 
     def __call__(self, x: torch.Tensor, glu=silu_glu, act=relu2) -> torch.Tensor:
         if self.gate is None:
+            if (
+                act is relu2
+                and x.shape[0] <= cpu.MAX_ROWS
+                and (y := cpu.ffn_rows(x, dense=self.operands(), relu2=True)) is not None
+            ):
+                return y
             return linear(act(linear(x, self.up)), self.down)
         if (
             x.shape[0] <= cpu.MAX_ROWS
@@ -296,9 +302,8 @@ class Mlp:
         return linear(glu(linear(x, self.gate), linear(x, self.up)), self.down)
 
     def operands(self) -> tuple:
-        """(gate, up, down) of a gated MLP as the CPU kernels take them (each None where they do not); ()
-        for an ungated one."""
-        return () if self.gate is None else (operand(self.gate), operand(self.up), operand(self.down))
+        """(gate, up, down) as the CPU kernels take them (each None where they do not; gate None without one)."""
+        return (None if self.gate is None else operand(self.gate), operand(self.up), operand(self.down))
 
 
 def operand(w) -> tuple | None:
@@ -364,20 +369,23 @@ def prefetch(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor 
 
 def _fused(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids, every: bool) -> torch.Tensor | None:
     """The block for a few tokens (decode rows, a verify block) as one compiled call where it applies:
-    SwiGLU experts in dense bf16 or packed stacks on the CPU, `every` one held here, no latent projections;
-    the same bits as the code below (cpu.ffn_rows)."""
-    limit = swiglu_limit(spec.glu)
-    if not (every and spec.gated and limit is not False and w.latent_in is None and w.latent_out is None):
+    SwiGLU (or squared-ReLU) experts in dense bf16 or packed stacks on the CPU, `every` one held here, no latent projections;
+    the same bits as the code below (cpu.ffn_rows). Ungated experts take it with relu2 (Nemotron-H)."""
+    ungated = not spec.gated
+    limit = None if ungated else swiglu_limit(spec.glu)
+    if limit is False or (ungated and spec.act is not relu2):
+        return None
+    if not (every and w.latent_in is None and w.latent_out is None):
         return None
     if w.latent_norm is not None or w.reduce is not None or w.next_moe is not None:
         return None
-    if w.shared is not None and w.shared.gate is None:
+    if w.shared is not None and (w.shared.gate is None) != ungated:  # gated like the experts
         return None
     w_in, w_out = operand(w.experts_in), operand(w.experts_out)
     if w_in is None or w_out is None:  # streamed, split over ranks, gate | up quantized apart, fp32
         return None
     dense = () if w.shared is None else w.shared.operands()
-    return cpu.ffn_rows(x, weights, ids, w_in, w_out, dense, limit)
+    return cpu.ffn_rows(x, weights, ids, w_in, w_out, dense, limit, ungated)
 
 
 def swiglu_limit(glu) -> float | None | bool:
