@@ -603,3 +603,48 @@ def test_dsa_gathered_keeps_the_torch_bits(kernels, monkeypatch, dtype):
         want = dsa.attend_gathered(q, latent, w, dv, 0.125, sel, block)
         monkeypatch.undo()
         assert got.dtype == want.dtype and torch.equal(got, want), (n, H, T, W)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mamba2_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
+    """layers/mamba2.py's mamba2_recur in one call (cpu.mamba2_recur: the causal conv, the split, the recurrent
+    steps, the D skip) for decode rows and verify blocks gives the torch code's output, state and snapshots bit
+    for bit: one row with and without its snapshot, a block of 4 with every snapshot, with and without a conv
+    bias, bf16 and fp32 rows; the call is taken; a block the chunked scan starts keeps the torch code."""
+    dims = mamba2.Mamba2Dims(
+        hidden_size=32, num_heads=4, head_dim=8, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8
+    )
+    g = torch.Generator().manual_seed(19)
+    for n, snap, bias in ((1, 0, True), (1, 1, False), (4, 4, True), (3, 3, False)):
+        w = mamba2.Mamba2Weights(
+            in_proj=torch.randn(dims.in_proj_dim, 32, generator=g) * 0.2,
+            conv_weight=torch.randn(dims.conv_dim, 1, 4, generator=g) * 0.5,
+            conv_bias=torch.randn(dims.conv_dim, generator=g) * 0.1 if bias else None,
+            dt_bias=torch.randn(4, generator=g) * 0.1,
+            A_log=torch.rand(4, generator=g),
+            D=torch.randn(4, generator=g),
+            norm_weight=torch.ones(dims.inner),
+            out_proj=torch.randn(32, dims.inner, generator=g) * 0.2,
+        )
+        rows = (
+            None,
+            torch.randn(n, dims.conv_dim, generator=g).to(dtype),
+            torch.rand(n, 4, generator=g) * 0.5,
+        )
+        st = mamba2.Mamba2State(
+            torch.randn(dims.conv_dim, 3, generator=g), torch.randn(4, 8, 16, generator=g) * 0.1
+        )
+        taken = []
+        monkeypatch.setattr(cpu, "mamba2_recur", _spy(cpu.mamba2_recur, taken))
+        got = mamba2.mamba2_recur(rows, w, dims, st, snap)
+        assert taken == [True], (n, snap)
+        monkeypatch.setattr(cpu, "mamba2_recur", lambda *a: None)
+        want = mamba2.mamba2_recur(rows, w, dims, st, snap)
+        monkeypatch.undo()
+        assert torch.equal(got[0], want[0]), (n, snap)
+        assert len(got[2]) == len(want[2]) == snap
+        for a, b in zip([got[1], *got[2]], [want[1], *want[2]]):
+            assert torch.equal(a.conv, b.conv) and torch.equal(a.ssm, b.ssm), (n, snap)
+    rows = (None, torch.randn(5, dims.conv_dim, generator=g), torch.rand(5, 4, generator=g))
+    st = mamba2.Mamba2State.zeros(dims)
+    assert cpu.mamba2_recur(*rows[1:], st.conv, w.conv_weight, None, w.A_log, w.D, st.ssm, dims, 4) is None

@@ -176,6 +176,7 @@ def load(verbose: bool = False):
                 "route",
                 "kda_recur",
                 "dsa_gathered",
+                "mamba2_recur",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -644,9 +645,28 @@ def ssd_steps(x, dt, A, B, C, h, keep_states: bool):
     if mod is None or not all(t.dtype == torch.float32 for t in (x, dt, A, B, C, h)):
         return None
     m, H, P = x.shape
-    threads = 1 if m * H * P * B.shape[-1] < DELTA_PARALLEL else torch.get_num_threads()
+    threads = _delta_threads(m, H, P, B.shape[-1])
     y, h, states = mod.ssd_steps(x, dt, torch.exp(dt * A), B, C, h, keep_states, threads)
     return y, h, (states if keep_states and m else None)
+
+
+def mamba2_recur(xbc, dt, tail, conv_w, conv_b, A_log, D, ssm, dims, snapshot_last: int):
+    """layers/mamba2.py's mamba2_recur (the causal conv, the split, the recurrent steps, the D skip) for rows the
+    recurrent step takes whole (one row, or every row leaving a snapshot), in one call: the same torch ops, the
+    same bits. (y [n, H P], the final state, the states after every row or None, the conv's inputs), or None
+    where it does not apply (the caller runs the torch code)."""
+    n = xbc.shape[0]
+    if not (n == 1 or snapshot_last == n) or dt.dtype != torch.float32 or ssm.dtype != torch.float32:
+        return None
+    mod = _fused_mod(xbc, dt, tail, conv_w, A_log, D, ssm)
+    if mod is None:
+        return None
+    H, P, G, N = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size
+    keep = snapshot_last > 0
+    y, h, states, seq = mod.mamba2_recur(
+        xbc, dt, tail, conv_w, conv_b, A_log, D, ssm, H, P, G, N, keep, _delta_threads(n, H, P, N)
+    )
+    return y, h, (states if keep else None), seq
 
 
 def rows_fit(offs, limit: int = MAX_ROWS) -> bool:

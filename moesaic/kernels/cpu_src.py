@@ -1743,6 +1743,38 @@ std::vector<torch::Tensor> ssd_steps(torch::Tensor x, torch::Tensor dt, torch::T
     over_heads(H, nthreads, heads);
     return {y, h, states};
 }
+
+// layers/mamba2.py's mamba2_recur for rows the recurrent step takes whole (one row, or a block whose every row
+// leaves a snapshot): the causal conv and SiLU from the tail (torch's conv1d), the conv's output as the rows'
+// dtype, the x | B | C split with B and C repeated over their heads, ssd_steps above (exp(dt A) by torch, its
+// threads passed), the D skip. The same torch ops in the same order on the same views as the Python code, so
+// the same bits. Returns {y [n, H P] fp32, the final state, the state after every row [n, H, P, N] (when
+// keep), the conv's inputs [K - 1 + n, C] fp32}.
+std::vector<torch::Tensor> mamba2_recur(torch::Tensor xbc, torch::Tensor dt, torch::Tensor tail, torch::Tensor conv_w,
+                                        std::optional<torch::Tensor> conv_b, torch::Tensor A_log, torch::Tensor D,
+                                        torch::Tensor ssm, int64_t H, int64_t P, int64_t G, int64_t N, bool keep,
+                                        int64_t threads) {
+    const auto f32 = torch::kFloat32;
+    const int64_t n = xbc.size(0), c = xbc.size(1), inner = H * P;
+    auto w = conv_w.reshape({c, -1}).to(f32);
+    auto seq = at::cat({tail.to(f32).t(), xbc.to(f32)}, 0);  // [K-1+n, C]
+    std::optional<torch::Tensor> bias;
+    if (conv_b) bias = conv_b->to(f32);
+    const std::vector<int64_t> one{1}, none{0};  // stride, padding, dilation: F.conv1d's defaults
+    auto out = at::conv1d(seq.t().unsqueeze(0), w.unsqueeze(1), bias, at::IntArrayRef(one), at::IntArrayRef(none),
+                          at::IntArrayRef(one), c);
+    auto conv = at::silu(out.select(0, 0).t()).to(xbc.scalar_type()).to(f32);
+    auto parts = conv.split_with_sizes({inner, G * N, G * N}, -1);
+    auto xs = parts[0].reshape({n, H, P});
+    auto B = parts[1].reshape({n, G, N}).repeat_interleave(H / G, 1);
+    auto C = parts[2].reshape({n, G, N}).repeat_interleave(H / G, 1);
+    auto A = -at::exp(A_log.to(f32));
+    auto y = torch::empty({n, H, P}, xs.options());
+    auto r = ssd_steps(xs, dt, at::exp(dt * A), B, C, ssm.to(f32), keep, threads);
+    y.copy_(r[0]);
+    y = y + D.to(f32).unsqueeze(1) * xs;
+    return {y.reshape({n, inner}), r[1], r[2], seq};
+}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif

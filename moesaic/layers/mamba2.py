@@ -213,6 +213,19 @@ def mamba2_recur(
     _, xbc, dt = rows
     n = xbc.shape[0]
     H, P, G, N, K = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size, dims.conv_kernel
+    fused = None
+    if not kernels("mamba2", xbc):  # decode rows and verify blocks on the CPU: the code below in one call
+        fused = cpu.mamba2_recur(
+            xbc, dt, state.conv, w.conv_weight, w.conv_bias, w.A_log, w.D, state.ssm, dims, snapshot_last
+        )
+    if fused is not None:
+        y, h, states, seq = fused
+        snapshots = [
+            Mamba2State(conv=_rows_to_tail(seq[t + 1 : t + K]), ssm=states[t])
+            for t in range(n - snapshot_last, n)
+        ]
+        new_state = Mamba2State(conv=_rows_to_tail(seq[n:]), ssm=h.clone() if snapshots else h)
+        return y, new_state, snapshots
     dtype = xbc.dtype
     xbc, seq = causal_conv(xbc, state.conv, w.conv_weight, w.conv_bias)
     xbc = xbc.to(dtype).float()
