@@ -439,6 +439,18 @@ def _spy(f, taken: list):
     return call
 
 
+def fused_and_torch(monkeypatch, name: str, f, *args, **kw):
+    """f's result with the fused call cpu.<name> (asserted to be taken, once) and with the torch code."""
+    taken = []
+    monkeypatch.setattr(cpu, name, _spy(getattr(cpu, name), taken))
+    got = f(*args, **kw)
+    assert taken == [True], name
+    monkeypatch.setattr(cpu, name, lambda *a: None)
+    want = f(*args, **kw)
+    monkeypatch.undo()
+    return got, want
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fn_dtype", [torch.bfloat16, torch.float32])
 def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn_dtype):
@@ -516,13 +528,7 @@ def test_routers_keep_the_torch_bits(kernels, monkeypatch, dtype):
             for i in (None, hash_ids)
         ]
         for f, args, kw in cases:
-            taken = []
-            monkeypatch.setattr(cpu, "route", _spy(cpu.route, taken))
-            got = f(*args, **kw)
-            assert taken == [True], f.__name__
-            monkeypatch.setattr(cpu, "route", lambda *a: None)
-            want = f(*args, **kw)
-            monkeypatch.undo()
+            got, want = fused_and_torch(monkeypatch, "route", f, *args, **kw)
             for a, b in zip(got, want):
                 assert a.dtype == b.dtype and torch.equal(a, b), (f.__name__, N, kw)
 
@@ -553,13 +559,7 @@ def test_kda_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
             None,
         )
         state = kda.KdaState(torch.randn(K - 1, C, generator=g), torch.randn(H, D, D, generator=g) * 0.1)
-        taken = []
-        monkeypatch.setattr(cpu, "kda_recur", _spy(cpu.kda_recur, taken))
-        got = kda.kda_recur(rows, w, dims, state, snap)
-        assert taken == [True], (n, snap)
-        monkeypatch.setattr(cpu, "kda_recur", lambda *a: None)
-        want = kda.kda_recur(rows, w, dims, state, snap)
-        monkeypatch.undo()
+        got, want = fused_and_torch(monkeypatch, "kda_recur", kda.kda_recur, rows, w, dims, state, snap)
         assert torch.equal(got[0], want[0]) and got[0].dtype == want[0].dtype, (n, snap)
         for a, b in zip([got[1], *got[2]], [want[1], *want[2]]):
             assert torch.equal(a.conv, b.conv) and torch.equal(a.recurrent, b.recurrent), (n, snap)
@@ -595,13 +595,9 @@ def test_dsa_gathered_keeps_the_torch_bits(kernels, monkeypatch, dtype):
         sel = torch.stack([torch.randperm(T, generator=g)[:W] for _ in range(n)])
         sel[:, W // 2 :] = torch.where(torch.rand(n, W - W // 2, generator=g) < 0.3, -1, sel[:, W // 2 :])
         sel[-1] = -1 if n > 1 else sel[-1]  # nothing selected
-        taken = []
-        monkeypatch.setattr(cpu, "dsa_gathered", _spy(cpu.dsa_gathered, taken))
-        got = dsa.attend_gathered(q, latent, w, dv, 0.125, sel, block)
-        assert taken == [True]
-        monkeypatch.setattr(cpu, "dsa_gathered", lambda *a: None)
-        want = dsa.attend_gathered(q, latent, w, dv, 0.125, sel, block)
-        monkeypatch.undo()
+        got, want = fused_and_torch(
+            monkeypatch, "dsa_gathered", dsa.attend_gathered, q, latent, w, dv, 0.125, sel, block
+        )
         assert got.dtype == want.dtype and torch.equal(got, want), (n, H, T, W)
 
 
@@ -634,13 +630,7 @@ def test_mamba2_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
         st = mamba2.Mamba2State(
             torch.randn(dims.conv_dim, 3, generator=g), torch.randn(4, 8, 16, generator=g) * 0.1
         )
-        taken = []
-        monkeypatch.setattr(cpu, "mamba2_recur", _spy(cpu.mamba2_recur, taken))
-        got = mamba2.mamba2_recur(rows, w, dims, st, snap)
-        assert taken == [True], (n, snap)
-        monkeypatch.setattr(cpu, "mamba2_recur", lambda *a: None)
-        want = mamba2.mamba2_recur(rows, w, dims, st, snap)
-        monkeypatch.undo()
+        got, want = fused_and_torch(monkeypatch, "mamba2_recur", mamba2.mamba2_recur, rows, w, dims, st, snap)
         assert torch.equal(got[0], want[0]), (n, snap)
         assert len(got[2]) == len(want[2]) == snap
         for a, b in zip([got[1], *got[2]], [want[1], *want[2]]):
