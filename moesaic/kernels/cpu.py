@@ -506,10 +506,11 @@ def route(logits, score: str, top_k: int, bias=None, ids=None, normalize: bool =
     """layers/moe.py's router `score` (one expert group) in one call: the same torch ops, the same bits.
     (weights, ids), or None where it does not apply."""
     mod = _fused_mod(logits) if logits.dim() == 2 else None
-    if mod is None:
-        return None
-    w, chosen = mod.route(logits, ROUTER_SCORES[score], top_k, bias, ids, normalize, scale)
-    return w, chosen
+    return (
+        None
+        if mod is None
+        else tuple(mod.route(logits, ROUTER_SCORES[score], top_k, bias, ids, normalize, scale))
+    )
 
 
 def dsa_gathered(q, latent, w_kv_b, dv: int, scale: float, selection, block_elems: int, small: int):
