@@ -118,12 +118,12 @@ def select(
     return out
 
 
-def _select_tail(out: Tensor, positions: Tensor, kpool: int, index_topk: int) -> None:
-    """The open pool's tokens of each query (up to kpool - 1, -1 padded) into out[:, index_topk:]."""
+def _select_tail(out: Tensor, positions: Tensor, kpool: int, start: int) -> None:
+    """The open pool's tokens of each query (up to kpool - 1, -1 padded) into out[:, start : start + kpool - 1]."""
     tail_count = (positions + 1) % kpool
     offs = torch.arange(kpool - 1, device=positions.device)
     tail = positions[:, None] + 1 - tail_count[:, None] + offs
-    out[:, index_topk:] = tail.masked_fill(offs[None, :] >= tail_count[:, None], -1)
+    out[:, start : start + kpool - 1] = tail.masked_fill(offs[None, :] >= tail_count[:, None], -1)
 
 
 def every_pool_fits(num_keys: int, kpool: int, index_topk: int) -> bool:
@@ -137,21 +137,22 @@ def causal_selection(
 ) -> Tensor:
     """`select`'s selection when every_pool_fits, without scoring: each query's complete pools that end at
     or before it (and its open pool's tokens with always_select_tail). The same tokens as `select`, in token
-    order instead of score order, so attention over them equals it up to the order of the softmax sums."""
+    order instead of score order, so attention over them equals it up to the order of the softmax sums.
+    Where the torch code attends (sequence by sequence, not the Triton kernels' batched launch, which takes
+    one width), it is only as wide as these tokens: the open pool's right after the complete pools', not
+    at index_topk, so a short context does not attend over index_topk masked columns."""
     n = positions.shape[0]
-    out = torch.full(
-        (n, selection_width(index_topk, kpool, always_select_tail)),
-        -1,
-        dtype=torch.long,
-        device=positions.device,
-    )
     m = num_keys // kpool * kpool
+    tail = always_select_tail and kpool > 1
+    compact = not kernels("mla", positions)
+    width = max(1, m + (kpool - 1 if tail else 0)) if compact else selection_width(index_topk, kpool, tail)
+    out = torch.full((n, width), -1, dtype=torch.long, device=positions.device)
     if m:
         tokens = torch.arange(m, device=positions.device)
         done = (positions + 1) // kpool * kpool  # the tokens of complete pools ending at or before the query
         out[:, :m] = tokens.masked_fill(tokens[None, :] >= done[:, None], -1)
-    if always_select_tail and kpool > 1:
-        _select_tail(out, positions, kpool, index_topk)
+    if tail:
+        _select_tail(out, positions, kpool, m if compact else index_topk)
     return out
 
 
