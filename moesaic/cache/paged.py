@@ -180,10 +180,17 @@ class PagedRows(LengthRollback):
                 self.fields[k][blocks, self.index, offsets] = r.to(self.dtype)
         self.length = end
 
-    def _gather(self, end: int) -> dict[str, torch.Tensor]:
+    def rows(self, *names: str) -> dict[str, torch.Tensor]:
+        """The rows held of fields `names` (default: every field), gathered from the pages."""
+        return self._gather(self.length, names)
+
+    def _gather(self, end: int, names=()) -> dict[str, torch.Tensor]:
         nb = -(-end // BLOCK_SIZE)
         ids = self.table.tensor(self.device)[:nb]
-        return {k: t[ids, self.index].reshape(nb * BLOCK_SIZE, -1)[:end] for k, t in self.fields.items()}
+        return {
+            k: self.fields[k][ids, self.index].reshape(nb * BLOCK_SIZE, -1)[:end]
+            for k in names or self.fields
+        }
 
     @property
     def bufs(self) -> dict[str, torch.Tensor]:

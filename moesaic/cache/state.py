@@ -66,7 +66,15 @@ class TokenRows(LengthRollback):
         for k, r in rows.items():
             self.bufs[k][self.length : end] = r
         self.length = end
-        return {k: b[:end] for k, b in self.bufs.items()}
+        return self.rows()
+
+    def write(self, **rows: torch.Tensor) -> None:
+        """append, returning nothing (PagedRows' write)."""
+        self.append(**rows)
+
+    def rows(self, *names: str) -> dict[str, torch.Tensor]:
+        """Views of the rows held of fields `names` (default: every field)."""
+        return {k: self.bufs[k][: self.length] for k in names or self.bufs}
 
     def snapshot(self):
         self.shared = max(self.shared, self.length)

@@ -650,11 +650,14 @@ class Model:
         for j, s in enumerate(batch.seqs):
             rows = slice(s.start, s.start + s.n)
             if ix is not None:
-                cache = s.state.layers[L].append(latent=latent[rows], k=k[rows], z=z[rows])
-                P, T, tail = c.index_kpool, cache["k"].shape[0], c.index_kpool_always_select_tail
+                held = s.state.layers[L]
+                held.write(latent=latent[rows], k=k[rows], z=z[rows])
+                P, T, tail = c.index_kpool, held.length, c.index_kpool_always_select_tail
                 if dsa.every_pool_fits(T, P, c.index_topk):  # a context within index_topk: all of it
+                    cache = held.rows("latent")  # the indexer's keys are not read
                     sel = dsa.causal_selection(batch.positions[rows], T, P, c.index_topk, tail)
                 else:
+                    cache = held.rows()
                     if queries is None:
                         queries = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
                     qi, wts = queries
