@@ -177,6 +177,7 @@ def load(verbose: bool = False):
                 "kda_recur",
                 "dsa_gathered",
                 "mamba2_recur",
+                "kda_project",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -635,6 +636,25 @@ def kda_recur(qkv, g, beta, tail, conv_w, S, heads: int, head_dim: int, snapshot
             qkv, g, beta, tail, conv_w, S, heads, head_dim, snapshot_last, eps, head_dim**-0.5, one, snap
         )
     )
+
+
+def kda_project(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound):
+    """layers/kda.py's kda_project in one call for up to MAX_ROWS rows: the products of the operands `ops` (q,
+    k, v, f_a, f_b, b, then g or g_a, g_b) as `linear` would compute each, the log-decay and beta, the same
+    bits. (qkv, g, beta, gate), or None where it does not apply (the caller runs the torch code)."""
+    if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
+        return None
+    if any(op is None or not op[1].is_cpu or op[1].stride(-1) != 1 for op in ops):
+        return None
+    mod = _fused_mod(x, A_log, dt_bias)
+    if mod is None:
+        return None
+    N = x.shape[0]
+    threads = [threads_for(operand_bytes(op, N, False), N) for op in ops]
+    lb = None if lower_bound is None else float(lower_bound)
+    out = mod.kda_project(x, ops, threads, A_log, dt_bias, head_dim, lb, _path())
+    stats["kernel_calls"] += len(ops)
+    return tuple(out)
 
 
 def ssd_steps(x, dt, A, B, C, h, keep_states: bool):

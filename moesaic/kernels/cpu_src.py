@@ -2118,6 +2118,31 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
 using Operand = std::tuple<int64_t, torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, bool,
                            int64_t, int64_t, int64_t>;
 
+// layers/kda.py's kda_project for a few rows: the q | k | v, f_a -> f_b, b and output-gate products (ops in that
+// order: q, k, v, f_a, f_b, b, then g or g_a, g_b; each through gemm with the threads its own call would take),
+// the log-decay (kda_gate: -exp(A_log) softplus(z + dt_bias), or lower_bound sigmoid(exp(A_log) (z + dt_bias)))
+// and beta = sigmoid(b x) in fp32: the same products and torch ops in the same order, so the same bits.
+// Returns {qkv, g, beta, gate}.
+std::vector<torch::Tensor> kda_project(torch::Tensor x, std::vector<Operand> ops, std::vector<int64_t> threads,
+                                       torch::Tensor A_log, torch::Tensor dt_bias, int64_t head_dim,
+                                       std::optional<double> lower_bound, int64_t path) {
+    TORCH_CHECK((ops.size() == 7 || ops.size() == 8) && threads.size() == ops.size(), "kda_project: 7 or 8 products");
+    const auto f32 = torch::kFloat32;
+    auto lin = [&](const torch::Tensor& a, size_t i) {
+        const auto& [kind, w, scales, gscale, divides, group, bn, bk] = ops[i];
+        return gemm(kind, a, w, scales, gscale, divides, std::nullopt, std::nullopt, std::nullopt, group, bn, bk,
+                    threads[i], path);
+    };
+    auto qkv = at::cat({lin(x, 0), lin(x, 1), lin(x, 2)}, -1);
+    auto z = lin(lin(x, 3), 4);
+    auto u = (z.to(f32) + dt_bias.to(f32)).view({z.size(0), -1, head_dim});
+    auto rate = at::exp(A_log.to(f32)).view({1, -1, 1});
+    auto g = lower_bound ? at::sigmoid(rate * u) * *lower_bound : -rate * at::softplus(u, 1.0, 20.0);
+    auto beta = at::sigmoid(lin(x, 5).to(f32));
+    auto gate = ops.size() == 7 ? lin(x, 6) : lin(lin(x, 6), 7);
+    return {qkv, g, beta, gate};
+}
+
 // No FMA contraction in ffn_rows: torch rounds every product of the weighted sum.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options

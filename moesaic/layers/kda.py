@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear
+from .linear import linear, operand
 from .recurrent import RecurrentMixer, fold_channels, repeat_sections, unfold_channels
 
 L2NORM_EPS = 1e-6
@@ -299,6 +299,14 @@ def kda_project(x: Tensor, w: KdaWeights, dims: KdaDims) -> tuple[Tensor, ...]:
     """The row-wise part before the recurrence, for every row of a batch at once (no state): the q|k|v
     projections [N, 3HD] in x's dtype, the log-decay g [N, H, Dk] and beta [N, H] in fp32, the output
     gate's projection [N, H*Dv]."""
+    if not kernels("kda", x):  # decode rows and verify blocks on the CPU: the code below in one call
+        mats = [w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj]
+        mats += [w.g_proj] if w.g_proj is not None else [w.g_a_proj, w.g_b_proj]
+        fused = cpu.kda_project(
+            x, [operand(m) for m in mats], w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound
+        )
+        if fused is not None:
+            return fused
     qkv = torch.cat([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], dim=-1)
     g = kda_gate(
         linear(linear(x, w.f_a_proj), w.f_b_proj), w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound

@@ -20,6 +20,14 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return y if bias is None else y + bias.to(y.dtype)
 
 
+def operand(w) -> tuple | None:
+    """A weight as the compiled CPU kernels take it: a dense bf16 tensor or a packed one (its own
+    `kernel_operand`); None for anything else (a tensor-parallel piece, a streamed stack, fp32)."""
+    if type(w) is torch.Tensor:
+        return cpu.bf16_operand(w) if w.dtype == torch.bfloat16 else None
+    return w.kernel_operand() if hasattr(w, "kernel_operand") else None
+
+
 SMALL_PRODUCT = 1 << 18  # operand elements up to which a half-precision CPU product runs in fp32 (matmul)
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear
+from .linear import linear, operand
 from .norms import rms_norm
 
 PREFETCH_MAX_TOKENS = 32  # streamed experts: a batch this large (a prefill chunk) reads, not guesses
@@ -304,14 +304,6 @@ class Mlp:
     def operands(self) -> tuple:
         """(gate, up, down) as the CPU kernels take them (each None where they do not; gate None without one)."""
         return (None if self.gate is None else operand(self.gate), operand(self.up), operand(self.down))
-
-
-def operand(w) -> tuple | None:
-    """A weight as the compiled CPU kernels take it: a dense bf16 tensor or a packed one (its own
-    `kernel_operand`); None for anything else (a tensor-parallel piece, a streamed stack, fp32)."""
-    if type(w) is torch.Tensor:
-        return cpu.bf16_operand(w) if w.dtype == torch.bfloat16 else None
-    return w.kernel_operand() if hasattr(w, "kernel_operand") else None
 
 
 @dataclass
