@@ -111,7 +111,8 @@ def hf_gen(model):
 def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
     """(ms per batch-1 decode step, ms of it in matrix products): the kernels' calls, the fp32 tiles and
     torch's mm / bmm / matmul are timed (wall clock) around each call; cpu.ffn_rows (a token's whole
-    feed-forward block: its products, a silu, a mul and the weighted sum) is counted as products."""
+    feed-forward block: its products, a silu, a mul and the weighted sum) and cpu.kda_project (KDA's eight
+    row-wise products, the log-decay and beta) are counted as products."""
     acc = [0.0]
 
     def timed(f):
@@ -124,8 +125,10 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
 
         return g
 
-    saved = cpu._gemm, cpu.tiled_linear, cpu.ffn_rows, torch.bmm, torch.matmul
-    cpu._gemm, cpu.tiled_linear, cpu.ffn_rows = timed(cpu._gemm), timed(cpu.tiled_linear), timed(cpu.ffn_rows)
+    names = ("_gemm", "tiled_linear", "ffn_rows", "kda_project")
+    saved = [getattr(cpu, n) for n in names], torch.bmm, torch.matmul
+    for n in names:
+        setattr(cpu, n, timed(getattr(cpu, n)))
     torch.bmm, torch.matmul = timed(torch.bmm), timed(torch.matmul)
     try:
         gen = moesaic_gen(llm)
@@ -142,7 +145,9 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
             step, mm = (tn - t1) / (new - 1), (gn - g1) / (new - 1)
             best = (step, mm) if best is None or step < best[0] else best
     finally:
-        cpu._gemm, cpu.tiled_linear, cpu.ffn_rows, torch.bmm, torch.matmul = saved
+        for n, f in zip(names, saved[0]):
+            setattr(cpu, n, f)
+        torch.bmm, torch.matmul = saved[1:]
     return best[0] * 1e3, best[1] * 1e3
 
 
