@@ -567,21 +567,13 @@ def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=N
         return None
     if weights is not None and weights.dtype not in _WEIGHTS:
         return None
-    for op in ops:
-        if (
-            op is None
-            or not op[1].is_cpu
-            or op[1].stride(-1) != 1
-            or (op[0] == _BF16 and op[1].dtype != x.dtype)
-        ):
-            return None
-    mod = _fused_mod(x)
+    mod = _fused_mod(x) if _operands_fit(ops, x) else None
     if mod is None:
         return None
     # each product's threads as its own call would have them: a grouped call's rows are the (token, slot)
     # pairs, at most one expert a row
     N = x.shape[0]
-    threads = [threads_for(operand_bytes(op, N, False), N) for op in dense_ops]
+    threads = _own_threads(dense_ops, N)
     if weights is not None:
         T, E = N * ids.shape[1], w_in[1].shape[0]
         per = -(-T // max(1, min(T, E)))
@@ -595,6 +587,23 @@ def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=N
 
 
 _WEIGHTS = (torch.bfloat16, torch.float32)
+
+
+def _operands_fit(ops, x) -> bool:
+    """Whether a fused call can run every operand of `ops` against x (CPU weights with contiguous rows, dense
+    ones of x's dtype)."""
+    return all(
+        op is not None
+        and op[1].is_cpu
+        and op[1].stride(-1) == 1
+        and (op[0] != _BF16 or op[1].dtype == x.dtype)
+        for op in ops
+    )
+
+
+def _own_threads(ops, rows: int) -> list[int]:
+    """Each operand's threads as its own call over `rows` rows would take them (threads_for)."""
+    return [threads_for(operand_bytes(op, rows, False), rows) for op in ops]
 
 
 def delta_rule(q, k, v, g, beta, S, keep_states: bool):
@@ -644,13 +653,10 @@ def kda_project(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound):
     bits. (qkv, g, beta, gate), or None where it does not apply (the caller runs the torch code)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
         return None
-    if any(op is None or not op[1].is_cpu or op[1].stride(-1) != 1 for op in ops):
-        return None
-    mod = _fused_mod(x, A_log, dt_bias)
+    mod = _fused_mod(x, A_log, dt_bias) if _operands_fit(ops, x) else None
     if mod is None:
         return None
-    N = x.shape[0]
-    threads = [threads_for(operand_bytes(op, N, False), N) for op in ops]
+    threads = _own_threads(ops, x.shape[0])
     lb = None if lower_bound is None else float(lower_bound)
     out = mod.kda_project(x, ops, threads, A_log, dt_bias, head_dim, lb, _path())
     stats["kernel_calls"] += len(ops)

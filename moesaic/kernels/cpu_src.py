@@ -2118,6 +2118,13 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
 using Operand = std::tuple<int64_t, torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, bool,
                            int64_t, int64_t, int64_t>;
 
+// a against the operand m (with offs: the grouped form over its stack), into a new tensor of a's dtype.
+torch::Tensor operand_gemm(const torch::Tensor& a, const Operand& m, std::optional<torch::Tensor> offs,
+                           int64_t threads, int64_t path) {
+    const auto& [kind, w, scales, gscale, divides, group, bn, bk] = m;
+    return gemm(kind, a, w, scales, gscale, divides, offs, std::nullopt, std::nullopt, group, bn, bk, threads, path);
+}
+
 // layers/kda.py's kda_project for a few rows: the q | k | v, f_a -> f_b, b and output-gate products (ops in that
 // order: q, k, v, f_a, f_b, b, then g or g_a, g_b; each through gemm with the threads its own call would take),
 // the log-decay (kda_gate: -exp(A_log) softplus(z + dt_bias), or lower_bound sigmoid(exp(A_log) (z + dt_bias)))
@@ -2128,11 +2135,7 @@ std::vector<torch::Tensor> kda_project(torch::Tensor x, std::vector<Operand> ops
                                        std::optional<double> lower_bound, int64_t path) {
     TORCH_CHECK((ops.size() == 7 || ops.size() == 8) && threads.size() == ops.size(), "kda_project: 7 or 8 products");
     const auto f32 = torch::kFloat32;
-    auto lin = [&](const torch::Tensor& a, size_t i) {
-        const auto& [kind, w, scales, gscale, divides, group, bn, bk] = ops[i];
-        return gemm(kind, a, w, scales, gscale, divides, std::nullopt, std::nullopt, std::nullopt, group, bn, bk,
-                    threads[i], path);
-    };
+    auto lin = [&](const torch::Tensor& a, size_t i) { return operand_gemm(a, ops[i], std::nullopt, threads[i], path); };
     auto qkv = at::cat({lin(x, 0), lin(x, 1), lin(x, 2)}, -1);
     auto z = lin(lin(x, 3), 4);
     auto u = (z.to(f32) + dt_bias.to(f32)).view({z.size(0), -1, head_dim});
@@ -2174,9 +2177,7 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
     const int64_t N = x.size(0), d = x.size(1);
     size_t call = 0;  // the products in order: w_in, w_out, gate, up, down (each part that is given)
     auto product = [&](const torch::Tensor& a, const Operand& m, std::optional<torch::Tensor> offs) {
-        const auto& [kind, w, scales, gscale, divides, group, bn, bk] = m;
-        return gemm(kind, a, w, scales, gscale, divides, offs, std::nullopt, std::nullopt, group, bn, bk, threads[call++],
-                    path);
+        return operand_gemm(a, m, offs, threads[call++], path);
     };
     auto out_rows = [](const Operand& m) { return std::get<1>(m).size(-2); };
     // layers/moe.py's silu_glu, or clamped_silu_glu with `limit`, by torch's ops on the same views
