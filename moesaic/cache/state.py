@@ -51,6 +51,11 @@ class TokenRows(LengthRollback):
 
     def append(self, **rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Appends the new rows of every field; returns views of all rows held, old and new."""
+        self.write(**rows)
+        return self.rows()
+
+    def write(self, **rows: torch.Tensor) -> None:
+        """Appends the new rows of every field (append without the views: PagedRows' write)."""
         n = next(iter(rows.values())).shape[0]
         end = self.length + n
         if end > self.max_tokens:
@@ -66,11 +71,6 @@ class TokenRows(LengthRollback):
         for k, r in rows.items():
             self.bufs[k][self.length : end] = r
         self.length = end
-        return self.rows()
-
-    def write(self, **rows: torch.Tensor) -> None:
-        """append, returning nothing (PagedRows' write)."""
-        self.append(**rows)
 
     def rows(self, *names: str) -> dict[str, torch.Tensor]:
         """Views of the rows held of fields `names` (default: every field)."""

@@ -285,20 +285,15 @@ class Mlp:
     gate: object | None = None
 
     def __call__(self, x: torch.Tensor, glu=silu_glu, act=relu2) -> torch.Tensor:
-        if self.gate is None:
-            if (
-                act is relu2
-                and x.shape[0] <= cpu.MAX_ROWS
-                and (y := cpu.ffn_rows(x, dense=self.operands(), relu2=True)) is not None
-            ):
-                return y
-            return linear(act(linear(x, self.up)), self.down)
+        form = fused_form(self.gate is not None, glu, act)
         if (
             x.shape[0] <= cpu.MAX_ROWS
-            and (limit := swiglu_limit(glu)) is not False
-            and (y := cpu.ffn_rows(x, dense=self.operands(), limit=limit)) is not None
+            and form is not None
+            and (y := cpu.ffn_rows(x, dense=self.operands(), limit=form[0], relu2=form[1])) is not None
         ):
             return y  # decode rows on the CPU: the same products and roundings in one call
+        if self.gate is None:
+            return linear(act(linear(x, self.up)), self.down)
         return linear(glu(linear(x, self.gate), linear(x, self.up)), self.down)
 
     def operands(self) -> tuple:
@@ -363,21 +358,27 @@ def _fused(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids, every: b
     """The block for a few tokens (decode rows, a verify block) as one compiled call where it applies:
     SwiGLU (or squared-ReLU) experts in dense bf16 or packed stacks on the CPU, `every` one held here, no latent projections;
     the same bits as the code below (cpu.ffn_rows). Ungated experts take it with relu2 (Nemotron-H)."""
-    ungated = not spec.gated
-    limit = None if ungated else swiglu_limit(spec.glu)
-    if limit is False or (ungated and spec.act is not relu2):
-        return None
-    if not (every and w.latent_in is None and w.latent_out is None):
+    form = fused_form(spec.gated, spec.glu, spec.act)
+    if form is None or not (every and w.latent_in is None and w.latent_out is None):
         return None
     if w.latent_norm is not None or w.reduce is not None or w.next_moe is not None:
         return None
-    if w.shared is not None and (w.shared.gate is None) != ungated:  # gated like the experts
+    if w.shared is not None and (w.shared.gate is not None) != spec.gated:  # gated like the experts
         return None
     w_in, w_out = operand(w.experts_in), operand(w.experts_out)
     if w_in is None or w_out is None:  # streamed, split over ranks, gate | up quantized apart, fp32
         return None
     dense = () if w.shared is None else w.shared.operands()
-    return cpu.ffn_rows(x, weights, ids, w_in, w_out, dense, limit, ungated)
+    return cpu.ffn_rows(x, weights, ids, w_in, w_out, dense, *form)
+
+
+def fused_form(gated: bool, glu, act) -> tuple[float | None, bool] | None:
+    """cpu.ffn_rows' (limit, relu2) for a block's activation: a gated one that swiglu_limit names, or relu2
+    without a gate; None for any other (the torch code runs it)."""
+    if not gated:
+        return (None, True) if act is relu2 else None
+    limit = swiglu_limit(glu)
+    return None if limit is False else (limit, False)
 
 
 def swiglu_limit(glu) -> float | None | bool:
