@@ -146,7 +146,8 @@ def update(streams: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     y [N, d] (the block output), post [N, n], comb [N, n, n]."""
     dt = streams.dtype
     if streams.is_cpu and not kernels("mhc", streams):  # the same ops in one compiled call
-        h = cpu.mhc_update(streams, y, post, comb, small_product(comb.to(dt), streams))
+        # the comb product's rule (matmul's): streams' dtype and the operands' sizes; comb.to(dt) not made twice
+        h = cpu.mhc_update(streams, y, post, comb, small_product(streams, comb))
         if h is not None:
             return h
     return post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + matmul(comb.to(dt).transpose(-1, -2), streams)
