@@ -486,3 +486,26 @@ def test_visible_entries_are_what_the_indexer_keeps_within_topk(ratio):
         topk,
     )[0]
     assert want.shape == (1, topk) and (want >= 0).sum() == topk < E  # the scores choose
+
+
+def test_rope_tail_makes_its_angles_once_per_positions_tensor():
+    """A forward's layers rope at one batch.positions tensor several times each, between a compressor's
+    entries at their own positions: the angles of the last two positions tensors are kept, by the tensor
+    object. Each call's rotation is the one its own positions give (a stale entry would rotate by another
+    tensor's angles, e.g. a later step's positions of the same shape)."""
+    from moesaic.layers.csa import RopeTail
+    from moesaic.layers.rope import cos_sin, rope_pairs
+
+    gen = torch.Generator().manual_seed(0)
+    rope = RopeTail(torch.rand(4, generator=gen), factor=0.7)
+    x = torch.randn(3, 2, 16, generator=gen)
+
+    def want(pos, inverse=False):
+        cos, sin = cos_sin(rope.freqs, pos, rope.factor)
+        return torch.cat([x[..., :-8], rope_pairs(x[..., -8:], cos, -sin if inverse else sin)], dim=-1)
+
+    step, entries, later = torch.tensor([5, 6, 7]), torch.tensor([0, 4, 8]), torch.tensor([8, 9, 10])
+    for pos, inverse in ((step, False), (entries, False), (step, True), (step, False), (later, False)):
+        assert torch.equal(rope(x, pos, inverse), want(pos, inverse))
+    cos = rope.angles(later)[0]
+    assert rope.angles(later)[0] is cos and rope.angles(torch.tensor([8, 9, 10]))[0] is not cos

@@ -34,7 +34,7 @@ elements per CSA compressor, for one code path that re-derives it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -62,16 +62,33 @@ class RopeTail:
 
     freqs: Tensor  # [rope_dim / 2] fp32
     factor: float = 1.0
+    # [positions, cos, sin, -sin or None] of the last two positions tensors roped at, latest first. A
+    # forward's layers rope at the same batch.positions three or four times each (q, kv, the indexer's
+    # query, the output's inverse), between a compressor's entries at their own positions: the angles are
+    # made once a forward, not once a call. Keyed by the tensor object, which is held (so its id is not
+    # reused); positions are never written in place.
+    recent: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def dim(self) -> int:
         return 2 * self.freqs.shape[0]
 
+    def angles(self, positions: Tensor, inverse: bool = False) -> tuple[Tensor, Tensor]:
+        """(cos, sin) [n, dim / 2] at positions [n] (sin negated for `inverse`)."""
+        hit = next((e for e in self.recent if e[0] is positions), None)
+        if hit is None:
+            hit = [positions, *cos_sin(self.freqs, positions, self.factor), None]
+            self.recent[:] = [hit, *self.recent[:1]]
+        if not inverse:
+            return hit[1], hit[2]
+        if hit[3] is None:
+            hit[3] = -hit[2]
+        return hit[1], hit[3]
+
     def __call__(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
         """x [n, ..., D] at positions [n]; `inverse` rotates by −angle."""
-        cos, sin = cos_sin(self.freqs, positions, self.factor)
         d = self.dim
-        return torch.cat([x[..., :-d], rope_pairs(x[..., -d:], cos, -sin if inverse else sin)], dim=-1)
+        return torch.cat([x[..., :-d], rope_pairs(x[..., -d:], *self.angles(positions, inverse))], dim=-1)
 
 
 def head_rms(x: Tensor, eps: float) -> Tensor:
