@@ -1697,6 +1697,9 @@ std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 #endif
+constexpr int64_t SSD_LANES = 16;
+typedef float SsdLanes __attribute__((vector_size(SSD_LANES * sizeof(float))));  // any ISA: GCC splits it
+
 std::vector<torch::Tensor> ssd_steps(torch::Tensor x, torch::Tensor dt, torch::Tensor dA, torch::Tensor B,
                                      torch::Tensor C, torch::Tensor h0, bool keep, int64_t nthreads) {
     for (const auto& t : {x, dt, dA, B, C, h0})
@@ -1707,18 +1710,21 @@ std::vector<torch::Tensor> ssd_steps(torch::Tensor x, torch::Tensor dt, torch::T
                     h0.size(2) == B.size(2),
                 "ssd_steps: x [m, H, P], dt / dA [m, H], B / C [m, H, N], h [H, P, N]");
     const int64_t m = x.size(0), H = x.size(1), P = x.size(2), N = B.size(2);
-    auto h = h0.contiguous().clone();
+    const auto h_in = h0.contiguous();
+    auto h = torch::empty_like(h_in);  // the first step reads h_in and writes h: no copy made first
     auto y = torch::empty({m, H, P}, x.options());
     auto states = torch::empty({keep ? m : 0, H, P, N}, x.options());
     const auto xa = x.accessor<float, 3>(), Ba = B.accessor<float, 3>(), Ca = C.accessor<float, 3>();
     const auto da = dt.accessor<float, 2>(), ea = dA.accessor<float, 2>();
     float* hp = h.data_ptr<float>();
+    const float* hin = h_in.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     float* stp = keep ? states.data_ptr<float>() : nullptr;
     auto heads = [&](int64_t h0_, int64_t h1_) {
         std::vector<float> bb(N), cb(N);
         for (int64_t hd = h0_; hd < h1_; ++hd) {
-            float* __restrict s = hp + hd * P * N;
+            float* s = hp + hd * P * N;
+            const float* s_in = hin + hd * P * N;
             for (int64_t t = 0; t < m; ++t) {
                 const float e = ea[t][hd], d = da[t][hd];
                 for (int64_t j = 0; j < N; ++j) {
@@ -1727,13 +1733,29 @@ std::vector<torch::Tensor> ssd_steps(torch::Tensor x, torch::Tensor dt, torch::T
                 }
                 for (int64_t i = 0; i < P; ++i) {
                     const float xd = xa[t][hd][i] * d;
-                    float* __restrict row = s + i * N;
+                    float* row = s + i * N;
+                    const float* from = (t == 0 ? s_in : s) + i * N;  // row itself after the first step
+                    // y's sum over N in SSD_LANES partial sums, then those in order: one sum in index order
+                    // was a chain of dependent adds, ~1/4 of a Nemotron-H layer's decode step (y is compared
+                    // to rounding; the state, torch's own float operations, to the bit)
+                    SsdLanes lanes = {};
+                    int64_t j = 0;
+                    for (; j + SSD_LANES <= N; j += SSD_LANES) {
+                        SsdLanes r, bv, cv;
+                        std::memcpy(&r, from + j, sizeof r);
+                        std::memcpy(&bv, bb.data() + j, sizeof bv);
+                        std::memcpy(&cv, cb.data() + j, sizeof cv);
+                        r = e * r + xd * bv;
+                        std::memcpy(row + j, &r, sizeof r);
+                        lanes += r * cv;
+                    }
                     float acc = 0.f;
-                    for (int64_t j = 0; j < N; ++j) {
-                        const float a = e * row[j], b = xd * bb[j];
+                    for (; j < N; ++j) {
+                        const float a = e * from[j], b = xd * bb[j];
                         row[j] = a + b;
                         acc += row[j] * cb[j];
                     }
+                    for (int64_t l = 0; l < SSD_LANES; ++l) acc += lanes[l];
                     yp[(t * H + hd) * P + i] = acc;
                 }
                 if (stp) std::copy(s, s + P * N, stp + (t * H + hd) * P * N);
