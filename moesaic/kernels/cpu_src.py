@@ -1767,8 +1767,8 @@ std::vector<torch::Tensor> ssd_steps(torch::Tensor x, torch::Tensor dt, torch::T
 }
 
 // layers/mamba2.py's mamba2_recur for rows the recurrent step takes whole (one row, or a block whose every row
-// leaves a snapshot): the causal conv and SiLU from the tail (torch's conv1d), the conv's output as the rows'
-// dtype, the x | B | C split with B and C repeated over their heads, ssd_steps above (exp(dt A) by torch, its
+// leaves a snapshot): the causal conv (causal_conv's shifted products) and SiLU from the tail, the conv's
+// output as the rows' dtype, the x | B | C split with B and C repeated over their heads, ssd_steps above (exp(dt A) by torch, its
 // threads passed), the D skip. The same torch ops in the same order on the same views as the Python code, so
 // the same bits. Returns {y [n, H P] fp32, the final state, the state after every row [n, H, P, N] (when
 // keep), the conv's inputs [K - 1 + n, C] fp32}.
@@ -1778,14 +1778,12 @@ std::vector<torch::Tensor> mamba2_recur(torch::Tensor xbc, torch::Tensor dt, tor
                                         int64_t threads) {
     const auto f32 = torch::kFloat32;
     const int64_t n = xbc.size(0), c = xbc.size(1), inner = H * P;
-    auto w = conv_w.reshape({c, -1}).to(f32);
+    auto w = conv_w.reshape({c, -1}).to(f32).t();  // [K, C]
     auto seq = at::cat({tail.to(f32).t(), xbc.to(f32)}, 0);  // [K-1+n, C]
-    std::optional<torch::Tensor> bias;
-    if (conv_b) bias = conv_b->to(f32);
-    const std::vector<int64_t> one{1}, none{0};  // stride, padding, dilation: F.conv1d's defaults
-    auto out = at::conv1d(seq.t().unsqueeze(0), w.unsqueeze(1), bias, at::IntArrayRef(one), at::IntArrayRef(none),
-                          at::IntArrayRef(one), c);
-    auto conv = at::silu(out.select(0, 0).t()).to(xbc.scalar_type()).to(f32);
+    auto out = seq.narrow(0, 0, n).mul(w[0]);  // causal_conv's shifted products, in its order
+    if (conv_b) out.add_(conv_b->to(f32));
+    for (int64_t k = 1; k < w.size(0); ++k) out.add_(seq.narrow(0, k, n).mul(w[k]));
+    auto conv = at::silu(out).to(xbc.scalar_type()).to(f32);
     auto parts = conv.split_with_sizes({inner, G * N, G * N}, -1);
     auto xs = parts[0].reshape({n, H, P});
     auto B = parts[1].reshape({n, G, N}).repeat_interleave(H / G, 1);

