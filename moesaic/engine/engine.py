@@ -15,9 +15,9 @@ reserved for `max_num_seqs` sequences. Snapshots for the prefix cache have their
 
 Speculative decoding (spec/): with a draft proposer, every forward also leaves the hidden states the
 proposer taps, and each step ends by giving the proposer the rows committed in it and asking it for the
-next drafts of the decoding sequences (their lengths set each step by spec/adaptive.py's DraftLength, and
-drafting held off by its DraftGate while plain steps measure faster; LLM.generate's batches keep their
-sequences within a round of each other: `whole_batch`). The next
+next drafts of the decoding sequences (their lengths set each step by spec/adaptive.py: the DraftGate's
+measured best length for the batch size, 0 while plain steps measure faster, and each sequence's acceptance;
+LLM.generate's batches keep their sequences within a round of each other: `whole_batch`). The next
 step verifies each sequence's [pending token, d1..dk] in the same forward as everything else, accepts
 exactly (spec/verify.py) and rolls the rejected rows back in every state kind (states are made with a
 rollback window of k + 1 rows). Draft rows are never in the prefix cache: the blocks and snapshots only
@@ -211,11 +211,11 @@ class Engine:
         self.spec = spec
         self.rollback_window = spec.k + 1 if spec is not None else 0
         self.draft_length = DraftLength(spec.k, spec.adaptive) if spec is not None else None
-        if self.draft_length is not None:  # how the drafter's time grows with the draft length
-            self.draft_length.draft_cost = getattr(proposer, "draft_cost", "per_round")
-        # adaptive: drafting runs only while its decode steps commit more tokens a second than plain ones
-        self.gate = DraftGate() if spec is not None and spec.adaptive else None
+        # adaptive: each step drafts as far as the DraftGate measures pays best (plain steps included)
+        self.gate = DraftGate(spec.k) if spec is not None and spec.adaptive else None
         self._propose_s = 0.0  # the last step's propose call: the next step, which verifies, pays for it
+        self._gate_length = None  # the length the gate chose for the next step's drafts (None: it did not)
+        self._gate_measured = False  # the last step decoded: the next one is measured for the gate
         self.keep_in_step = False  # whole_batch(): drafts keep decoding sequences in step
         self._plan_memory(state_bytes)
         self.counters = dict(
@@ -588,10 +588,15 @@ class Engine:
             for (s, _), t in zip(sched, taps):
                 if s.id not in failed:
                     self._observe(s, t)
-            spent, carried = time.perf_counter() - t_start, self._propose_s
+            spent = time.perf_counter() - t_start
+            # a decode step after a decode step: one after a prompt carries the drafter's catch-up on the
+            # prompt's rows in its propose call, which is not what its length costs
+            measured = decoding and not failed and self._gate_measured
+            if self.gate is not None and measured and self._gate_length is not None:
+                # before the next step's length is chosen, so that it sees this step
+                self.gate.record(len(sched), len(events), spent + self._propose_s, self._gate_length)
+            self._gate_measured = decoding and not failed
             self._propose()
-            if self.gate is not None and decoding and not failed:
-                self.gate.record(len(sched), len(events), spent + carried, bool(drafts))
         return events
 
     def _end_round(self, seq: Sequence, drafted: int, accepted: int, outputs: int) -> None:
@@ -745,7 +750,7 @@ class Engine:
 
     def _propose(self) -> None:
         """Asks the proposer, in one call, for the next drafts of every decoding sequence that has none."""
-        self._propose_s = 0.0
+        self._propose_s, self._gate_length = 0.0, None
         ready = [
             s
             for s in self.running
@@ -754,11 +759,14 @@ class Engine:
         if not ready:
             return
         decoders = sum(s.num_pending == 1 for s in self.running)
-        if self.gate is not None and not self.gate.allows(decoders):
-            self.spec_counters["gated_steps"] += 1
-            for s in ready:
-                s.draft, s.drafted = Draft([]), False
-            return
+        cap = None
+        if self.gate is not None:
+            cap = self._gate_length = self.gate.length(decoders)
+            if cap == 0:
+                self.spec_counters["gated_steps"] += 1
+                for s in ready:
+                    s.draft = Draft([])
+                return
         limits = []
         snapshots = self.hybrid and self.limits.enable_prefix_caching
         behind = None  # the most tokens a decoding sequence may still generate (LLM.generate's batches)
@@ -776,29 +784,21 @@ class Engine:
             if behind is not None:  # how far this one is ahead of the furthest behind, less a round
                 limit = min(limit, self.spec.k - (behind - (s.params.max_tokens - len(s.output_ids))))
             limits.append(limit)
-        lengths = self.draft_length.lengths([s.acceptance for s in ready], decoders, limits)
+        lengths = self.draft_length.lengths([s.acceptance for s in ready], decoders, limits, cap)
         requests = []
         for s, k in zip(ready, lengths):
             if k > 0:
                 requests.append((s, k))
             else:
-                s.draft, s.drafted = Draft([]), False
+                s.draft = Draft([])
         if not requests:
             return
-        # a call for a sequence whose last round had no drafts also runs the rows the proposer deferred
-        # meanwhile (up to MAX_DEFERRED): the drafter's cost is learnt from the calls without that catch-up,
-        # else a stretch off drafting makes drafts look dear, which keeps drafting off
-        steady = all(s.drafted for s, _ in requests)
         t0 = time.perf_counter()
         out = self._call_proposer(
             None, self.proposer.propose, [(s.id, s.token_ids[-1], k) for s, k in requests]
         )
         dt = self._propose_s = time.perf_counter() - t0
         self.spec_counters["draft_s"] += dt
-        for s, _ in requests:
-            s.drafted = True
-        if steady or self.draft_length.draft_seconds is None:
-            self.draft_length.draft_done(dt, max(k for _, k in requests))
         vocab = self.model.cfg.vocab_size
         for i, (s, k) in enumerate(requests):
             draft = out[i] if out is not None and i < len(out) else Draft([])

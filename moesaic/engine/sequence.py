@@ -35,8 +35,7 @@ class Sequence:
 
     Speculative decoding: `draft` is the proposal for the next round (None: not asked yet; verified
     together with the pending token, then cleared), `observed` how many of its committed rows the draft
-    proposer has seen (-1: not started, e.g. after a preemption), `acceptance` its acceptance record,
-    `drafted` whether its last round had drafts (a proposer catches up on the rows of rounds without)."""
+    proposer has seen (-1: not started, e.g. after a preemption), `acceptance` its acceptance record."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -51,7 +50,6 @@ class Sequence:
     draft: Draft | None = None
     observed: int = -1
     acceptance: Acceptance = field(default_factory=Acceptance)
-    drafted: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string matched
     error: BaseException | None = None

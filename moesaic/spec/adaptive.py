@@ -1,33 +1,33 @@
-"""Adaptive draft length: each step, how many drafts each decoding sequence gets, from its measured acceptance
-and the cost of a step at the current batch size.
+"""Adaptive draft length: each step, how many drafts each decoding sequence gets, by measuring what drafting
+buys at the current batch size.
 
-With a per-draft acceptance rate a (the chance that a draft is accepted given the ones before it were), a
-round of k drafts commits E(a, k) = 1 + a + ... + a^k tokens. A step of S decoding sequences, sequence i
-drafting k_i, costs, relative to a plain decode step of the same batch, 1 + beta * sum(k_i) / S + delta
-(delta * max k_i for a drafter that runs once per draft, MTP): beta = what one more row per decoding
-sequence adds to a step (from a fitted time model t = t0 + t1 * rows of the target's forwards: beta =
-t1 * S / (t0 + t1 * S), so it grows with the batch), delta = the drafter's time per call (per draft) over
-the plain step. The drafter runs once a step for every sequence together, so its cost is the step's, not
-each sequence's: the policy picks the step's longest draft c that maximises sum E(a_i, k_i) / S over that
-cost, where each sequence drafts k_i = min(c, the drafts worth their row: a_i^j >= beta). c = 0 (plain
-decoding) wins unless drafting pays by 2 %; a sequence left at 0 is off (colibri, a DeepSeek engine, stops
-below ~60 % acceptance; here the threshold follows from the measured costs). While off, its acceptance
-record decays towards the prior, so drafting is retried when the prior pays, and after RETRY_AFTER rounds
-off in any case: a time model fitted on a noisy stretch (this shared machine's step times move by half
-between phases) may price a row far above its cost, and only rounds that draft measure it again.
+Two parts. `DraftGate` picks the step's longest draft c (0: a plain step) by measuring whole steps: per batch
+size, runs of a few decode steps at one length, each candidate length's run against the best length's run
+right before it, by the tokens committed per second, everything they cost included (the propose call that
+made the drafts, the verify forward's rows, acceptance, rollbacks, a drafter's catch-up). A model of those
+costs, with the gate only switching drafting on and off, was tried first and priced them wrong both ways
+(docs/perf.md, "the length policy against the gate alone"): a round of k drafts cost ~1.13 + 0.30 k plain
+steps where the model said 1 + 0.37 k, so it drafted one token where two paid best, and turned drafting off
+in a fifth to a half of the rounds. Measured rates need no prices.
 
-The model above prices what it can see (a step's rows, a propose call); it cannot see all that drafting costs
-(a verify forward's rows may take slower paths than a decode row's, rollbacks, the drafter's bookkeeping)
-nor what the batch loses when one sequence's round holds the others. So `DraftGate` also measures the whole
-thing: per batch size, the tokens committed per second of decode steps that verified drafts against steps
-that did not, and lets drafting run only while it is the faster of the two (each arm kept measured by one
-step in EXPLORE_EVERY, in runs of EXPLORE_RUN). That is what makes adaptive drafting no slower than plain decoding, whatever the
-model gets wrong.
+`DraftLength` then gives each sequence at most c drafts, as many as are worth their row by its own measured
+acceptance: with a per-draft acceptance rate a (the chance that a draft is accepted given the ones before it
+were), the j-th draft commits a^j more tokens for beta of a plain step's cost, beta = what one more row per
+decoding sequence adds to a step (from a fitted time model t = t0 + t1 * rows of the target's forwards: beta =
+t1 * S / (t0 + t1 * S) for S decoding sequences, so it grows with the batch). That is what a step-wide
+measurement cannot see: in a batch, the one sequence whose drafts are never accepted (colibri, a DeepSeek
+engine, stops below ~60 % acceptance; here the threshold follows from the measured row cost). While a
+sequence is off its acceptance record decays towards the prior, so drafting is retried when the prior pays,
+and after RETRY_AFTER rounds off in any case: a time model fitted on a noisy stretch (this machine's step
+times move by half between phases) may price a row far above its cost, and only rounds that draft measure it
+again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import statistics
+from dataclasses import dataclass, field
 
 PRIOR_RATE = 0.6  # the acceptance a sequence is assumed to have before it is measured
 PRIOR_WEIGHT = 1.0  # ... worth this many drafts
@@ -35,10 +35,9 @@ DECAY = 0.9  # weight of the past per measured round (an exponential moving aver
 OFF_DECAY = 0.95  # per round spent not drafting: the record fades, so drafting is tried again
 TIME_DECAY = 0.98  # weight of the past forwards in the time model
 RETRY_AFTER = 16  # rounds off after which one round drafts the full length again (and measures its cost)
-GATE_DECAY = 0.9  # weight of an arm's past per step it records (DraftGate)
-GATE_MIN = 3  # steps each arm needs at a batch size before the two are compared
-EXPLORE_EVERY = 16  # while one arm wins, the other takes one step in this many, so that it stays measured
-EXPLORE_RUN = 4  # ... in runs of this many steps, the first of which is not measured (see DraftGate)
+RUN = 4  # DraftGate: steps a length runs in a row before another is chosen (the first after a switch unmeasured)
+EXPLORE_EVERY = 16  # runs of the best length between two runs of another candidate
+PAIRS = 2  # a candidate takes the best length's place when its last PAIRS comparisons say it is faster
 
 
 @dataclass
@@ -70,7 +69,7 @@ def expected_tokens(rate: float, k: int) -> float:
 
 
 class DraftLength:
-    """The engine's draft-length policy (one per engine): `adaptive` False drafts k every round."""
+    """The engine's per-sequence draft lengths (one per engine): `adaptive` False drafts k every round."""
 
     def __init__(self, k: int, adaptive: bool = True):
         self.k = k
@@ -79,10 +78,6 @@ class DraftLength:
         # the same per number of sequences in the step: a step's cost grows with its sequences (the mixers
         # run sequence by sequence) as well as its rows, so one line over every batch size misleads
         self.by_seqs: dict[int, list[float]] = {}
-        self.draft_seconds: float | None = None  # moving mean of one propose call, per unit of its cost
-        # "per_round": a drafter whose call costs the same for any k (DFlash's one block forward);
-        # "per_token": one forward per draft (MTP recursing through its layer), so a short draft is cheaper
-        self.draft_cost = "per_round"
 
     def forward_done(self, rows: int, seconds: float, seqs: int | None = None) -> None:
         r, t = float(rows), float(seconds)
@@ -90,15 +85,6 @@ class DraftLength:
         for s in sums:
             for i, v in enumerate((1.0, r, t, r * r, r * t)):
                 s[i] = TIME_DECAY * s[i] + v
-
-    def draft_done(self, seconds: float, k: int = 1) -> None:
-        """A propose call of `seconds` whose longest draft was `k` tokens."""
-        unit = seconds / max(1, k) if self.draft_cost == "per_token" else seconds
-        d = self.draft_seconds
-        self.draft_seconds = unit if d is None else 0.9 * d + 0.1 * unit
-
-    def draft_units(self, k: int) -> int:
-        return k if self.draft_cost == "per_token" else 1
 
     def step_model(self, seqs: int | None = None) -> tuple[float, float] | None:
         """(t0, t1) of t = t0 + t1 * rows (over the steps of `seqs` sequences, else all), or None while the
@@ -113,115 +99,152 @@ class DraftLength:
         t0 = max(0.0, t / n - t1 * r / n)
         return t0, t1
 
-    def costs(self, decoders: int) -> tuple[float, float]:
-        """(beta, delta) for a batch of `decoders` decoding sequences (see the module docstring); before
-        anything is measured, a small row cost and no drafter cost, so that drafting starts and is measured."""
+    def row_cost(self, decoders: int) -> float:
+        """beta for a batch of `decoders` decoding sequences (see the module docstring); before the rows have
+        varied (nothing drafted yet), a small one, so that drafting is tried and the line gets fitted."""
         here = self.by_seqs.get(decoders)
-        seen_here = here is not None and here[0] > 0
         model = self.step_model(decoders)
-        if model is None and not seen_here:
+        if model is None and (here is None or here[0] <= 0):
             model = self.step_model()  # nothing of this size yet: the line over every size
         if model is None:
-            # the rows have not varied (e.g. drafting was off): a small row cost, so that drafting is tried
-            # and the line gets fitted, and the drafter against the mean step (of this size where seen)
-            n, _, t, _, _ = here if seen_here else self.sums
-            beta, plain = 0.05, (t / n if n > 0 else 0.0)
-        else:
-            t0, t1 = model
-            plain = t0 + t1 * decoders
-            beta = t1 * decoders / plain if plain > 0 else 0.05
-        if plain <= 0:
-            return 0.05, 0.0
-        return beta, (self.draft_seconds or 0.0) / plain
+            return 0.05
+        t0, t1 = model
+        plain = t0 + t1 * decoders
+        return t1 * decoders / plain if plain > 0 else 0.05
 
-    def length(self, acc: Acceptance, decoders: int, limit: int) -> int:
-        """The draft length for one sequence this round (at most `limit`)."""
-        return self.lengths([acc], decoders, [limit])[0]
+    def length(self, acc: Acceptance, decoders: int, limit: int, cap: int | None = None) -> int:
+        """The draft length for one sequence this round (at most `limit` and the step's `cap`)."""
+        return self.lengths([acc], decoders, [limit], cap)[0]
 
-    def lengths(self, accs: list[Acceptance], decoders: int, limits: list[int]) -> list[int]:
-        """The draft lengths of the sequences asking this step (each at most its limit), in a step of
-        `decoders` decoding sequences (those not asking decode one token)."""
-        caps = [max(0, min(self.k, limit)) for limit in limits]
+    def lengths(
+        self, accs: list[Acceptance], decoders: int, limits: list[int], cap: int | None = None
+    ) -> list[int]:
+        """The draft lengths of the sequences asking this step, each at most its limit and the step's longest
+        draft `cap` (the DraftGate's), in a step of `decoders` decoding sequences (those not asking decode
+        one token)."""
+        top = self.k if cap is None else min(self.k, cap)
+        caps = [max(0, min(top, limit)) for limit in limits]
         if not self.adaptive:
             return caps
-        S = max(decoders, len(accs), 1)
-        beta, delta = self.costs(S)
-        rates = [acc.rate for acc in accs]
-        # drafts worth their row: the j-th commits a^j tokens more for beta / S of a plain step's cost,
-        # which makes S tokens (the drafter's cost is the step's and weighed below, for the longest draft)
-        worth = [next((j for j in range(cap) if r ** (j + 1) < beta), cap) for r, cap in zip(rates, caps)]
-        best, ks = 1.0, [0] * len(accs)
-        for c in range(1, max(worth, default=0) + 1):
-            trial = [min(c, w) for w in worth]
-            gain = (sum(expected_tokens(r, k) for r, k in zip(rates, trial)) + S - len(accs)) / S
-            cost = 1.0 + beta * sum(trial) / S + delta * self.draft_units(c)
-            if gain / cost > best * 1.02:  # a 2 % margin: within noise, plain decoding wins
-                best, ks = gain / cost, trial
+        beta = self.row_cost(max(decoders, len(accs), 1))
+        # drafts worth their row: the j-th commits a^j tokens more for beta of a plain step's cost per sequence
+        ks = [next((j for j in range(c) if acc.rate ** (j + 1) < beta), c) for acc, c in zip(accs, caps)]
         for i, acc in enumerate(accs):
-            if caps[i] == 0:  # the request's limit, not the policy
+            if caps[i] == 0:  # the request's limit or the step's, not the sequence's acceptance
                 continue
             if ks[i] > 0:
                 acc.off = 0
                 continue
             acc.fade()
             acc.off += 1
-            if acc.off >= RETRY_AFTER:  # a retry: the costs it is judged by are measured again
+            if acc.off >= RETRY_AFTER:  # a retry: the row cost it is judged by is measured again
                 acc.off, ks[i] = 0, caps[i]
         return ks
 
 
 @dataclass
-class Arm:
-    """Moving sums of the tokens committed and the seconds spent by one kind of step."""
+class Climb:
+    """One batch size's search (DraftGate): the best length so far, the current run, and per candidate
+    length its last PAIRS comparisons (the log of its run's rate over the best's run right before)."""
 
-    tokens: float = 0.0
-    seconds: float = 0.0
-    steps: int = 0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        self.tokens = GATE_DECAY * self.tokens + tokens
-        self.seconds = GATE_DECAY * self.seconds + seconds
-        self.steps += 1
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    best: int
+    arm: int = -1  # the current run's length (-1: none yet)
+    left: int = 0  # its steps still to come
+    warm: bool = False  # its next recorded step is the first after a switch: not measured
+    tokens: int = 0  # the run's measured steps: tokens committed ...
+    seconds: list = field(default_factory=list)  # ... and each one's time
+    base: float | None = None  # the rate of the best length's last run
+    runs: int = 0  # runs since the last exploration
+    turn: int = 0  # candidates explored so far (round robin)
+    scores: dict = field(default_factory=dict)  # length -> its last comparisons, the latest last
 
 
 class DraftGate:
-    """Whether the next decode step of `seqs` sequences may draft at all: drafting runs while steps that
-    verified drafts (everything such a step costs: the propose call that made its drafts, the verify forward,
-    acceptance and rollbacks) commit more tokens per second than steps that did not, at that batch size.
-    The drafting arm is measured first; then the plain one; then the faster wins, and the other runs
-    EXPLORE_RUN steps in a row once every EXPLORE_EVERY * EXPLORE_RUN, so that a change (acceptance, batch
-    mix, the machine) is seen. The first step after a switch is not measured: it pays for the switch (a
-    drafter that defers its context rows catches up on every row committed while it was off), which a
-    drafting arm measured one step at a time would always be charged with."""
+    """The longest draft the next decode step of `seqs` sequences may take (0: a plain step), from the tokens
+    committed per second of earlier steps at each length (everything a step costs: the propose call that made
+    its drafts, the verify forward, acceptance and rollbacks), per batch size.
 
-    def __init__(self):
-        self.arms: dict[int, tuple[Arm, Arm]] = {}  # batch size -> (plain steps, drafting steps)
-        self.turns: dict[int, int] = {}
-        self.last: dict[int, bool] = {}  # batch size -> the last decision
-        self.warming: set[int] = set()  # batch sizes whose next step follows a switch
+    Lengths run in runs of RUN steps. A candidate length is judged only against the best one's run right
+    before its own (the log of the ratio of the two runs' rates, averaged over its runs): this machine's step
+    times move by up to half between stretches of a few dozen steps, and rates measured at different times
+    would mostly compare the stretches. The candidates of a best length c are c - 1 and c + 1 (a climb: the
+    rate is one-humped in the length, each draft adding a row and drafter time for a smaller expected gain
+    than the one before) and always 0 and k. Plain steps are the first best length; its candidates are
+    measured at once, the full length first (PAIRS runs each), and a candidate whose last PAIRS runs were
+    faster than the best's on the whole takes its place. Then one candidate run in EXPLORE_EVERY, round robin,
+    keeps the comparisons current, so that a change (acceptance, batch mix) is seen; a candidate that was
+    faster in its last run runs again at once, to be confirmed or not. The first step after a switch is not measured:
+    it pays for the switch (a drafter that defers its context rows catches up on every row committed while
+    it drafted less), which a run judged one step at a time would always be charged with."""
 
-    def record(self, seqs: int, tokens: int, seconds: float, drafted: bool) -> None:
-        """A decode step of `seqs` sequences committed `tokens` in `seconds`; `drafted`: it verified drafts."""
-        if seqs in self.warming:
-            self.warming.discard(seqs)
+    def __init__(self, k: int):
+        self.k = k
+        self.climbs: dict[int, Climb] = {}  # batch size -> its search
+
+    def candidates(self, best: int) -> list[int]:
+        """The lengths judged against `best`, longest first."""
+        return sorted(
+            {c for c in (best - 1, best + 1, 0, self.k) if 0 <= c <= self.k and c != best}, reverse=True
+        )
+
+    def best(self, seqs: int) -> int:
+        return self.climbs[seqs].best if seqs in self.climbs else 0
+
+    def length(self, seqs: int) -> int:
+        climb = self.climbs.setdefault(seqs, Climb(best=0))
+        if climb.left == 0:
+            arm = self._next(climb)
+            climb.warm = arm != climb.arm and climb.arm >= 0
+            climb.arm, climb.left, climb.tokens, climb.seconds = arm, RUN, 0, []
+        climb.left -= 1
+        return climb.arm
+
+    def _next(self, climb: Climb) -> int:
+        if climb.arm != climb.best or climb.base is None:
+            return climb.best  # a best run between two candidates' runs: each has one right before it
+        near = self.candidates(climb.best)
+        scores = [climb.scores.get(c, []) for c in near]
+        for c, score in zip(near, scores):
+            if len(score) < PAIRS:  # not compared enough yet
+                return c
+        for c, score in zip(near, scores):
+            if score[-1] > 0.0:  # its last run was faster than the best's: confirmed (or not) at once
+                return c
+        climb.runs += 1
+        if climb.runs < EXPLORE_EVERY:
+            return climb.best
+        climb.runs = 0
+        climb.turn += 1
+        return near[climb.turn % len(near)]
+
+    def record(self, seqs: int, tokens: int, seconds: float, length: int) -> None:
+        """A decode step of `seqs` sequences, its drafts proposed under `length`, committed `tokens` in
+        `seconds`."""
+        climb = self.climbs.get(seqs)
+        if climb is None or length != climb.arm:
             return
-        self.arms.setdefault(seqs, (Arm(), Arm()))[drafted].add(tokens, seconds)
-
-    def allows(self, seqs: int) -> bool:
-        plain, drafting = self.arms.setdefault(seqs, (Arm(), Arm()))
-        turn = self.turns[seqs] = self.turns.get(seqs, 0) + 1
-        if drafting.steps < GATE_MIN:
-            want = True
-        elif plain.steps < GATE_MIN:
-            want = False
+        if climb.warm:
+            climb.warm = False
         else:
-            explore = turn % (EXPLORE_EVERY * EXPLORE_RUN) < EXPLORE_RUN
-            want = (drafting.rate >= plain.rate) != explore
-        if want != self.last.get(seqs):
-            self.warming.add(seqs)
-        self.last[seqs] = want
-        return want
+            climb.tokens += tokens
+            climb.seconds.append(seconds)
+        if climb.left > 0 or not climb.seconds or climb.tokens <= 0:
+            return
+        # the run is complete: its tokens over its steps' median time each (one step in a few tens here
+        # takes several times the others, the collector's or the machine's; in a run of three it would
+        # decide the comparison)
+        rate = climb.tokens / (statistics.median(climb.seconds) * len(climb.seconds))
+        if rate <= 0:
+            return
+        if climb.arm == climb.best:
+            climb.base = rate
+            return
+        if climb.base is None:
+            return
+        score = climb.scores.setdefault(climb.arm, [])
+        score.append(math.log(rate / climb.base))
+        del score[:-PAIRS]
+        if len(score) == PAIRS and sum(score) > 0.0:  # faster than the best: the new best
+            old = climb.best
+            climb.best, climb.base, climb.runs = climb.arm, rate, 0
+            climb.scores = {old: [-x for x in score]}

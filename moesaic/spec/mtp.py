@@ -178,7 +178,6 @@ class MtpProposer:
 
     method = "mtp"
     taps = (FINAL,)
-    draft_cost = "per_token"  # one head forward per draft (spec/adaptive.py)
 
     def __init__(self, head, max_k: int = DEFAULT_K):
         self.head, self.max_k = head, max_k
