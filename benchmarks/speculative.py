@@ -13,9 +13,9 @@ of `--groups` batches of prompts in turn (at batch 1: that many prompts one afte
 prompt's). Decode tok/s = generated tokens / (wall time - the same run's time for one token), so the
 prefill is not counted; the best of `--reps` runs, each repetition running every configuration in turn
 (interleaved: the machine is shared, and its speed moves between phases). tau and the acceptance are those
-of all the runs of that row. Outputs are checked equal to plain decoding (they are, in fp32; in bf16 a row's
-rounding depends on what it is computed with: plain decoding of these prompts at batch 4 already differs from
-batch 1 at one prompt's 18th token, with the torch code alone too, so at batch 4 a near-tie may flip a token).
+of all the runs of that row. Outputs are checked equal to plain decoding at the same batch size, token for
+token, in fp32 and in bf16 (the bf16 rows parted from plain decoding until a prompt's state had the same bits
+in a drafting engine and a plain one: layers/recurrent.py STEPPED_ROWS).
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ class RecurrentMixer:
         return self.output(o, feats, w, dims), new, snaps
 
 
+STEPPED_ROWS = 17  # at least the largest rollback window + 1 (spec: MAX_SPECULATIVE_TOKENS + 2)
+
+
 def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch) -> torch.Tensor:
     """The mixer over every sequence of `batch` (a ForwardBatch), whose layer-L state is a RecurrentState:
     the row-wise phases over all rows at once; the recurrence once per group of sequences with the same row
@@ -54,16 +57,23 @@ def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch
         rows = [tuple(f[s.start : s.start + n] for f in feats) for s in seqs]
         states = [s.state.layers[L].value for s in seqs]
         # a lone row's only snapshot is the new state, and a lone row takes the token recurrence with or
-        # without snapshots: none are asked for (a decode step with a rollback window copies nothing)
-        ask = 0 if n == 1 else snap
+        # without snapshots: none are asked for (a decode step with a rollback window copies nothing).
+        # Longer forwards take their last STEPPED_ROWS rows by the token recurrence (the rows a mixer
+        # snapshots) whatever the rollback window: the state after a prompt then has the same bits in an
+        # engine that drafts and in one that does not (the chunked scan rounds otherwise), and greedy
+        # drafting stays token for token lossless in bf16
+        ask = 0 if n == 1 else max(snap, min(n, STEPPED_ROWS))
         if len(seqs) > 1 and mixer.fold is not None:
             fr, fw, fd, fs = mixer.fold(rows, w, dims, states)
             results = mixer.unfold(*mixer.recur(fr, fw, fd, fs, snapshot_last=ask), len(seqs), dims)
         else:
             results = [mixer.recur(r, w, dims, st, snapshot_last=ask) for r, st in zip(rows, states)]
         for s, (y, new, snaps) in zip(seqs, results):
-            if snap:  # the last snapshot is the new state: keep one copy
-                snaps = list(snaps[:-1]) + [new] if ask else [new]
+            if snap:  # the last snapshot is the new state: keep one copy; and only the `snap` the state keeps
+                kept = list(snaps[:-1]) + [new] if ask else [new]
+                snaps = kept[len(kept) - snap :]
+            else:
+                snaps = []
             s.state.layers[L].advance(new, snaps, n)
             if o is None:
                 o = y.new_empty((x.shape[0],) + y.shape[1:])
