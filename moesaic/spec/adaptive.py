@@ -234,8 +234,6 @@ class DraftGate:
         # takes several times the others, the collector's or the machine's; in a run of three it would
         # decide the comparison)
         rate = climb.tokens / (statistics.median(climb.seconds) * len(climb.seconds))
-        if rate <= 0:
-            return
         if climb.arm == climb.best:
             climb.base = rate
             return
