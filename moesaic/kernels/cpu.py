@@ -493,11 +493,18 @@ def mhc_site_input(streams, fn, columns, base, ones, norm_eps: float, hc_eps: fl
     return x, post, comb
 
 
-def mhc_update(streams, y, post, comb, small: bool):
-    """layers/mhc.py's update in one call (the same torch ops, the same bits); `small`: the comb product
-    takes layers/linear.py's small-product rule. None where it does not apply."""
+def mhc_update(streams, y, post, comb):
+    """layers/mhc.py's update in one call (the same float operations in the same order, the same bits):
+    streams [N, n, d] contiguous, y [N, d], post [N, n] and comb [N, n, n] fp32. None where it does not
+    apply (the caller runs the torch code)."""
+    if not (streams.dim() == 3 and streams.is_contiguous() and post.dtype == comb.dtype == torch.float32):
+        return None
     mod = _fused_mod(streams, y, post, comb)
-    return None if mod is None else mod.mhc_update(streams, y, post, comb, small)
+    if mod is None:
+        return None
+    threads = 1 if streams.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    y = y.to(streams.dtype).contiguous()  # y.to(dt): the torch code's rounding
+    return mod.mhc_update(streams, y, post.contiguous(), comb.contiguous(), threads)
 
 
 ROUTER_SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}

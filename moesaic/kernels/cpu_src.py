@@ -2298,41 +2298,142 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
 #pragma GCC pop_options
 #endif
 
-// mHC's site (layers/mhc.py site_input: site_maps, then collapse) and its update, one call each: the same
-// torch ops in the same order on the same views, and the compiled norm, product and Sinkhorn rounds its
-// Python calls, so the same bits. What a decode step paid here was the ~22 + ~12 small ops' Python: ~170 us
-// a site and ~75 us an update on the 4-stream demo. streams [N, n, d]; fn [(2+n) n, n d]; columns / base
-// [(2+n) n] fp32; ones [n d] fp32 (the norm's unit weight). kernel_fn: fn through gemm (bf16, few rows),
-// else torch's linear on fn in fp32. Returns (x [N, d] in the streams' dtype, post [N, n], comb [N, n, n]).
+// mHC's site (layers/mhc.py site_input: site_maps, then collapse) and its update, one call each, with the
+// bits of the torch code. Its ~20 small ops' dispatch was the site's time (~90 of ~105 us a site and all
+// of an update's ~45 us, one Zen 3 core, 4 streams of 1024): the elementwise steps and the stream sums
+// are loops here, in torch's float operations and order (no contraction: torch rounds every product;
+// its sum over the streams adds them in order from 0); the sigmoids and the softmax stay torch's (their
+// exp, and which of its vector or scalar code runs, decides their bits).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+namespace {
+// x[t] = rnd(sum_j pre[t, j] s[t, j]) (collapse): s [N, n, d] contiguous of type ty, pre [N, n] fp32.
+void mhc_collapse(int ty, const char* s, const float* pre, char* x, int64_t N, int64_t n, int64_t d,
+                  int64_t threads) {
+    const int64_t es = ty == F32 ? 4 : 2;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        std::vector<float> acc(d), row(d);
+#pragma omp for
+        for (int64_t t = 0; t < N; ++t) {
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t j = 0; j < n; ++j) {
+                load_row(ty, s + (t * n + j) * d * es, row.data(), d);
+                const float p = pre[t * n + j];
+                for (int64_t i = 0; i < d; ++i) acc[i] += p * row[i];
+            }
+            store_row(ty, acc.data(), x + t * d * es, d);
+        }
+    }
+}
+
+// h'[t, k] = rnd(rnd(rnd(post[t, k]) y[t]) + rnd(sum_j rnd(comb[t, j, k]) s[t, j])) (update): the sum in
+// fp32 from 0, j in order; rnd rounds to ty. s / out [N, n, d] and y [N, d] of type ty, post [N, n] and
+// comb [N, n, n] fp32, all contiguous.
+void mhc_mix(int ty, const char* s, const char* y, const float* post, const float* comb, char* out, int64_t N,
+             int64_t n, int64_t d, int64_t threads) {
+    const int64_t es = ty == F32 ? 4 : 2;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        std::vector<float> rows(n * d), yrow(d), acc(d), spread(d), c(n * n), p(n);
+#pragma omp for
+        for (int64_t t = 0; t < N; ++t) {
+            load_row(ty, s + t * n * d * es, rows.data(), n * d);
+            load_row(ty, y + t * d * es, yrow.data(), d);
+            std::copy_n(comb + t * n * n, n * n, c.data());
+            round_row(ty, c.data(), n * n);  // comb.to(dt)
+            std::copy_n(post + t * n, n, p.data());
+            round_row(ty, p.data(), n);  // post.to(dt)
+            for (int64_t k = 0; k < n; ++k) {
+                std::fill(acc.begin(), acc.end(), 0.f);
+                for (int64_t j = 0; j < n; ++j) {
+                    const float cj = c[j * n + k];
+                    const float* r = rows.data() + j * d;
+                    for (int64_t i = 0; i < d; ++i) acc[i] += cj * r[i];
+                }
+                round_row(ty, acc.data(), d);
+                for (int64_t i = 0; i < d; ++i) spread[i] = p[k] * yrow[i];
+                round_row(ty, spread.data(), d);
+                for (int64_t i = 0; i < d; ++i) spread[i] = spread[i] + acc[i];
+                store_row(ty, spread.data(), out + (t * n + k) * d * es, d);
+            }
+        }
+    }
+}
+}  // namespace
+
+// streams [N, n, d]; fn [(2+n) n, n d]; columns / base [(2+n) n] fp32; ones [n d] fp32 (the norm's unit
+// weight). kernel_fn: fn through gemm (bf16, few rows), else torch's linear on fn in fp32. Returns (x [N, d]
+// in the streams' dtype, post [N, n], comb [N, n, n]).
 std::vector<torch::Tensor> mhc_site_input(torch::Tensor streams, torch::Tensor fn, torch::Tensor columns,
                                           torch::Tensor base, torch::Tensor ones, double norm_eps, double hc_eps,
                                           int64_t iters, int64_t lanes, bool kernel_fn, int64_t norm_threads,
                                           int64_t fn_threads, int64_t path) {
     TORCH_CHECK(streams.dim() == 3 && streams.is_contiguous(), "mhc_site_input: streams [N, n, d], contiguous");
-    const int64_t N = streams.size(0), n = streams.size(1), d = streams.size(2);
-    TORCH_CHECK(n <= 4 && iters >= 1 && fn.size(0) == (2 + n) * n && fn.size(1) == n * d, "mhc_site_input: shapes");
+    const int64_t N = streams.size(0), n = streams.size(1), d = streams.size(2), W = (2 + n) * n;
+    TORCH_CHECK(n <= 4 && iters >= 1 && fn.size(0) == W && fn.size(1) == n * d, "mhc_site_input: shapes");
+    TORCH_CHECK(columns.is_contiguous() && base.is_contiguous() && columns.numel() == W && base.numel() == W &&
+                    columns.scalar_type() == torch::kFloat32 && base.scalar_type() == torch::kFloat32,
+                "mhc_site_input: columns / base [(2+n) n] fp32");
     auto scaled = rms_norm(streams.reshape({N, n * d}), ones, norm_eps, F32, F32, F32, lanes, norm_threads);
     auto m = kernel_fn ? gemm(BF16, scaled, fn, std::nullopt, std::nullopt, false, std::nullopt, std::nullopt,
                               std::nullopt, 0, 1, 1, fn_threads, path)
                        : at::linear(scaled, fn.to(torch::kFloat32));
-    auto z = m.mul(columns).add(base);  // `project(..) * site.columns + site.base`
-    auto pre = at::sigmoid(z.narrow(1, 0, n).contiguous()).add(hc_eps);
-    auto post = at::sigmoid(z.narrow(1, n, n).contiguous()).mul(2);
-    auto comb = at::softmax(z.narrow(1, 2 * n, n * n).view({N, n, n}), -1).add(hc_eps);
+    m = m.contiguous();
+    TORCH_CHECK(m.scalar_type() == torch::kFloat32, "mhc_site_input: the site's product in fp32");
+    // z = m * columns + base, each part in its own contiguous tensor (the layout the torch code gives
+    // its sigmoids and softmax)
+    auto f32 = streams.options().dtype(torch::kFloat32);
+    auto pre = at::empty({N, n}, f32), post = at::empty({N, n}, f32), logits = at::empty({N, n, n}, f32);
+    const float *mp = m.data_ptr<float>(), *cp = columns.data_ptr<float>(), *bp = base.data_ptr<float>();
+    float *pp = pre.data_ptr<float>(), *qp = post.data_ptr<float>(), *lp = logits.data_ptr<float>();
+    for (int64_t t = 0; t < N; ++t)
+        for (int64_t c = 0; c < W; ++c) {
+            float z = mp[t * W + c] * cp[c];
+            z = z + bp[c];
+            if (c < n) pp[t * n + c] = z;
+            else if (c < 2 * n) qp[t * n + c - n] = z;
+            else lp[t * n * n + c - 2 * n] = z;
+        }
+    at::sigmoid_(pre);
+    at::sigmoid_(post);
+    auto comb = at::softmax(logits, -1);
+    const float eps = (float)hc_eps;
+    float* cb = comb.data_ptr<float>();
+    for (int64_t i = 0; i < N * n; ++i) {
+        pp[i] = pp[i] + eps;
+        qp[i] = qp[i] * 2.f;
+    }
+    for (int64_t i = 0; i < N * n * n; ++i) cb[i] = cb[i] + eps;
     sinkhorn(comb, iters, hc_eps);
-    auto x = pre.unsqueeze(-1).mul(streams).sum(-2).to(streams.scalar_type());  // collapse
+    const int ty = ty_of(streams);
+    auto x = at::empty({N, d}, streams.options());
+    mhc_collapse(ty, static_cast<const char*>(streams.data_ptr()), pp, static_cast<char*>(x.data_ptr()), N, n, d,
+                 norm_threads);
     return {x, post, comb};
 }
 
-// layers/mhc.py's update: post[k] y + sum_j comb[j, k] h[j] in the streams' dtype; `small`: the comb
-// product in fp32 and rounded once (layers/linear.py's small_product rule), as matmul takes it.
-torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor post, torch::Tensor comb, bool small) {
-    const auto dt = streams.scalar_type();
-    auto spread = post.to(dt).unsqueeze(-1).mul(y.to(dt).unsqueeze(-2));
-    auto ct = comb.to(dt).transpose(-1, -2);
-    auto mixed = small ? at::matmul(ct.to(torch::kFloat32), streams.to(torch::kFloat32)).to(dt) : at::matmul(ct, streams);
-    return spread.add(mixed);
+// layers/mhc.py's update: post[k] y + sum_j comb[j, k] h[j] in the streams' dtype (the comb product in fp32
+// from 0, j in order, rounded once).
+torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor post, torch::Tensor comb,
+                         int64_t threads) {
+    TORCH_CHECK(streams.dim() == 3 && streams.is_contiguous(), "mhc_update: streams [N, n, d], contiguous");
+    const int64_t N = streams.size(0), n = streams.size(1), d = streams.size(2);
+    TORCH_CHECK(y.is_contiguous() && y.numel() == N * d && y.scalar_type() == streams.scalar_type(),
+                "mhc_update: y [N, d] in the streams' dtype");
+    TORCH_CHECK(post.is_contiguous() && post.numel() == N * n && post.scalar_type() == torch::kFloat32 &&
+                    comb.is_contiguous() && comb.numel() == N * n * n && comb.scalar_type() == torch::kFloat32,
+                "mhc_update: post [N, n] and comb [N, n, n] fp32");
+    auto out = at::empty_like(streams);
+    mhc_mix(ty_of(streams), static_cast<const char*>(streams.data_ptr()), static_cast<const char*>(y.data_ptr()),
+            post.data_ptr<float>(), comb.data_ptr<float>(), static_cast<char*>(out.data_ptr()), N, n, d, threads);
+    return out;
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 // layers/moe.py's routers without group limiting (score 0 softmax in the logits' dtype, 1 sigmoid in fp32,
 // 2 sqrt(softplus)): the same torch ops in the same order, so the same bits; ids given (a hash layer's) are

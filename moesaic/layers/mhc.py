@@ -34,7 +34,6 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import matmul, small_product
 
 
 @dataclass(frozen=True)
@@ -143,14 +142,16 @@ def collapse(streams: Tensor, pre: Tensor) -> Tensor:
 
 def update(streams: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """h'[k] = post[k] · y + Σ_j comb[j, k] h[j], in the streams' dtype. streams [N, n, d],
-    y [N, d] (the block output), post [N, n], comb [N, n, n]."""
+    y [N, d] (the block output), post [N, n], comb [N, n, n]. The comb sum runs in fp32 from 0, j in
+    order, and is rounded once (as collapse's): written as that sum rather than a matmul, so that the
+    compiled call can do the same float operations by hand."""
     dt = streams.dtype
-    if streams.is_cpu and not kernels("mhc", streams):  # the same ops in one compiled call
-        # the comb product's rule (matmul's): streams' dtype and the operands' sizes; comb.to(dt) not made twice
-        h = cpu.mhc_update(streams, y, post, comb, small_product(streams, comb))
+    if streams.is_cpu and not kernels("mhc", streams):  # the same float operations in one compiled call
+        h = cpu.mhc_update(streams, y, post, comb)
         if h is not None:
             return h
-    return post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + matmul(comb.to(dt).transpose(-1, -2), streams)
+    mixed = (comb.to(dt).float().unsqueeze(-1) * streams.float().unsqueeze(-2)).sum(-3).to(dt)
+    return post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + mixed
 
 
 def site_input(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Tensor, Tensor]:
