@@ -609,6 +609,46 @@ def test_dsa_gathered_keeps_the_torch_bits(kernels, monkeypatch, dtype):
         assert got.dtype == want.dtype and torch.equal(got, want), (n, H, T, W)
 
 
+@pytest.mark.parametrize("kind", ["window", "csa", "hca"])
+def test_sink_attention_matches_the_torch_code(kernels, monkeypatch, kind):
+    """layers/csa.py's sink_attention in one call (cpu.sink_attention) for bf16: the torch code's logits,
+    softmax and roundings with its dots and value sums added in another order, so within one bf16 step of
+    the torch code (and mostly equal); 1 to MAX_ROWS queries, a window shorter than the block (later queries
+    mask the first keys), blocks of queries (a small score budget), CSA picks padded with -1, HCA entries a
+    query cannot see yet; the call is taken for bf16 and declines fp32."""
+    from moesaic.layers import csa
+
+    g = torch.Generator().manual_seed(23)
+    H, D = 4, 96
+    for n, window, first, budget in (
+        (1, 128, 200, 1 << 22),
+        (4, 8, 37, 1 << 22),
+        (cpu.MAX_ROWS, 16, 90, 2000),
+    ):
+        monkeypatch.setattr(csa, "_SCORE_BUDGET", budget)
+        win_start = max(0, first - window - 5)
+        win = torch.randn(first + n - win_start, D, generator=g).bfloat16()
+        q = torch.randn(n, H, D, generator=g).bfloat16() * 2
+        pos = torch.arange(first, first + n)
+        extra = ()
+        if kind == "csa":
+            comp = torch.randn((first + n) // 4, D, generator=g).bfloat16()
+            sel = torch.randint(0, comp.shape[0], (n, 10), generator=g)
+            sel[:, -3:] = -1
+            extra = (comp, sel, 4)
+        elif kind == "hca":
+            extra = (torch.randn((first + n) // 16 + 2, D, generator=g).bfloat16(), None, 16)
+        args = (q, pos, first, win, win_start, window, torch.randn(H, generator=g), D**-0.5, *extra)
+        got, want = fused_and_torch(monkeypatch, "sink_attention", csa.sink_attention, *args)
+        assert got.dtype == want.dtype == torch.bfloat16
+        step = (want.float().abs() * 2**-7).clamp(min=2**-126)  # one bf16 step (8 significant bits)
+        assert ((got.float() - want.float()).abs() <= step).all(), (n, window)
+        assert (got == want).float().mean() > 0.99
+        monkeypatch.undo()
+    f32 = (q.float(), pos, first, win.float(), win_start, window, torch.ones(H), 0.1)
+    assert cpu.sink_attention(*f32, None, None, 0, 1) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mamba2_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
     """layers/mamba2.py's mamba2_recur in one call (cpu.mamba2_recur: the causal conv, the split, the recurrent

@@ -178,6 +178,7 @@ def load(verbose: bool = False):
                 "dsa_gathered",
                 "mamba2_recur",
                 "kda_project",
+                "sink_attend",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -527,6 +528,44 @@ def dsa_gathered(q, latent, w_kv_b, dv: int, scale: float, selection, block_elem
     mod = _fused_mod(q, latent, w_kv_b) if q.dim() == 3 and selection.dtype == torch.int64 else None
     return (
         None if mod is None else mod.dsa_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems, small)
+    )
+
+
+def sink_attention(
+    q,
+    positions,
+    first: int,
+    win,
+    win_start: int,
+    window: int,
+    sink,
+    scale: float,
+    comp,
+    comp_sel,
+    ratio: int,
+    step: int,
+):
+    """layers/csa.py's sink_attention for bf16 q [n, H, D], window rows win [L, D] and entries comp [E, D] in
+    one call, by the torch code's blocks of `step` queries: its logits' roundings, torch's own softmax, its
+    value sums' roundings, the dots and sums added in another order (equal to rounding). None where it does
+    not apply (the caller runs the torch code)."""
+    bf = torch.bfloat16
+    if not (q.dim() == 3 and q.dtype == bf and q.is_contiguous() and win.dtype == bf and win.stride(-1) == 1):
+        return None
+    if comp is not None and not (comp.dtype == bf and comp.stride(-1) == 1):
+        return None
+    if comp_sel is not None and comp_sel.dtype != torch.int64 or positions.dtype != torch.int64:
+        return None
+    mod = _fused_mod(q, win, sink) if comp is None else _fused_mod(q, win, sink, comp)
+    if mod is None:
+        return None
+    n, H, D = q.shape
+    entries = 0 if comp is None else comp_sel.shape[1] if comp_sel is not None else comp.shape[0]
+    work = n * H * (min(win.shape[0], window + n) + entries) * D
+    threads = 1 if work < FUSED_PARALLEL * 32 else torch.get_num_threads()
+    sel = None if comp_sel is None else comp_sel.contiguous()
+    return mod.sink_attend(
+        q, positions.contiguous(), first, win, win_start, window, sink, scale, comp, sel, ratio, step, threads
     )
 
 

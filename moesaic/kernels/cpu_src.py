@@ -2485,6 +2485,105 @@ torch::Tensor dsa_gathered(torch::Tensor q, torch::Tensor latent, torch::Tensor 
     return mm(o_lat.transpose(0, 1), w.slice(1, dn, dn + dv).transpose(1, 2)).transpose(0, 1);  // [n, H, dv]
 }
 
+// layers/csa.py's sink_attention for bf16 queries, window keys and compressed entries, the torch code's
+// blocks of `step` queries: each block's logits laid out as the torch code lays them (window keys lo.., then
+// the entries, then the sink; masked ones -inf), with its roundings (a score's fp32 dot rounded to bf16,
+// times the scale and rounded again; the row's max subtracted), then torch's own softmax over them (its exp
+// and its sum decide the bits), the probabilities rounded to bf16 and the value sums in fp32, rounded once
+// (on CSA layers two sums, the window's and the picked entries', added in bf16). The dots and value sums
+// add in 16 lanes, not in torch's matmul order: equal to rounding. What a decode row paid was ~25 small
+// torch ops (330-500 us a layer on the DeepSeek-V4 benchmark model, one Zen 3 core) for ~80k MACs.
+namespace {
+inline float round_bf16(float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)); }
+}  // namespace
+
+torch::Tensor sink_attend(torch::Tensor q, torch::Tensor positions, int64_t first, torch::Tensor win,
+                          int64_t win_start, int64_t window, torch::Tensor sink, double scale,
+                          std::optional<torch::Tensor> comp, std::optional<torch::Tensor> comp_sel, int64_t comp_ratio,
+                          int64_t step, int64_t threads) {
+    const auto bf = torch::kBFloat16;
+    TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == bf, "sink_attend: q [n, H, D] bf16");
+    const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+    TORCH_CHECK(win.dim() == 2 && win.size(1) == D && win.stride(1) == 1 && win.scalar_type() == bf,
+                "sink_attend: win [L, D] bf16, rows contiguous");
+    TORCH_CHECK(positions.is_contiguous() && positions.numel() == n && positions.scalar_type() == torch::kInt64,
+                "sink_attend: positions [n] int64");
+    TORCH_CHECK(sink.numel() == H && step >= 1, "sink_attend: sink [H]");
+    const bool csa = comp.has_value() && comp_sel.has_value(), hca = comp.has_value() && !comp_sel.has_value();
+    if (comp) {
+        TORCH_CHECK(comp->dim() == 2 && comp->size(1) == D && comp->stride(1) == 1 && comp->scalar_type() == bf,
+                    "sink_attend: comp [E, D] bf16, rows contiguous");
+        TORCH_CHECK(hca ? comp_ratio >= 1 : comp_sel->dim() == 2 && comp_sel->size(0) == n && comp_sel->is_contiguous() &&
+                                                 comp_sel->scalar_type() == torch::kInt64,
+                    "sink_attend: comp_sel [n, k] int64 (CSA) or comp_ratio >= 1 (HCA)");
+    }
+    const int64_t E = csa ? comp_sel->size(1) : hca ? comp->size(0) : 0;
+    auto sinks = sink.to(torch::kFloat32).contiguous();
+    auto qf = q.to(torch::kFloat32);
+    auto out = at::empty_like(q);
+    const float* sk = sinks.data_ptr<float>();
+    const float* qp = qf.data_ptr<float>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* sel = csa ? comp_sel->data_ptr<int64_t>() : nullptr;
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(win.data_ptr());
+    const uint16_t* cp = comp ? reinterpret_cast<const uint16_t*>(comp->data_ptr()) : nullptr;
+    const int64_t ws = win.stride(0), cs = comp ? comp->stride(0) : 0, E0 = comp ? comp->size(0) : 0;
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const float sc = (float)scale, ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t a = 0; a < n; a += step) {
+        const int64_t b = std::min(n, a + step), bn = b - a;
+        const int64_t lo = std::max(win_start, first + a - window + 1), L = first + b - lo;
+        TORCH_CHECK(lo >= win_start && first + b - win_start <= win.size(0), "sink_attend: the window's rows");
+        const int64_t Wd = L + E + 1;
+        auto logits = at::empty({bn, H, Wd}, q.options().dtype(torch::kFloat32));
+        float* lg = logits.data_ptr<float>();
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+        for (int64_t ih = 0; ih < bn * H; ++ih) {
+            const int64_t i = ih / H, h = ih % H, t = pos[a + i];
+            const float* qh = qp + ((a + i) * H + h) * D;
+            float* row = lg + ih * Wd;
+            dot_bf16_many(qh, wp + (lo - win_start) * ws, ws, D, L, row);  // window keys lo ..
+            for (int64_t l = 0; l < L; ++l) {
+                const int64_t kp = lo + l;
+                row[l] = kp > t || kp <= t - window ? ninf : round_bf16(round_bf16(row[l]) * sc);
+            }
+            if (hca) dot_bf16_many(qh, cp, cs, D, E, row + L);
+            for (int64_t e = 0; e < E; ++e) {
+                const int64_t c = csa ? sel[(a + i) * E + e] : e;
+                const bool hidden = csa ? c < 0 : e >= (t + 1) / comp_ratio;
+                TORCH_CHECK(hidden || c < E0, "sink_attend: a selected entry past the compressed rows");
+                const float dot = hidden ? 0.f : csa ? dot_bf16(qh, cp + c * cs, D) : row[L + e];
+                row[L + e] = hidden ? ninf : round_bf16(round_bf16(dot) * sc);
+            }
+            row[L + E] = sk[h];
+            float m = row[0];
+            for (int64_t x = 1; x < Wd; ++x) m = std::max(m, row[x]);
+            for (int64_t x = 0; x < Wd; ++x) row[x] = row[x] - m;
+        }
+        auto p = at::softmax(logits, -1);
+        const float* pp = p.data_ptr<float>();
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+        for (int64_t ih = 0; ih < bn * H; ++ih) {
+            const int64_t i = ih / H;
+            const float* prow = pp + ih * Wd;
+            std::vector<float> pr(L + E), acc(D, 0.f), acc2;
+            for (int64_t x = 0; x < L + E; ++x) pr[x] = round_bf16(prow[x]);  // p.to(bf16)
+            axpy_bf16_many(pr.data(), wp + (lo - win_start) * ws, ws, L, acc.data(), D);
+            if (csa) {  // matmul(p[.., :L], keys) + matmul(p[.., L:], picked): each rounded, then added in bf16
+                acc2.assign(D, 0.f);
+                for (int64_t e = 0; e < E; ++e)
+                    if (pr[L + e] != 0.f) axpy_bf16_many(&pr[L + e], cp + sel[(a + i) * E + e] * cs, cs, 1, acc2.data(), D);
+                for (int64_t j = 0; j < D; ++j) acc[j] = round_bf16(acc[j]) + round_bf16(acc2[j]);
+            } else if (hca) {
+                axpy_bf16_many(pr.data() + L, cp, cs, E, acc.data(), D);
+            }
+            uint16_t* o = op + ((a + i) * H + ih % H) * D;
+            for (int64_t j = 0; j < D; ++j) o[j] = f32_to_bf16_bits(acc[j]);
+        }
+    }
+    return out;
+}
+
 bool has_amx() {
 #if defined(MOESAIC_AMX)
     return amx_permitted();

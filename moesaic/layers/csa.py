@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache.state import TailRows, TokenRows, can_rollback
+from ..kernels import cpu
 from ..kernels.triton import kernels
 from .linear import linear, matmul
 from .norms import rms_norm_cast_once
@@ -335,6 +336,10 @@ def sink_attention(
     E = 0 if comp is None else (comp_sel.shape[1] if comp_sel is not None else comp.shape[0])
     # a block of b queries scores b·H·(window + b + E) logits and gathers b·E·D entry values (CSA)
     step = max(1, min(128, _SCORE_BUDGET // (H * (window + 128 + E)), _SCORE_BUDGET // max(1, E * D)))
+    if q.is_cpu and n <= cpu.MAX_ROWS:  # decode rows, verify blocks: the code below in one call (bf16)
+        args = (q, positions, first, win, win_start, window, sink, scale, comp, comp_sel, comp_ratio, step)
+        if (fused := cpu.sink_attention(*args)) is not None:
+            return fused
     sinks = sink.float().view(1, H, 1)
     out = q.new_empty(n, H, D)
     for i in range(0, n, step):
