@@ -179,6 +179,7 @@ def load(verbose: bool = False):
                 "mamba2_recur",
                 "kda_project",
                 "sink_attend",
+                "dsa_gathered_bf16",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -523,12 +524,20 @@ def route(logits, score: str, top_k: int, bias=None, ids=None, normalize: bool =
 
 
 def dsa_gathered(q, latent, w_kv_b, dv: int, scale: float, selection, block_elems: int, small: int):
-    """layers/dsa.py's attend_gathered in one call (the same torch ops, layers/linear.py's matmul rule with
-    `small` its SMALL_PRODUCT, the same bits); None where it does not apply."""
+    """layers/dsa.py's attend_gathered in one call; None where it does not apply. bf16 operands: the torch
+    code's roundings, its products exact and summed in the kernels' order (equal to rounding), the weight
+    read as stored. Others: the same torch ops (layers/linear.py's matmul rule with `small` its
+    SMALL_PRODUCT), the same bits."""
     mod = _fused_mod(q, latent, w_kv_b) if q.dim() == 3 and selection.dtype == torch.int64 else None
-    return (
-        None if mod is None else mod.dsa_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems, small)
-    )
+    if mod is None:
+        return None
+    bf = torch.bfloat16
+    if q.dtype == latent.dtype == w_kv_b.dtype == bf and latent.stride(-1) == 1 and w_kv_b.is_contiguous():
+        n, H, dn = q.shape
+        work = n * H * latent.shape[1] * (dn + dv + selection.shape[1])
+        threads = 1 if work < FUSED_PARALLEL * 32 else torch.get_num_threads()
+        return mod.dsa_gathered_bf16(q, latent, w_kv_b, dv, scale, selection, threads)
+    return mod.dsa_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems, small)
 
 
 def sink_attention(

@@ -1866,6 +1866,8 @@ inline void axpy_bf16_many(const float* s, const uint16_t* b, int64_t bs, int64_
         for (int64_t k = c; k < n; ++k) y[k] += s[i] * bf16_bits_to_f32(b[i * bs + k]);
 }
 
+inline float round_bf16(float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)); }  // x to bf16 and back
+
 #if defined(MOESAIC_AVX512BF16)
 // vdpbf16ps forms of the two products over the cached rows (a long context's decode is these): q and the rows
 // are bf16 (q_lat and the probabilities are rounded to bf16 where the torch code rounds them), so every
@@ -2456,6 +2458,68 @@ std::vector<torch::Tensor> route(torch::Tensor logits, int64_t score, int64_t to
     return {w * scale, chosen};
 }
 
+// layers/dsa.py's attend_gathered for bf16 operands: the torch code's roundings (q_lat rounded to bf16; each
+// score's dot rounded to bf16, then scaled in fp32; torch's own softmax over the selection's order, a row
+// with nothing selected 0; the probabilities and o_lat rounded to bf16; the output rounded once), every
+// product exact (bf16 x bf16 in fp32) and the sums in the kernels' order (dot_bf16 / axpy_bf16_many), not the
+// matmuls': equal to rounding. W_k's product as q[h, d] times W's rows (axpy over dn rows of kvr), W_v's as
+// dots with its rows: W is read as stored, where the torch code's small matmuls made fp32 copies of its
+// slices at every call (~480 us a decode row on the GLM-5.3 benchmark model, one Zen 3 core).
+torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Tensor w_kv_b, int64_t dv, double scale,
+                                torch::Tensor selection, int64_t threads) {
+    const int64_t n = q.size(0), H = q.size(1), dn = q.size(2), kvr = latent.size(1), W = selection.size(1);
+    const int64_t T = latent.size(0), ls = latent.stride(0), wr = dn + dv;
+    auto qf = q.to(torch::kFloat32).contiguous();
+    auto sel = selection.contiguous();
+    auto logits = at::empty({n, H, W}, q.options().dtype(torch::kFloat32));
+    auto out = at::empty({n, H, dv}, q.options());
+    const float* qp = qf.data_ptr<float>();
+    const int64_t* sp = sel.data_ptr<int64_t>();
+    const uint16_t* lat = reinterpret_cast<const uint16_t*>(latent.data_ptr());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w_kv_b.data_ptr());
+    float* lg = logits.data_ptr<float>();
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const float sc = (float)scale, ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < n * W; ++e) TORCH_CHECK(sp[e] < T, "dsa_gathered: a selected row past the cache");
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        std::vector<float> ql(kvr);
+#pragma omp for
+        for (int64_t ih = 0; ih < n * H; ++ih) {
+            const int64_t i = ih / H, h = ih % H;
+            std::fill(ql.begin(), ql.end(), 0.f);
+            axpy_bf16_many(qp + ih * dn, wp + h * wr * kvr, kvr, dn, ql.data(), kvr);
+            for (auto& v : ql) v = round_bf16(v);  // q_lat in bf16
+            float* row = lg + ih * W;
+            for (int64_t e = 0; e < W; ++e) {
+                const int64_t t = sp[i * W + e];
+                row[e] = t < 0 ? ninf : round_bf16(dot_bf16(ql.data(), lat + t * ls, kvr)) * sc;
+            }
+        }
+    }
+    auto p = at::softmax(logits, -1);
+    const float* pp = p.data_ptr<float>();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        std::vector<float> ol(kvr), o(dv);
+#pragma omp for
+        for (int64_t ih = 0; ih < n * H; ++ih) {
+            const int64_t i = ih / H, h = ih % H;
+            std::fill(ol.begin(), ol.end(), 0.f);
+            for (int64_t e = 0; e < W; ++e) {
+                const int64_t t = sp[i * W + e];
+                const float pe = pp[ih * W + e];
+                const float pr = pe != pe ? 0.f : round_bf16(pe);  // nan_to_num: nothing selected
+                if (t >= 0 && pr != 0.f) axpy_bf16_many(&pr, lat + t * ls, ls, 1, ol.data(), kvr);
+            }
+            for (auto& v : ol) v = round_bf16(v);  // o_lat in bf16
+            dot_bf16_many(ol.data(), wp + (h * wr + dn) * kvr, kvr, kvr, dv, o.data());
+            for (int64_t j = 0; j < dv; ++j) op[ih * dv + j] = f32_to_bf16_bits(o[j]);
+        }
+    }
+    return out;
+}
+
 // layers/dsa.py's attend_gathered (each query over its selected latents, W_k absorbed into the query, W_v
 // after): the same torch ops in the same order, layers/linear.py's matmul rule (`small`: half-precision
 // operands of at most that many elements multiply in fp32, rounded once) included, so the same bits.
@@ -2493,10 +2557,6 @@ torch::Tensor dsa_gathered(torch::Tensor q, torch::Tensor latent, torch::Tensor 
 // (on CSA layers two sums, the window's and the picked entries', added in bf16). The dots and value sums
 // add in 16 lanes, not in torch's matmul order: equal to rounding. What a decode row paid was ~25 small
 // torch ops (330-500 us a layer on the DeepSeek-V4 benchmark model, one Zen 3 core) for ~80k MACs.
-namespace {
-inline float round_bf16(float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)); }
-}  // namespace
-
 torch::Tensor sink_attend(torch::Tensor q, torch::Tensor positions, int64_t first, torch::Tensor win,
                           int64_t win_start, int64_t window, torch::Tensor sink, double scale,
                           std::optional<torch::Tensor> comp, std::optional<torch::Tensor> comp_sel, int64_t comp_ratio,
