@@ -394,7 +394,7 @@ def sum_lanes() -> int:
             with torch.inference_mode():
                 refs = [x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) for x in rows]
                 for lanes in (8, 16):
-                    got = (mod.rms_norm(x, torch.ones(x.shape[1]), 1e-6, 0, 0, 0, lanes, 1) for x in rows)
+                    got = (mod.rms_norm(x, torch.ones(x.shape[1]), 1e-6, 0, 0, 0, lanes, 1, 0) for x in rows)
                     if all(torch.equal(a, b) for a, b in zip(got, refs)):
                         _state["lanes"] = lanes
                         break
@@ -419,9 +419,9 @@ def _fused_mod(*ts):
     return _module()
 
 
-def rms_norm(x, w, eps: float, pre, mid, out):
-    """`rnd_out(w * rnd_mid(x' * rsqrt(mean(x'^2) + eps)))` with x' = rnd_pre(x), each rnd a rounding to
-    that dtype (None or fp32: none), over the last dim of x, in one call: the float operations of
+def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
+    """`rnd_out(w * rnd_mid(x' * rnd_factor(rsqrt(mean(x'^2) + eps))))` with x' = rnd_pre(x), each rnd a
+    rounding to that dtype (None or fp32: none), over the last dim of x, in one call: the float operations of
     layers/norms.py's torch code in its order, the mean's sum in torch's order (`sum_lanes`), so the
     same bits. None (nothing done) where it does not apply: the caller runs the torch code."""
     d = x.shape[-1] if x.dim() else 0
@@ -433,7 +433,7 @@ def rms_norm(x, w, eps: float, pre, mid, out):
     x2 = x if x.dim() == 2 else x.reshape(-1, d)
     threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
     pre, mid = _TY.get(pre, 0), _TY.get(mid, 0)
-    y = mod.rms_norm(x2, w.contiguous(), eps, pre, mid, _TY[out], lanes, threads)
+    y = mod.rms_norm(x2, w.contiguous(), eps, pre, mid, _TY[out], lanes, threads, _TY.get(factor, 0))
     return y if x.dim() == 2 else y.view(x.shape)
 
 

@@ -1453,10 +1453,10 @@ float torch_sum(const float* s, int64_t n) {
 }
 }  // namespace
 
-// y = rnd_out(w * rnd_mid(x' * rsqrt(mean(x'^2) + eps))), x' = rnd_pre(x), per row of x [R, D] (rows
-// strided, values contiguous): layers/norms.py's three orders are choices of pre / mid / out.
+// y = rnd_out(w * rnd_mid(x' * rnd_factor(rsqrt(mean(x'^2) + eps)))), x' = rnd_pre(x), per row of x [R, D]
+// (rows strided, values contiguous): layers/norms.py's orders are choices of pre / mid / out / factor.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t pre, int64_t mid, int64_t out_ty,
-                       int64_t lanes, int64_t nthreads) {
+                       int64_t lanes, int64_t nthreads, int64_t factor) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1),
                 "rms_norm: x [R, D] with contiguous rows, w [D]");
     TORCH_CHECK(lanes == 8 || lanes == 16, "rms_norm: 8 or 16 lanes");
@@ -1477,7 +1477,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t p
             round_row((int)pre, v, D);
             for (int64_t k = 0; k < D; ++k) sq[k] = v[k] * v[k];
             const float sum = lanes == 8 ? torch_sum<8>(sq.data(), D) : torch_sum<16>(sq.data(), D);
-            const float inv = 1.f / std::sqrt(sum / fd + eps);
+            float inv = 1.f / std::sqrt(sum / fd + eps);
+            round_row((int)factor, &inv, 1);
             for (int64_t k = 0; k < D; ++k) v[k] = v[k] * inv;
             round_row((int)mid, v, D);
             for (int64_t k = 0; k < D; ++k) v[k] = wf[k] * v[k];
@@ -2379,7 +2380,7 @@ std::vector<torch::Tensor> mhc_site_input(torch::Tensor streams, torch::Tensor f
     TORCH_CHECK(columns.is_contiguous() && base.is_contiguous() && columns.numel() == W && base.numel() == W &&
                     columns.scalar_type() == torch::kFloat32 && base.scalar_type() == torch::kFloat32,
                 "mhc_site_input: columns / base [(2+n) n] fp32");
-    auto scaled = rms_norm(streams.reshape({N, n * d}), ones, norm_eps, F32, F32, F32, lanes, norm_threads);
+    auto scaled = rms_norm(streams.reshape({N, n * d}), ones, norm_eps, F32, F32, F32, lanes, norm_threads, F32);
     auto m = kernel_fn ? gemm(BF16, scaled, fn, std::nullopt, std::nullopt, false, std::nullopt, std::nullopt,
                               std::nullopt, 0, 1, 1, fn_threads, path)
                        : at::linear(scaled, fn.to(torch::kFloat32));

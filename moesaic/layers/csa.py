@@ -92,11 +92,6 @@ class RopeTail:
         return torch.cat([x[..., :-d], rope_pairs(x[..., -d:], *self.angles(positions, inverse))], dim=-1)
 
 
-def head_rms(x: Tensor, eps: float) -> Tensor:
-    """The unweighted RMS over the last dim (V4's second query norm, per head)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
 def grouped_out(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:
     """The grouped low-rank output projection: o [N, H·D] split into `groups` contiguous blocks of
     whole heads, block g through wo_a rows [g·r, (g+1)·r), then the concatenation through wo_b."""

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
+from .norms import unit_weight
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def project(streams: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
     (the same math as scaling the product; this order matches its rounding)."""
     flat = streams.reshape(*streams.shape[:-2], -1)
     # one kernel call on the CPU (a weight of ones: x * 1 is exact, the same bits as the torch lines)
-    scaled = cpu.rms_norm(flat, _ones(flat.shape[-1], flat.device), norm_eps, None, None, torch.float32)
+    scaled = cpu.rms_norm(flat, unit_weight(flat.shape[-1], flat.device), norm_eps, None, None, torch.float32)
     if scaled is None:
         flat = flat.float()
         scaled = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
@@ -95,16 +96,6 @@ def project(streams: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
         # copy of fn made per call (3x fn's bytes moved a site, every step)
         return cpu.bf16_matmul(scaled, fn)
     return F.linear(scaled, fn.float())
-
-
-_ONES: dict = {}
-
-
-def _ones(n: int, device) -> Tensor:
-    key = (n, str(device))
-    if key not in _ONES:
-        _ONES[key] = torch.ones(n, device=device)
-    return _ONES[key]
 
 
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
@@ -157,7 +148,7 @@ def update(streams: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
 def site_input(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Tensor, Tensor]:
     """The usual (non-delayed) site: (block input [N, d], post, comb); finish with `update`."""
     if streams.is_cpu and not kernels("mhc", streams):  # the same ops in one compiled call
-        ones = _ones(streams.shape[-2] * streams.shape[-1], streams.device)
+        ones = unit_weight(streams.shape[-2] * streams.shape[-1], streams.device)
         args = (site.fn, site.columns, site.base, ones, dims.norm_eps, dims.hc_eps, dims.sinkhorn_iters)
         if (fused := cpu.mhc_site_input(streams, *args)) is not None:
             return fused

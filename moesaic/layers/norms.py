@@ -42,3 +42,25 @@ def rms_norm_cast_once(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)
+
+
+def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The unweighted RMS norm over the last dim with its factor rounded to x's dtype first: `x * rsqrt(mean(x²)
+    + eps).to(x.dtype)` (DeepSeek-V4's second query norm, per head)."""
+    y = cpu.rms_norm(x, unit_weight(x.shape[-1], x.device), eps, None, x.dtype, x.dtype, factor=x.dtype)
+    if y is not None:  # the weight of ones: 1 * v is exact
+        return y
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+_UNIT: dict = {}
+
+
+def unit_weight(n: int, device: torch.device) -> torch.Tensor:
+    """A weight of n ones (fp32), made once per size and device: the compiled norm's weight for a norm
+    without one."""
+    key = (n, device)
+    w = _UNIT.get(key)
+    if w is None:
+        w = _UNIT[key] = torch.ones(n, device=device)
+    return w

@@ -94,7 +94,6 @@ from ..layers.csa import (
     compressor_inputs,
     compressor_update,
     grouped_out,
-    head_rms,
     indexer_select,
     layer_compressors,
     new_attention_state,
@@ -103,7 +102,7 @@ from ..layers.csa import (
 )
 from ..layers.linear import embedding, linear
 from ..layers.moe import MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
-from ..layers.norms import rms_norm_cast_once
+from ..layers.norms import head_rms, rms_norm_cast_once
 from ..layers.rope import RopeConfig, cos_sin_attention_factor, inv_freq
 from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
