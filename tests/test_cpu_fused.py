@@ -659,6 +659,10 @@ def test_sink_attention_matches_the_torch_code(kernels, monkeypatch, kind):
         monkeypatch.undo()
     f32 = (q.float(), pos, first, win.float(), win_start, window, torch.ones(H), 0.1)
     assert cpu.sink_attention(*f32, None, None, 0, 1) is None
+    if kind == "csa":  # a pick past the entries is an error, raised before the threads start
+        bad = (q, pos, first, win, win_start, window, torch.ones(H), 0.1, comp, sel + comp.shape[0], 4, 1)
+        with pytest.raises(RuntimeError, match="past the compressed rows"):
+            cpu.sink_attention(*bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

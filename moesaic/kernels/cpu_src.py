@@ -2591,6 +2591,8 @@ torch::Tensor sink_attend(torch::Tensor q, torch::Tensor positions, int64_t firs
     const int64_t ws = win.stride(0), cs = comp ? comp->stride(0) : 0, E0 = comp ? comp->size(0) : 0;
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const float sc = (float)scale, ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; csa && e < n * E; ++e)  // checked here: a throw inside the threads' loop would abort
+        TORCH_CHECK(sel[e] < E0, "sink_attend: a selected entry past the compressed rows");
     for (int64_t a = 0; a < n; a += step) {
         const int64_t b = std::min(n, a + step), bn = b - a;
         const int64_t lo = std::max(win_start, first + a - window + 1), L = first + b - lo;
@@ -2612,7 +2614,6 @@ torch::Tensor sink_attend(torch::Tensor q, torch::Tensor positions, int64_t firs
             for (int64_t e = 0; e < E; ++e) {
                 const int64_t c = csa ? sel[(a + i) * E + e] : e;
                 const bool hidden = csa ? c < 0 : e >= (t + 1) / comp_ratio;
-                TORCH_CHECK(hidden || c < E0, "sink_attend: a selected entry past the compressed rows");
                 const float dot = hidden ? 0.f : csa ? dot_bf16(qh, cp + c * cs, D) : row[L + e];
                 row[L + e] = hidden ? ninf : round_bf16(round_bf16(dot) * sc);
             }
