@@ -141,8 +141,11 @@ def update(streams: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         h = cpu.mhc_update(streams, y, post, comb)
         if h is not None:
             return h
-    mixed = (comb.to(dt).float().unsqueeze(-1) * streams.float().unsqueeze(-2)).sum(-3).to(dt)
-    return post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + mixed
+    c, h = comb.to(dt).float(), streams.float()
+    mixed = torch.zeros_like(h)
+    for j in range(h.shape[-2]):  # one stream at a time: no [N, n, n, d] product at a prompt's rows
+        mixed = mixed + c[..., j, :, None] * h[..., j, None, :]
+    return post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + mixed.to(dt)
 
 
 def site_input(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Tensor, Tensor]:
