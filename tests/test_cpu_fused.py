@@ -83,6 +83,28 @@ def test_fused_rms_norm_keeps_the_torch_bits(kernels, xd, wd):
                     same(f(x, w, 1e-6), torch_path(f, x, w, 1e-6))
 
 
+@pytest.mark.parametrize("wd", [torch.bfloat16, torch.float32])
+def test_grouped_gated_norm_keeps_the_torch_bits(kernels, monkeypatch, wd):
+    """Mamba-2's gated norm over G groups of each row, each group with its slice of the full-width weight, in
+    one call of the compiled norm (a [G, d] weight: row r takes w[r % G]); the torch code's bits for 1-8
+    groups and 1-17 rows, and the call is taken."""
+    from moesaic.layers.mamba2 import gated_rmsnorm
+
+    g = torch.Generator().manual_seed(29)
+    with torch.inference_mode():
+        for groups, width in ((1, 96), (4, 512), (8, 2048)):
+            for rows in (1, 3, 17):
+                y = torch.randn(rows, width, generator=g) * torch.rand(rows, 1, generator=g) * 4
+                z = torch.randn(rows, width, generator=g).bfloat16()
+                w = (1 + 0.3 * torch.randn(width, generator=g)).to(wd)
+                taken = []
+                monkeypatch.setattr(cpu, "rms_norm", _spy(cpu.rms_norm, taken))
+                got = gated_rmsnorm(y, z, w, groups, 1e-5)
+                monkeypatch.undo()
+                assert taken == [True]
+                same(got, torch_path(gated_rmsnorm, y, z, w, groups, 1e-5))
+
+
 def test_fused_rms_norm_strided_and_batched_inputs(kernels):
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():

@@ -421,11 +421,13 @@ def _fused_mod(*ts):
 
 def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
     """`rnd_out(w * rnd_mid(x' * rnd_factor(rsqrt(mean(x'^2) + eps))))` with x' = rnd_pre(x), each rnd a
-    rounding to that dtype (None or fp32: none), over the last dim of x, in one call: the float operations of
+    rounding to that dtype (None or fp32: none), over the last dim of x (w [d], or [G, d] for x [..., G, d]:
+    each group its own row of the weight), in one call: the float operations of
     layers/norms.py's torch code in its order, the mean's sum in torch's order (`sum_lanes`), so the
     same bits. None (nothing done) where it does not apply: the caller runs the torch code."""
     d = x.shape[-1] if x.dim() else 0
-    if not (0 < d <= MAX_NORM_WIDTH and x.stride(-1) == 1 and w.shape == (d,)):
+    grouped = w.dim() == 2 and x.dim() >= 2 and w.shape == x.shape[-2:]  # row r of x's groups takes w[r % G]
+    if not (0 < d <= MAX_NORM_WIDTH and x.stride(-1) == 1 and (w.shape == (d,) or grouped)):
         return None
     mod = _fused_mod(x, w)
     if mod is None or not (lanes := sum_lanes()):

@@ -1454,11 +1454,13 @@ float torch_sum(const float* s, int64_t n) {
 }  // namespace
 
 // y = rnd_out(w * rnd_mid(x' * rnd_factor(rsqrt(mean(x'^2) + eps)))), x' = rnd_pre(x), per row of x [R, D]
-// (rows strided, values contiguous): layers/norms.py's orders are choices of pre / mid / out / factor.
+// (rows strided, values contiguous): layers/norms.py's orders are choices of pre / mid / out / factor. w [G, D]:
+// row r takes w[r % G] (a norm over G groups of each row, as Mamba-2's, with its full-width weight).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t pre, int64_t mid, int64_t out_ty,
                        int64_t lanes, int64_t nthreads, int64_t factor) {
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1),
-                "rms_norm: x [R, D] with contiguous rows, w [D]");
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (w.dim() == 1 || w.dim() == 2) && w.is_contiguous() &&
+                    w.size(-1) == x.size(1),
+                "rms_norm: x [R, D] with contiguous rows, w [D] or [G, D] (row r takes w[r % G])");
     TORCH_CHECK(lanes == 8 || lanes == 16, "rms_norm: 8 or 16 lanes");
     const int64_t R = x.size(0), D = x.size(1), xs = x.stride(0);
     const int tx = ty_of(x);
@@ -1467,8 +1469,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t p
     char* op = reinterpret_cast<char*>(out.data_ptr());
     const int64_t xe = x.element_size(), oe = out.element_size();
     const float eps = (float)eps_d, fd = (float)D;
-    std::vector<float> wf(D);
-    load_row(ty_of(w), w.data_ptr(), wf.data(), D);
+    const int64_t G = w.dim() == 2 ? w.size(0) : 1;
+    std::vector<float> wf(G * D);
+    load_row(ty_of(w), w.data_ptr(), wf.data(), G * D);
     auto rows = [&](int64_t r0, int64_t r1) {  // rows r0..r1-1 with their own buffers
         std::vector<float> xv(D), sq(D);
         float* v = xv.data();
@@ -1481,7 +1484,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t p
             round_row((int)factor, &inv, 1);
             for (int64_t k = 0; k < D; ++k) v[k] = v[k] * inv;
             round_row((int)mid, v, D);
-            for (int64_t k = 0; k < D; ++k) v[k] = wf[k] * v[k];
+            const float* wr = wf.data() + (r % G) * D;
+            for (int64_t k = 0; k < D; ++k) v[k] = wr[k] * v[k];
             store_row((int)out_ty, v, op + r * D * oe, D);
         }
     };
