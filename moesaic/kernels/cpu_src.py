@@ -1366,6 +1366,9 @@ __attribute__((always_inline)) inline uint16_t f32_to_bf16_bits(float f) {  // n
     std::memcpy(&u, &f, 4);
     return f != f ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+__attribute__((always_inline)) inline float round_bf16(float x) {  // x to bf16 and back
+    return bf16_bits_to_f32(f32_to_bf16_bits(x));
+}
 // A row of n values of type t <-> fp32, and an fp32 row rounded to t in place: one loop per type, so
 // that each vectorises.
 void load_row(int t, const void* p, float* y, int64_t n) {
@@ -1392,7 +1395,7 @@ void store_row(int t, const float* y, void* p, int64_t n) {
 }
 void round_row(int t, float* y, int64_t n) {
     if (t == BF16T)
-        for (int64_t k = 0; k < n; ++k) y[k] = bf16_bits_to_f32(f32_to_bf16_bits(y[k]));
+        for (int64_t k = 0; k < n; ++k) y[k] = round_bf16(y[k]);
     else if (t == F16T)
         for (int64_t k = 0; k < n; ++k) y[k] = (float)c10::Half(y[k]);
 }
@@ -1871,8 +1874,6 @@ inline void axpy_bf16_many(const float* s, const uint16_t* b, int64_t bs, int64_
         for (int64_t k = c; k < n; ++k) y[k] += s[i] * bf16_bits_to_f32(b[i * bs + k]);
 }
 
-inline float round_bf16(float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)); }  // x to bf16 and back
-
 #if defined(MOESAIC_AVX512BF16)
 // vdpbf16ps forms of the two products over the cached rows (a long context's decode is these): q and the rows
 // are bf16 (q_lat and the probabilities are rounded to bf16 where the torch code rounds them), so every
@@ -2031,7 +2032,6 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
     }
     TORCH_CHECK(total == N, "mla_absorbed: lens must sum to the query rows");
     auto out = torch::empty({N, H, dv}, q_nope.options());
-    const auto rnd = [](float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); };
     const float scale = (float)scale_d;
     const uint16_t *qn = u16(q_nope), *qr = u16(q_rope), *wk = u16(w_uk), *wv = u16(w_uv);
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -2065,7 +2065,7 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                     std::fill(q, q + kvr, 0.f);
                     axpy_bf16_many(qv.data(), wk + h * w_uk.stride(0), w_uk.stride(1), dn, q, kvr);
                     for (int64_t c = 0; c < kvr; ++c) {
-                        q[c] = rnd(q[c]);
+                        q[c] = round_bf16(q[c]);
                         qb[hh * kp + c] = f32_to_bf16_bits(q[c]);  // exact: q is rounded
                     }
                     for (int64_t d = 0; d < dr; ++d) {
@@ -2091,8 +2091,8 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                     const float* rh = sr.data() + hh * T;
                     float mx = -INFINITY;
                     for (int64_t t = 0; t < seen; ++t) {
-                        float v = rnd(sh[t]);
-                        if (dr) v = rnd(v + rnd(rh[t]));
+                        float v = round_bf16(sh[t]);
+                        if (dr) v = round_bf16(v + round_bf16(rh[t]));
                         sh[t] = v * scale;
                         mx = std::max(mx, sh[t]);
                     }
@@ -2103,7 +2103,7 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                     }
                     const float inv = 1.f / sum;
                     for (int64_t t = 0; t < seen; ++t) {
-                        sh[t] = rnd(sh[t] * inv);
+                        sh[t] = round_bf16(sh[t] * inv);
                         pb[hh * T + t] = f32_to_bf16_bits(sh[t]);
                     }
                 }
@@ -2128,7 +2128,7 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
 #if defined(MOESAIC_AVX512BF16)
                     if (mix) mix_out(acc.data() + hh * MIX_ACC, kvr, o);
 #endif
-                    for (int64_t c = 0; c < kvr; ++c) o[c] = rnd(o[c]);
+                    for (int64_t c = 0; c < kvr; ++c) o[c] = round_bf16(o[c]);
                     dot_bf16_many(o, wv + h * w_uv.stride(0), w_uv.stride(1), kvr, dv, ov.data());
                     for (int64_t v = 0; v < dv; ++v) op[(r * H + h) * dv + v] = f32_to_bf16_bits(ov[v]);
                 }
@@ -2277,8 +2277,8 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
                 } else {  // bf16 terms, each partial sum rounded: `out = terms[:, 0] + 0; out += terms[:, j]`
                     const float wj = bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(wc.data_ptr())[t * k + s]);
                     for (int64_t c = 0; c < d; ++c) {
-                        const float term = bf16_bits_to_f32(f32_to_bf16_bits(bf16_bits_to_f32(r[c]) * wj));
-                        acc[c] = bf16_bits_to_f32(f32_to_bf16_bits(acc[c] + term));
+                        const float term = round_bf16(bf16_bits_to_f32(r[c]) * wj);
+                        acc[c] = round_bf16(acc[c] + term);
                     }
                 }
             }
@@ -2628,23 +2628,28 @@ torch::Tensor sink_attend(torch::Tensor q, torch::Tensor positions, int64_t firs
         }
         auto p = at::softmax(logits, -1);
         const float* pp = p.data_ptr<float>();
-#pragma omp parallel for num_threads(threads) if (threads > 1)
-        for (int64_t ih = 0; ih < bn * H; ++ih) {
-            const int64_t i = ih / H;
-            const float* prow = pp + ih * Wd;
-            std::vector<float> pr(L + E), acc(D, 0.f), acc2;
-            for (int64_t x = 0; x < L + E; ++x) pr[x] = round_bf16(prow[x]);  // p.to(bf16)
-            axpy_bf16_many(pr.data(), wp + (lo - win_start) * ws, ws, L, acc.data(), D);
-            if (csa) {  // matmul(p[.., :L], keys) + matmul(p[.., L:], picked): each rounded, then added in bf16
-                acc2.assign(D, 0.f);
-                for (int64_t e = 0; e < E; ++e)
-                    if (pr[L + e] != 0.f) axpy_bf16_many(&pr[L + e], cp + sel[(a + i) * E + e] * cs, cs, 1, acc2.data(), D);
-                for (int64_t j = 0; j < D; ++j) acc[j] = round_bf16(acc[j]) + round_bf16(acc2[j]);
-            } else if (hca) {
-                axpy_bf16_many(pr.data() + L, cp, cs, E, acc.data(), D);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            std::vector<float> pr(L + E), acc(D), acc2(D);
+#pragma omp for
+            for (int64_t ih = 0; ih < bn * H; ++ih) {
+                const int64_t i = ih / H;
+                const float* prow = pp + ih * Wd;
+                for (int64_t x = 0; x < L + E; ++x) pr[x] = round_bf16(prow[x]);  // p.to(bf16)
+                std::fill(acc.begin(), acc.end(), 0.f);
+                axpy_bf16_many(pr.data(), wp + (lo - win_start) * ws, ws, L, acc.data(), D);
+                if (csa) {  // matmul(p[.., :L], keys) + matmul(p[.., L:], picked): each rounded, added in bf16
+                    std::fill(acc2.begin(), acc2.end(), 0.f);
+                    for (int64_t e = 0; e < E; ++e)
+                        if (pr[L + e] != 0.f)
+                            axpy_bf16_many(&pr[L + e], cp + sel[(a + i) * E + e] * cs, cs, 1, acc2.data(), D);
+                    for (int64_t j = 0; j < D; ++j) acc[j] = round_bf16(acc[j]) + round_bf16(acc2[j]);
+                } else if (hca) {
+                    axpy_bf16_many(pr.data() + L, cp, cs, E, acc.data(), D);
+                }
+                uint16_t* o = op + ((a + i) * H + ih % H) * D;
+                for (int64_t j = 0; j < D; ++j) o[j] = f32_to_bf16_bits(acc[j]);
             }
-            uint16_t* o = op + ((a + i) * H + ih % H) * D;
-            for (int64_t j = 0; j < D; ++j) o[j] = f32_to_bf16_bits(acc[j]);
         }
     }
     return out;
