@@ -404,6 +404,12 @@ def sum_lanes() -> int:
 _TY = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_NORM_WIDTH = 16384  # wider rows: torch may split one row's sum between threads (a 32768-value grain)
 FUSED_PARALLEL = 1 << 15  # elements from which the fused norm / rope use torch's threads
+ATTEND_PARALLEL = FUSED_PARALLEL * 32  # multiply-adds from which the fused attention calls do
+
+
+def _fused_threads(work: int, grain: int = FUSED_PARALLEL) -> int:
+    """A fused call's threads: one below `grain` units of work, else torch's."""
+    return 1 if work < grain else torch.get_num_threads()
 
 
 def _fused_mod(*ts):
@@ -433,7 +439,7 @@ def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
     if mod is None or not (lanes := sum_lanes()):
         return None
     x2 = x if x.dim() == 2 else x.reshape(-1, d)
-    threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    threads = _fused_threads(x.numel())
     pre, mid = _TY.get(pre, 0), _TY.get(mid, 0)
     y = mod.rms_norm(x2, w.contiguous(), eps, pre, mid, _TY[out], lanes, threads, _TY.get(factor, 0))
     return y if x.dim() == 2 else y.view(x.shape)
@@ -456,7 +462,7 @@ def rope(x, cos, sin, layout: int):
     if mod is None:
         return None
     x3 = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
-    threads = 1 if x.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    threads = _fused_threads(x.numel())
     y = mod.rope(x3, cos.contiguous(), sin.contiguous(), layout, threads)
     return y if x.dim() == 3 else y.view(x.shape)
 
@@ -477,7 +483,7 @@ def mhc_site_input(streams, fn, columns, base, ones, norm_eps: float, hc_eps: fl
     if mod is None or not (lanes := sum_lanes()):
         return None
     kernel_fn = fn.dtype == torch.bfloat16 and fn.stride(-1) == 1 and N <= MAX_ROWS
-    norm_threads = 1 if streams.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    norm_threads = _fused_threads(streams.numel())
     x, post, comb = mod.mhc_site_input(
         streams,
         fn,
@@ -506,7 +512,7 @@ def mhc_update(streams, y, post, comb):
     mod = _fused_mod(streams, y, post, comb)
     if mod is None:
         return None
-    threads = 1 if streams.numel() < FUSED_PARALLEL else torch.get_num_threads()
+    threads = _fused_threads(streams.numel())
     y = y.to(streams.dtype).contiguous()  # y.to(dt): the torch code's rounding
     return mod.mhc_update(streams, y, post.contiguous(), comb.contiguous(), threads)
 
@@ -537,7 +543,7 @@ def dsa_gathered(q, latent, w_kv_b, dv: int, scale: float, selection, block_elem
     if q.dtype == latent.dtype == w_kv_b.dtype == bf and latent.stride(-1) == 1 and w_kv_b.is_contiguous():
         n, H, dn = q.shape
         work = n * H * latent.shape[1] * (dn + dv + selection.shape[1])
-        threads = 1 if work < FUSED_PARALLEL * 32 else torch.get_num_threads()
+        threads = _fused_threads(work, ATTEND_PARALLEL)
         return mod.dsa_gathered_bf16(q, latent, w_kv_b, dv, scale, selection, threads)
     return mod.dsa_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems, small)
 
@@ -573,7 +579,7 @@ def sink_attention(
     n, H, D = q.shape
     entries = 0 if comp is None else comp_sel.shape[1] if comp_sel is not None else comp.shape[0]
     work = n * H * (min(win.shape[0], window + n) + entries) * D
-    threads = 1 if work < FUSED_PARALLEL * 32 else torch.get_num_threads()
+    threads = _fused_threads(work, ATTEND_PARALLEL)
     sel = None if comp_sel is None else comp_sel.contiguous()
     return mod.sink_attend(
         q, positions.contiguous(), first, win, win_start, window, sink, scale, comp, sel, ratio, step, threads
@@ -602,7 +608,7 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
         return None
     rows = sum(t.shape[0] for t in latents) if blocks is None else sum(lengths)
     work = q_nope.shape[1] * rows * w_uk.shape[-1]
-    threads = 1 if work < FUSED_PARALLEL * 32 else torch.get_num_threads()
+    threads = _fused_threads(work, ATTEND_PARALLEL)
     return mod.mla_absorbed(
         q_nope, q_rope, w_uk, w_uv, list(latents), list(k_ropes), list(lens), scale, threads, blocks, lengths
     )
@@ -679,7 +685,7 @@ def delta_rule(q, k, v, g, beta, S, keep_states: bool):
 
 def _delta_threads(n: int, H: int, Dk: int, Dv: int) -> int:
     """delta_rule's threads over n tokens of H heads: one below DELTA_PARALLEL state values x tokens."""
-    return 1 if n * H * Dk * Dv < DELTA_PARALLEL else torch.get_num_threads()
+    return _fused_threads(n * H * Dk * Dv, DELTA_PARALLEL)
 
 
 def kda_recur(qkv, g, beta, tail, conv_w, S, heads: int, head_dim: int, snapshot_last: int, eps: float):
