@@ -234,31 +234,28 @@ class DFlashProposer:
         self.deferred: dict[int, list[tuple[int, torch.Tensor]]] = {}
 
     # -- math
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = cos_sin(self.freqs, positions)
-        return rope_half(x, cos, sin)
-
-    def _keys(
-        self, w: DraftLayer, x: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Roped, normed keys and values [n, KV * hd] of rows x (context features or normed block rows)."""
+    def _keys(self, w: DraftLayer, x: torch.Tensor, angles: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roped, normed keys and values [n, KV * hd] of rows x (context features or normed block rows);
+        `angles`: cos_sin of the rows' positions."""
         c = self.cfg
         n = x.shape[0]
         k = rms_norm(linear(x, w.k).view(n, c.num_key_value_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
-        return self._rope(k, positions).flatten(1), linear(x, w.v)
+        return rope_half(k, *angles).flatten(1), linear(x, w.v)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: list, ctx_v: list
     ) -> torch.Tensor:
         """Non-causal GQA of S blocks at once: q [S * B, H, hd] over each block's context rows (ctx_k[j],
         ctx_v[j] [T_j, KV * hd]) then its own rows (k, v [S * B, KV * hd]) -> [S * B, H * hd]. The contexts
-        are padded to the longest, the padding masked."""
+        are padded to the longest, the padding masked. The products and the softmax in fp32 whatever the
+        dtype (the output rounded to it once): bf16 operands made torch's CPU matmul round each score to
+        bf16 and run several times slower than fp32's on the same ~0.5M MACs a head group."""
         c, B = self.cfg, self.cfg.block_size
         KV, hd = c.num_key_value_heads, c.head_dim
         S, rep = len(ctx_k), c.num_attention_heads // c.num_key_value_heads
         T = max(x.shape[0] for x in ctx_k) + B
-        keys = k.new_zeros(S, T, KV * hd)
-        values = v.new_zeros(S, T, KV * hd)
+        keys = k.new_zeros(S, T, KV * hd, dtype=torch.float32)
+        values = v.new_zeros(S, T, KV * hd, dtype=torch.float32)
         masked = torch.zeros(S, T, dtype=torch.bool, device=k.device)
         for j, (ck, cv) in enumerate(zip(ctx_k, ctx_v)):
             n = ck.shape[0]
@@ -266,12 +263,12 @@ class DFlashProposer:
             keys[j, n : n + B], values[j, n : n + B] = k[j * B : (j + 1) * B], v[j * B : (j + 1) * B]
             masked[j, n + B :] = True
         # each KV head's rep query heads over the block's B rows, as rep * B rows of that KV head
-        q = q.view(S, B, KV, rep, hd).permute(0, 2, 3, 1, 4).reshape(S, KV, rep * B, hd)
+        q = q.float().view(S, B, KV, rep, hd).permute(0, 2, 3, 1, 4).reshape(S, KV, rep * B, hd)
         keys, values = keys.view(S, T, KV, hd).transpose(1, 2), values.view(S, T, KV, hd).transpose(1, 2)
-        s = torch.matmul(q, keys.transpose(-1, -2)).float() * hd**-0.5  # [S, KV, rep * B, T]
+        s = torch.matmul(q, keys.transpose(-1, -2)) * hd**-0.5  # [S, KV, rep * B, T]
         s = s.masked_fill(masked[:, None, None, :], float("-inf"))
-        o = torch.matmul(torch.softmax(s, -1).to(values.dtype), values)  # [S, KV, rep * B, hd]
-        return o.view(S, KV, rep, B, hd).permute(0, 3, 1, 2, 4).reshape(S * B, KV * rep * hd)
+        o = torch.matmul(torch.softmax(s, -1), values)  # [S, KV, rep * B, hd]
+        return o.view(S, KV, rep, B, hd).permute(0, 3, 1, 2, 4).reshape(S * B, KV * rep * hd).to(v.dtype)
 
     # -- the interface
     def start(self, seq_id: int) -> None:
@@ -310,7 +307,8 @@ class DFlashProposer:
         feats = torch.cat([f for _, f in held])
         positions = torch.cat([torch.arange(p, p + f.shape[0]) for p, f in held]).to(self.device)
         ctx = rms_norm(linear(feats, self.fc), self.hidden_norm, c.rms_norm_eps)
-        keys = [self._keys(w, ctx, positions) for w in self.layers]
+        angles = cos_sin(self.freqs, positions)
+        keys = [self._keys(w, ctx, angles) for w in self.layers]
         lo = 0
         for s, rows in items:
             hi = lo + sum(f.shape[0] for _, f in rows)
@@ -345,10 +343,11 @@ class DFlashProposer:
         held = [self.context[s] for s, _, _ in requests]
         x = F.embedding(ids.flatten(), self.embed).to(self.dtype)  # [S * B, d]
         H, hd = c.num_attention_heads, c.head_dim
+        angles = cos_sin(self.freqs, positions)  # the block's, for every layer's q and k
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
-            q = self._rope(rms_norm(linear(h, w.q).view(S * B, H, hd), w.q_norm, c.rms_norm_eps), positions)
-            k, v = self._keys(w, h, positions)
+            q = rope_half(rms_norm(linear(h, w.q).view(S * B, H, hd), w.q_norm, c.rms_norm_eps), *angles)
+            k, v = self._keys(w, h, angles)
             ctx_k = [t.bufs[f"k{i}"][: t.length] for t in held]
             out = self._attend(q, k, v, ctx_k, [t.bufs[f"v{i}"][: t.length] for t in held])
             x = x + linear(out, w.o)
