@@ -714,23 +714,25 @@ def gate_steps(gate: DraftGate, seqs: int, turns: int, seconds_at, slower=lambda
 def test_draft_gate_climbs_to_the_fastest_length():
     """k = 4; a step at length c commits c + 1 tokens a sequence in cost[c], best at c = 2 (the third and
     fourth drafts cost more than they commit). The gate starts plain, measures the full length and one draft,
-    climbs to 2 and stays there but for one candidate run in EXPLORE_EVERY; it leaves when drafting gets
-    dear. Each candidate run is judged against the best's run right before it, so a machine whose steps
-    take 1.5x as long in every other stretch of 40 steps finds the same length, as does one whose every
-    seventh step takes 5x as long."""
+    climbs to 2 and stays there but for one candidate run in EXPLORE_EVERY (waits that double while the
+    candidates lose, up to 2 ** BACKOFF); it leaves when drafting gets dear. Each candidate run is judged
+    against the best's runs around it, so a machine whose steps take 1.5x as long in every other stretch of
+    40 steps finds the same length, as does one whose every seventh step takes 5x as long."""
     k, R = 4, adaptive.RUN
     cost = {0: 0.008, 1: 0.012, 2: 0.015, 3: 0.030, 4: 0.045}  # tok/s a sequence: 125, 167, 200, 133, 111
     gate = DraftGate(k)
-    first = gate_steps(gate, 4, 30 * R, cost.get)
+    first = gate_steps(gate, 4, 40 * R, cost.get)
     runs = [first[i] for i in range(0, len(first), R)]
     assert all(first[i : i + R] == [first[i]] * R for i in range(0, len(first), R))  # in runs of R steps
-    # plain first, the full length and one draft against it (PAIRS runs each, each after a plain run),
+    # plain first, the full length and one draft against it (PAIRS runs each, each between two plain runs),
     # then 1 is best and 2 is its best candidate; then 2 is best, and no other candidate beats it
-    assert runs[:4] == [0, 4, 0, 4] and runs[4:8] == [0, 1, 0, 1]
+    assert runs[:9] == [0, 4, 0, 4, 0, 1, 0, 1, 0]
     assert gate.best(4) == 2 and runs[-1] == 2
-    period = adaptive.EXPLORE_EVERY + 1
-    got = gate_steps(gate, 4, 6 * period * R, cost.get)
-    assert got.count(2) == 6 * (period - 1) * R  # the best, but for one candidate run in every period
+    longest = (adaptive.EXPLORE_EVERY << adaptive.BACKOFF) + 1  # a best run's wait and a candidate's run
+    got = gate_steps(gate, 4, 6 * longest * R, cost.get)
+    candidate_runs = (len(got) - got.count(2)) // R
+    # at most one in EXPLORE_EVERY + 1 runs, the waits doubling to 2 ** BACKOFF times that
+    assert 6 <= candidate_runs <= 6 + 2 * adaptive.BACKOFF + 2
     assert all(got.count(c) >= R for c in (0, 1, 3, 4))  # every candidate kept measured, round robin
     assert gate.length(1) == 0 and gate.best(1) == 0  # every batch size is measured on its own
     # and one step in 7 takes 5x as long (a collection, the host): a run is judged by its median step
@@ -740,10 +742,33 @@ def test_draft_gate_climbs_to_the_fastest_length():
     assert phased.best(4) == 2
     # drafting got dear (e.g. acceptance fell): plain steps win, found by the candidates' runs
     dear = {c: 0.008 + 0.010 * c for c in range(k + 1)}  # 125, 111, 107, 105, 104 tok/s a sequence
-    gate_steps(gate, 4, 4 * period * R, dear.get)
+    gate_steps(gate, 4, 2 * longest * R, dear.get)
     assert gate.best(4) == 0
-    got = gate_steps(gate, 4, 2 * period * R, dear.get)
-    assert got.count(0) >= 2 * (period - 1) * R
+    got = gate_steps(gate, 4, 2 * longest * R, dear.get)
+    assert got.count(0) >= 2 * (longest - 4) * R
+
+
+def test_draft_gate_is_not_moved_by_one_slow_stretch():
+    """Drafting that never pays (each length 0.8x plain's rate): a slow stretch over the best's run right
+    before a candidate's (the machine's step times double for a run) makes that comparison say the
+    candidate is faster; the best's run after it weighs the stretch half, and the candidate must win each
+    of its last PAIRS comparisons, so plain decoding stays best. The rule of the sum of the last PAIRS (a
+    stretch of 2x against a loss of 0.8x: +0.47 - 0.22) moved to drafting. Then the candidates' runs thin
+    out: their waits double while they lose."""
+    k, R = 3, adaptive.RUN
+    cost = {0: 0.010, **{c: 0.0125 * (c + 1) for c in range(1, k + 1)}}  # drafting: 0.8x plain's rate
+    gate = DraftGate(k)
+    # the machine's slow stretch: plain's first run, the best's run right before the full length's first
+    stretch = range(0, R)
+    bests = []
+    for turn in range(30 * R):
+        c = gate.length(2)
+        gate.record(2, 2 * (c + 1), cost[c] * (2.0 if turn in stretch else 1.0), c)
+        bests.append(gate.best(2))
+    assert bests == [0] * len(bests)
+    longest = (adaptive.EXPLORE_EVERY << adaptive.BACKOFF) + 1
+    got = gate_steps(gate, 2, 4 * longest * R, cost.get)
+    assert (len(got) - got.count(0)) // R <= 4 + 2 * adaptive.BACKOFF + 2
 
 
 def test_adaptive_drafting_turns_off_for_a_drafter_that_never_hits(monkeypatch):

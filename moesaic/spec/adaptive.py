@@ -2,8 +2,8 @@
 buys at the current batch size.
 
 Two parts. `DraftGate` picks the step's longest draft c (0: a plain step) by measuring whole steps: per batch
-size, runs of a few decode steps at one length, each candidate length's run against the best length's run
-right before it, by the tokens committed per second, everything they cost included (the propose call that
+size, runs of a few decode steps at one length, each candidate length's run against the best length's runs
+right before and after it, by the tokens committed per second, everything they cost included (the propose call that
 made the drafts, the verify forward's rows, acceptance, rollbacks, a drafter's catch-up). A model of those
 costs, with the gate only switching drafting on and off, was tried first and priced them wrong both ways
 (docs/perf.md, "the length policy against the gate alone"): a round of k drafts cost ~1.13 + 0.30 k plain
@@ -36,8 +36,9 @@ OFF_DECAY = 0.95  # per round spent not drafting: the record fades, so drafting 
 TIME_DECAY = 0.98  # weight of the past forwards in the time model
 RETRY_AFTER = 16  # rounds off after which one round drafts the full length again (and measures its cost)
 RUN = 4  # DraftGate: steps a length runs in a row before another is chosen (the first after a switch unmeasured)
-EXPLORE_EVERY = 16  # runs of the best length between two runs of another candidate
-PAIRS = 2  # a candidate takes the best length's place when its last PAIRS comparisons say it is faster
+EXPLORE_EVERY = 16  # runs of the best length between two runs of another candidate ...
+BACKOFF = 2  # ... doubled after each losing candidate run in a row, up to 2 ** BACKOFF times as many
+PAIRS = 2  # a candidate replaces the best length when each of its last PAIRS comparisons says it is faster
 
 
 @dataclass
@@ -145,7 +146,7 @@ class DraftLength:
 @dataclass
 class Climb:
     """One batch size's search (DraftGate): the best length so far, the current run, and per candidate
-    length its last PAIRS comparisons (the log of its run's rate over the best's run right before)."""
+    length its last PAIRS comparisons (the log of its run's rate over the best's runs around it)."""
 
     best: int
     arm: int = -1  # the current run's length (-1: none yet)
@@ -153,8 +154,10 @@ class Climb:
     warm: bool = False  # its next recorded step is the first after a switch: not measured
     tokens: int = 0  # the run's measured steps: tokens committed ...
     seconds: list = field(default_factory=list)  # ... and each one's time
-    base: float | None = None  # the rate of the best length's last run
-    runs: int = 0  # runs since the last exploration
+    base: float | None = None  # the log rate of the best length's last run
+    pending: tuple | None = None  # a candidate's run (length, log rate, base before it) awaiting the best's
+    runs: int = 0  # best runs since the last exploration
+    losses: int = 0  # candidate runs in a row that lost (each doubles the wait, up to 2 ** BACKOFF)
     turn: int = 0  # candidates explored so far (round robin)
     scores: dict = field(default_factory=dict)  # length -> its last comparisons, the latest last
 
@@ -164,18 +167,22 @@ class DraftGate:
     committed per second of earlier steps at each length (everything a step costs: the propose call that made
     its drafts, the verify forward, acceptance and rollbacks), per batch size.
 
-    Lengths run in runs of RUN steps. A candidate length is judged only against the best one's run right
-    before its own (the log of the ratio of the two runs' rates, averaged over its runs): this machine's step
-    times move by up to half between stretches of a few dozen steps, and rates measured at different times
-    would mostly compare the stretches. The candidates of a best length c are c - 1 and c + 1 (a climb: the
-    rate is one-humped in the length, each draft adding a row and drafter time for a smaller expected gain
-    than the one before) and always 0 and k. Plain steps are the first best length; its candidates are
-    measured at once, the full length first (PAIRS runs each), and a candidate whose last PAIRS runs were
-    faster than the best's on the whole takes its place. Then one candidate run in EXPLORE_EVERY, round robin,
-    keeps the comparisons current, so that a change (acceptance, batch mix) is seen; a candidate that was
-    faster in its last run runs again at once, to be confirmed or not. The first step after a switch is not measured:
-    it pays for the switch (a drafter that defers its context rows catches up on every row committed while
-    it drafted less), which a run judged one step at a time would always be charged with."""
+    Lengths run in runs of RUN steps. A candidate length is judged only against the best one's runs right
+    before and right after its own (the log of its run's rate over the geometric mean of theirs): this
+    machine's step times move by up to half between stretches of a few dozen steps, and rates measured at
+    different times would mostly compare the stretches; a stretch that begins or ends at the candidate's run
+    moves one of its two neighbours, so it weighs half. The candidates of a best length c are c - 1 and
+    c + 1 (a climb: the rate is one-humped in the length, each draft adding a row and drafter time for a
+    smaller expected gain than the one before) and always 0 and k. Plain steps are the first best length; its
+    candidates are measured at once, the full length first (PAIRS runs each), and a candidate takes the best's
+    place when each of its last PAIRS comparisons says it is faster (one lucky run, a slow stretch on the
+    best's side, does not move it). Then one candidate run in EXPLORE_EVERY, round robin, keeps the
+    comparisons current, so that a change (acceptance, batch mix) is seen; each losing candidate run in a row
+    doubles that wait (up to 2 ** BACKOFF times), since a candidate run costs what it loses (a drafter that
+    never pays would otherwise draft one run in seventeen). A candidate that was faster in its last run runs
+    again at once, to be confirmed or not. The first step after a switch is not measured: it pays for the
+    switch (a drafter that defers its context rows catches up on every row committed while it drafted less),
+    which a run judged one step at a time would always be charged with."""
 
     def __init__(self, k: int):
         self.k = k
@@ -201,7 +208,7 @@ class DraftGate:
 
     def _next(self, climb: Climb) -> int:
         if climb.arm != climb.best or climb.base is None:
-            return climb.best  # a best run between two candidates' runs: each has one right before it
+            return climb.best  # a best run between two candidates' runs: each has one on either side
         near = self.candidates(climb.best)
         scores = [climb.scores.get(c, []) for c in near]
         for c, score in zip(near, scores):
@@ -211,7 +218,7 @@ class DraftGate:
             if score[-1] > 0.0:  # its last run was faster than the best's: confirmed (or not) at once
                 return c
         climb.runs += 1
-        if climb.runs < EXPLORE_EVERY:
+        if climb.runs < EXPLORE_EVERY << min(climb.losses, BACKOFF):
             return climb.best
         climb.runs = 0
         climb.turn += 1
@@ -233,16 +240,21 @@ class DraftGate:
         # the run is complete: its tokens over its steps' median time each (one step in a few tens here
         # takes several times the others, the collector's or the machine's; in a run of three it would
         # decide the comparison)
-        rate = climb.tokens / (statistics.median(climb.seconds) * len(climb.seconds))
-        if climb.arm == climb.best:
-            climb.base = rate
+        rate = math.log(climb.tokens / (statistics.median(climb.seconds) * len(climb.seconds)))
+        if climb.arm != climb.best:
+            if climb.base is not None:
+                climb.pending = (climb.arm, rate, climb.base)
             return
-        if climb.base is None:
+        climb.base = rate
+        if climb.pending is None:
             return
-        score = climb.scores.setdefault(climb.arm, [])
-        score.append(math.log(rate / climb.base))
+        arm, own, before = climb.pending
+        climb.pending = None
+        score = climb.scores.setdefault(arm, [])
+        score.append(own - (before + rate) / 2)
         del score[:-PAIRS]
-        if len(score) == PAIRS and sum(score) > 0.0:  # faster than the best: the new best
+        climb.losses = climb.losses + 1 if score[-1] <= 0.0 else 0
+        if len(score) == PAIRS and min(score) > 0.0:  # faster than the best in each: the new best
             old = climb.best
-            climb.best, climb.base, climb.runs = climb.arm, rate, 0
+            climb.best, climb.base, climb.runs, climb.losses = arm, own, 0, 0
             climb.scores = {old: [-x for x in score]}
