@@ -809,6 +809,32 @@ def test_adaptive_drafting_stops_when_its_steps_are_slower_than_plain_ones(monke
     assert s["gated_steps"] > 10 and s["rounds"] <= 2 * 2 * adaptive.PAIRS * adaptive.RUN
 
 
+def test_a_gated_step_without_drafts_counts_for_no_length(monkeypatch):
+    """The DraftGate lets a step draft up to c; each sequence then drafts as far as its own acceptance pays.
+    A step in which no sequence drafted is a plain step, and is not measured as length c: mixed into c's
+    runs, such steps made a drafting length look as fast as plain decoding while its drafting steps lost."""
+    name = "demo-mistral4"
+    ps, sp = prompts()[:2], greedy(40)
+    want = plain(name, ps, sp)
+    refs = [o.prompt_token_ids + o.token_ids for o in want]
+    seen = []
+    real = DraftGate.record
+
+    def record(self, seqs, tokens, seconds, length):
+        seen.append((self.climbs[seqs].arm, length))
+        return real(self, seqs, tokens, seconds, length)
+
+    monkeypatch.setattr(DraftGate, "record", record)
+    monkeypatch.setattr(
+        DraftLength, "lengths", lambda self, accs, decoders, limits, cap=None: [0] * len(accs)
+    )
+    llm = spec_llm(name, ForcedProposer(refs, VOCAB + 1), 4, spec={"adaptive": True})
+    assert [o.token_ids for o in llm.generate(ps, sp)] == [o.token_ids for o in want]
+    assert llm.stats()["speculative"]["drafted"] == 0
+    assert any(arm > 0 for arm, _ in seen)  # the gate tried drafting lengths ...
+    assert all(length == (0 if arm == 0 else -1) for arm, length in seen)  # ... which measured nothing
+
+
 def test_generate_keeps_its_batch_in_step():
     """LLM.generate returns when every sequence is done: a sequence ahead of the furthest-behind one gains
     nothing by drafting, so its drafts are held back (the tokens never change). Two requests of 40 and 12

@@ -593,8 +593,12 @@ class Engine:
             # prompt's rows in its propose call, which is not what its length costs
             measured = decoding and not failed and self._gate_measured
             if self.gate is not None and measured and self._gate_length is not None:
-                # before the next step's length is chosen, so that it sees this step
-                self.gate.record(len(sched), len(events), spent + self._propose_s, self._gate_length)
+                # before the next step's length is chosen, so that it sees this step. A step the gate let
+                # draft where no sequence did (each one's acceptance kept it off, or its limit) is a plain
+                # step: it counts for no length (under the length, plain steps mixed into its runs made a
+                # drafting length look as fast as plain decoding while its drafting steps lost)
+                length = self._gate_length if drafts or self._gate_length == 0 else -1
+                self.gate.record(len(sched), len(events), spent + self._propose_s, length)
             self._gate_measured = decoding and not failed
             self._propose()
         return events
