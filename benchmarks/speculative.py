@@ -10,10 +10,11 @@ docs/train_demo.md. Prompts: the first lines of the Python standard library file
 first lines again: the continuation copies). Each configuration (plain, then each method with a fixed draft
 length and with adaptive drafting) is one `LLM`; a run generates `--new` greedy tokens (EOS ignored) for each
 of `--groups` batches of prompts in turn (at batch 1: that many prompts one after another, so tau is not one
-prompt's). Decode tok/s = generated tokens / (wall time - the same run's time for one token), so the
-prefill is not counted; the best of `--reps` runs, each repetition running every configuration in turn
-(interleaved: the machine is shared, and its speed moves between phases). tau and the acceptance are those
-of all the runs of that row. Outputs are checked equal to plain decoding at the same batch size, token for
+prompt's). Decode tok/s = generated tokens / (wall time - the same group's time for one token), so the
+prefill is not counted; each group runs on every configuration in turn, in an order rotated from group to
+group (the machine is shared, and its speed moves between stretches of a second or so), and tok/s is the
+median of `--reps` repetitions, "x plain" the median of the repetitions' ratios to plain decoding. tau and
+the acceptance are those of all the runs of that row. Outputs are checked equal to plain decoding at the same batch size, token for
 token, in fp32 and in bf16 (the bf16 rows parted from plain decoding until a prompt's state had the same bits
 in a drafting engine and a plain one: layers/recurrent.py STEPPED_ROWS).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import sysconfig
 import time
@@ -70,25 +72,39 @@ def timed(llm, groups, params) -> tuple[float, list]:
     return time.perf_counter() - t0, outs
 
 
-def measure(llms: list, prompts: list[str], batch: int, new: int, reps: int) -> list[tuple[float, list]]:
-    """Per LLM: decode tok/s over `prompts` run `batch` at a time, and the tokens. Every repetition runs each
-    LLM in turn (interleaved: this shared machine's speed moves by half between phases, and a phase then
-    falls on every configuration alike), and each LLM's best of `reps` counts."""
+def measure(
+    llms: list, prompts: list[str], batch: int, new: int, reps: int
+) -> list[tuple[float, float, list]]:
+    """Per LLM: decode tok/s over `prompts` run `batch` at a time (the median over `reps` repetitions), its
+    ratio to the first LLM's (the median of the repetitions' ratios), and the tokens. Each group of prompts
+    runs on every LLM in turn before the next group, in an order rotated from group to group: this shared
+    machine's step times move by up to half between stretches of a second or so, and LLMs run one after
+    another for whole repetitions mostly compared the stretches (two plain engines differed by 0.67-1.6x
+    between repetitions that way)."""
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     one = moesaic.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     full = moesaic.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     for llm in llms:
         llm.generate(groups[0], one)  # warm-up
-    firsts, runs = [[] for _ in llms], [[] for _ in llms]
-    for _ in range(reps):
-        for i, llm in enumerate(llms):
-            firsts[i].append(timed(llm, groups, one)[0])
-            runs[i].append(timed(llm, groups, full))
-    out = []
-    for first, done in zip(firsts, runs):
-        best = min(t for t, _ in done)
-        out.append((len(prompts) * (new - 1) / (best - min(first)), [o.token_ids for o in done[0][1]]))
-    return out
+    n = len(llms)
+    rates, outs = [[] for _ in llms], [[] for _ in llms]
+    turn = 0
+    for rep in range(reps):
+        spent = [0.0] * n
+        for g in groups:
+            for i in [(turn + j) % n for j in range(n)]:
+                first = timed(llms[i], [g], one)[0]
+                t, out = timed(llms[i], [g], full)
+                spent[i] += t - first
+                if rep == 0:
+                    outs[i] += [o.token_ids for o in out]
+            turn += 1
+        for i in range(n):
+            rates[i].append(len(prompts) * (new - 1) / spent[i])
+    return [
+        (statistics.median(r), statistics.median(a / b for a, b in zip(r, rates[0])), o)
+        for r, o in zip(rates, outs)
+    ]
 
 
 def counters(llm) -> dict | None:
@@ -146,8 +162,8 @@ def main(argv=None) -> None:
         for b in batches:
             before = [counters(llm) for *_, llm in here]
             results = measure([llm for *_, llm in here], prompts[: b * a.groups], b, a.new, a.reps)
-            ref_rate, ref_toks = results[0]
-            for (method, k, adaptive, llm), c0, (rate, toks) in zip(here, before, results):
+            ref_toks = results[0][2]
+            for (method, k, adaptive, llm), c0, (rate, ratio, toks) in zip(here, before, results):
                 if c0 is None:
                     print(f"| plain | - | - | {name} | {b} | {rate:.1f} | 1.00 | 1.00 | - | - |")
                     continue
@@ -161,7 +177,7 @@ def main(argv=None) -> None:
                     )
                 ]
                 print(
-                    f"| {method} | {k} | {adaptive} | {name} | {b} | {rate:.1f} | {rate / ref_rate:.2f} | "
+                    f"| {method} | {k} | {adaptive} | {name} | {b} | {rate:.1f} | {ratio:.2f} | "
                     f"{tau:.2f} | {' '.join(f'{x:.2f}' for x in per)} | {'yes' if toks == ref_toks else 'no'} |"
                 )
 
