@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import numbers
 import threading
 import time
@@ -142,9 +143,10 @@ class EngineLimits:
 def non_finite(sched, logits: torch.Tensor, rows: list[torch.Tensor] | None = None) -> dict:
     """{seq id: RequestError} for the sequences of a forward whose logits rows (`logits`, all of them;
     `rows`, each sequence's, by default one row each) hold a NaN or an Inf (a model overflowing at run time): those requests
-    end, the others of the batch go on. One reduction and one host sync per step: a row's sum is finite
-    unless the row holds NaN/Inf (or the sum overflows, which only makes the exact check run)."""
-    if bool(torch.isfinite(logits.sum(-1)).all()):
+    end, the others of the batch go on. One reduction and one host sync per step: the sum of all the rows
+    is finite unless one holds NaN/Inf (or the sum overflows, which only makes the exact check run); read
+    as a Python float (~6 us a step on one core, where isfinite, all and bool on the rows' sums took ~27)."""
+    if math.isfinite(float(logits.sum())):
         return {}
     bad = [not bool(torch.isfinite(r).all()) for r in (list(logits) if rows is None else rows)]
     return {
