@@ -441,6 +441,12 @@ def test_causal_selection_is_what_scores_select_within_topk(kpool, topk, tail):
         )
         valid = lambda sel: [{t for t in r.tolist() if t >= 0} for r in sel]  # noqa: E731
         assert valid(got) == valid(want), (T, kpool, topk)
+        # a decode row, the newest token: the short form (one arange) lays it out as the general one
+        last = positions[-1:]
+        assert torch.equal(
+            dsa.causal_selection(last, T, kpool, topk, tail, newest=True),
+            dsa.causal_selection(last, T, kpool, topk, tail),
+        ), (T, kpool, topk)
     T = (topk // kpool + 1) * kpool  # one pool too many: the scores drop one of the query's T tokens
     want = dsa.select(torch.randn(1, T // kpool, generator=g), torch.tensor([T - 1]), kpool, topk, tail)
     assert not dsa.every_pool_fits(T, kpool, topk) and 0 < (want[0] >= 0).sum() < T

@@ -655,7 +655,7 @@ class Model:
                 P, T, tail = c.index_kpool, held.length, c.index_kpool_always_select_tail
                 if dsa.every_pool_fits(T, P, c.index_topk):  # a context within index_topk: all of it
                     cache = held.rows("latent")  # the indexer's keys are not read
-                    sel = dsa.causal_selection(batch.positions[rows], T, P, c.index_topk, tail)
+                    sel = dsa.causal_selection(batch.positions[rows], T, P, c.index_topk, tail, newest=True)
                 else:
                     cache = held.rows()
                     if queries is None:
