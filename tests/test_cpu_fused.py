@@ -643,6 +643,34 @@ def test_dsa_gathered_matches_the_torch_code(kernels, monkeypatch, dtype):
             assert ((got.float() - want.float()).abs() <= step).all() and (got == want).float().mean() > 0.99
 
 
+def test_dsa_gathered_reads_pages_in_place(kernels):
+    """cpu.dsa_gathered with `pages`: the latent rows read from a page pool's view (blocks in any order, a
+    layer's slice of a pool shared by several layers, a partly filled last block) give the same bits as the
+    same rows gathered first; a block id past the pool is an error; fp32 declines (the caller gathers)."""
+    from moesaic.layers.linear import SMALL_PRODUCT
+
+    g = torch.Generator().manual_seed(23)
+    for n, H, dn, dv, kvr, T, bs, layers in ((1, 4, 48, 48, 64, 37, 16, 3), (3, 8, 64, 32, 128, 300, 16, 2)):
+        nb = -(-T // bs)
+        pool = torch.randn(nb + 5, layers, bs, kvr, generator=g).to(torch.bfloat16)
+        view = pool[:, 1]  # this layer's pages: [blocks, block rows, kvr], a block stride of `layers` blocks
+        ids = torch.randperm(nb + 5, generator=g)[:nb]
+        latent = view[ids].reshape(nb * bs, kvr)[:T]
+        q = torch.randn(n, H, dn, generator=g).to(torch.bfloat16)
+        w = (torch.randn(H * (dn + dv), kvr, generator=g) * 0.1).to(torch.bfloat16)
+        sel = torch.stack([torch.randperm(T, generator=g) for _ in range(n)])
+        sel[:, T // 2 :] = -1
+        want = cpu.dsa_gathered(q, latent, w, dv, 0.125, sel, 0, SMALL_PRODUCT)
+        got = cpu.dsa_gathered(q, view, w, dv, 0.125, sel, 0, SMALL_PRODUCT, pages=(ids, T))
+        assert want is not None and torch.equal(got, want), (n, T)
+        with pytest.raises(RuntimeError, match="past the pool"):
+            cpu.dsa_gathered(q, view, w, dv, 0.125, sel, 0, SMALL_PRODUCT, pages=(ids + 100, T))
+        with pytest.raises(RuntimeError, match="past the cache"):
+            cpu.dsa_gathered(q, view, w, dv, 0.125, sel, 0, SMALL_PRODUCT, pages=(ids, T // 2))
+        f32 = (q.float(), view.float(), w.float())
+        assert cpu.dsa_gathered(*f32[:2], f32[2], dv, 0.125, sel, 0, SMALL_PRODUCT, pages=(ids, T)) is None
+
+
 @pytest.mark.parametrize("kind", ["window", "csa", "hca"])
 def test_sink_attention_matches_the_torch_code(kernels, monkeypatch, kind):
     """layers/csa.py's sink_attention in one call (cpu.sink_attention) for bf16: the torch code's logits,

@@ -531,20 +531,26 @@ def route(logits, score: str, top_k: int, bias=None, ids=None, normalize: bool =
     )
 
 
-def dsa_gathered(q, latent, w_kv_b, dv: int, scale: float, selection, block_elems: int, small: int):
+def dsa_gathered(
+    q, latent, w_kv_b, dv: int, scale: float, selection, block_elems: int, small: int, pages=None
+):
     """layers/dsa.py's attend_gathered in one call; None where it does not apply. bf16 operands: the torch
     code's roundings, its products exact and summed in the kernels' order (equal to rounding), the weight
     read as stored. Others: the same torch ops (layers/linear.py's matmul rule with `small` its
-    SMALL_PRODUCT), the same bits."""
+    SMALL_PRODUCT), the same bits. `pages` (bf16 only): (block ids, length): latent is then a page pool's
+    view [num_blocks, block rows, kvr] whose rows are read in place (no gathered copy of the cache)."""
     mod = _fused_mod(q, latent, w_kv_b) if q.dim() == 3 and selection.dtype == torch.int64 else None
     if mod is None:
         return None
     bf = torch.bfloat16
     if q.dtype == latent.dtype == w_kv_b.dtype == bf and latent.stride(-1) == 1 and w_kv_b.is_contiguous():
         n, H, dn = q.shape
-        work = n * H * latent.shape[1] * (dn + dv + selection.shape[1])
+        work = n * H * latent.shape[-1] * (dn + dv + selection.shape[1])
         threads = _fused_threads(work, ATTEND_PARALLEL)
-        return mod.dsa_gathered_bf16(q, latent, w_kv_b, dv, scale, selection, threads)
+        blocks, length = pages if pages is not None else (None, 0)
+        return mod.dsa_gathered_bf16(q, latent, w_kv_b, dv, scale, selection, threads, blocks, length)
+    if pages is not None:
+        return None
     return mod.dsa_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems, small)
 
 

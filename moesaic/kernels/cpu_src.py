@@ -2470,10 +2470,24 @@ std::vector<torch::Tensor> route(torch::Tensor logits, int64_t score, int64_t to
 // matmuls': equal to rounding. W_k's product as q[h, d] times W's rows (axpy over dn rows of kvr), W_v's as
 // dots with its rows: W is read as stored, where the torch code's small matmuls made fp32 copies of its
 // slices at every call (~480 us a decode row on the GLM-5.3 benchmark model, one Zen 3 core).
+// With `blocks`, latent is a page pool's view [num_blocks, block rows, kvr] read in place: row t of the
+// sequence is row t % block rows of block blocks[t / block rows], rows 0..length - 1 (no gathered copy).
 torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Tensor w_kv_b, int64_t dv, double scale,
-                                torch::Tensor selection, int64_t threads) {
-    const int64_t n = q.size(0), H = q.size(1), dn = q.size(2), kvr = latent.size(1), W = selection.size(1);
-    const int64_t T = latent.size(0), ls = latent.stride(0), wr = dn + dv;
+                                torch::Tensor selection, int64_t threads, std::optional<torch::Tensor> blocks,
+                                int64_t length) {
+    const bool paged = blocks.has_value();
+    TORCH_CHECK(latent.dim() == (paged ? 3 : 2) && latent.stride(-1) == 1, "dsa_gathered: latent's layout");
+    const int64_t n = q.size(0), H = q.size(1), dn = q.size(2), kvr = latent.size(-1), W = selection.size(1);
+    const int64_t ls = latent.stride(-2), wr = dn + dv, B = paged ? latent.size(1) : 1;
+    const int64_t bs = paged ? latent.stride(0) : 0;
+    auto bl = paged ? blocks->to(torch::kInt64).contiguous() : torch::Tensor();
+    const int64_t* bp = paged ? bl.data_ptr<int64_t>() : nullptr;
+    const int64_t T = paged ? length : latent.size(0);
+    if (paged) {
+        TORCH_CHECK(bl.dim() == 1 && bl.size(0) * B >= T, "dsa_gathered: blocks for every row");
+        for (int64_t b = 0; b < bl.size(0); ++b)
+            TORCH_CHECK(bp[b] >= 0 && bp[b] < latent.size(0), "dsa_gathered: a block id past the pool");
+    }
     auto qf = q.to(torch::kFloat32).contiguous();
     auto sel = selection.contiguous();
     auto logits = at::empty({n, H, W}, q.options().dtype(torch::kFloat32));
@@ -2481,6 +2495,7 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
     const float* qp = qf.data_ptr<float>();
     const int64_t* sp = sel.data_ptr<int64_t>();
     const uint16_t* lat = reinterpret_cast<const uint16_t*>(latent.data_ptr());
+    auto row_of = [&](int64_t t) { return paged ? lat + bp[t / B] * bs + (t % B) * ls : lat + t * ls; };
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w_kv_b.data_ptr());
     float* lg = logits.data_ptr<float>();
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -2498,7 +2513,7 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
             float* row = lg + ih * W;
             for (int64_t e = 0; e < W; ++e) {
                 const int64_t t = sp[i * W + e];
-                row[e] = t < 0 ? ninf : round_bf16(dot_bf16(ql.data(), lat + t * ls, kvr)) * sc;
+                row[e] = t < 0 ? ninf : round_bf16(dot_bf16(ql.data(), row_of(t), kvr)) * sc;
             }
         }
     }
@@ -2515,7 +2530,7 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
                 const int64_t t = sp[i * W + e];
                 const float pe = pp[ih * W + e];
                 const float pr = pe != pe ? 0.f : round_bf16(pe);  // nan_to_num: nothing selected
-                if (t >= 0 && pr != 0.f) axpy_bf16_many(&pr, lat + t * ls, ls, 1, ol.data(), kvr);
+                if (t >= 0 && pr != 0.f) axpy_bf16_many(&pr, row_of(t), ls, 1, ol.data(), kvr);
             }
             for (auto& v : ol) v = round_bf16(v);  // o_lat in bf16
             dot_bf16_many(ol.data(), wp + (h * wr + dn) * kvr, kvr, kvr, dv, o.data());

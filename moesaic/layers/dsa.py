@@ -228,6 +228,26 @@ def sparse_mla_attend(
     return attend_expanded(q, latent, w_kv_b, dv, scale, selection)
 
 
+def sparse_mla_attend_held(q: Tensor, held, w_kv_b: Tensor, v_head_dim: int, scale: float, selection: Tensor):
+    """`sparse_mla_attend` over a sequence's layer state `held` (its "latent" rows, this step's included):
+    where the gathered evaluation is the one chosen and the CPU kernels take it (bf16), a paged state's rows
+    are read in place from their pages; otherwise the rows are gathered and attended as before. A decode
+    row's selection is every held row while the pools fit the top-k, so gathering copied the whole latent
+    cache per layer and step (2 MB a layer at 2048 rows of 512) for the kernel to read it again."""
+    n, H, dn = q.shape
+    T, kvr, W, dv = held.length, w_kv_b.shape[1], selection.shape[1], v_head_dim
+    gathered = n * kvr * (2 * W + dn + dv) < T * (dn + dv) * (kvr + n)
+    if gathered and hasattr(held, "pages") and not kernels("mla", q):
+        views, ids = held.pages()
+        blocks = torch.tensor(ids, dtype=torch.long)
+        fused = cpu.dsa_gathered(
+            q, views["latent"], w_kv_b, dv, scale, selection, 0, SMALL_PRODUCT, pages=(blocks, T)
+        )
+        if fused is not None:
+            return fused
+    return sparse_mla_attend(q, held.rows("latent")["latent"], w_kv_b, dv, scale, selection)
+
+
 def attend_expanded(q, latent, w_kv_b, dv, scale, selection):
     n, H, dn = q.shape
     T = latent.shape[0]

@@ -646,18 +646,17 @@ class Model:
         if ix is not None:
             k, z = dsa.indexer_keys(x, ix)
             queries = None  # the indexer's queries, computed for the first sequence that needs scores
-        selections, caches = [], []
+        selections = []
         for j, s in enumerate(batch.seqs):
             rows = slice(s.start, s.start + s.n)
+            held = s.state.layers[L]
             if ix is not None:
-                held = s.state.layers[L]
                 held.write(latent=latent[rows], k=k[rows], z=z[rows])
                 P, T, tail = c.index_kpool, held.length, c.index_kpool_always_select_tail
                 if dsa.every_pool_fits(T, P, c.index_topk):  # a context within index_topk: all of it
-                    cache = held.rows("latent")  # the indexer's keys are not read
                     sel = dsa.causal_selection(batch.positions[rows], T, P, c.index_topk, tail, newest=True)
                 else:
-                    cache = held.rows()
+                    cache = held.rows("k", "z")  # the latent rows are read by the attention below
                     if queries is None:
                         queries = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
                     qi, wts = queries
@@ -672,19 +671,18 @@ class Model:
                         tail,
                     )
             else:
-                cache = s.state.layers[L].append(latent=latent[rows])
+                held.write(latent=latent[rows])
                 sel = shared[j]
             selections.append(sel)
-            caches.append(cache)
         paged = [s.state.layers[L] for s in batch.seqs]
         out = dsa.paged_sparse_mla_attend(
             q, paged, [s.n for s in batch.seqs], m.kv_b, dv, dn**-0.5, selections
         )
-        if out is None:  # the torch path (and unpaged rows): sequence by sequence
+        if out is None:  # the CPU / torch path (and unpaged rows): sequence by sequence
             out = x.new_empty(N, H, dv)
-            for s, cache, sel in zip(batch.seqs, caches, selections):
+            for s, held, sel in zip(batch.seqs, paged, selections):
                 rows = slice(s.start, s.start + s.n)
-                out[rows] = dsa.sparse_mla_attend(q[rows], cache["latent"], m.kv_b, dv, dn**-0.5, sel)
+                out[rows] = dsa.sparse_mla_attend_held(q[rows], held, m.kv_b, dv, dn**-0.5, sel)
         return linear(out.reshape(N, H * dv), m.o), selections
 
     def mlp(self, w: Mlp | MoeWeights, x: torch.Tensor) -> torch.Tensor:
