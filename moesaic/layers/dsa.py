@@ -220,12 +220,17 @@ def sparse_mla_attend(
     and W_v applied after (decode, and any cache much longer than the selection)."""
     if tk := kernels("mla", q):
         return tk.sparse_mla_attend(q, latent, w_kv_b, v_head_dim, scale, selection)
+    if gathered_is_cheaper(q, latent.shape[0], w_kv_b, v_head_dim, selection):
+        return attend_gathered(q, latent, w_kv_b, v_head_dim, scale, selection)
+    return attend_expanded(q, latent, w_kv_b, v_head_dim, scale, selection)
+
+
+def gathered_is_cheaper(q: Tensor, num_keys: int, w_kv_b: Tensor, v_head_dim: int, selection: Tensor) -> bool:
+    """sparse_mla_attend's choice by operation count: the gathered evaluation (each query's selected latents)
+    rather than the expanded one (every cached latent turned into keys and values once)."""
     n, H, dn = q.shape
-    T, kvr = latent.shape
-    W, dv = selection.shape[1], v_head_dim
-    if n * kvr * (2 * W + dn + dv) < T * (dn + dv) * (kvr + n):
-        return attend_gathered(q, latent, w_kv_b, dv, scale, selection)
-    return attend_expanded(q, latent, w_kv_b, dv, scale, selection)
+    kvr, W, dv = w_kv_b.shape[1], selection.shape[1], v_head_dim
+    return n * kvr * (2 * W + dn + dv) < num_keys * (dn + dv) * (kvr + n)
 
 
 def sparse_mla_attend_held(q: Tensor, held, w_kv_b: Tensor, v_head_dim: int, scale: float, selection: Tensor):
@@ -234,10 +239,8 @@ def sparse_mla_attend_held(q: Tensor, held, w_kv_b: Tensor, v_head_dim: int, sca
     are read in place from their pages; otherwise the rows are gathered and attended as before. A decode
     row's selection is every held row while the pools fit the top-k, so gathering copied the whole latent
     cache per layer and step (2 MB a layer at 2048 rows of 512) for the kernel to read it again."""
-    n, H, dn = q.shape
-    T, kvr, W, dv = held.length, w_kv_b.shape[1], selection.shape[1], v_head_dim
-    gathered = n * kvr * (2 * W + dn + dv) < T * (dn + dv) * (kvr + n)
-    if gathered and hasattr(held, "pages") and not kernels("mla", q):
+    T, dv = held.length, v_head_dim
+    if hasattr(held, "pages") and not kernels("mla", q) and gathered_is_cheaper(q, T, w_kv_b, dv, selection):
         views, ids = held.pages()
         blocks = torch.tensor(ids, dtype=torch.long)
         fused = cpu.dsa_gathered(
