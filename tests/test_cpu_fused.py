@@ -654,7 +654,7 @@ def test_dsa_gathered_reads_pages_in_place(kernels):
         nb = -(-T // bs)
         pool = torch.randn(nb + 5, layers, bs, kvr, generator=g).to(torch.bfloat16)
         view = pool[:, 1]  # this layer's pages: [blocks, block rows, kvr], a block stride of `layers` blocks
-        ids = torch.randperm(nb + 5, generator=g)[:nb]
+        ids = torch.randperm(nb + 5, generator=g)[:nb].tolist()
         latent = view[ids].reshape(nb * bs, kvr)[:T]
         q = torch.randn(n, H, dn, generator=g).to(torch.bfloat16)
         w = (torch.randn(H * (dn + dv), kvr, generator=g) * 0.1).to(torch.bfloat16)
@@ -664,7 +664,7 @@ def test_dsa_gathered_reads_pages_in_place(kernels):
         got = cpu.dsa_gathered(q, view, w, dv, 0.125, sel, 0, SMALL_PRODUCT, pages=(ids, T))
         assert want is not None and torch.equal(got, want), (n, T)
         with pytest.raises(RuntimeError, match="past the pool"):
-            cpu.dsa_gathered(q, view, w, dv, 0.125, sel, 0, SMALL_PRODUCT, pages=(ids + 100, T))
+            cpu.dsa_gathered(q, view, w, dv, 0.125, sel, 0, SMALL_PRODUCT, pages=([i + 100 for i in ids], T))
         with pytest.raises(RuntimeError, match="past the cache"):
             cpu.dsa_gathered(q, view, w, dv, 0.125, sel, 0, SMALL_PRODUCT, pages=(ids, T // 2))
         f32 = (q.float(), view.float(), w.float())

@@ -537,8 +537,9 @@ def dsa_gathered(
     """layers/dsa.py's attend_gathered in one call; None where it does not apply. bf16 operands: the torch
     code's roundings, its products exact and summed in the kernels' order (equal to rounding), the weight
     read as stored. Others: the same torch ops (layers/linear.py's matmul rule with `small` its
-    SMALL_PRODUCT), the same bits. `pages` (bf16 only): (block ids, length): latent is then a page pool's
-    view [num_blocks, block rows, kvr] whose rows are read in place (no gathered copy of the cache)."""
+    SMALL_PRODUCT), the same bits. `pages` (bf16 only): (block ids, length), the ids a list as mla_absorbed
+    takes them: latent is then a page pool's view [num_blocks, block rows, kvr] whose rows are read in place
+    (no gathered copy of the cache)."""
     mod = _fused_mod(q, latent, w_kv_b) if q.dim() == 3 and selection.dtype == torch.int64 else None
     if mod is None:
         return None

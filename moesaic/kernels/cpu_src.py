@@ -2473,20 +2473,18 @@ std::vector<torch::Tensor> route(torch::Tensor logits, int64_t score, int64_t to
 // With `blocks`, latent is a page pool's view [num_blocks, block rows, kvr] read in place: row t of the
 // sequence is row t % block rows of block blocks[t / block rows], rows 0..length - 1 (no gathered copy).
 torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Tensor w_kv_b, int64_t dv, double scale,
-                                torch::Tensor selection, int64_t threads, std::optional<torch::Tensor> blocks,
-                                int64_t length) {
+                                torch::Tensor selection, int64_t threads,
+                                std::optional<std::vector<int64_t>> blocks, int64_t length) {
     const bool paged = blocks.has_value();
     TORCH_CHECK(latent.dim() == (paged ? 3 : 2) && latent.stride(-1) == 1, "dsa_gathered: latent's layout");
     const int64_t n = q.size(0), H = q.size(1), dn = q.size(2), kvr = latent.size(-1), W = selection.size(1);
     const int64_t ls = latent.stride(-2), wr = dn + dv, B = paged ? latent.size(1) : 1;
     const int64_t bs = paged ? latent.stride(0) : 0;
-    auto bl = paged ? blocks->to(torch::kInt64).contiguous() : torch::Tensor();
-    const int64_t* bp = paged ? bl.data_ptr<int64_t>() : nullptr;
+    const int64_t* bp = paged ? blocks->data() : nullptr;
     const int64_t T = paged ? length : latent.size(0);
     if (paged) {
-        TORCH_CHECK(bl.dim() == 1 && bl.size(0) * B >= T, "dsa_gathered: blocks for every row");
-        for (int64_t b = 0; b < bl.size(0); ++b)
-            TORCH_CHECK(bp[b] >= 0 && bp[b] < latent.size(0), "dsa_gathered: a block id past the pool");
+        TORCH_CHECK((int64_t)blocks->size() * B >= T, "dsa_gathered: blocks for every row");
+        for (int64_t b : *blocks) TORCH_CHECK(b >= 0 && b < latent.size(0), "dsa_gathered: a block id past the pool");
     }
     auto qf = q.to(torch::kFloat32).contiguous();
     auto sel = selection.contiguous();

@@ -242,9 +242,8 @@ def sparse_mla_attend_held(q: Tensor, held, w_kv_b: Tensor, v_head_dim: int, sca
     T, dv = held.length, v_head_dim
     if hasattr(held, "pages") and not kernels("mla", q) and gathered_is_cheaper(q, T, w_kv_b, dv, selection):
         views, ids = held.pages()
-        blocks = torch.tensor(ids, dtype=torch.long)
         fused = cpu.dsa_gathered(
-            q, views["latent"], w_kv_b, dv, scale, selection, 0, SMALL_PRODUCT, pages=(blocks, T)
+            q, views["latent"], w_kv_b, dv, scale, selection, 0, SMALL_PRODUCT, pages=(ids, T)
         )
         if fused is not None:
             return fused
