@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import peak_cpu_bytes
+from test_expert_streaming import moe_layers
 from test_quant_models import MISTRAL, logits, release_tensors, write
 from torch.profiler import ProfilerActivity, profile
 
@@ -157,22 +158,6 @@ def test_mhc_sinkhorn_kernel_keeps_the_torch_bits(n, iters, eps):
     assert all(calls) == (n <= 4 and cpu.load() is not None) and (any(calls) or n > 4 or cpu.load() is None)
 
 
-def _moe_weights(obj, seen=None):
-    """Every MoeWeights reachable from obj's attributes (layers, their mixers / MLPs, MTP heads)."""
-    from moesaic.layers.moe import MoeWeights
-
-    seen = set() if seen is None else seen
-    if id(obj) in seen or isinstance(obj, (torch.Tensor, str, int, float, bool)) or obj is None:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, MoeWeights):
-        return [obj]
-    items = obj if isinstance(obj, (list, tuple)) else list(obj.values()) if isinstance(obj, dict) else None
-    if items is None:
-        items = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
-    return [w for x in items for w in _moe_weights(x, seen)]
-
-
 @pytest.mark.parametrize("name", ["demo-glm5-code", "demo-nemotron-h", "demo-kimi-linear", "demo-kimi-k3"])
 def test_a_router_that_takes_fp32_logits_is_converted_once(name):
     """GLM-5.3, Nemotron-H, Kimi Linear and K3 take their router logits in fp32. A router held in bf16 (the
@@ -185,7 +170,7 @@ def test_a_router_that_takes_fp32_logits_is_converted_once(name):
     sp = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm = moesaic.LLM(name, dtype="bfloat16")
     got = [o.token_ids for o in llm.generate(ps, sp)]
-    found = _moe_weights(llm.model.layers)  # the decoder's (a draft head's MoE runs only when drafting)
+    found = moe_layers(llm.model)  # the decoder's (a draft head's MoE runs only when drafting)
     assert found and all(w.router_f32 is not None and w.router_f32.dtype == torch.float32 for w in found)
     assert all(torch.equal(w.router_f32, w.router.float()) for w in found)
     kept = [w.router_f32 for w in found]
