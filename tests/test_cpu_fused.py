@@ -35,12 +35,12 @@ def kernels():
     return cpu
 
 
-def torch_path(f, *args):
+def torch_path(f, *args, **kw):
     """f run as the plain torch code (the reference)."""
     old = os.environ.get("MOESAIC_CPU_KERNELS")
     os.environ["MOESAIC_CPU_KERNELS"] = "0"
     try:
-        return f(*args)
+        return f(*args, **kw)
     finally:
         if old is None:
             del os.environ["MOESAIC_CPU_KERNELS"]
@@ -63,9 +63,9 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_ops(f, *args) -> int:
+def count_ops(f, *args, **kw) -> int:
     with Ops() as m:
-        f(*args)
+        f(*args, **kw)
     return m.n
 
 
@@ -156,6 +156,14 @@ def test_fused_rope_keeps_the_torch_bits(kernels, xd):
         for f in ROPES:
             same(f(q[..., 64:], c, s), torch_path(f, q[..., 64:], c, s))
             same(f(q[:, 0, 64:], c, s), torch_path(f, q[:, 0, 64:], c, s))
+        # V4's whole heads: the first `keep` channels copied, the rest rotated in place, one call
+        for x in (q, q[:, 0], q[:, 1:7:2], q.float()):
+            for keep in (64, 94, 30):
+                h = (x.shape[-1] - keep) // 2
+                cc, ss = torch.randn(5, h, generator=g).cos(), torch.randn(5, h, generator=g).sin()
+                want = torch.cat([x[..., :keep], torch_path(rope.rope_pairs, x[..., keep:], cc, ss)], dim=-1)
+                same(rope.rope_pairs(x, cc, ss, keep=keep), want)
+                same(torch_path(rope.rope_pairs, x, cc, ss, keep=keep), want)
 
 
 def test_the_fused_paths_are_taken(kernels):
@@ -171,6 +179,8 @@ def test_the_fused_paths_are_taken(kernels):
         for f in ROPES:
             assert count_ops(f, q, c, s) <= 2
             assert torch_path(count_ops, f, q, c, s) >= 8
+        c = s = torch.randn(2, 16)
+        assert count_ops(rope.rope_pairs, q, c, s, keep=32) <= 2  # V4's [nope | rope] heads: no cat
 
 
 def test_autograd_keeps_the_torch_code(kernels):

@@ -445,17 +445,18 @@ def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
     return y if x.dim() == 2 else y.view(x.shape)
 
 
-def rope(x, cos, sin, layout: int):
+def rope(x, cos, sin, layout: int, keep: int = 0):
     """layers/rope.py's rotations in one call (layout 0 rope_interleaved, 1 rope_half, 2 rope_pairs): x [n,
-    ..., dim] (last dim contiguous), cos/sin [n, dim/2] rounded to x's dtype first, the same roundings as
-    the torch code; None where it does not apply."""
+    ..., keep + dim] (last dim contiguous), cos/sin [n, dim/2] rounded to x's dtype first, the same roundings
+    as the torch code; the first `keep` channels of each row copied as they are. None where it does not
+    apply."""
     if not (
         x.dim() >= 2
         and x.stride(-1) == 1
         and cos.dim() == 2
         and cos.shape == sin.shape
         and cos.shape[0] == x.shape[0]
-        and 2 * cos.shape[1] == x.shape[-1]
+        and 2 * cos.shape[1] + keep == x.shape[-1]
     ):
         return None
     mod = _fused_mod(x, cos, sin)
@@ -463,7 +464,7 @@ def rope(x, cos, sin, layout: int):
         return None
     x3 = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
     threads = _fused_threads(x.numel())
-    y = mod.rope(x3, cos.contiguous(), sin.contiguous(), layout, threads)
+    y = mod.rope(x3, cos.contiguous(), sin.contiguous(), layout, threads, keep)
     return y if x.dim() == 3 else y.view(x.shape)
 
 

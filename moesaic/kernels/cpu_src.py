@@ -1508,14 +1508,17 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t p
 // dtype first), into a new contiguous tensor. layout 0: pairs (x[2i], x[2i+1]) out as [evens | odds]
 // (rope_interleaved); 1: pairs (x[i], x[i + dim/2]) (rope_half); both compute a*c - b*s and b*c + a*s in
 // x's dtype, every product and sum rounded to it. 2: pairs (x[2i], x[2i+1]) kept in place, in fp32, one
-// rounding at the end (rope_pairs).
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t layout, int64_t nthreads) {
-    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope: x [n, M, dim], dim even");
-    const int64_t n = x.size(0), M = x.size(1), dim = x.size(2), h = dim / 2;
+// rounding at the end (rope_pairs). `keep` > 0: x's rows are [keep channels | dim rotated ones], the first
+// `keep` copied to the output as they are (V4's [nope | rope] heads in one call, without a concatenation).
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t layout, int64_t nthreads,
+                   int64_t keep) {
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && keep >= 0 && x.size(2) > keep && (x.size(2) - keep) % 2 == 0,
+                "rope: x [n, M, keep + dim], dim even");
+    const int64_t n = x.size(0), M = x.size(1), width = x.size(2), dim = width - keep, h = dim / 2;
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == n &&
                 cos.size(1) == h && sin.sizes() == cos.sizes(), "rope: cos/sin [n, dim/2] contiguous");
     const int t = ty_of(x), tc = ty_of(cos), ts = ty_of(sin);
-    auto out = torch::empty({n, M, dim}, x.options());
+    auto out = torch::empty({n, M, width}, x.options());
     const char* xp = reinterpret_cast<const char*>(x.data_ptr());
     char* op = reinterpret_cast<char*>(out.data_ptr());
     const int64_t xe = x.element_size(), s0 = x.stride(0), s1 = x.stride(1);
@@ -1534,7 +1537,14 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
                 round_row(t, s.data(), h);
                 last = p;
             }
-            load_row(t, xp + (p * s0 + m * s1) * xe, xv.data(), dim);
+            const char* src = xp + (p * s0 + m * s1) * xe;
+            char* dst = op + i * width * xe;
+            if (keep) {
+                std::memcpy(dst, src, keep * xe);
+                src += keep * xe;
+                dst += keep * xe;
+            }
+            load_row(t, src, xv.data(), dim);
             for (int64_t j = 0; j < h; ++j) {  // the pair (a, b)
                 a[j] = xv[layout == 1 ? j : 2 * j];
                 b[j] = xv[layout == 1 ? j + h : 2 * j + 1];
@@ -1552,7 +1562,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
                     xv[2 * j] = y0[j] + (-bs[j]);
                     xv[2 * j + 1] = y1[j] + as[j];
                 }
-                store_row(t, xv.data(), op + i * dim * xe, dim);
+                store_row(t, xv.data(), dst, dim);
                 continue;
             }
             round_row(t, y.data(), dim);  // every product in x's dtype, then the sums
@@ -1562,7 +1572,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
                 y0[j] = y0[j] - bs[j];
                 y1[j] = y1[j] + as[j];
             }
-            store_row(t, y.data(), op + i * dim * xe, dim);
+            store_row(t, y.data(), dst, dim);
         }
     };
     const int64_t N = n * M;

@@ -88,8 +88,7 @@ class RopeTail:
 
     def __call__(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
         """x [n, ..., D] at positions [n]; `inverse` rotates by −angle."""
-        d = self.dim
-        return torch.cat([x[..., :-d], rope_pairs(x[..., -d:], *self.angles(positions, inverse))], dim=-1)
+        return rope_pairs(x, *self.angles(positions, inverse), keep=x.shape[-1] - self.dim)
 
 
 def grouped_out(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:

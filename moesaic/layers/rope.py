@@ -108,14 +108,17 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep: int = 0) -> torch.Tensor:
     """Rotates pairs (x[2i], x[2i+1]) by the pair's angle and keeps them in place (DeepSeek-V4's
     layout; `rope_interleaved` writes [evens | odds] instead). Computed in fp32 with cos/sin rounded
-    to x's dtype first (as transformers does), returned in x's dtype. x: [n, ..., dim]; cos/sin:
-    [n, dim/2]. Pass -sin for the inverse rotation."""
-    y = cpu.rope(x, cos, sin, 2)
+    to x's dtype first (as transformers does), returned in x's dtype. x: [n, ..., keep + dim]; cos/sin:
+    [n, dim/2]; the first `keep` channels are returned unrotated (V4's [nope | rope] heads). Pass -sin for
+    the inverse rotation."""
+    y = cpu.rope(x, cos, sin, 2, keep)
     if y is not None:
         return y
+    if keep:
+        return torch.cat([x[..., :keep], rope_pairs(x[..., keep:], cos, sin)], dim=-1)
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1] * 2,)
     c = cos.to(x.dtype).float().repeat_interleave(2, dim=-1).view(shape)
     s = sin.to(x.dtype).float().repeat_interleave(2, dim=-1).view(shape)
