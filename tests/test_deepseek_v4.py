@@ -476,6 +476,10 @@ def test_visible_entries_are_what_the_indexer_keeps_within_topk(ratio):
         got = visible_entries(positions, E, ratio)
         assert got.shape == want.shape == (len(positions), E)
         assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in want]
+        # a decode row, its sequence's newest token with E entries closed: the fast path, the same tensor
+        for p in (p for p in range(E * ratio + ratio) if (p + 1) // ratio == E):
+            one = torch.tensor([p])
+            assert torch.equal(visible_entries(one, E, ratio, newest=True), visible_entries(one, E, ratio))
     E = topk + 1
     want = indexer_select(
         torch.randn(1, 2, 8, generator=g),

@@ -812,7 +812,7 @@ class Model:
             if idx is not None:
                 keys = compressor_update(st.indexer, ikv[r], igate[r], idx, eps, rope)[0]
                 if keys.shape[0] <= c.index_topk:  # every entry fits in the top-k: each visible one is kept
-                    sel = visible_entries(pos[r], keys.shape[0], c.csa_ratio)
+                    sel = visible_entries(pos[r], keys.shape[0], c.csa_ratio, newest=True)
                 else:
                     if queries is None:
                         queries = index_query(w.index, qr, x, c, rope, pos)
