@@ -190,3 +190,73 @@ def test_a_router_that_takes_fp32_logits_is_converted_once(name):
     finally:
         moe.route = real
     assert got == want
+
+
+def test_stacked_products_keep_each_products_bits():
+    """layers/linear RowStack: weights of one input stacked by rows give, at decode sizes (the kernels), the
+    bits of their separate products at every row count (each output row of the kernels is its own sum),
+    dense bf16 and fp8 blocks alike; where the kernels do not take x (more rows), `products` runs them one by
+    one."""
+    from moesaic.kernels import cpu
+    from moesaic.layers.linear import products, replacement, stack_rows
+    from moesaic.weights.quant import QuantizedTensor, from_suffix_dict, quantize_fp8_block
+
+    def quantize(w, fmt, block):
+        return from_suffix_dict(quantize_fp8_block(w, block), format=fmt)
+
+    g = torch.Generator().manual_seed(3)
+    dense = [torch.randn(n, 256, generator=g).to(torch.bfloat16) for n in (37, 1, 128, 6)]
+    fp8 = [quantize(torch.randn(n, 256, generator=g), "fp8_block", block=(128, 128)) for n in (256, 128)]
+    odd = quantize(torch.randn(32, 256, generator=g), "fp8_block", block=(128, 128))  # a partial block
+    stacks = stack_rows([dense[0], None, fp8[0], odd, *dense[1:], fp8[1]])
+    assert [s.sizes for s in stacks] == [(37, 1, 128, 6), (256, 128)]
+    swap = replacement(stacks)
+    assert id(odd) not in swap and len(swap) == 6
+    for w in dense:
+        p = swap[id(w)]
+        assert (
+            torch.equal(p, w)
+            and p.untyped_storage().data_ptr() == stacks[0].weight.untyped_storage().data_ptr()
+        )
+    for w in fp8:
+        p = swap[id(w)]
+        assert isinstance(p, QuantizedTensor) and torch.equal(
+            p.codes.view(torch.uint8), w.codes.view(torch.uint8)
+        )
+        assert torch.equal(p.scale, w.scale)
+    with torch.inference_mode():
+        for m in (1, 2, 3, 5, 8, 16, 40):
+            x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+            lin = products(x, stacks)
+            for w in [*dense, *fp8, odd]:
+                p = swap.get(id(w), w)
+                assert torch.equal(lin(p), linear(x, w)), (m, tuple(w.shape))
+            assert (stacks[0].products(x) is not None) == (m <= cpu.dense_rows() and cpu.available())
+    assert stack_rows([dense[0]]) == ()  # nothing to stack
+    assert stack_rows([dense[0], dense[1].float()]) == ()  # fp32 keeps its own calls
+    assert stack_rows([dense[0], torch.randn(3, 100).to(torch.bfloat16)]) == ()  # another width
+
+
+@pytest.mark.parametrize("name", ["demo-deepseek-v4", "demo-deepseek-v41"])
+def test_stacked_attention_inputs_give_the_same_tokens(name, monkeypatch):
+    """DeepSeek-V4 / V4.1 take q_a, kv and the compressors' projections of the layer input from stacked
+    products at decode sizes: the same tokens as the separate products (bf16, where the kernels run)."""
+    from moesaic.layers import linear as lin_mod
+    from moesaic.models import deepseek_v4, deepseek_v41
+
+    ps = ["def main(", "import os\n"]
+    sp = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = moesaic.LLM(name, dtype="bfloat16")
+    assert any(L.attn.x_stacks for L in llm.model.layers)
+    served = []
+    real = lin_mod.RowStack.products
+    monkeypatch.setattr(
+        lin_mod.RowStack, "products", lambda self, x: served.append(x.shape[0]) or real(self, x)
+    )
+    got = [o.token_ids for o in llm.generate(ps, sp)]
+    assert served and min(served) <= 2  # the decode rows took the stacks
+    apart = lambda x, stacks: lin_mod.products(x, ())  # noqa: E731
+    monkeypatch.setattr(deepseek_v4, "products", apart)
+    monkeypatch.setattr(deepseek_v41, "products", apart)
+    want = [o.token_ids for o in llm.generate(ps, sp)]
+    assert got == want

@@ -363,6 +363,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return F.linear(x, w, bias)
 
 
+def serves_dense(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `linear(x, w)` runs the bf16 kernel (its first branch): each output row of that kernel is its
+    own sum, the same bits whatever weight rows share the call (layers/linear.py RowStack relies on it)."""
+    if not (type(w) is torch.Tensor and w.dtype == torch.bfloat16 and x.dtype == w.dtype and x.dim() == 2):
+        return False
+    return enabled() and _module() is not None and _fits(x, w, _amx_rows(amx_enabled()))
+
+
 def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:
     """mHC's Sinkhorn rounds in place on c [..., n, n] (fp32, contiguous, on the CPU), bit for bit the
     torch loop of layers/mhc.py; False (c untouched) where the kernel does not apply. Up to n = 4 streams

@@ -131,10 +131,12 @@ class CompressorWeights:
     norm: Tensor  # [width] RMSNorm gain of the pooled entry
 
 
-def compressor_inputs(x: Tensor, w: CompressorWeights) -> tuple[Tensor, Tensor]:
-    """(kv, gate) [N, proj_width] projections of the packed layer input that `compressor_update` takes."""
-    kv = linear(x, w.wkv)
-    return kv, torch.zeros_like(kv) if w.wgate is None else linear(x, w.wgate)
+def compressor_inputs(x: Tensor, w: CompressorWeights, lin=None) -> tuple[Tensor, Tensor]:
+    """(kv, gate) [N, proj_width] projections of the packed layer input that `compressor_update` takes
+    (`lin`: linear(x, ·) as layers/linear.products gives it, else linear)."""
+    lin = lin or (lambda v: linear(x, v))
+    kv = lin(w.wkv)
+    return kv, torch.zeros_like(kv) if w.wgate is None else lin(w.wgate)
 
 
 class CompressorState:

@@ -1,6 +1,8 @@
 """Matrix products against weights that may be dense tensors or packed quantized tensors (or a tensor-parallel
 rank's piece of one: moesaic/parallel/comm.py), and embedding lookups."""
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -51,3 +53,76 @@ def embedding(ids: torch.Tensor, w) -> torch.Tensor:
     """Rows `ids` of an embedding table: a dense [vocab, d] tensor, or a table split over ranks (its
     own `lookup`)."""
     return F.embedding(ids, w) if isinstance(w, torch.Tensor) else w.lookup(ids)
+
+
+@dataclass(frozen=True)
+class RowStack:
+    """Weights that multiply the same input, their rows stacked into one weight at load (`stack_rows`; the
+    layer keeps each weight as a view of its rows, so no memory is added): at decode sizes one kernel call
+    serves them all. Inside a decode step each small product costs ~15-30 us of call on top of its bytes,
+    most of it the call's code and data read back after the step's weight streams (docs/perf.md)."""
+
+    weight: object  # a dense [sum(sizes), K] tensor or a packed weight (QuantizedTensor.stack_rows)
+    sizes: tuple
+    parts: tuple  # the weights as views of weight's rows: the layer holds these objects
+    of: tuple  # id() of the weights each part replaces
+
+    def products(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """[x @ w_i.T for each part] in one call, column views of one output, where the compiled kernels take
+        x (each of their output rows is its own sum: the bits of the separate products); else None (the
+        caller runs them one by one)."""
+        w = self.weight
+        if type(w) is torch.Tensor:
+            y = cpu.linear(x, w) if cpu.serves_dense(x, w) else None
+        else:
+            y = w.kernel_matmul(x)
+        return None if y is None else list(y.split(self.sizes, dim=-1))
+
+
+def stack_rows(ws: list) -> tuple[RowStack, ...]:
+    """The weights of one input (None entries skipped) in RowStacks of two or more: the dense 2-D bf16 ones of
+    one width and device in one, packed ones of one `stack_key` (QuantizedTensor's: one format and scale
+    layout) in another. The rest (fp32, tensor-parallel pieces, a packed weight alone of its key) keep their
+    own calls. Replace each weight by its part (`replacement`)."""
+    groups: dict = {}
+    for w in ws:
+        if w is None:
+            continue
+        if type(w) is torch.Tensor:
+            key = ("dense", w.shape[1], str(w.device)) if w.dim() == 2 and w.dtype == torch.bfloat16 else None
+        else:
+            key = getattr(w, "stack_key", None)
+            key = None if key is None else (type(w), key)
+        if key is not None:
+            groups.setdefault(key, []).append(w)
+    out = []
+    for key, group in groups.items():
+        if len(group) < 2:
+            continue
+        sizes = tuple(w.shape[0] for w in group)
+        if key[0] == "dense":
+            weight = torch.cat(group)
+            parts = tuple(weight.split(sizes))
+        else:
+            weight, parts = type(group[0]).stack_rows(group)
+        out.append(RowStack(weight, sizes, tuple(parts), tuple(map(id, group))))
+    return tuple(out)
+
+
+def replacement(stacks: tuple) -> dict:
+    """id() of each stacked weight -> the part that replaces it."""
+    return {i: p for s in stacks for i, p in zip(s.of, s.parts)}
+
+
+def products(x: torch.Tensor, stacks: tuple):
+    """`linear(x, w)` for the weights of one input as a function of w: the parts of `stacks` come from one
+    call each where the kernels take x (RowStack.products), any other weight (or every one, where they do
+    not) from its own."""
+    got = {}
+    for stack in stacks:
+        ys = stack.products(x)
+        if ys is not None:
+            got.update({id(p): y for p, y in zip(stack.parts, ys)})
+    if not got:
+        return lambda w: linear(x, w)
+    return lambda w: got[id(w)] if id(w) in got else linear(x, w)

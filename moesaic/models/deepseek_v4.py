@@ -100,7 +100,7 @@ from ..layers.csa import (
     sink_attention,
     visible_entries,
 )
-from ..layers.linear import embedding, linear
+from ..layers.linear import embedding, linear, products, replacement, stack_rows
 from ..layers.moe import MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
 from ..layers.norms import head_rms, rms_norm_cast_once
 from ..layers.rope import RopeConfig, cos_sin_attention_factor, inv_freq
@@ -579,6 +579,31 @@ class Attention:
     compressor: CompressorWeights | None = None
     index_compressor: CompressorWeights | None = None
     index: IndexQuery | None = None
+    # q_a, kv and the compressors' kv / gate (all of the layer input), stacked: one product each at decode sizes
+    x_stacks: tuple = ()
+
+
+def stack_inputs(a: Attention) -> Attention:
+    """`a` with its products of the layer input stacked (layers/linear.stack_rows: the dense bf16 ones in one,
+    the packed ones that share a scale layout in another): its fields become views of the stacks' rows."""
+    comps = [a.compressor, a.index_compressor]
+    stacks = stack_rows([a.q_a, a.kv] + [w for c in comps if c is not None for w in (c.wkv, c.wgate)])
+    if not stacks:
+        return a
+    swap = replacement(stacks)
+    v = lambda w: swap.get(id(w), w)  # noqa: E731
+
+    def comp(c):
+        return None if c is None else dataclasses.replace(c, wkv=v(c.wkv), wgate=v(c.wgate))
+
+    return dataclasses.replace(
+        a,
+        q_a=v(a.q_a),
+        kv=v(a.kv),
+        compressor=comp(a.compressor),
+        index_compressor=comp(a.index_compressor),
+        x_stacks=stacks,
+    )
 
 
 @dataclass
@@ -627,24 +652,26 @@ def bind_attention(
 ) -> Attention:
     """The attention under `t`'s prefix (`…self_attn.`): its compressor (comp), the indexer's
     compressor (index_comp) and the indexer's query side (query) where the layer has them."""
-    return Attention(
-        q_a=t("q_a_proj.weight"),
-        q_a_norm=t("q_a_norm.weight"),
-        q_b=t("q_b_proj.weight"),
-        kv=t("kv_proj.weight"),
-        kv_norm=t("kv_norm.weight"),
-        o_a=t("o_a_proj.weight"),
-        o_b=t("o_b_proj.weight"),
-        sinks=t("sinks"),
-        compressor=None if comp is None else bind_compressor(t.under("compressor."), comp, device),
-        index_compressor=None
-        if index_comp is None
-        else bind_compressor(t.under("compressor.indexer."), index_comp, device),
-        index=IndexQuery(
-            t("compressor.indexer.q_b_proj.weight"), t("compressor.indexer.scorer.weights_proj.weight")
+    return stack_inputs(
+        Attention(
+            q_a=t("q_a_proj.weight"),
+            q_a_norm=t("q_a_norm.weight"),
+            q_b=t("q_b_proj.weight"),
+            kv=t("kv_proj.weight"),
+            kv_norm=t("kv_norm.weight"),
+            o_a=t("o_a_proj.weight"),
+            o_b=t("o_b_proj.weight"),
+            sinks=t("sinks"),
+            compressor=None if comp is None else bind_compressor(t.under("compressor."), comp, device),
+            index_compressor=None
+            if index_comp is None
+            else bind_compressor(t.under("compressor.indexer."), index_comp, device),
+            index=IndexQuery(
+                t("compressor.indexer.q_b_proj.weight"), t("compressor.indexer.scorer.weights_proj.weight")
+            )
+            if query
+            else None,
         )
-        if query
-        else None,
     )
 
 
@@ -697,20 +724,23 @@ def bind_mtp(t: Tensors, cfg: DeepseekV4Config, device) -> MtpBlock:
 
 
 def attention_inputs(
-    w: Attention, x: Tensor, cfg, rope: RopeTail, positions: Tensor, q_head_norm: bool = True
+    w: Attention, x: Tensor, cfg, rope: RopeTail, positions: Tensor, q_head_norm: bool = True, lin=None
 ):
     """(qr, q [N, H, D] roped, kv [N, D] roped) of the packed layer input: qr = RMSNorm(x Wq_a),
-    q = rope(headRMS(qr Wq_b)) (V4.1: no head RMS), kv = rope(RMSNorm(x Wkv))."""
+    q = rope(headRMS(qr Wq_b)) (V4.1: no head RMS), kv = rope(RMSNorm(x Wkv)). `lin`: linear(x, ·) as
+    layers/linear.products gives it (the stacked products), else linear."""
     eps, N = cfg.rms_norm_eps, x.shape[0]
-    qr = rms_norm_cast_once(linear(x, w.q_a), w.q_a_norm, eps)
+    lin = lin or (lambda v: linear(x, v))
+    qr = rms_norm_cast_once(lin(w.q_a), w.q_a_norm, eps)
     q = linear(qr, w.q_b).view(N, cfg.num_attention_heads, cfg.head_dim)
     q = rope(head_rms(q, eps) if q_head_norm else q, positions)
-    return qr, q, attention_kv(w, x, cfg, rope, positions)
+    return qr, q, attention_kv(w, x, cfg, rope, positions, lin)
 
 
-def attention_kv(w: Attention, x: Tensor, cfg, rope: RopeTail, positions: Tensor) -> Tensor:
+def attention_kv(w: Attention, x: Tensor, cfg, rope: RopeTail, positions: Tensor, lin=None) -> Tensor:
     """kv [N, D] = rope(RMSNorm(x Wkv)), the one key (= value) row of each input row."""
-    return rope(rms_norm_cast_once(linear(x, w.kv), w.kv_norm, cfg.rms_norm_eps), positions)
+    kv = lin(w.kv) if lin else linear(x, w.kv)
+    return rope(rms_norm_cast_once(kv, w.kv_norm, cfg.rms_norm_eps), positions)
 
 
 def index_query(w: IndexQuery, qr: Tensor, x: Tensor, cfg, rope: RopeTail, positions: Tensor):
@@ -793,12 +823,13 @@ class Model:
         c = self.cfg
         kind, eps = kind or c.layer_types[L], c.rms_norm_eps
         rope, pos = self.rope[kind], batch.positions
-        qr, q, kv = attention_inputs(w, x, c, rope, pos)
+        lin = products(x, w.x_stacks)
+        qr, q, kv = attention_inputs(w, x, c, rope, pos, lin=lin)
         comp, idx = w.compressor, w.index_compressor
         if comp is not None:
-            ckv, cgate = compressor_inputs(x, comp)
+            ckv, cgate = compressor_inputs(x, comp, lin)
         if idx is not None:
-            ikv, igate = compressor_inputs(x, idx)
+            ikv, igate = compressor_inputs(x, idx, lin)
             queries = None  # the indexer's queries, computed for the first sequence that needs scores
         out = torch.empty_like(q)
         for s in batch.seqs:

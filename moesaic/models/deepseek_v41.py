@@ -133,7 +133,7 @@ from ..layers.engram import (
     build_token_map,
     engram_forward,
 )
-from ..layers.linear import embedding, linear
+from ..layers.linear import embedding, linear, products
 from ..layers.moe import moe
 from ..layers.norms import rms_norm_cast_once
 from ..layers.rope import inv_freq
@@ -816,12 +816,13 @@ class Model:
         c, a = self.cfg, w.attn
         eps, r = c.rms_norm_eps, c.compress_ratios[L]
         rope, pos = self.rope[L], batch.positions
-        qr, q, kv = attention_inputs(a, x, c, rope, pos, c.q_head_norm)
+        lin = products(x, a.x_stacks)
+        qr, q, kv = attention_inputs(a, x, c, rope, pos, c.q_head_norm, lin)
         src, isrc = c.kv_from[L], c.index_from[L]
         if a.compressor is not None:  # a KV source
-            ckv, cgate = compressor_inputs(x, a.compressor)
+            ckv, cgate = compressor_inputs(x, a.compressor, lin)
         if a.index_compressor is not None:  # V4's CSA kind: the index keys' own compressor
-            ikv, igate = compressor_inputs(x, a.index_compressor)
+            ikv, igate = compressor_inputs(x, a.index_compressor, lin)
         if a.index is not None:  # an index source
             qi, wts = index_query(a.index, qr, x, c, self.rope_compress, pos)
         out = torch.empty_like(q)

@@ -572,6 +572,51 @@ class QuantizedTensor:
                 self._matmul_2d(x[start:end], out[start:end], e)
             start = end
 
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W.T for one matrix and a 2-D x through the compiled CPU kernels (what `matmul` runs first), or
+        None where they do not take x (then `matmul` dequantizes)."""
+        if self.ndim != 2 or x.dim() != 2 or x.shape[-1] != self.shape[-1] or kernels("quant", x):
+            return None
+        return self._kernel(x)
+
+    @property
+    def stack_key(self) -> tuple | None:
+        """Weights with one key can be stacked by rows (`stack_rows`): one format, width, block, scale and
+        code dtype and device; None for one that cannot: a stack of matrices, a global scale (one per
+        matrix: fp8_tensor, nvfp4's), fp8 blocks whose rows do not fill whole blocks."""
+        if self.ndim != 2 or self.global_scale is not None or self.format == "fp8_tensor":
+            return None
+        if self.format == "fp8_block" and (self.shape[0] % self.block[0] or self.scale.ndim != 2):
+            return None
+        blk = None if self.block is None else tuple(self.block)
+        return (self.format, self.shape[1], blk, self.scale.dtype, self.codes.dtype, str(self.device))
+
+    @classmethod
+    def stack_rows(cls, parts: Sequence) -> tuple[QuantizedTensor, list[QuantizedTensor]]:
+        """Weights of one `stack_key` as one [sum N_i, K] weight, codes and scales concatenated by rows
+        (nothing is re-packed), and each part as a view of its rows (layers/linear.py RowStack)."""
+        p0 = parts[0]
+        if p0.stack_key is None or any(p.stack_key != p0.stack_key for p in parts):
+            raise ValueError("stack_rows: weights of one stack_key")
+        codes, scale = torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts])
+        whole = cls(p0.format, codes, scale, block=p0.block, name=" + ".join(p.name for p in parts))
+        views, r, s = [], 0, 0
+        for p in parts:
+            n, ns = p.codes.shape[0], p.scale.shape[0]
+            views.append(
+                cls(
+                    p.format,
+                    codes[r : r + n],
+                    scale[s : s + ns],
+                    block=p.block,
+                    input_scale=p.input_scale,
+                    name=p.name,
+                    tensor_names=p.tensor_names,
+                )
+            )
+            r, s = r + n, s + ns
+        return whole, views
+
     def _kernel(self, x2: torch.Tensor, out=None, matrix: int = 0, offs=None) -> torch.Tensor | None:
         """x2 @ W.T (into `out`, or a new tensor of x2's dtype) through the compiled CPU kernels, for
         matrix `matrix` of the stack or, with offs, the grouped form over the whole stack; None,
