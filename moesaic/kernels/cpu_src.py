@@ -1806,21 +1806,49 @@ std::vector<torch::Tensor> mamba2_recur(torch::Tensor xbc, torch::Tensor dt, tor
                                         int64_t threads) {
     const auto f32 = torch::kFloat32;
     const int64_t n = xbc.size(0), c = xbc.size(1), inner = H * P;
-    auto w = conv_w.reshape({c, -1}).to(f32).t();  // [K, C]
-    auto seq = at::cat({tail.to(f32).t(), xbc.to(f32)}, 0);  // [K-1+n, C]
-    auto out = seq.narrow(0, 0, n).mul(w[0]);  // causal_conv's shifted products, in its order
-    if (conv_b) out.add_(conv_b->to(f32));
-    for (int64_t k = 1; k < w.size(0); ++k) out.add_(seq.narrow(0, k, n).mul(w[k]));
+    const auto w = conv_w.reshape({c, -1}).to(f32).contiguous();  // [C, K]
+    const int64_t K = w.size(1);
+    auto seq = at::cat({tail.to(f32).t(), xbc.to(f32)}, 0);  // [K-1+n, C], contiguous
+    // causal_conv's shifted products, in its order (the product rounded, then added): out = seq[0:n] * w[:, 0]
+    // (+ b), then + seq[k:k+n] * w[:, k] for k = 1.. (one loop for torch's ~2K + 1 small ops)
+    auto out = torch::empty({n, c}, seq.options());
+    {
+        const float *sq = seq.data_ptr<float>(), *wp = w.data_ptr<float>();
+        const auto b32 = conv_b ? conv_b->to(f32).contiguous() : torch::Tensor();
+        const float* bp = conv_b ? b32.data_ptr<float>() : nullptr;
+        float* op = out.data_ptr<float>();
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t ch = 0; ch < c; ++ch) {
+                float acc = sq[t * c + ch] * wp[ch * K];
+                if (bp) acc = acc + bp[ch];
+                for (int64_t k = 1; k < K; ++k) {
+                    const float term = sq[(t + k) * c + ch] * wp[ch * K + k];
+                    acc = acc + term;
+                }
+                op[t * c + ch] = acc;
+            }
+    }
     auto conv = at::silu(out).to(xbc.scalar_type()).to(f32);
     auto parts = conv.split_with_sizes({inner, G * N, G * N}, -1);
     auto xs = parts[0].reshape({n, H, P});
     auto B = parts[1].reshape({n, G, N}).repeat_interleave(H / G, 1);
     auto C = parts[2].reshape({n, G, N}).repeat_interleave(H / G, 1);
     auto A = -at::exp(A_log.to(f32));
-    auto y = torch::empty({n, H, P}, xs.options());
     auto r = ssd_steps(xs, dt, at::exp(dt * A), B, C, ssm.to(f32), keep, threads);
-    y.copy_(r[0]);
-    y = y + D.to(f32).unsqueeze(1) * xs;
+    // y + D xs (the product rounded, then added), in place on ssd_steps' fresh y
+    auto y = r[0];
+    {
+        const auto d32 = D.to(f32).contiguous();
+        const float* dp = d32.data_ptr<float>();
+        const auto xa = xs.accessor<float, 3>();
+        float* yp = y.data_ptr<float>();
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t h = 0; h < H; ++h)
+                for (int64_t i = 0; i < P; ++i) {
+                    const float skip = dp[h] * xa[t][h][i];
+                    yp[(t * H + h) * P + i] = yp[(t * H + h) * P + i] + skip;
+                }
+    }
     return {y.reshape({n, inner}), r[1], r[2], seq};
 }
 #if defined(__GNUC__) && !defined(__clang__)
