@@ -1674,6 +1674,29 @@ std::vector<torch::Tensor> delta_rule(torch::Tensor q, torch::Tensor k, torch::T
     return {o, S, states};
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+// The short causal convs of KDA and Mamba-2 (layers' causal_conv): out [n, C] = x[0:n] * w[:, 0] (+ b), then
+// + x[k:k+n] * w[:, k] for k = 1.., each product rounded and then added, in torch's order; x [K-1+n, C], w
+// [C, K] and b [C] fp32, contiguous. One loop for torch's ~2K + 1 small ops.
+void conv_taps(const float* x, const float* w, const float* b, float* out, int64_t n, int64_t c, int64_t K) {
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t ch = 0; ch < c; ++ch) {
+            float acc = x[t * c + ch] * w[ch * K];
+            if (b) acc = acc + b[ch];
+            for (int64_t k = 1; k < K; ++k) {
+                const float term = x[(t + k) * c + ch] * w[ch * K + k];
+                acc = acc + term;
+            }
+            out[t * c + ch] = acc;
+        }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 // layers/kda.py's kda_recur for rows the token recurrence takes whole (n - snapshot_last <= 1: decode rows,
 // verify blocks): the short conv and SiLU from the tail, q, k and v as the rows' dtype, the l2 norms (q scaled),
 // then delta_rule above (exp(g) by torch), its threads passed for the lone row and the snapshot rows. The same
@@ -1687,9 +1710,9 @@ std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::
     const int64_t n = qkv.size(0), K = conv_w.size(-1), m = n - snapshot_last;
     TORCH_CHECK(n > 0 && m <= 1 && m >= 0, "kda_recur: rows the token recurrence takes whole");
     auto full = at::cat({tail.to(f32), qkv.to(f32)});
-    auto w = conv_w.to(f32);
-    auto y = full.slice(0, 0, n) * w.select(1, 0);
-    for (int64_t j = 1; j < K; ++j) y = y + full.slice(0, j, j + n) * w.select(1, j);
+    const auto w = conv_w.to(f32).reshape({-1, K}).contiguous();  // [C, K]
+    auto y = torch::empty({n, full.size(1)}, full.options());
+    conv_taps(full.data_ptr<float>(), w.data_ptr<float>(), nullptr, y.data_ptr<float>(), n, full.size(1), K);
     auto parts = at::silu(y).to(qkv.scalar_type()).view({n, 3, H, D}).unbind(1);
     auto l2 = [&](const torch::Tensor& x) { return x / at::sqrt((x * x).sum(-1, true) + eps); };
     auto q = (l2(parts[0].to(f32)) * qscale).transpose(0, 1);
@@ -1809,25 +1832,10 @@ std::vector<torch::Tensor> mamba2_recur(torch::Tensor xbc, torch::Tensor dt, tor
     const auto w = conv_w.reshape({c, -1}).to(f32).contiguous();  // [C, K]
     const int64_t K = w.size(1);
     auto seq = at::cat({tail.to(f32).t(), xbc.to(f32)}, 0);  // [K-1+n, C], contiguous
-    // causal_conv's shifted products, in its order (the product rounded, then added): out = seq[0:n] * w[:, 0]
-    // (+ b), then + seq[k:k+n] * w[:, k] for k = 1.. (one loop for torch's ~2K + 1 small ops)
     auto out = torch::empty({n, c}, seq.options());
-    {
-        const float *sq = seq.data_ptr<float>(), *wp = w.data_ptr<float>();
-        const auto b32 = conv_b ? conv_b->to(f32).contiguous() : torch::Tensor();
-        const float* bp = conv_b ? b32.data_ptr<float>() : nullptr;
-        float* op = out.data_ptr<float>();
-        for (int64_t t = 0; t < n; ++t)
-            for (int64_t ch = 0; ch < c; ++ch) {
-                float acc = sq[t * c + ch] * wp[ch * K];
-                if (bp) acc = acc + bp[ch];
-                for (int64_t k = 1; k < K; ++k) {
-                    const float term = sq[(t + k) * c + ch] * wp[ch * K + k];
-                    acc = acc + term;
-                }
-                op[t * c + ch] = acc;
-            }
-    }
+    const auto b32 = conv_b ? conv_b->to(f32).contiguous() : torch::Tensor();
+    conv_taps(seq.data_ptr<float>(), w.data_ptr<float>(), conv_b ? b32.data_ptr<float>() : nullptr,
+              out.data_ptr<float>(), n, c, K);
     auto conv = at::silu(out).to(xbc.scalar_type()).to(f32);
     auto parts = conv.split_with_sizes({inner, G * N, G * N}, -1);
     auto xs = parts[0].reshape({n, H, P});
