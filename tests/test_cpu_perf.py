@@ -224,6 +224,9 @@ def test_stacked_products_keep_each_products_bits():
             p.codes.view(torch.uint8), w.codes.view(torch.uint8)
         )
         assert torch.equal(p.scale, w.scale)
+        whole = stacks[1].weight  # views: no memory added
+        assert p.codes.untyped_storage().data_ptr() == whole.codes.untyped_storage().data_ptr()
+        assert p.scale.untyped_storage().data_ptr() == whole.scale.untyped_storage().data_ptr()
     with torch.inference_mode():
         for m in (1, 2, 3, 5, 8, 16, 40):
             x = torch.randn(m, 256, generator=g).to(torch.bfloat16)

@@ -43,7 +43,7 @@ from torch import Tensor
 from ..cache.state import TailRows, TokenRows, can_rollback
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, matmul
+from .linear import linear, matmul, products
 from .norms import rms_norm_cast_once
 from .rope import cos_sin, rope_pairs
 
@@ -134,7 +134,7 @@ class CompressorWeights:
 def compressor_inputs(x: Tensor, w: CompressorWeights, lin=None) -> tuple[Tensor, Tensor]:
     """(kv, gate) [N, proj_width] projections of the packed layer input that `compressor_update` takes
     (`lin`: linear(x, ·) as layers/linear.products gives it, else linear)."""
-    lin = lin or (lambda v: linear(x, v))
+    lin = lin or products(x, ())
     kv = lin(w.wkv)
     return kv, torch.zeros_like(kv) if w.wgate is None else lin(w.wgate)
 

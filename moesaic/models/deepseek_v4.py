@@ -730,7 +730,7 @@ def attention_inputs(
     q = rope(headRMS(qr Wq_b)) (V4.1: no head RMS), kv = rope(RMSNorm(x Wkv)). `lin`: linear(x, ·) as
     layers/linear.products gives it (the stacked products), else linear."""
     eps, N = cfg.rms_norm_eps, x.shape[0]
-    lin = lin or (lambda v: linear(x, v))
+    lin = lin or products(x, ())
     qr = rms_norm_cast_once(lin(w.q_a), w.q_a_norm, eps)
     q = linear(qr, w.q_b).view(N, cfg.num_attention_heads, cfg.head_dim)
     q = rope(head_rms(q, eps) if q_head_norm else q, positions)
@@ -739,7 +739,7 @@ def attention_inputs(
 
 def attention_kv(w: Attention, x: Tensor, cfg, rope: RopeTail, positions: Tensor, lin=None) -> Tensor:
     """kv [N, D] = rope(RMSNorm(x Wkv)), the one key (= value) row of each input row."""
-    kv = lin(w.kv) if lin else linear(x, w.kv)
+    kv = (lin or products(x, ()))(w.kv)
     return rope(rms_norm_cast_once(kv, w.kv_norm, cfg.rms_norm_eps), positions)
 
 
