@@ -351,24 +351,29 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         b = None if bias is None else bias.to(w.dtype)
         return linear(x.to(w.dtype), w, b).to(x.dtype)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    # dense_rows() and _dense_ok's checks with each environment flag read once: a decode step makes ~100
-    # of these calls, and each read costs ~0.7 us
-    if w.dtype == torch.bfloat16 and enabled() and _module() is not None:
-        amx = amx_enabled()
-        if _fits(x2, w, _amx_rows(amx)):
-            y = _gemm(bf16_operand(w), x2, None, None, bias, None, False, w.nbytes, amx)
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+    amx = _dense_kernel(x2, w)
+    if amx is not None:
+        y = _gemm(bf16_operand(w), x2, None, None, bias, None, False, w.nbytes, amx)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
     if tiles_apply(x2, w):
         return tiled_linear(x, w, bias)
     return F.linear(x, w, bias)
 
 
+def _dense_kernel(x2: torch.Tensor, w: torch.Tensor) -> bool | None:
+    """`linear`'s first branch for x2 [M, K] of w's dtype: MOESAIC_CPU_AMX as read (the `amx` its kernel call
+    takes) where the bf16 kernel serves x2 against w, else None. dense_rows() and _dense_ok's checks with each
+    environment flag read once: a decode step makes ~100 of these calls, and each read costs ~0.7 us."""
+    if not (w.dtype == torch.bfloat16 and enabled() and _module() is not None):
+        return None
+    amx = amx_enabled()
+    return amx if _fits(x2, w, _amx_rows(amx)) else None
+
+
 def serves_dense(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `linear(x, w)` runs the bf16 kernel (its first branch): each output row of that kernel is its
     own sum, the same bits whatever weight rows share the call (layers/linear.py RowStack relies on it)."""
-    if not (type(w) is torch.Tensor and w.dtype == torch.bfloat16 and x.dtype == w.dtype and x.dim() == 2):
-        return False
-    return enabled() and _module() is not None and _fits(x, w, _amx_rows(amx_enabled()))
+    return type(w) is torch.Tensor and x.dtype == w.dtype and x.dim() == 2 and _dense_kernel(x, w) is not None
 
 
 def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:
