@@ -51,7 +51,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import env
+from . import env, memory
 from .cpu_src import CPP
 
 __all__ = [
@@ -868,7 +868,8 @@ def read_bandwidth(
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
     row = 16384  # bytes per row, 4 rows read side by side
     step = max(4 * row, slice_bytes // (4 * row) * 4 * row)
-    buf = torch.ones(max(step, nbytes // step * step), dtype=torch.uint8)
+    # in the memory the weights are loaded into (huge pages where the system lends them: kernels/memory.py)
+    buf = memory.empty((max(step, nbytes // step * step),), torch.uint8).fill_(1)
     slices = [buf[i : i + step] for i in range(0, buf.numel(), step)]
     mod.read_bytes(buf, row, threads)
     best = float("inf")

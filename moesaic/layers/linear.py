@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import cpu
+from ..kernels import cpu, memory
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,7 +101,7 @@ def stack_rows(ws: list) -> tuple[RowStack, ...]:
             continue
         sizes = tuple(w.shape[0] for w in group)
         if key[0] == "dense":
-            weight = torch.cat(group)
+            weight = torch.cat(group, out=memory.empty((sum(sizes), key[1]), group[0].dtype, group[0].device))
             parts = tuple(weight.split(sizes))
         else:
             weight, parts = type(group[0]).stack_rows(group)

@@ -23,6 +23,7 @@ import torch
 
 from ..config import MAX_LAYERS
 from ..errors import CheckpointError, ConfigError
+from ..kernels import memory
 from .dtypes import FLOAT_CODES, INTEGER_CODES, NAMES
 from .precision import MAX_SHOWN, PACKED, PrecisionSchedule, packable
 from .quant import (
@@ -360,7 +361,8 @@ def load_tensors(
             out[name] = experts.add_stack(spec, src, plan, store, target, want, linear_only, device)
             continue
         # Parts that are combined (stacked experts) stay views of the file mapping until the
-        # combine copies them once; a single part is copied here. Either way one copy per tensor.
+        # combine copies them once; a single part is copied here. The copy kept lies in huge pages
+        # where the system lends them (kernels/memory.py: a decode step streams every weight).
         combined = src.combine is not None
         parts = []
         pieces, after = shard_parts(src, spec, rank, world)
@@ -368,7 +370,7 @@ def load_tensors(
             fmt = plan.quantized.get(n)
             t = _read(store, n, shape, fmt, plan, cut)
             if fmt is None:
-                parts.append(t if combined else t.to(device=device, dtype=target, copy=True))
+                parts.append(t if combined else memory.copy_of(t, target, device))
             elif linear_only and (want == "inherit" or want in PACKED):
                 parts.append(t if combined else _own(t, device))
             else:  # small tensor or an explicit float precision: dense at load
@@ -376,12 +378,12 @@ def load_tensors(
         t = parts[0] if not combined else src.combine(parts)
         if after is not None:
             t = after(t)
-        if combined:
-            t = t.to(device=device, dtype=target) if isinstance(t, torch.Tensor) else t.to(device)
+        if combined:  # the new stack into huge pages too (one more copy, at load only, where they apply)
+            t = _resident(t.to(device=device, dtype=target) if isinstance(t, torch.Tensor) else t.to(device))
         if not spec.integer:
             check_finite(t, name, src)
         if want in PACKED and linear_only and isinstance(t, torch.Tensor):
-            t = pack(t, name, want)
+            t = _resident(pack(t, name, want))
         out[name] = t
     return out
 
@@ -631,11 +633,24 @@ def check_finite(t, name: str, src: Source | None = None) -> None:
 
 
 def _own(q: QuantizedTensor, device) -> QuantizedTensor:
-    """The packed codes and scales copied out of the file mapping (the checkpoint may go away)."""
-    cp = lambda t: None if t is None else t.to(device=device, copy=True)  # noqa: E731
+    """The packed codes and scales copied out of the file mapping (the checkpoint may go away); big codes
+    into huge pages (kernels/memory.py)."""
+    cp = lambda t: None if t is None else memory.copy_of(t, device=device)  # noqa: E731
     return q._replace(
         codes=cp(q.codes), scale=cp(q.scale), global_scale=cp(q.global_scale), input_scale=cp(q.input_scale)
     )
+
+
+def _resident(t):
+    """A weight stacked or packed at load (new memory) moved into huge pages where they apply
+    (kernels/memory.py): a dense tensor, or a packed one's codes."""
+    if isinstance(t, torch.Tensor):
+        return memory.resident(t)
+    if isinstance(t, QuantizedTensor):
+        return t._replace(codes=memory.resident(t.codes))
+    if isinstance(t, ConcatRows):
+        return ConcatRows([_resident(p) for p in t.parts])
+    return t
 
 
 _FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128]}

@@ -56,6 +56,7 @@ import torch
 
 from ..cache.paged import free_memory
 from ..errors import CheckpointError, ConfigError
+from ..kernels import memory
 from .dtypes import SAFETENSORS
 from .precision import PACKED
 from .quant import COMPANION_SUFFIXES, ConcatRows, load_quantized
@@ -779,7 +780,12 @@ class ExpertCache:
                 f"stacks) needs a slot of {one} bytes ({one / 2**20:.2f} MiB); give at least that"
             )
         cuda = any(m.device.type == "cuda" for u in self.unit_list for m in u.members)
-        self.arena = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, pin_memory=cuda)
+        size = self.slots * self.slot_bytes
+        # pinned for copies to the GPU; on the CPU in huge pages (kernels/memory.py): the slots are streamed
+        if cuda:
+            self.arena = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            self.arena = memory.empty((size,), torch.uint8)
         self.free = list(range(self.slots - 1, -1, -1))
         self.policy = make_policy(self.policy_name, self.slots)
         self.max_prefetch_pins = self.slots // 2  # demand always finds room

@@ -1,0 +1,91 @@
+"""CPU weight memory in 2 MiB pages (Linux transparent huge pages) where the system lends them.
+
+A decode step reads every active weight once. In 4 KiB pages a 64 MB stream walks 16K page-table
+entries, so the TLB misses all the way through; in 2 MiB pages it takes 32 entries. Measured on the
+AVX2 machine (docs/perf.md, "Weights in huge pages"): one row against 16 bf16 weights of 8 MB each,
+4-5 % faster; whole decode steps 1.5-3 %.
+
+Linux gives huge pages to anonymous memory by its THP mode (/sys/kernel/mm/transparent_hugepage/enabled):
+`always` to every 2 MiB-aligned stretch, `madvise` (the usual default) only to ranges advised
+MADV_HUGEPAGE, `never` to none. torch's allocator (malloc) never advises, and malloc's blocks are not
+2 MiB aligned, so under `madvise` weights get none. `empty` maps its own private anonymous memory
+instead, aligned to 2 MiB, and advises the whole 2 MiB pages of it (the tail past the last whole page
+stays in 4 KiB pages: no memory is added beyond rounding to 4 KiB). The tensor owns the map: it is unmapped
+when the last view of the tensor goes.
+
+Used for what the loader keeps (weights/contract.py), the stacks built from it (layers/linear.py
+`stack_rows`) and the expert cache's slots. Tensors under 2 MiB, other devices, `never`, systems without
+THP and MOESAIC_HUGE_PAGES=0 get torch's own memory."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import torch
+
+from . import env
+
+HUGE = 2 << 20  # bytes in one huge page (x86-64, and arm64 with 4 KiB base pages)
+_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+_state: dict = {}
+
+
+def thp_mode() -> str | None:
+    """The system's THP mode ('always', 'madvise', 'never'), None where there is none (not Linux)."""
+    if "mode" not in _state:
+        mode = None
+        if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                with open(_MODE) as f:
+                    text = f.read()
+                mode = text[text.index("[") + 1 : text.index("]")]  # "always [madvise] never"
+            except (OSError, ValueError):
+                mode = None
+        _state["mode"] = mode
+    return _state["mode"]
+
+
+def enabled() -> bool:
+    """Weights go into huge pages: the system lends them and MOESAIC_HUGE_PAGES is not 0."""
+    return env.flag("MOESAIC_HUGE_PAGES") and thp_mode() in ("always", "madvise")
+
+
+def applies(nbytes: int, device=None) -> bool:
+    """`empty` maps huge-page memory for this many bytes on this device."""
+    return nbytes >= HUGE and (device is None or torch.device(device).type == "cpu") and enabled()
+
+
+def empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """torch.empty(shape, dtype=dtype, device=device), in huge-page memory where `applies`."""
+    shape = tuple(shape)
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    if not applies(nbytes, device):
+        return torch.empty(shape, dtype=dtype, device=device)
+    # map one huge page more than the bytes so that a 2 MiB-aligned start lies inside; the slack before
+    # it and after the bytes is never touched, so it costs address space only
+    held = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(held, dtype=torch.uint8)  # the tensor keeps `held` alive
+    start = -raw.data_ptr() % HUGE
+    whole = nbytes // HUGE * HUGE
+    held.madvise(mmap.MADV_HUGEPAGE, start, whole)
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def copy_of(t: torch.Tensor, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """t.to(device=device, dtype=dtype, copy=True), contiguous, in huge-page memory where `applies`."""
+    dtype = t.dtype if dtype is None else dtype
+    device = t.device if device is None else torch.device(device)
+    if not applies(t.numel() * dtype.itemsize, device):
+        return t.to(device=device, dtype=dtype, copy=True)
+    out = empty(t.shape, dtype, device)
+    out.copy_(t)
+    return out
+
+
+def resident(t: torch.Tensor) -> torch.Tensor:
+    """New memory of the caller's (a stack it just built, codes it just packed) moved into huge pages where
+    `empty` applies (a copy); elsewhere t itself."""
+    return copy_of(t) if applies(t.numel() * t.element_size(), t.device) else t

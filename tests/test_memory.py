@@ -1,0 +1,150 @@
+"""Weights in huge pages (kernels/memory.py): where the memory lies, that it holds the same values, that it is
+unmapped with its last view, and that the loader, the row stacks and the expert cache put weights there."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from test_cpu_perf import ODD, bf16_checkpoint
+
+import moesaic
+from moesaic.kernels import memory
+from moesaic.layers.linear import stack_rows
+from moesaic.models import Checkpoint
+from moesaic.weights.contract import load_tensors
+from moesaic.weights.precision import PrecisionSchedule
+from moesaic.weights.quant import ConcatRows, QuantizedTensor
+
+needs_thp = pytest.mark.skipif(
+    memory.thp_mode() not in ("always", "madvise"), reason="this system lends no transparent huge pages"
+)
+
+
+def mapping(addr: int) -> dict | None:
+    """The /proc/self/smaps entry of the mapping holding addr: its fields, VmFlags as a set; None if unmapped."""
+    entry = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                if entry is not None:
+                    return entry
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                entry = {} if lo <= addr < hi else None
+            elif entry is not None:
+                key, _, value = line.partition(":")
+                entry[key] = set(value.split()) if key == "VmFlags" else value.strip()
+    return entry
+
+
+def advised(t: torch.Tensor) -> bool:
+    return "hg" in mapping(t.data_ptr())["VmFlags"]  # smaps' flag for MADV_HUGEPAGE
+
+
+@needs_thp
+def test_empty_is_aligned_and_advised_up_to_its_last_whole_huge_page():
+    t = memory.empty((1024, 1536), torch.bfloat16)  # 3 MiB: one whole huge page and a half
+    assert t.shape == (1024, 1536) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % memory.HUGE == 0
+    assert advised(t)
+    assert "hg" not in mapping(t.data_ptr() + memory.HUGE)["VmFlags"]  # the tail stays in small pages
+    t.fill_(3)  # the memory is usable to its last byte
+    assert int(t.view(-1)[-1]) == 3 and int(t.view(-1)[0]) == 3
+
+
+def test_small_tensors_other_devices_and_the_switch_get_torchs_memory(monkeypatch):
+    assert not memory.applies(memory.HUGE - 1)
+    assert not memory.applies(memory.HUGE, "meta")
+    small = memory.empty((16, 16), torch.float32)
+    assert mapping(small.data_ptr()) is None or "hg" not in mapping(small.data_ptr())["VmFlags"]
+    monkeypatch.setenv("MOESAIC_HUGE_PAGES", "0")
+    assert not memory.enabled()
+    big = memory.empty((1 << 20,), torch.float32)
+    assert "hg" not in mapping(big.data_ptr())["VmFlags"]
+    assert memory.empty((4, 1 << 20), torch.float32, "meta").device.type == "meta"
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])
+def test_copy_of_holds_the_values_it_was_given(dtype):
+    src = torch.randn(1024, 2048)[:, ::2]  # strided: 4 MiB of fp32 read through a view
+    got = memory.copy_of(src, dtype)
+    want = src.to(dtype or src.dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got, want)
+    assert got.data_ptr() != src.data_ptr()
+    small = torch.arange(10)
+    assert torch.equal(memory.copy_of(small), small) and memory.copy_of(small).data_ptr() != small.data_ptr()
+    assert memory.resident(small) is small  # nothing to move
+
+
+@needs_thp
+def test_the_map_goes_with_the_last_view():
+    t = memory.empty((3 << 20,), torch.uint8)
+    start = t.data_ptr()
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert mapping(start) is not None  # the view still holds it
+    del view
+    gc.collect()
+    assert mapping(start) is None
+
+
+def codes(t) -> list[torch.Tensor]:
+    if isinstance(t, ConcatRows):
+        return [c for p in t.parts for c in codes(p)]
+    return [t.codes] if isinstance(t, QuantizedTensor) else [t]
+
+
+# a vocabulary and expert stacks of a few MiB: the embedding, the head and the stacked experts pass 2 MiB
+BIG = dict(ODD, vocab_size=20000, n_routed_experts=32, moe_intermediate_size=1024)
+
+
+@needs_thp
+@pytest.mark.parametrize("precision", [None, "*=mxfp4"])
+def test_loaded_weights_lie_in_huge_pages(tmp_path, monkeypatch, precision):
+    ckpt = Checkpoint.open(bf16_checkpoint(tmp_path, BIG))
+    schedule = PrecisionSchedule.parse(precision)
+    loaded = load_tensors(ckpt.plan(), ckpt.store, torch.bfloat16, "cpu", schedule)
+    big = {n: c for n, t in loaded.items() for c in codes(t) if c.numel() * c.element_size() >= memory.HUGE}
+    # a single part copied (the embedding) and stacks combined at load (the experts), packed at load or not
+    assert any("embed" in n for n in big) and any("experts" in n for n in big), sorted(big)
+    assert all(c.data_ptr() % memory.HUGE == 0 and advised(c) for c in big.values())
+    monkeypatch.setenv("MOESAIC_HUGE_PAGES", "0")
+    plain = load_tensors(ckpt.plan(), ckpt.store, torch.bfloat16, "cpu", schedule)
+    for n, c in big.items():
+        (p,) = [p for p in codes(plain[n]) if p.shape == c.shape]
+        assert torch.equal(p, c) and not advised(p)
+
+
+@needs_thp
+def test_the_same_tokens_with_and_without_huge_pages(tmp_path, monkeypatch):
+    path = bf16_checkpoint(tmp_path, BIG)
+    sp = moesaic.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    huge = [o.token_ids for o in moesaic.LLM(str(path), dtype="bfloat16").generate(prompts, sp)]
+    monkeypatch.setenv("MOESAIC_HUGE_PAGES", "0")
+    plain = [o.token_ids for o in moesaic.LLM(str(path), dtype="bfloat16").generate(prompts, sp)]
+    assert huge == plain and all(len(t) == 6 for t in huge)
+
+
+@needs_thp
+def test_row_stacks_lie_in_huge_pages():
+    ws = [torch.randn(n, 1024).to(torch.bfloat16) for n in (512, 700, 300)]  # 3 MiB together
+    (stack,) = stack_rows(ws)
+    assert stack.weight.data_ptr() % memory.HUGE == 0 and advised(stack.weight)
+    assert torch.equal(stack.weight, torch.cat(ws))
+    assert all(torch.equal(p, w) for p, w in zip(stack.parts, ws))
+
+
+@needs_thp
+def test_the_expert_caches_slots_lie_in_huge_pages(tmp_path):
+    path = bf16_checkpoint(tmp_path, BIG)
+    sp = moesaic.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm = moesaic.LLM(str(path), dtype="bfloat16", expert_cache="50%")
+    arena = llm.expert_cache.arena
+    assert arena.numel() >= memory.HUGE and arena.data_ptr() % memory.HUGE == 0 and advised(arena)
+    want = moesaic.LLM(str(path), dtype="bfloat16").generate([[3, 4, 5]], sp)[0].token_ids
+    assert llm.generate([[3, 4, 5]], sp)[0].token_ids == want
