@@ -562,6 +562,38 @@ def test_large_m_uses_plain_path(kernel):
     _assert_fp32_close(y, _reference(qt, x))
 
 
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "bf16"])
+@pytest.mark.parametrize("n,k", [(67, 96), (3, 97), (33, 200), (9, 1088), (37, 31), (64, 2049)])
+def test_tile_decode_equals_dequantize_rows(kernel, fmt, n, k):
+    """cpu.operand_rows (the plain tiles' decode) gives QuantizedTensor.dequantize_rows' fp32 values bit for
+    bit, every row range, NaN codes included, 1 and 3 threads, the portable loops too; and a matmul of more rows than the kernels
+    take runs through those tiles to the fp32 reference."""
+    multiple, make = FORMATS[fmt]
+    if k % multiple:
+        pytest.skip("K not a multiple of the group")
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = make(n, k, gen)
+    if w.format.startswith("fp8"):  # NaN codes, one row with one in each 64-value load, one row without
+        codes = w.codes.view(torch.uint8).clone()
+        codes[0, ::64] = 0x7F
+        codes[n - 1, k // 2] = 0xFF
+        w = w._replace(codes=codes.view(torch.float8_e4m3fn))
+    op = w.kernel_operand(0)
+    for r0, r1 in [(0, n), (1, n), (n // 2, n // 2 + 1), (n - 1, n)]:
+        want = w.dequantize_rows(r0, r1, torch.float32)
+        for threads, generic in ((1, False), (3, False), (1, True)):
+            got = cpu.operand_rows(op, r0, torch.full((r1 - r0, k), 7.0), threads=threads, generic=generic)
+            nan = want.isnan()  # (NaN where the reference has NaN; a NaN's payload bits are not compared)
+            assert torch.equal(got.isnan(), nan), (r0, r1, threads)
+            assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)), (r0, r1, threads)
+    x = torch.randn(cpu.MAX_ROWS + 3, k, generator=gen)
+    if not w.format.startswith("fp8"):  # (NaN codes make NaN rows either way)
+        before = cpu.stats["fallback_calls"]
+        got = w.matmul(x)
+        assert cpu.stats["fallback_calls"] == before + 1  # the tiles' path, not the kernels' rows
+        _assert_fp32_close(got, _reference(w, x))
+
+
 def test_env_var_disables_kernel(monkeypatch):
     """MOESAIC_CPU_KERNELS=0: the plain path (no build needed), same results."""
     monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")

@@ -75,6 +75,7 @@ __all__ = [
     "fp8_matmul",
     "fp4_matmul",
     "fp8_block_ok",
+    "operand_rows",
     "rms_norm",
     "rope",
     "mla_absorbed",
@@ -161,6 +162,7 @@ def load(verbose: bool = False):
             cpp_sources=CPP,
             functions=[
                 "gemm",
+                "dequant",
                 "read_bytes",
                 "has_avx2",
                 "has_amx",
@@ -300,6 +302,22 @@ def operand_matmul(
     dtype), plus bias [N]. Raises if the kernels are unavailable."""
     nbytes = operand_bytes(op, x.shape[0], offs is not None)
     return _gemm(op, x, offs, out, bias, threads, generic, nbytes)
+
+
+def operand_rows(
+    op: tuple, r0: int, out: torch.Tensor, threads: int | None = None, generic: bool = False
+) -> torch.Tensor:
+    """Rows r0 : r0 + len(out) of one packed matrix (fp8_operand / fp4_operand of a 2-D weight) dequantized
+    into out [rows, K] fp32: QuantizedTensor.dequantize_rows' values, bit for bit (the plain tiles of a
+    prefill multiply them; `generic`: the portable loops). Raises if the kernels are unavailable."""
+    mod = _module()
+    if mod is None:
+        raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
+    kind, w, scales, gscale, divides, group, bn, bk = op
+    if threads is None:
+        threads = threads_for(out.numel() * 4)  # what it writes
+    mod.dequant(kind, w, scales, gscale, divides, group, bn, bk, r0, out, threads, generic)
+    return out
 
 
 def bf16_matmul(x, w, bias=None, *, offs=None, out=None, threads=None, generic=False) -> torch.Tensor:

@@ -1079,59 +1079,21 @@ std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool gen
 
 }  // namespace
 
-// out[t, n] (+)= x[t] . W_e[n] for the rows t of each expert e. See cpu.py for the argument contract.
-torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scales,
-                   std::optional<torch::Tensor> gscale, bool divides, std::optional<torch::Tensor> offs,
-                   std::optional<torch::Tensor> out_, std::optional<torch::Tensor> bias, int64_t group, int64_t bn,
-                   int64_t bk, int64_t nthreads, int64_t path) {
-    TORCH_CHECK(kind == BF16 || kind == FP8 || kind == FP4, "kind");
-    TORCH_CHECK(path >= 0 && path <= 2, "path: 0 best, 1 generic, 2 no AMX");
-    bool generic = path == 1;
-    TORCH_CHECK(x.dim() == 2, "x: [T, K]");
-    x = x.contiguous();
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
-                x.scalar_type() == torch::kHalf, "x: fp32, bf16 or fp16");
-    const int64_t T = x.size(0), K = x.size(1);
+// A gemm / dequant operand (see cpu.py) as the kernels read it: the call's shape C and the weights' layout W
+// (fp4 becomes MX or NV in `kind`); C and W point into sub2blk and tabs, which the caller keeps.
+void describe(int64_t& kind, const torch::Tensor& w, const std::optional<torch::Tensor>& scales,
+              const std::optional<torch::Tensor>& gscale, bool divides, int64_t group, int64_t bn, int64_t bk,
+              int64_t K, const std::vector<int64_t>& active, Ctx& C, Weights& W, std::vector<int32_t>& sub2blk,
+              std::vector<float>& tabs) {
     const bool stacked = w.dim() == 3;
-    TORCH_CHECK(w.dim() == 2 || stacked, "w: [N, K'] or [E, N, K']");
-    TORCH_CHECK(w.stride(-1) == 1, "w: unit stride in the last dim");
     const int64_t E = stacked ? w.size(0) : 1, N = w.size(-2);
-    TORCH_CHECK(w.size(-1) == (kind == FP4 ? K / 2 : K) && (kind != FP4 || K % 2 == 0), "w: last dim vs K");
-    torch::Tensor out = out_ ? *out_ : torch::empty({T, N}, x.options());
-    TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == N && out.stride(1) == 1, "out: [T, N], unit stride");
-    TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16 ||
-                out.scalar_type() == torch::kHalf, "out: fp32, bf16 or fp16");
-    std::vector<int64_t> ends(E, T);
-    if (offs) {
-        TORCH_CHECK(offs->dim() == 1 && offs->size(0) == E && offs->is_contiguous(), "offs: [E]");
-        auto o = offs->to(torch::kInt64);
-        const int64_t* op = o.data_ptr<int64_t>();
-        for (int64_t e = 0; e < E; ++e) {
-            ends[e] = op[e];
-            TORCH_CHECK(ends[e] >= (e ? ends[e - 1] : 0) && ends[e] <= T, "offs: non-decreasing ends <= T");
-        }
-        TORCH_CHECK(ends[E - 1] == T, "offs: the last end must be T");
-    } else {
-        TORCH_CHECK(E == 1, "a stacked w needs offs");
-    }
-
-    Ctx C{};
     C.K = K;
     C.nfull = K / CH;
     C.tail_bytes = (K % CH) * CHUNK_BYTES[kind] / CH;
     C.group = (int)group;
-    Weights W{};
     W.w = reinterpret_cast<const uint8_t*>(w.data_ptr());
     W.w_n = w.stride(-2) * w.element_size();
     W.w_e = stacked ? w.stride(0) * w.element_size() : 0;
-    std::vector<int32_t> sub2blk;
-    std::vector<float> tabs;
-    std::vector<int64_t> slot_of(E, -1), active;
-    for (int64_t e = 0; e < E; ++e)
-        if (ends[e] > (e ? ends[e - 1] : 0)) {
-            slot_of[e] = (int64_t)active.size();
-            active.push_back(e);
-        }
     if (kind == BF16) {
         TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "w: bf16");
     } else {
@@ -1179,6 +1141,55 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             }
         }
     }
+}
+
+// out[t, n] (+)= x[t] . W_e[n] for the rows t of each expert e. See cpu.py for the argument contract.
+torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scales,
+                   std::optional<torch::Tensor> gscale, bool divides, std::optional<torch::Tensor> offs,
+                   std::optional<torch::Tensor> out_, std::optional<torch::Tensor> bias, int64_t group, int64_t bn,
+                   int64_t bk, int64_t nthreads, int64_t path) {
+    TORCH_CHECK(kind == BF16 || kind == FP8 || kind == FP4, "kind");
+    TORCH_CHECK(path >= 0 && path <= 2, "path: 0 best, 1 generic, 2 no AMX");
+    bool generic = path == 1;
+    TORCH_CHECK(x.dim() == 2, "x: [T, K]");
+    x = x.contiguous();
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
+                x.scalar_type() == torch::kHalf, "x: fp32, bf16 or fp16");
+    const int64_t T = x.size(0), K = x.size(1);
+    const bool stacked = w.dim() == 3;
+    TORCH_CHECK(w.dim() == 2 || stacked, "w: [N, K'] or [E, N, K']");
+    TORCH_CHECK(w.stride(-1) == 1, "w: unit stride in the last dim");
+    const int64_t E = stacked ? w.size(0) : 1, N = w.size(-2);
+    TORCH_CHECK(w.size(-1) == (kind == FP4 ? K / 2 : K) && (kind != FP4 || K % 2 == 0), "w: last dim vs K");
+    torch::Tensor out = out_ ? *out_ : torch::empty({T, N}, x.options());
+    TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == N && out.stride(1) == 1, "out: [T, N], unit stride");
+    TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16 ||
+                out.scalar_type() == torch::kHalf, "out: fp32, bf16 or fp16");
+    std::vector<int64_t> ends(E, T);
+    if (offs) {
+        TORCH_CHECK(offs->dim() == 1 && offs->size(0) == E && offs->is_contiguous(), "offs: [E]");
+        auto o = offs->to(torch::kInt64);
+        const int64_t* op = o.data_ptr<int64_t>();
+        for (int64_t e = 0; e < E; ++e) {
+            ends[e] = op[e];
+            TORCH_CHECK(ends[e] >= (e ? ends[e - 1] : 0) && ends[e] <= T, "offs: non-decreasing ends <= T");
+        }
+        TORCH_CHECK(ends[E - 1] == T, "offs: the last end must be T");
+    } else {
+        TORCH_CHECK(E == 1, "a stacked w needs offs");
+    }
+
+    Ctx C{};
+    Weights W{};
+    std::vector<int32_t> sub2blk;
+    std::vector<float> tabs;
+    std::vector<int64_t> slot_of(E, -1), active;
+    for (int64_t e = 0; e < E; ++e)
+        if (ends[e] > (e ? ends[e - 1] : 0)) {
+            slot_of[e] = (int64_t)active.size();
+            active.push_back(e);
+        }
+    describe(kind, w, scales, gscale, divides, group, bn, bk, K, active, C, W, sub2blk, tabs);
     const float* bp = nullptr;
     torch::Tensor bias32;
     if (bias) {
@@ -1280,6 +1291,87 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
         }
     }
     return out;
+}
+
+// Row n of a packed matrix as fp32 values w[0, K): each the one fp32 product of the code's value and its
+// scale that QuantizedTensor.dequantize_rows computes (NaN codes NaN), for the tiles a prefill multiplies.
+void dequant_row(const Ctx& C, const Row& r, float* w, bool generic) {
+    if (C.kind == FP8) {
+        int64_t c = 0;
+#if defined(MOESAIC_AVX2)
+        // 64 values a load by the fp16 trick (times 2^8 exact), the sub-block's scale once; from a load with
+        // a NaN code (the trick decodes it as 480) on, by the table
+        const __m256 two8 = _mm256_set1_ps(256.f);
+        const __m256i mag = _mm256_set1_epi8(0x7F);
+        for (; !generic && c < C.nfull; ++c) {
+            const uint8_t* p = r.w + c * CH;
+            const __m256i a = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), mag);
+            const __m256i b = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), mag);
+            if (_mm256_movemask_epi8(_mm256_or_si256(_mm256_cmpeq_epi8(a, mag), _mm256_cmpeq_epi8(b, mag)))) break;
+            __m256 v[8];
+            dec_fp8(p, v);
+            const __m256 sA = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c]));
+            const __m256 sB = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c + 1]));
+            for (int j = 0; j < 8; ++j)
+                _mm256_storeu_ps(w + c * CH + 8 * j, _mm256_mul_ps(_mm256_mul_ps(v[j], two8), j < 4 ? sA : sB));
+        }
+#endif
+        for (int64_t k = c * CH; k < C.K; ++k) w[k] = E4M3[r.w[k]] * fp8_scale(r, C.sub2blk[k / 32]);
+        return;
+    }
+    // E2M1 (K a multiple of the group, 16 or 32): a group's scale once, two values a byte
+#if defined(MOESAIC_AVX2)
+    if (!generic) {  // 8 bytes (16 values) at a time: the magnitudes by vpermps, the sign bit or-ed in
+        const __m256 mags = _mm256_loadu_ps(E2M1);
+        const __m256i nib = _mm256_set1_epi32(15), sign = _mm256_set1_epi32(8);
+        for (int64_t q = 0; q < C.K / 16; ++q) {
+            const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.w + 8 * q)));
+            const __m256i lo = _mm256_and_si256(d, nib), hi = _mm256_srli_epi32(d, 4);
+            const __m256 vl = _mm256_or_ps(_mm256_permutevar8x32_ps(mags, lo),
+                                           _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(lo, sign), 28)));
+            const __m256 vh = _mm256_or_ps(_mm256_permutevar8x32_ps(mags, hi),
+                                           _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(hi, sign), 28)));
+            const __m256 a = _mm256_unpacklo_ps(vl, vh), b = _mm256_unpackhi_ps(vl, vh);  // pairs 0,1,4,5 / 2,3,6,7
+            const __m256 s = _mm256_set1_ps(r.stab[r.s8[16 * q / C.group]]);
+            _mm256_storeu_ps(w + 16 * q, _mm256_mul_ps(_mm256_permute2f128_ps(a, b, 0x20), s));
+            _mm256_storeu_ps(w + 16 * q + 8, _mm256_mul_ps(_mm256_permute2f128_ps(a, b, 0x31), s));
+        }
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < C.ngroups; ++g) {
+        const float s = r.stab[r.s8[g]];
+        const uint8_t* p = r.w + g * C.group / 2;
+        float* o = w + g * C.group;
+        for (int j = 0; j < C.group / 2; ++j) {
+            o[2 * j] = E2M1[p[j] & 15] * s;
+            o[2 * j + 1] = E2M1[p[j] >> 4] * s;
+        }
+    }
+}
+
+// out [R, K] fp32 = rows [r0, r0 + R) of one packed matrix (a gemm operand: w [N, K'] codes, its scales,
+// global scale), dequantized (dequant_row; `generic`: the portable loops), by `nthreads` threads over rows.
+void dequant(int64_t kind, torch::Tensor w, torch::Tensor scales, std::optional<torch::Tensor> gscale, bool divides,
+             int64_t group, int64_t bn, int64_t bk, int64_t r0, torch::Tensor out, int64_t nthreads, bool generic) {
+    TORCH_CHECK(kind == FP8 || kind == FP4, "kind: packed (fp8 or fp4)");
+    TORCH_CHECK(w.dim() == 2 && w.stride(-1) == 1, "w: [N, K'], unit stride in the last dim");
+    TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat32 && out.stride(1) == 1, "out: fp32 [R, K]");
+    const int64_t R = out.size(0), K = out.size(1), N = w.size(0);
+    TORCH_CHECK(w.size(1) == (kind == FP4 ? K / 2 : K) && (kind != FP4 || K % 2 == 0), "w: last dim vs K");
+    TORCH_CHECK(r0 >= 0 && r0 + R <= N, "rows out of range");
+    Ctx C{};
+    Weights W{};
+    std::vector<int32_t> sub2blk;
+    std::vector<float> tabs;
+    const std::vector<int64_t> active{0};
+    describe(kind, w, scales, gscale, divides, group, bn, bk, K, active, C, W, sub2blk, tabs);
+    C.kind = (int)kind;
+    float* o = out.data_ptr<float>();
+    const int64_t ld = out.stride(0);
+    pybind11::gil_scoped_release no_gil;
+#pragma omp parallel for num_threads((int)std::max<int64_t>(1, nthreads)) schedule(static)
+    for (int64_t i = 0; i < R; ++i) dequant_row(C, row_of(C, W, 0, 0, r0 + i), o + i * ld, generic);
 }
 
 // Streaming read of a buffer by `nthreads` threads, 4 rows of `row` bytes side by side (the weight

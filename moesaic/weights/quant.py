@@ -563,9 +563,16 @@ class QuantizedTensor:
         xw = x2.to(wd)
         n = self.shape[-2]
         tr = tile_rows or self.tile_rows()
+        # fp32 tiles decoded by the compiled kernels where they run (the same values; torch's fp8 -> fp32 and
+        # table gathers were most of a packed prefill), into one buffer
+        op = self.kernel_operand(b) if wd == torch.float32 and self.codes.is_cpu and cpu.available() else None
+        buf = None if op is None else torch.empty(min(tr, n), self.shape[-1], dtype=wd)
         for r0 in range(0, n, tr):
             r1 = min(n, r0 + tr)
-            w = self.dequantize_rows(r0, r1, wd, matrix=b)
+            if op is not None:
+                w = cpu.operand_rows(op, r0, buf[: r1 - r0])
+            else:
+                w = self.dequantize_rows(r0, r1, wd, matrix=b)
             out[:, r0:r1] = xw @ w.T
 
     def _grouped_2d(self, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
