@@ -66,6 +66,34 @@ def test_small_tensors_other_devices_and_the_switch_get_torchs_memory(monkeypatc
     assert memory.empty((4, 1 << 20), torch.float32, "meta").device.type == "meta"
 
 
+@needs_thp
+def test_a_refused_map_or_advice_falls_back_to_small_pages(monkeypatch):
+    """No address space (mmap raises) gives torch's memory; a kernel refusing MADV_HUGEPAGE keeps the map in
+    small pages: the same usable tensor either way, no error."""
+    real = memory.mmap.mmap
+
+    class Refused:
+        def __init__(self, *a, **k):
+            raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(memory.mmap, "mmap", Refused)
+    t = memory.empty((1024, 1536), torch.bfloat16)
+    assert t.shape == (1024, 1536) and not advised_or_none(t)
+
+    class NoAdvice(real):
+        def madvise(self, *a):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(memory.mmap, "mmap", NoAdvice)
+    t = memory.empty((1024, 1536), torch.bfloat16).fill_(2)
+    assert t.data_ptr() % memory.HUGE == 0 and not advised(t) and int(t.view(-1)[-1]) == 2
+
+
+def advised_or_none(t: torch.Tensor) -> bool:
+    m = mapping(t.data_ptr())
+    return m is not None and "hg" in m["VmFlags"]
+
+
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])
 def test_copy_of_holds_the_values_it_was_given(dtype):
     src = torch.randn(1024, 2048)[:, ::2]  # strided: 4 MiB of fp32 read through a view

@@ -66,11 +66,17 @@ def empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
     # map one huge page more than the bytes so that a 2 MiB-aligned start lies inside; the slack before
     # it and after the bytes is never touched, so it costs address space only
-    held = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        held = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no address space or map count left: torch's memory (the same tensor, 4 KiB pages)
+        return torch.empty(shape, dtype=dtype, device=device)
     raw = torch.frombuffer(held, dtype=torch.uint8)  # the tensor keeps `held` alive
     start = -raw.data_ptr() % HUGE
     whole = nbytes // HUGE * HUGE
-    held.madvise(mmap.MADV_HUGEPAGE, start, whole)
+    try:
+        held.madvise(mmap.MADV_HUGEPAGE, start, whole)
+    except OSError:  # a kernel that refuses the advice: the memory stays in 4 KiB pages
+        pass
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
