@@ -447,6 +447,14 @@ def test_causal_selection_is_what_scores_select_within_topk(kpool, topk, tail):
             dsa.causal_selection(last, T, kpool, topk, tail, newest=True),
             dsa.causal_selection(last, T, kpool, topk, tail),
         ), (T, kpool, topk)
+        # the newest block (a verify block, a prompt chunk): the same token sets, each row in increasing
+        # order from its start and -1 after, as a decode row at that position lays it out
+        short = dsa.causal_selection(positions, T, kpool, topk, tail, newest=True)
+        assert short.shape == got.shape and valid(short) == valid(want), (T, kpool, topk)
+        for i, p in enumerate(positions.tolist()):
+            alone = dsa.causal_selection(torch.tensor([p]), p + 1, kpool, topk, tail, newest=True)[0]
+            k = int((alone >= 0).sum())
+            assert short[i, :k].tolist() == alone[:k].tolist() and (short[i, k:] == -1).all(), (T, p)
     T = (topk // kpool + 1) * kpool  # one pool too many: the scores drop one of the query's T tokens
     want = dsa.select(torch.randn(1, T // kpool, generator=g), torch.tensor([T - 1]), kpool, topk, tail)
     assert not dsa.every_pool_fits(T, kpool, topk) and 0 < (want[0] >= 0).sum() < T

@@ -147,18 +147,27 @@ def causal_selection(
     one width), it is only as wide as these tokens: the open pool's right after the complete pools', not
     at index_topk, so a short context does not attend over index_topk masked columns.
     `newest`: the caller's word that the queries are the newest of the num_keys tokens (positions
-    num_keys - n ..). A decode row's compact selection is then every token of its complete pools and its
-    open pool, in order, -1 after: one arange (a decode step of the GLM-5.3 demo spent ~4 % in the ten
-    small ops of the general case)."""
+    num_keys - n ..). Each row's compact selection is then its tokens in order from 0, -1 after: every token
+    up to its own with the open pool's, else those of its complete pools; an arange and a mask (a decode step
+    of the GLM-5.3 demo spent ~4 % in the ten small ops of the general case, and a verify block's rows ~30 %
+    of its DSA layers' glue). Where a query's complete pools end before the last one's, the general layout
+    puts its open pool's tokens after a gap of -1; this one has no gap, as a decode row at that position
+    has: the same tokens in the same order."""
     n = positions.shape[0]
     m = num_keys // kpool * kpool
     tail = always_select_tail and kpool > 1
     compact = not kernels("mla", positions)
     width = max(1, m + (kpool - 1 if tail else 0)) if compact else selection_width(index_topk, kpool, tail)
-    if newest and compact and n == 1:
-        out = torch.arange(width, device=positions.device).view(1, width)
-        out[:, num_keys if tail else m :] = -1
-        return out
+    if newest and compact:
+        dev = positions.device
+        out = torch.arange(width, device=dev).view(1, width)
+        if n == 1:
+            out[:, num_keys if tail else m :] = -1
+            return out
+        ends = torch.arange(num_keys - n + 1, num_keys + 1, device=dev)  # each query's position + 1
+        if not tail:
+            ends = ends // kpool * kpool
+        return out.masked_fill(out >= ends[:, None], -1)
     out = torch.full((n, width), -1, dtype=torch.long, device=positions.device)
     if m:
         tokens = torch.arange(m, device=positions.device)
