@@ -582,9 +582,10 @@ def test_routers_keep_the_torch_bits(kernels, monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kda_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
     """layers/kda.py's kda_recur in one call (cpu.kda_recur: the short conv, the l2 norms, the delta rule) for
-    decode rows and verify blocks gives the torch code's output, state, snapshots and conv tails bit for bit:
-    one row with and without its snapshot, blocks of 2-5 rows with every snapshot or all but the first, 2-8
-    heads, bf16 and fp32 rows; a block the chunked form takes keeps the torch code."""
+    decode rows, verify blocks and prompts gives the torch code's output, state, snapshots and conv tails bit for
+    bit: one row with and without its snapshot, blocks of 2-5 rows with every snapshot or all but the first,
+    prompts of 3-40 rows with 0, 1 or 17 snapshots (the token recurrence for every row on the CPU), 2-8 heads,
+    bf16 and fp32 rows."""
     from types import SimpleNamespace
 
     g = torch.Generator().manual_seed(13)
@@ -594,6 +595,9 @@ def test_kda_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
         (4, 32, 4, 4, 4),
         (4, 32, 4, 5, 4),
         (8, 8, 3, 2, 1),
+        (2, 16, 4, 3, 1),
+        (4, 32, 4, 30, 0),
+        (4, 16, 4, 40, 17),
     ):
         C = 3 * H * D
         w = SimpleNamespace(conv=torch.randn(C, K, generator=g) * 0.5)
@@ -610,14 +614,6 @@ def test_kda_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
         for a, b in zip([got[1], *got[2]], [want[1], *want[2]]):
             assert torch.equal(a.conv, b.conv) and torch.equal(a.recurrent, b.recurrent), (n, snap)
         assert len(got[2]) == len(want[2]) == snap
-    rows = (
-        torch.randn(3, 3 * 32, generator=g),
-        -torch.rand(3, 2, 16, generator=g),
-        torch.rand(3, 2, generator=g),
-    )
-    assert (
-        cpu.kda_recur(*rows, torch.zeros(3, 96), torch.ones(96, 4), None, 2, 16, 1, 1e-6) is None
-    )  # 2 chunked rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -12,6 +12,7 @@ from moesaic.errors import CheckpointError
 from moesaic.layers.kda import (
     KdaDims,
     KdaState,
+    delta_rule_chunked,
     delta_rule_recurrent,
     kda_attend,
     kda_gate,
@@ -48,13 +49,17 @@ def random_core_inputs(n, lower_bound, seed):
 @pytest.mark.parametrize("n", [1, 5, 16, 37])
 def test_chunked_matches_recurrent_and_hf_functions(n, lower_bound):
     q, k, v, g, beta, S0 = random_core_inputs(n, lower_bound, seed=n)
-    o_chunk, S_chunk, _ = kda_attend(q, k, v, g, beta, S0, chunk_size=16)
     qn = (l2norm(q) * q.shape[-1] ** -0.5).transpose(0, 1)
     kn = l2norm(k).transpose(0, 1)
+    o_chunk, S_chunk = delta_rule_chunked(qn, kn, v.transpose(0, 1), g.transpose(0, 1), beta.T, S0, 16)
+    o_chunk = o_chunk.transpose(0, 1)
     o_rec, S_rec, _ = delta_rule_recurrent(qn, kn, v.transpose(0, 1), g.transpose(0, 1), beta.T, S0)
     o_rec = o_rec.transpose(0, 1)
     assert (o_chunk - o_rec).abs().max() < TOL
     assert (S_chunk - S_rec).abs().max() < TOL
+    # kda_attend on the CPU: the token recurrence for every row, the same bits as calling it
+    o_att, S_att, _ = kda_attend(q, k, v, g, beta, S0, chunk_size=16)
+    assert torch.equal(o_att, o_rec.contiguous()) and torch.equal(S_att, S_rec)
 
     # transformers' torch fallbacks (batch of one), with the l2norm inside the kernel
     args = (q[None], k[None], v[None], g[None], beta[None])

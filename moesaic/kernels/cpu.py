@@ -728,23 +728,23 @@ def _delta_threads(n: int, H: int, Dk: int, Dv: int) -> int:
 
 
 def kda_recur(qkv, g, beta, tail, conv_w, S, heads: int, head_dim: int, snapshot_last: int, eps: float):
-    """layers/kda.py's kda_recur (the short conv, the l2 norms, the delta rule) for rows the token recurrence
-    takes whole (n - snapshot_last <= 1), in one call: the same torch ops, the same bits. (o [n, H, Dv], the
-    final state, the snapshots [snapshot_last, H, Dk, Dv], the conv's padded input), or None where it does not
-    apply (the caller runs the torch code)."""
+    """layers/kda.py's kda_recur (the short conv, the l2 norms, the delta rule token by token: any number of
+    rows, a prompt's too) in one call: the same torch ops, the same bits. (o [n, H, Dv], the final state, the
+    snapshots [snapshot_last, H, Dk, Dv], the conv's padded input), or None where it does not apply (the caller
+    runs the torch code)."""
     n = qkv.shape[0]
-    if n == 0 or n - snapshot_last > 1 or g.dtype != torch.float32 or beta.dtype != torch.float32:
+    if n == 0 or not 0 <= snapshot_last <= n or g.dtype != torch.float32 or beta.dtype != torch.float32:
         return None
     if S is not None and S.dtype != torch.float32:
         return None
     mod = _fused_mod(qkv, g, beta, tail, conv_w, *(() if S is None else (S,)))
     if mod is None:
         return None
-    one = _delta_threads(1, heads, head_dim, head_dim)
+    first = _delta_threads(n - snapshot_last, heads, head_dim, head_dim)  # the rows before the snapshots
     snap = _delta_threads(snapshot_last, heads, head_dim, head_dim)
     return tuple(
         mod.kda_recur(
-            qkv, g, beta, tail, conv_w, S, heads, head_dim, snapshot_last, eps, head_dim**-0.5, one, snap
+            qkv, g, beta, tail, conv_w, S, heads, head_dim, snapshot_last, eps, head_dim**-0.5, first, snap
         )
     )
 

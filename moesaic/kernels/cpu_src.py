@@ -1789,18 +1789,18 @@ void conv_taps(const float* x, const float* w, const float* b, float* out, int64
 #pragma GCC pop_options
 #endif
 
-// layers/kda.py's kda_recur for rows the token recurrence takes whole (n - snapshot_last <= 1: decode rows,
-// verify blocks): the short conv and SiLU from the tail, q, k and v as the rows' dtype, the l2 norms (q scaled),
-// then delta_rule above (exp(g) by torch), its threads passed for the lone row and the snapshot rows. The same
+// layers/kda.py's kda_recur on the CPU, any rows (decode rows, verify blocks, prompts: token by token): the short
+// conv and SiLU from the tail, q, k and v as the rows' dtype, the l2 norms (q scaled), then delta_rule above
+// (exp(g) by torch), its threads passed for the rows before the snapshots and for the snapshot rows. The same
 // torch ops in the same order on the same views as the Python code, so the same bits. Returns {o [n, H, Dv],
 // the final state, the snapshots [snapshot_last, H, Dk, Dv], the conv's padded input [K - 1 + n, C]}.
 std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::Tensor beta, torch::Tensor tail,
                                      torch::Tensor conv_w, std::optional<torch::Tensor> state, int64_t H, int64_t D,
-                                     int64_t snapshot_last, double eps, double qscale, int64_t threads_one,
+                                     int64_t snapshot_last, double eps, double qscale, int64_t threads_first,
                                      int64_t threads_snap) {
     const auto f32 = torch::kFloat32;
     const int64_t n = qkv.size(0), K = conv_w.size(-1), m = n - snapshot_last;
-    TORCH_CHECK(n > 0 && m <= 1 && m >= 0, "kda_recur: rows the token recurrence takes whole");
+    TORCH_CHECK(n > 0 && m >= 0, "kda_recur: 0 <= snapshot_last <= rows");
     auto full = at::cat({tail.to(f32), qkv.to(f32)});
     const auto w = conv_w.to(f32).reshape({-1, K}).contiguous();  // [C, K]
     auto y = torch::empty({n, full.size(1)}, full.options());
@@ -1820,7 +1820,7 @@ std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::
         S = r[1];
         if (keep) snaps = r[2];
     };
-    if (m == 1) run(0, 1, false, threads_one);
+    if (m) run(0, m, false, threads_first);
     if (snapshot_last) run(m, n, true, threads_snap);
     return {at::cat(outs, 1).transpose(0, 1).contiguous(), S, snaps, full};
 }

@@ -21,8 +21,8 @@ K3's reference kernel takes beta as a logit and applies the sigmoid inside the s
 same math as the sigmoid before the kernel, and here it is always taken in fp32.
 
 The recurrent state S is [H, Dk, Dv] fp32 (key axis first, as transformers/FLA store it) and
-is advanced in fp32. Prefill uses the chunked (WY) form, decode the token recurrence; they
-agree to fp32 rounding.
+is advanced in fp32. On GPUs prefill uses the chunked (WY) form and decode the token recurrence;
+they agree to fp32 rounding. On the CPU every row takes the token recurrence (`kda_attend`).
 """
 
 from __future__ import annotations
@@ -261,9 +261,12 @@ def kda_attend(
     Returns o [n, H, Dv] fp32, the new state [H, Dk, Dv] fp32, and snapshots
     [snapshot_last, H, Dk, Dv]: the state after each of the last `snapshot_last` tokens.
 
-    The first n - snapshot_last tokens use the chunked form when there are more than one; the
-    last `snapshot_last` tokens use the token recurrence. So a sequence restored from a
-    snapshot and re-fed the same tokens with the same `snapshot_last` repeats bit for bit."""
+    On the CPU every token takes the token recurrence: its compiled kernel runs 30-40x the chunked
+    form there, and the torch loop 2-7x (docs/perf.md), and a state's bits then do not depend on
+    where a prompt was split. Elsewhere the first n - snapshot_last tokens use the chunked form
+    when there are more than one and the last `snapshot_last` tokens the token recurrence. Either
+    way a sequence restored from a snapshot and re-fed the same tokens with the same
+    `snapshot_last` repeats bit for bit."""
     n, H, Dk = k.shape
     if not 0 <= snapshot_last <= n:
         raise ValueError(f"snapshot_last={snapshot_last} must be within [0, {n}]")
@@ -278,11 +281,11 @@ def kda_attend(
 
     m = n - snapshot_last
     parts = []
-    if m > 1:
+    if m > 1 and (kernels("kda", q) or not q.is_cpu):
         o, S = delta_rule_chunked(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], S, chunk_size)
         parts.append(o)
-    elif m == 1:
-        o, S, _ = delta_rule_recurrent(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], S)
+    elif m >= 1:
+        o, S, _ = delta_rule_recurrent(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], S)
         parts.append(o)
     snapshots = S.new_empty(0, *S.shape)
     if snapshot_last:
@@ -329,7 +332,7 @@ def kda_recur(
         if kernels("kda", qkv)
         else cpu.kda_recur(qkv, g, beta, state.conv, w.conv, state.recurrent, H, D, snapshot_last, L2NORM_EPS)
     )
-    if fused is not None:  # decode rows and verify blocks on the CPU: the code below in one call
+    if fused is not None:  # the CPU: the code below in one call
         o, S, snaps, full = fused
     else:
         y, full = short_conv(qkv, state.conv, w.conv)
