@@ -841,6 +841,11 @@ def _native_bf16_gemm() -> bool:
 _NATIVE_BF16 = _native_bf16_gemm()
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX tiles; `_native_bf16_gemm`)."""
+    return _NATIVE_BF16
+
+
 def tiles_apply(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `tiled_linear` is the faster path for x [.., K] against the dense weight w: half-precision
     weights on the CPU, more rows than the kernels serve, no native bf16 GEMM. MOESAIC_CPU_KERNELS=0

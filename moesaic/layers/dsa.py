@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import SMALL_PRODUCT, linear, matmul
+from .linear import linear, matmul, product_limit
 from .mla import page_tables, shared_pages
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
@@ -252,7 +252,7 @@ def sparse_mla_attend_held(q: Tensor, held, w_kv_b: Tensor, v_head_dim: int, sca
     if hasattr(held, "pages") and not kernels("mla", q) and gathered_is_cheaper(q, T, w_kv_b, dv, selection):
         views, ids = held.pages()
         fused = cpu.dsa_gathered(
-            q, views["latent"], w_kv_b, dv, scale, selection, 0, SMALL_PRODUCT, pages=(ids, T)
+            q, views["latent"], w_kv_b, dv, scale, selection, 0, product_limit(), pages=(ids, T)
         )
         if fused is not None:
             return fused
@@ -272,7 +272,7 @@ def attend_expanded(q, latent, w_kv_b, dv, scale, selection):
 
 
 def attend_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems: int = 1 << 25):
-    fused = cpu.dsa_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems, SMALL_PRODUCT)
+    fused = cpu.dsa_gathered(q, latent, w_kv_b, dv, scale, selection, block_elems, product_limit())
     if fused is not None:  # the code below in one call on the CPU
         return fused
     n, H, dn = q.shape

@@ -35,18 +35,29 @@ SMALL_PRODUCT = 1 << 18  # operand elements up to which a half-precision CPU pro
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul of two activations (attention scores and mixes, MLA's absorbed heads). On the CPU a
-    bf16 / fp16 product of small operands runs in fp32 and is rounded once: the products are exact in
-    fp32 and the half-precision GEMM sums them in fp32 too, but oneDNN builds a primitive for each new
-    shape, and a decode step's context length is new every step (0.5-0.9 ms a call at a new shape, ~25 us
-    at a known one, against 10-17 us for the fp32 product and its casts; docs/perf.md)."""
+    bf16 / fp16 product runs in fp32 and is rounded once (the products are exact in fp32 and the
+    half-precision GEMM sums them in fp32 too) where its operands are small, since oneDNN builds a
+    primitive for each new shape and a decode step's context length is new every step (0.5-0.9 ms a call at
+    a new shape, ~25 us at a known one, against 10-17 us for the fp32 product and its casts), and at any
+    size where the CPU has no native bf16 GEMM (`product_limit`; docs/perf.md)."""
     if small_product(a, b):
         return torch.matmul(a.float(), b.float()).to(a.dtype)
     return torch.matmul(a, b)
 
 
+def product_limit() -> int:
+    """Operand elements up to which `matmul` runs a half-precision CPU product in fp32: SMALL_PRODUCT on a
+    CPU with a native bf16 GEMM (AMX), any size elsewhere: there oneDNN's half-precision GEMM runs far
+    slower than fp32's (a prefill's attention scores 50x, docs/perf.md), as for linears (kernels/cpu.py
+    tiled_linear)."""
+    return SMALL_PRODUCT if cpu.native_bf16() else 1 << 62
+
+
 def small_product(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `matmul` runs a @ b in fp32 (a half-precision product of small operands on the CPU)."""
-    return a.is_cpu and a.dtype in (torch.bfloat16, torch.float16) and a.numel() + b.numel() <= SMALL_PRODUCT
+    """Whether `matmul` runs a @ b in fp32 (a half-precision product on the CPU, within `product_limit`)."""
+    return (
+        a.is_cpu and a.dtype in (torch.bfloat16, torch.float16) and a.numel() + b.numel() <= product_limit()
+    )
 
 
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:
