@@ -262,7 +262,7 @@ def sparse_mla_attend_held(q: Tensor, held, w_kv_b: Tensor, v_head_dim: int, sca
 def attend_expanded(q, latent, w_kv_b, dv, scale, selection):
     n, H, dn = q.shape
     T = latent.shape[0]
-    kv = F.linear(latent, w_kv_b).view(T, H, dn + dv).transpose(0, 1)  # [H, T, dn+dv]
+    kv = linear(latent, w_kv_b).view(T, H, dn + dv).transpose(0, 1)  # [H, T, dn+dv]
     k, v = kv[..., :dn], kv[..., dn:]
     mask = selection_mask(selection, T)
     s = matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [H, n, T]

@@ -90,7 +90,7 @@ def expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale
     """Ordinary attention after expanding the latent, for one sequence -> [n, H, dv]."""
     n, H, dn = q_nope.shape
     T = latent.shape[0]
-    kv = F.linear(latent, w_kv_b).view(T, H, dn + v_head_dim)
+    kv = linear(latent, w_kv_b).view(T, H, dn + v_head_dim)  # fp32 tiles on a CPU without a bf16 GEMM
     k = torch.cat([kv[..., :dn], k_rope[:, None, :].expand(T, H, k_rope.shape[1])], dim=-1)
     q = torch.cat([q_nope, q_rope], dim=-1)
     out = F.scaled_dot_product_attention(
