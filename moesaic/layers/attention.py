@@ -5,13 +5,15 @@
     out = p v                      in the values' dtype
 
 No position encoding is applied here: a family ropes q and k (or not, e.g. Nemotron-H's NoPE
-attention) before it appends k to the cache.
+attention) before it appends k to the cache. The products are layers/linear.matmul's (half precision on
+a CPU: in fp32, rounded once).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .linear import matmul
 from .mla import causal_mask
 
 
@@ -23,12 +25,12 @@ def gqa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} key/value heads")
     qg = q.reshape(n, Hkv, Hq // Hkv, -1).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
-    s = torch.matmul(qg, k.permute(1, 2, 0)[:, None]).float() * scale  # [Hkv, g, n, T]
+    s = matmul(qg, k.permute(1, 2, 0)[:, None]).float() * scale  # [Hkv, g, n, T]
     mask = causal_mask(n, T, q.device)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1).to(v.dtype)
-    out = torch.matmul(p, v.permute(1, 0, 2)[:, None])  # [Hkv, g, n, Dv]
+    out = matmul(p, v.permute(1, 0, 2)[:, None])  # [Hkv, g, n, Dv]
     return out.permute(2, 0, 1, 3).reshape(n, Hq, -1)
 
 
