@@ -80,6 +80,13 @@ def empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
+def cat_rows(ts: list) -> torch.Tensor:
+    """torch.cat(ts) of tensors with the same trailing dims, into huge-page memory where `applies` (row stacks
+    of streamed weights)."""
+    out = empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), ts[0].dtype, ts[0].device)
+    return torch.cat(ts, out=out)
+
+
 def copy_of(t: torch.Tensor, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
     """t.to(device=device, dtype=dtype, copy=True), contiguous, in huge-page memory where `applies`."""
     dtype = t.dtype if dtype is None else dtype

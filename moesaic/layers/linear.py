@@ -112,7 +112,7 @@ def stack_rows(ws: list) -> tuple[RowStack, ...]:
             continue
         sizes = tuple(w.shape[0] for w in group)
         if key[0] == "dense":
-            weight = torch.cat(group, out=memory.empty((sum(sizes), key[1]), group[0].dtype, group[0].device))
+            weight = memory.cat_rows(group)
             parts = tuple(weight.split(sizes))
         else:
             weight, parts = type(group[0]).stack_rows(group)

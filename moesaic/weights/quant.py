@@ -220,12 +220,6 @@ _VALIDATE = {
 }
 
 
-def _cat_rows(ts: list) -> torch.Tensor:
-    """torch.cat(ts) of 2-D codes, into huge pages where they apply (kernels/memory.py: streamed weights)."""
-    out = memory.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), ts[0].dtype, ts[0].device)
-    return torch.cat(ts, out=out)
-
-
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a matmul with x computes and returns in: x's float dtype, else fp32."""
     return (
@@ -611,7 +605,7 @@ class QuantizedTensor:
         p0 = parts[0]
         if p0.stack_key is None or any(p.stack_key != p0.stack_key for p in parts):
             raise ValueError("stack_rows: weights of one stack_key")
-        codes, scale = _cat_rows([p.codes for p in parts]), torch.cat([p.scale for p in parts])
+        codes, scale = memory.cat_rows([p.codes for p in parts]), torch.cat([p.scale for p in parts])
         whole = cls(p0.format, codes, scale, block=p0.block, name=" + ".join(p.name for p in parts))
         views, r, s = [], 0, 0
         for p in parts:
