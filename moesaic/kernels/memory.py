@@ -3,7 +3,7 @@
 A decode step reads every active weight once. In 4 KiB pages a 64 MB stream walks 16K page-table
 entries, so the TLB misses all the way through; in 2 MiB pages it takes 32 entries. Measured on the
 AVX2 machine (docs/perf.md, "Weights in huge pages"): one row against 16 bf16 weights of 8 MB each,
-4-5 % faster; whole decode steps 1.5-3 %.
+1.00-1.05x; whole batch-1 decode steps 0.99-1.03x, within that machine's spread.
 
 Linux gives huge pages to anonymous memory by its THP mode (/sys/kernel/mm/transparent_hugepage/enabled):
 `always` to every 2 MiB-aligned stretch, `madvise` (the usual default) only to ranges advised
