@@ -87,3 +87,40 @@ def test_a_batch_projects_once_and_equals_each_sequence_alone(case, monkeypatch)
             for f in ("conv", "recurrent") if module is kda else ("conv", "ssm"):
                 torch.testing.assert_close(getattr(got, f), getattr(want, f), rtol=1e-5, atol=1e-5)
         assert rs.can_rollback(min(n, 3))
+
+
+@pytest.mark.parametrize("window", [0, 4])
+@torch.no_grad()
+def test_a_stepped_mixer_asks_only_the_snapshots_it_keeps(window, monkeypatch):
+    """KDA on the CPU takes every row by the token recurrence, so a prompt's state has the same bits
+    whatever the snapshots asked: a prompt asks only those its rollback window keeps (none without drafting;
+    each is a [H, Dk, Dv] fp32 copy), and the state equals the one made asking the last STEPPED_ROWS rows.
+    Mamba-2 (a chunked scan before its stepped rows) still asks them."""
+    from moesaic.layers.recurrent import STEPPED_ROWS
+
+    assert kda.KDA.stepped(torch.zeros(1))
+    results = {}
+    for stepped in (kda.KDA.stepped, None):
+        module, mixer, w, dims, zero, d = kda_case()
+        mixer = dataclasses.replace(mixer, stepped=stepped)
+        asked = []
+        counted = dataclasses.replace(
+            mixer,
+            recur=lambda *a, snapshot_last=0, asked=asked, m=mixer: (
+                asked.append(snapshot_last) or m.recur(*a, snapshot_last)
+            ),
+        )
+        x = torch.randn(24, d, generator=torch.Generator().manual_seed(5))
+        state = RecurrentState(zero, window=window)
+        kept = state.snapshots_needed(24)
+        seq = SimpleNamespace(start=0, n=24, state=SimpleNamespace(layers={0: state}))
+        y = run_recurrent(counted, w, dims, 0, x, SimpleNamespace(seqs=[seq]))
+        results[stepped is not None] = (asked, y, seq.state.layers[0])
+    assert results[True][0] == [kept] and results[False][0] == [STEPPED_ROWS] and kept <= window + 1
+    (_, y1, s1), (_, y0, s0) = results[True], results[False]
+    assert torch.equal(y1, y0)
+    assert torch.equal(s1.value.recurrent, s0.value.recurrent) and torch.equal(s1.value.conv, s0.value.conv)
+    assert len(s1.history) == len(s0.history)
+    for a, b in zip(s1.history, s0.history):
+        assert torch.equal(a.recurrent, b.recurrent) and torch.equal(a.conv, b.conv)
+    assert mamba2.MAMBA2.stepped is None

@@ -378,7 +378,13 @@ def kda_unfold(o: Tensor, new: KdaState, snaps: list[KdaState], B: int, dims: Kd
     return [(o[:, b * H : (b + 1) * H], one(new, b), [one(s, b) for s in snaps]) for b in range(B)]
 
 
-KDA = RecurrentMixer(kda_project, kda_recur, kda_output, kda_fold, kda_unfold)
+def kda_stepped(t: Tensor) -> bool:
+    """Whether KDA's rows over tensors like t all take the token recurrence (kda_attend: the CPU without
+    Triton kernels), so a prompt need not snapshot its last rows for their bits (layers/recurrent.py)."""
+    return t.is_cpu and not kernels("kda", t)
+
+
+KDA = RecurrentMixer(kda_project, kda_recur, kda_output, kda_fold, kda_unfold, kda_stepped)
 
 
 def kda_mixer(

@@ -30,6 +30,10 @@ class RecurrentMixer:
     # unfold(its features, new state, snapshots, B, dims) -> each sequence's (features, new state, snapshots)
     fold: Callable | None = None
     unfold: Callable | None = None
+    # stepped(t) -> True where every row of a recurrence over tensors like t takes the token recurrence
+    # (its state's bits then do not depend on where the snapshots begin), so that a forward asks only the
+    # snapshots its rollback window keeps; None: a longer forward may take a chunked scan
+    stepped: Callable | None = None
 
     def run(self, x, w, dims, state, snapshot_last: int = 0):
         """One sequence's rows x, continuing `state`: (y, new state, snapshots)."""
@@ -61,8 +65,14 @@ def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch
         # Longer forwards take their last STEPPED_ROWS rows by the token recurrence (the rows a mixer
         # snapshots) whatever the rollback window: the state after a prompt then has the same bits in an
         # engine that drafts and in one that does not (the chunked scan rounds otherwise), and greedy
-        # drafting stays token for token lossless in bf16
-        ask = 0 if n == 1 else max(snap, min(n, STEPPED_ROWS))
+        # drafting stays token for token lossless in bf16. A mixer whose rows all take the token recurrence
+        # on this device (KDA on the CPU) gives those bits anyway: it copies only the snapshots kept.
+        if n == 1:
+            ask = 0
+        elif mixer.stepped is not None and mixer.stepped(x):
+            ask = snap
+        else:
+            ask = max(snap, min(n, STEPPED_ROWS))
         if len(seqs) > 1 and mixer.fold is not None:
             fr, fw, fd, fs = mixer.fold(rows, w, dims, states)
             results = mixer.unfold(*mixer.recur(fr, fw, fd, fs, snapshot_last=ask), len(seqs), dims)
