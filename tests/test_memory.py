@@ -8,11 +8,12 @@ import gc
 import pytest
 import torch
 from test_cpu_perf import ODD, bf16_checkpoint
+from test_quant_models import release_tensors, write
 
 import moesaic
 from moesaic.kernels import memory
 from moesaic.layers.linear import stack_rows
-from moesaic.models import Checkpoint
+from moesaic.models import Checkpoint, mistral4
 from moesaic.weights.contract import load_tensors
 from moesaic.weights.precision import PrecisionSchedule
 from moesaic.weights.quant import ConcatRows, QuantizedTensor
@@ -176,3 +177,49 @@ def test_the_expert_caches_slots_lie_in_huge_pages(tmp_path):
     assert arena.numel() >= memory.HUGE and arena.data_ptr() % memory.HUGE == 0 and advised(arena)
     want = moesaic.LLM(str(path), dtype="bfloat16").generate([[3, 4, 5]], sp)[0].token_ids
     assert llm.generate([[3, 4, 5]], sp)[0].token_ids == want
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_stack_is_torchs_stack_converted_in_its_one_copy(dtype):
+    """memory.stack: torch.stack of views (a strided one too), each item possibly a gate | up pair
+    concatenated along rows first, converted to `dtype`; in huge pages where they apply."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(256, 1024, generator=g).to(torch.bfloat16) for _ in range(4)]  # 2 MiB, 4 MiB in fp32
+    xs[1] = torch.randn(256, 2048, generator=g).to(torch.bfloat16)[:, ::2]
+    got = memory.stack(xs, dtype)
+    want = torch.stack(xs).to(dtype or torch.bfloat16)
+    assert got.dtype == want.dtype and torch.equal(got, want) and got.is_contiguous()
+    if memory.thp_mode() in ("always", "madvise"):
+        assert got.data_ptr() % memory.HUGE == 0 and advised(got)
+    pairs = memory.stack([xs[i : i + 2] for i in (0, 2)], dtype)
+    assert torch.equal(pairs, torch.stack([torch.cat(xs[0:2]), torch.cat(xs[2:4])]).to(want.dtype))
+    assert torch.equal(memory.stack([torch.tensor(1.5), torch.tensor(2.0)]), torch.tensor([1.5, 2.0]))
+    with pytest.raises(ValueError, match="one shape"):
+        memory.stack([xs[0], xs[0][:10]])
+    with pytest.raises(ValueError, match="past it"):
+        memory.stack([[xs[0], xs[0][:, :10]]])
+    with pytest.raises(ValueError, match="empty"):
+        memory.stack([])
+
+
+@pytest.mark.parametrize("precision", [None, "*=fp8"])
+def test_stacked_experts_are_copied_once_at_load(tmp_path, monkeypatch, precision):
+    """The loader stacks per-expert checkpoint tensors straight out of the file mapping into their kept
+    memory: no stack built first and then copied into huge pages (a whole layer's experts copied twice, and
+    held twice at once); packed at load, the stack's codes are not copied again either. The same tensors.
+    Mistral's native layout: one tensor per expert (w1 | w3 pairs and w2)."""
+    dense = {k: v.to(torch.bfloat16) for k, v in release_tensors(mistral4, BIG, "native").items()}
+    ckpt = Checkpoint.open(write(tmp_path, BIG, "native", dense))
+    schedule = PrecisionSchedule.parse(precision)
+    want = load_tensors(ckpt.plan(), ckpt.store, torch.bfloat16, "cpu", schedule)
+    moved = []
+    real = memory.copy_of
+    monkeypatch.setattr(
+        memory, "copy_of", lambda t, *a, **k: moved.append(tuple(t.shape)) or real(t, *a, **k)
+    )
+    got = load_tensors(ckpt.plan(), ckpt.store, torch.bfloat16, "cpu", schedule)
+    stacks = [n for n, t in got.items() if "experts" in n and any(c.dim() == 3 for c in codes(t))]
+    assert len(stacks) >= 4, sorted(got)
+    assert not [s for s in moved if len(s) == 3], moved  # no [E, N, K] stack copied after it was made
+    for n in stacks:
+        assert all(torch.equal(a, b) for a, b in zip(codes(got[n]), codes(want[n]))), n

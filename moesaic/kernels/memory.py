@@ -87,6 +87,36 @@ def cat_rows(ts: list) -> torch.Tensor:
     return torch.cat(ts, out=out)
 
 
+def stack(items: list, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """torch.stack(items), converted to `dtype` and moved to `device` in its one copy, into huge-page memory
+    where `applies` (experts stacked at load straight out of the file mapping). An item may be a list of
+    tensors, concatenated along rows first (an expert's gate | up)."""
+    groups = [list(it) if isinstance(it, (list, tuple)) else [it] for it in items]
+    if not groups or not groups[0]:
+        raise ValueError("stack() of an empty list")
+    shapes = [tuple(p.shape) for p in groups[0]]
+    if any([tuple(p.shape) for p in g] != shapes for g in groups):
+        raise ValueError(
+            f"stack: items of one shape, got {[tuple(tuple(p.shape) for p in g) for g in groups]}"
+        )
+    t0 = groups[0][0]
+    if len(shapes) > 1 and (t0.dim() == 0 or any(s[1:] != shapes[0][1:] for s in shapes)):
+        raise ValueError(f"stack: parts concatenated along rows must agree past it, got {shapes}")
+    item = (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
+    out = empty(
+        (len(groups), *item), t0.dtype if dtype is None else dtype, t0.device if device is None else device
+    )
+    for row, g in zip(out, groups):
+        if len(g) == 1:
+            row.copy_(g[0])
+            continue
+        at = 0
+        for p in g:
+            row[at : at + p.shape[0]].copy_(p)
+            at += p.shape[0]
+    return out
+
+
 def copy_of(t: torch.Tensor, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
     """t.to(device=device, dtype=dtype, copy=True), contiguous, in huge-page memory where `applies`."""
     dtype = t.dtype if dtype is None else dtype

@@ -112,17 +112,20 @@ def stacked_pairs(first: list[str], second: list[str], shape) -> Source:
     return Source(parts, _stack_pairs, lambda t: [half for e in t.unbind(0) for half in e.chunk(2)])
 
 
-def _stack_any(ts: list):
+def _stack_any(ts: list, dtype: torch.dtype | None = None, device=None):
+    """The experts' tensors as one stack, copied once out of the file mapping into huge-page memory (in
+    `dtype`, on `device`; packed ones keep their format)."""
     if all(isinstance(t, torch.Tensor) for t in ts):
-        return torch.stack(ts)
-    return QuantizedTensor.stack(ts)
+        return memory.stack(ts, dtype, device)
+    return QuantizedTensor.stack(ts).to(device or ts[0].codes.device)
 
 
-def _stack_pairs(ts: list):
+def _stack_pairs(ts: list, dtype: torch.dtype | None = None, device=None):
+    """Each expert's (a, b) concatenated along rows, stacked (as `_stack_any`)."""
     if all(isinstance(t, torch.Tensor) for t in ts):
-        return torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)])
+        return memory.stack([ts[i : i + 2] for i in range(0, len(ts), 2)], dtype, device)
     # quantized parts keep their own scales: stack each half, read them as one fused weight
-    return ConcatRows([_stack_any(ts[0::2]), _stack_any(ts[1::2])])
+    return ConcatRows([_stack_any(ts[0::2], dtype, device), _stack_any(ts[1::2], dtype, device)])
 
 
 @dataclass
@@ -375,15 +378,19 @@ def load_tensors(
                 parts.append(t if combined else _own(t, device))
             else:  # small tensor or an explicit float precision: dense at load
                 parts.append(t.dequantize(target).to(device))
-        t = parts[0] if not combined else src.combine(parts)
+        stacks = src.combine in (_stack_any, _stack_pairs)  # copied once, into huge pages where they apply
+        t = parts[0] if not combined else src.combine(parts, target, device) if stacks else src.combine(parts)
         if after is not None:
             t = after(t)
-        if combined:  # the new stack into huge pages too (one more copy, at load only, where they apply)
+        if combined and not stacks:  # the new tensor into huge pages too (one more copy, where they apply)
             t = _resident(t.to(device=device, dtype=target) if isinstance(t, torch.Tensor) else t.to(device))
         if not spec.integer:
             check_finite(t, name, src)
         if want in PACKED and linear_only and isinstance(t, torch.Tensor):
-            t = _resident(pack(t, name, want))
+            packed = pack(
+                t, name, want
+            )  # a stack's codes are stacked into huge pages (QuantizedTensor.stack)
+            t = packed if t.dim() > 2 else _resident(packed)
         out[name] = t
     return out
 

@@ -396,7 +396,7 @@ class QuantizedTensor:
         scale = torch.stack([t.scale for t in tensors])
         return cls(
             t0.format,
-            torch.stack([t.codes for t in tensors]),
+            memory.stack([t.codes for t in tensors]),  # the big part: into huge pages (kernels/memory.py)
             scale,
             block=t0.block,
             global_scale=gs,
