@@ -737,3 +737,43 @@ def test_resolve_format_compressed_tensors_fp8_strategies():
         CheckpointError, match=r"q: compressed-tensors format 'pack-quantized' is not supported"
     ):
         resolve_format(int4, {"q.weight_packed": "I32", "q.weight_scale": "BF16"}, "q")
+
+
+def _same(a: dict, b: dict) -> bool:
+    raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(raw(a[k]).nan_to_num(7.0), raw(b[k]).nan_to_num(7.0))
+        for k in a
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_encoders_by_row_chunks_equal_the_whole_matrix(monkeypatch, dtype):
+    """The encoders work a few rows at a time (weights/quant.py CHUNK_BYTES; whole-matrix temporaries made
+    packing at load ~8x slower): chunks a few rows long, ending inside a scale block's rows, give the codes and
+    scales of one chunk over the whole matrix (what the compressed-tensors oracles above check), zero and
+    non-finite blocks included; an fp32 input is left as it was."""
+    import moesaic.weights.quant as Q
+
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(300, 160, generator=g) * 0.05).to(dtype)
+    w[128:140] = 0  # a zero block row
+    w[7, 3] = float("nan")
+    before = w.clone()
+    encoders = [
+        lambda w: Q.quantize_fp8_block(w),
+        lambda w: Q.quantize_fp8_block(w, (32, 32), "ue8m0", "deepseek"),
+        lambda w: Q.quantize_fp8_block(w[:, :150], (128, 128)),  # K and N not whole blocks
+        lambda w: Q.quantize_mxfp4(w.nan_to_num()),
+        lambda w: Q.quantize_mxfp4(w.nan_to_num(), "deepseek"),
+        lambda w: Q.quantize_nvfp4(w.nan_to_num()),
+        lambda w: Q.quantize_nvfp4(w.nan_to_num(), "modelopt"),
+    ]
+    monkeypatch.setattr(Q, "CHUNK_BYTES", 1 << 30)
+    assert Q._row_chunks(300, 160) == [(0, 300)]
+    whole = [f(w) for f in encoders]
+    monkeypatch.setattr(Q, "CHUNK_BYTES", 7 * 160 * 4)  # 7 rows a chunk: 43 chunks, none on a block's edge
+    assert len(Q._row_chunks(300, 160)) == 43 and Q._row_chunks(300, 160, 32)[0] == (0, 32)
+    for f, want in zip(encoders, whole):
+        assert _same(f(w), want)
+    assert torch.equal(w.nan_to_num(), before.nan_to_num())

@@ -671,13 +671,12 @@ def pack(t: torch.Tensor, name: str, fmt: str) -> QuantizedTensor:
         return QuantizedTensor.stack(
             [pack(x, f"{name}[{i}]", fmt) for i, x in enumerate(t.unbind(0))], name=name
         )
-    w = t.float()
-    if fmt == "fp8":
+    if fmt == "fp8":  # the encoders take t as it is, a few rows at a time in fp32 (weights/quant.py)
         return from_suffix_dict(
-            quantize_fp8_block(w, (128, 128)), _FP8_CONFIG, name=_base(name), format="fp8_block"
+            quantize_fp8_block(t, (128, 128)), _FP8_CONFIG, name=_base(name), format="fp8_block"
         )
     encode = quantize_mxfp4 if fmt == "mxfp4" else quantize_nvfp4
-    return from_suffix_dict(encode(w), _CT_CONFIG, name=_base(name), format=fmt)
+    return from_suffix_dict(encode(t), _CT_CONFIG, name=_base(name), format=fmt)
 
 
 def to_checkpoint(

@@ -1298,27 +1298,48 @@ def quantize_fp8_block(
     amax floored at 1e-4, stored as float8_e8m0fnu). naming: 'hf' -> weight + weight_scale_inv,
     'deepseek' -> weight + scale, 'compressed-tensors' -> weight + weight_scale."""
     _check_2d(w, "quantize_fp8_block")
-    bn, bk = block
-    n, k = w.shape
-    nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
-    wf = w.float()
-    pad = F.pad(wf.abs(), (0, kb * bk - k, 0, nb * bn - n))
-    amax = pad.view(nb, bn, kb, bk).amax(dim=(1, 3))
-    if scale_fmt == "ue8m0":
-        e = pow2_ceil_e8m0(amax.clamp_min(1e-4) / E4M3_MAX)
-        s_store = e.view(torch.float8_e8m0fnu)
-        s = e8m0_to_float(e)
-    elif scale_fmt == "float":
-        s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        s_store = s
-    else:
-        raise ValueError(f"scale_fmt must be 'float' or 'ue8m0', not {scale_fmt!r}")
-    full = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    q = float_to_e4m3(wf / full)
     sname = {"hf": "weight_scale_inv", "deepseek": "scale", "compressed-tensors": "weight_scale"}.get(naming)
     if sname is None:
         raise ValueError(f"naming must be 'hf', 'deepseek' or 'compressed-tensors', not {naming!r}")
-    return {"weight": q, sname: s_store}
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ValueError(f"scale_fmt must be 'float' or 'ue8m0', not {scale_fmt!r}")
+    bn, bk = block
+    n, k = w.shape
+    nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
+    codes = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
+    s_store = torch.empty(
+        nb, kb, dtype=torch.uint8 if scale_fmt == "ue8m0" else torch.float32, device=w.device
+    )
+    for r0, r1 in _row_chunks(n, kb * bk, bn):  # whole block rows at a time
+        rows = r1 - r0
+        nbc = _ceil_div(rows, bn)
+        wf = w[r0:r1].float()
+        pad_r, pad_c = nbc * bn - rows, kb * bk - k
+        blocks = (F.pad(wf, (0, pad_c, 0, pad_r)) if pad_r or pad_c else wf).view(nbc, bn, kb, bk)
+        amax = blocks.abs().amax(dim=(1, 3))
+        if scale_fmt == "ue8m0":
+            e = pow2_ceil_e8m0(amax.clamp_min(1e-4) / E4M3_MAX)
+            s_store[r0 // bn : r0 // bn + nbc] = e
+            sc = e8m0_to_float(e)
+        else:
+            sc = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+            s_store[r0 // bn : r0 // bn + nbc] = sc
+        q = (blocks / sc[:, None, :, None]).view(nbc * bn, kb * bk)[:rows, :k]
+        codes[r0:r1] = float_to_e4m3(q)
+    return {"weight": codes, sname: s_store.view(torch.float8_e8m0fnu) if scale_fmt == "ue8m0" else s_store}
+
+
+# An encoder works through a weight a few rows at a time, its fp32 temporaries (~CHUNK_BYTES) staying in
+# cache: whole-matrix temporaries (fresh memory, page-faulted) made packing at load ~8x slower
+# (docs/perf.md). Each value's arithmetic is the same either way: the codes and scales are too.
+CHUNK_BYTES = 1 << 20
+
+
+def _row_chunks(n: int, width: int, unit: int = 1):
+    """[r0, r1) ranges over n rows of `width` fp32 values, about CHUNK_BYTES each, a multiple of `unit` rows
+    (a scale block's) but for the last."""
+    step = unit * max(1, CHUNK_BYTES // (4 * width * unit))
+    return [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
 
 
 def quantize_fp8_tensor(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -1335,19 +1356,21 @@ def quantize_mxfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[
     naming 'compressed-tensors' -> weight_packed U8 + weight_scale U8;
     'deepseek' -> weight I8 + scale F8_E8M0."""
     _check_2d(w, "quantize_mxfp4")
+    if naming not in ("compressed-tensors", "deepseek"):
+        raise ValueError(f"naming must be 'compressed-tensors' or 'deepseek', not {naming!r}")
     n, k = w.shape
     if k % MXFP4_GROUP:
         raise ValueError(f"mxfp4 needs K % 32 == 0, got {k}")
-    g = w.float().view(n, k // MXFP4_GROUP, MXFP4_GROUP)
-    amax = g.abs().amax(-1).clamp_min(E2M1_MAX * 2.0**-126)
-    e = pow2_ceil_e8m0(amax / E2M1_MAX)
-    codes = float_to_e2m1_codes(g / e8m0_to_float(e)[..., None]).view(n, k)
-    packed = pack_fp4_codes(codes)
+    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
+    e = torch.empty(n, k // MXFP4_GROUP, dtype=torch.uint8, device=w.device)
+    for r0, r1 in _row_chunks(n, k):
+        g = w[r0:r1].float().view(r1 - r0, k // MXFP4_GROUP, MXFP4_GROUP)
+        amax = g.abs().amax(-1).clamp_min(E2M1_MAX * 2.0**-126)
+        e[r0:r1] = ec = pow2_ceil_e8m0(amax / E2M1_MAX)
+        packed[r0:r1] = pack_fp4_codes(float_to_e2m1_codes(g / e8m0_to_float(ec)[..., None]).view(r1 - r0, k))
     if naming == "compressed-tensors":
         return {"weight_packed": packed, "weight_scale": e}
-    if naming == "deepseek":
-        return {"weight": packed.view(torch.int8), "scale": e.view(torch.float8_e8m0fnu)}
-    raise ValueError(f"naming must be 'compressed-tensors' or 'deepseek', not {naming!r}")
+    return {"weight": packed.view(torch.int8), "scale": e.view(torch.float8_e8m0fnu)}
 
 
 def quantize_nvfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[str, torch.Tensor]:
@@ -1356,25 +1379,33 @@ def quantize_nvfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[
     compressed-tensors weight_global_scale = 448*6/amax (divisor). Codes are rounded against the
     effective scale exactly as the decoder applies it."""
     _check_2d(w, "quantize_nvfp4")
+    if naming not in ("compressed-tensors", "modelopt"):
+        raise ValueError(f"naming must be 'compressed-tensors' or 'modelopt', not {naming!r}")
     n, k = w.shape
     if k % NVFP4_GROUP:
         raise ValueError(f"nvfp4 needs K % 16 == 0, got {k}")
-    g = w.float().view(n, k // NVFP4_GROUP, NVFP4_GROUP)
-    amax_t = g.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-    gmax = g.abs().amax(-1)
+    chunks = _row_chunks(n, k)
+    lo, hi = torch.aminmax(w)  # one pass, no temporary: max |w| exactly
+    amax_t = torch.maximum(-lo, hi).float()
+    amax_t = amax_t.clamp_min(torch.finfo(torch.float32).tiny)
     if naming == "compressed-tensors":
         gs = (E4M3_MAX * E2M1_MAX / amax_t).reshape(1)
-        s = float_to_e4m3(gmax / E2M1_MAX * gs)
-        eff = s.float() / gs
-    elif naming == "modelopt":
-        gs = (amax_t / (E4M3_MAX * E2M1_MAX)).reshape(())
-        s = float_to_e4m3(gmax / E2M1_MAX / gs)
-        eff = s.float() * gs
     else:
-        raise ValueError(f"naming must be 'compressed-tensors' or 'modelopt', not {naming!r}")
-    safe = torch.where(eff > 0, eff, torch.ones_like(eff))
-    x = torch.where(eff[..., None] > 0, g / safe[..., None], torch.zeros_like(g))
-    packed = pack_fp4_codes(float_to_e2m1_codes(x).view(n, k))
+        gs = (amax_t / (E4M3_MAX * E2M1_MAX)).reshape(())
+    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
+    s = torch.empty(n, k // NVFP4_GROUP, dtype=torch.float8_e4m3fn, device=w.device)
+    for r0, r1 in chunks:
+        g = w[r0:r1].float().view(r1 - r0, k // NVFP4_GROUP, NVFP4_GROUP)
+        gmax = g.abs().amax(-1)
+        if naming == "compressed-tensors":
+            s[r0:r1] = sc = float_to_e4m3(gmax / E2M1_MAX * gs)
+            eff = sc.float() / gs
+        else:
+            s[r0:r1] = sc = float_to_e4m3(gmax / E2M1_MAX / gs)
+            eff = sc.float() * gs
+        safe = torch.where(eff > 0, eff, torch.ones_like(eff))
+        x = torch.where(eff[..., None] > 0, g / safe[..., None], torch.zeros_like(g))
+        packed[r0:r1] = pack_fp4_codes(float_to_e2m1_codes(x).view(r1 - r0, k))
     if naming == "compressed-tensors":
         return {"weight_packed": packed, "weight_scale": s, "weight_global_scale": gs.float()}
     return {"weight": packed, "weight_scale": s, "weight_scale_2": gs.float()}
