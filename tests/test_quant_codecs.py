@@ -755,6 +755,7 @@ def test_encoders_by_row_chunks_equal_the_whole_matrix(monkeypatch, dtype):
     non-finite blocks included; an fp32 input is left as it was."""
     import moesaic.weights.quant as Q
 
+    monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")  # the torch code (the compiled fp4 pass takes no chunks)
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(300, 160, generator=g) * 0.05).to(dtype)
     w[128:140] = 0  # a zero block row
@@ -777,3 +778,45 @@ def test_encoders_by_row_chunks_equal_the_whole_matrix(monkeypatch, dtype):
     for f, want in zip(encoders, whole):
         assert _same(f(w), want)
     assert torch.equal(w.nan_to_num(), before.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_fp4_encoders_compiled_equal_the_torch_code(monkeypatch, dtype):
+    """kernels/cpu.encode_fp4 (one compiled pass) writes the torch code's bytes for MXFP4 and both NVFP4
+    conventions: values on the E2M1 grid's ties, zero groups, groups whose E8M0 scale is a subnormal or
+    2^127, rows of mixed magnitudes; a non-finite value leaves the work to the torch code."""
+    import moesaic.weights.quant as Q
+    from moesaic.kernels import cpu
+
+    if cpu.load() is None:
+        pytest.skip("no compiled kernels here")
+    g = torch.Generator().manual_seed(9)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    w = torch.randn(37, 128, generator=g) * torch.logspace(-6, 3, 37)[:, None]
+    w[0, :16] = torch.cat([ties, -ties]) * 0.5  # ties of a group whose amax is 3 (scales 0.5 / 1)
+    w[1, :32] = torch.cat([ties, -ties, ties / 4, -ties / 4])
+    w[2] = 0.0  # zero groups
+    w[3, :32] = 1e-39  # a subnormal amax: the floored E8M0 scale
+    w[4, 32:64] = 3e38 if dtype == torch.float32 else 3e4
+    w = w.to(dtype)
+    encoders = {
+        "mxfp4": lambda w: Q.quantize_mxfp4(w),
+        "nvfp4": lambda w: Q.quantize_nvfp4(w),
+        "nvfp4-modelopt": lambda w: Q.quantize_nvfp4(w, "modelopt"),
+    }
+    bad = w.clone()
+    bad[5, 7] = float("nan")
+    bad[6, 9] = float("inf")
+    for name, f in encoders.items():
+        gs = 1.0 if name == "mxfp4" else 0.5
+        G = 32 if name == "mxfp4" else 16
+        probe = (torch.empty(37, 64, dtype=torch.uint8), torch.empty(37, 128 // G, dtype=torch.uint8))
+        assert cpu.encode_fp4(name, w, gs, *probe)  # the compiled pass serves finite weights
+        assert not cpu.encode_fp4(name, bad, gs, *probe)
+        monkeypatch.setenv("MOESAIC_CPU_KERNELS", "1")
+        compiled = [f(w), f(bad)]
+        monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")
+        plain = [f(w), f(bad)]
+        monkeypatch.delenv("MOESAIC_CPU_KERNELS")
+        for a, b in zip(compiled, plain):
+            assert _same(a, b), name

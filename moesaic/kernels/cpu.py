@@ -182,6 +182,7 @@ def load(verbose: bool = False):
                 "kda_project",
                 "sink_attend",
                 "dsa_gathered_bf16",
+                "encode_fp4",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -392,6 +393,25 @@ def serves_dense(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `linear(x, w)` runs the bf16 kernel (its first branch): each output row of that kernel is its
     own sum, the same bits whatever weight rows share the call (layers/linear.py RowStack relies on it)."""
     return type(w) is torch.Tensor and x.dtype == w.dtype and x.dim() == 2 and _dense_kernel(x, w) is not None
+
+
+FP4_ENCODINGS = {"mxfp4": 0, "nvfp4": 1, "nvfp4-modelopt": 2}
+
+
+def encode_fp4(encoding: str, w: torch.Tensor, gs: float, packed: torch.Tensor, scales: torch.Tensor) -> bool:
+    """weights/quant.py's quantize_mxfp4 / quantize_nvfp4 (`encoding` in FP4_ENCODINGS; gs the NVFP4 global scale
+    as that code makes it) of w [N, K] into packed [N, K/2] and scales [N, K/G] (uint8 views), the same bytes,
+    in one pass with torch's threads (the torch code takes ~13 elementwise passes for the codes alone). False
+    where it does not apply (kernels off or unbuilt, w elsewhere than the CPU, a value not finite): the caller
+    runs the torch code."""
+    if not (w.is_cpu and w.dim() == 2 and w.stride(-1) == 1 and w.dtype in _X_DTYPES and enabled()):
+        return False
+    mod = _module()
+    if mod is None:
+        return False
+    return bool(
+        mod.encode_fp4(FP4_ENCODINGS[encoding], w, float(gs), packed, scales, torch.get_num_threads())
+    )
 
 
 def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:

@@ -47,8 +47,11 @@ CPP = r"""
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <omp.h>
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <array>
 #include <optional>
 #include <cstdint>
@@ -2585,6 +2588,87 @@ torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor p
     mhc_mix(ty_of(streams), static_cast<const char*>(streams.data_ptr()), static_cast<const char*>(y.data_ptr()),
             post.data_ptr<float>(), comb.data_ptr<float>(), static_cast<char*>(out.data_ptr()), N, n, d, threads);
     return out;
+}
+
+// weights/quant.py's encoders quantize_mxfp4 (kind 0) and quantize_nvfp4 (1: compressed-tensors' global
+// scale gs, a divisor; 2: ModelOpt's, a multiplier) over w [N, K] (fp32 / bf16 / fp16, unit stride in K): the
+// torch code's fp32 operations in its order, so the same bytes. Writes packed [N, K/2] (E2M1 pairs, the
+// even value in the low nibble) and scales [N, K/G] (E8M0 bytes, or E4M3 for NVFP4; G = 32 or 16). Returns
+// false where a value is not finite (the outputs then partly written): the caller runs the torch code, whose
+// NaN and infinity rules this does not copy.
+bool encode_fp4(int64_t kind, torch::Tensor w, double gs, torch::Tensor packed, torch::Tensor scales,
+                int64_t nthreads) {
+    TORCH_CHECK(kind >= 0 && kind <= 2, "encode_fp4: kind 0 (mxfp4), 1 or 2 (nvfp4)");
+    TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "encode_fp4: w [N, K], unit stride in K");
+    const int64_t N = w.size(0), K = w.size(1), G = kind == 0 ? 32 : 16;
+    TORCH_CHECK(K % G == 0, "encode_fp4: K a multiple of the group");
+    TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kUInt8 && packed.size(0) == N &&
+                    packed.size(1) == K / 2 && scales.is_contiguous() && scales.scalar_type() == torch::kUInt8 &&
+                    scales.size(0) == N && scales.size(1) == K / G,
+                "encode_fp4: packed [N, K/2] and scales [N, K/G] uint8, contiguous");
+    const int t = ty_of(w);
+    const char* wp = static_cast<const char*>(w.data_ptr());
+    const int64_t ld = w.stride(0) * w.element_size();
+    uint8_t *pp = packed.data_ptr<uint8_t>(), *sp = scales.data_ptr<uint8_t>();
+    const float g32 = (float)gs, floor_mx = 6.0f * std::ldexp(1.0f, -126);
+    int finite = 1;
+    pybind11::gil_scoped_release no_gil;
+#pragma omp parallel num_threads((int)std::max<int64_t>(1, nthreads)) reduction(&& : finite)
+    {
+        std::vector<float> row(K);
+        std::array<float, 32> x{};
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < N; ++i) {
+            load_row(t, wp + i * ld, row.data(), K);
+            for (int64_t g = 0; g < K / G; ++g) {
+                const float* v = row.data() + g * G;
+                float amax = 0.f;
+                bool ok = true;
+                for (int64_t j = 0; j < G; ++j) {
+                    const float a = std::fabs(v[j]);
+                    ok = ok && a <= FLT_MAX;
+                    amax = a > amax ? a : amax;
+                }
+                if (!ok) {
+                    finite = 0;
+                    continue;
+                }
+                if (kind == 0) {  // amax floored, pow2_ceil_e8m0(amax / 6), divided by 2^(e - 127)
+                    int e2;
+                    const float m = std::frexp(std::max(amax, floor_mx) / 6.0f, &e2);
+                    const int e = std::min(254, std::max(0, (m == 0.5f ? e2 - 1 : e2) + 127));
+                    sp[i * (K / G) + g] = (uint8_t)e;
+                    // times 2^(127 - e) is v / 2^(e - 127) exactly (both powers of two are floats: e <= 254)
+                    const float inv = std::ldexp(1.0f, 127 - e);
+                    for (int64_t j = 0; j < G; ++j) x[j] = v[j] * inv;
+                } else {  // the group's E4M3 scale against gs, then values over the effective scale (0 where <= 0)
+                    float s = kind == 1 ? amax / 6.0f * g32 : amax / 6.0f / g32;
+                    s = std::min(448.0f, std::max(-448.0f, s));
+                    const c10::Float8_e4m3fn s8(s);
+                    sp[i * (K / G) + g] = s8.x;
+                    const float eff = kind == 1 ? (float)s8 / g32 : (float)s8 * g32;
+                    if (eff > 0.f)
+                        for (int64_t j = 0; j < G; ++j) x[j] = v[j] / eff;
+                    else
+                        for (int64_t j = 0; j < G; ++j) x[j] = 0.f;
+                }
+                // nearest E2M1 value, ties to the even code, +-6 at most; the sign bit as the value's (-0 too).
+                // Branch-free over the group so that it vectorises.
+                std::array<int32_t, 32> c{};
+                for (int64_t j = 0; j < G; ++j) {
+                    const float a = std::fabs(x[j]);
+                    uint32_t bits;
+                    std::memcpy(&bits, &x[j], 4);
+                    c[j] = (int32_t)(a > 0.25f) + (int32_t)(a >= 0.75f) + (int32_t)(a > 1.25f) +
+                           (int32_t)(a >= 1.75f) + (int32_t)(a > 2.5f) + (int32_t)(a >= 3.5f) + (int32_t)(a > 5.0f) +
+                           (int32_t)((bits >> 31) << 3);
+                }
+                uint8_t* out = pp + i * (K / 2) + g * G / 2;
+                for (int64_t j = 0; j < G / 2; ++j) out[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
+            }
+        }
+    }
+    return finite != 0;
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
