@@ -117,7 +117,8 @@ def _stack_any(ts: list, dtype: torch.dtype | None = None, device=None):
     `dtype`, on `device`; packed ones keep their format)."""
     if all(isinstance(t, torch.Tensor) for t in ts):
         return memory.stack(ts, dtype, device)
-    return QuantizedTensor.stack(ts).to(device or ts[0].codes.device)
+    stacked = QuantizedTensor.stack(ts)
+    return stacked if device is None else stacked.to(device)
 
 
 def _stack_pairs(ts: list, dtype: torch.dtype | None = None, device=None):
@@ -387,9 +388,8 @@ def load_tensors(
         if not spec.integer:
             check_finite(t, name, src)
         if want in PACKED and linear_only and isinstance(t, torch.Tensor):
-            packed = pack(
-                t, name, want
-            )  # a stack's codes are stacked into huge pages (QuantizedTensor.stack)
+            # a stack's codes are stacked into huge pages already (QuantizedTensor.stack); a matrix's moved there
+            packed = pack(t, name, want)
             t = packed if t.dim() > 2 else _resident(packed)
         out[name] = t
     return out

@@ -1291,6 +1291,19 @@ def _check_2d(w: torch.Tensor, what: str):
         raise ValueError(f"{what} quantizes one [N, K] matrix, got {list(w.shape)}; stack experts afterwards")
 
 
+# An encoder works through a weight a few rows at a time, its fp32 temporaries (~CHUNK_BYTES) staying in
+# cache: whole-matrix temporaries (fresh memory, page-faulted) made packing at load ~8x slower
+# (docs/perf.md). Each value's arithmetic is the same either way: the codes and scales are too.
+CHUNK_BYTES = 1 << 20
+
+
+def _row_chunks(n: int, width: int, unit: int = 1):
+    """[r0, r1) ranges over n rows of `width` fp32 values, about CHUNK_BYTES each, a multiple of `unit` rows
+    (a scale block's) but for the last."""
+    step = unit * max(1, CHUNK_BYTES // (4 * width * unit))
+    return [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+
+
 def quantize_fp8_block(
     w: torch.Tensor, block: Sequence[int] = (128, 128), scale_fmt: str = "float", naming: str = "hf"
 ) -> dict[str, torch.Tensor]:
@@ -1327,19 +1340,6 @@ def quantize_fp8_block(
         q = (blocks / sc[:, None, :, None]).view(nbc * bn, kb * bk)[:rows, :k]
         codes[r0:r1] = float_to_e4m3(q)
     return {"weight": codes, sname: s_store.view(torch.float8_e8m0fnu) if scale_fmt == "ue8m0" else s_store}
-
-
-# An encoder works through a weight a few rows at a time, its fp32 temporaries (~CHUNK_BYTES) staying in
-# cache: whole-matrix temporaries (fresh memory, page-faulted) made packing at load ~8x slower
-# (docs/perf.md). Each value's arithmetic is the same either way: the codes and scales are too.
-CHUNK_BYTES = 1 << 20
-
-
-def _row_chunks(n: int, width: int, unit: int = 1):
-    """[r0, r1) ranges over n rows of `width` fp32 values, about CHUNK_BYTES each, a multiple of `unit` rows
-    (a scale block's) but for the last."""
-    step = unit * max(1, CHUNK_BYTES // (4 * width * unit))
-    return [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
 
 
 def quantize_fp8_tensor(w: torch.Tensor) -> dict[str, torch.Tensor]:
