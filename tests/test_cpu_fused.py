@@ -765,7 +765,8 @@ def test_kda_project_keeps_the_torch_bits(kernels, monkeypatch, variant):
     """layers/kda.py's kda_project in one call (cpu.kda_project: the eight products as `linear` computes each,
     the log-decay, beta) gives the torch code's qkv, g, beta and gate bit for bit at 1 to MAX_ROWS rows: the
     Kimi-Linear law, GLM-5.3's bounded one, K3's full-rank gate, bf16 and mxfp4 weights; the call is taken;
-    more rows, or an fp32 weight, keep the torch code."""
+    more rows, or an fp32 weight, keep the torch code. The six products of x stacked by rows (stack_inputs:
+    one call, where all six stack together) give the same bits."""
     from moesaic.weights.quant import from_suffix_dict, quantize_mxfp4
 
     g = torch.Generator().manual_seed(23)
@@ -773,21 +774,26 @@ def test_kda_project_keeps_the_torch_bits(kernels, monkeypatch, variant):
     dims = kda.KdaDims.for_variant(variant, d, H, D)
     bf = lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16()  # noqa: E731
     mx = lambda *s: from_suffix_dict(quantize_mxfp4(torch.randn(*s, generator=g) * 0.2))  # noqa: E731
-    for make in (bf, mx):
+    for make, b_make in ((bf, bf), (mx, bf), (mx, mx)):
         w = kda.KdaWeights(
             q_proj=make(H * D, d), k_proj=make(H * D, d), v_proj=make(H * D, d),
             conv=torch.randn(3 * H * D, 4, generator=g), f_a_proj=make(D, d), f_b_proj=make(H * D, D),
-            dt_bias=torch.randn(H * D, generator=g), A_log=torch.rand(H, generator=g), b_proj=bf(H, d),
+            dt_bias=torch.randn(H * D, generator=g), A_log=torch.rand(H, generator=g), b_proj=b_make(H, d),
             o_norm=torch.ones(D), o_proj=bf(d, H * D),
             g_a_proj=None if dims.full_rank_gate else make(D, d),
             g_b_proj=None if dims.full_rank_gate else make(H * D, D),
             g_proj=make(H * D, d) if dims.full_rank_gate else None,
         )  # fmt: skip
+        stacked = kda.stack_inputs(w)
+        assert (stacked.x_stack is not None) == (b_make is make)  # a dense b among packed ones: no stack
         for n in (1, 3, cpu.MAX_ROWS):
             x = torch.randn(n, d, generator=g).bfloat16()
             got, want = fused_and_torch(monkeypatch, "kda_project", kda.kda_project, x, w, dims)
             for a, b in zip(got, want):
                 assert a.dtype == b.dtype and torch.equal(a, b), (variant, make, n)
+            got, _ = fused_and_torch(monkeypatch, "kda_project", kda.kda_project, x, stacked, dims)
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b), (variant, make, n)
     x = torch.randn(cpu.MAX_ROWS + 1, d, generator=g).bfloat16()
     ops = [kda.operand(m) for m in (w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj)]
     assert cpu.kda_project(x, ops + [ops[0]], w.A_log, w.dt_bias, D, None) is None

@@ -769,10 +769,12 @@ def kda_recur(qkv, g, beta, tail, conv_w, S, heads: int, head_dim: int, snapshot
     )
 
 
-def kda_project(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound):
+def kda_project(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound, stacked: tuple = ()):
     """layers/kda.py's kda_project in one call for up to MAX_ROWS rows: the products of the operands `ops` (q,
-    k, v, f_a, f_b, b, then g or g_a, g_b) as `linear` would compute each, the log-decay and beta, the same
-    bits. (qkv, g, beta, gate), or None where it does not apply (the caller runs the torch code)."""
+    k, v, f_a, f_b, b, then g or g_a, g_b; or, with `stacked` the sizes of its six parts, the stack of x's
+    products q | k | v | f_a | b | g or g_a, then f_b and g_b) as `linear` would compute each, the log-decay and
+    beta, the same bits. (qkv, g, beta, gate), or None where it does not apply (the caller runs the torch
+    code)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
         return None
     mod = _fused_mod(x, A_log, dt_bias) if _operands_fit(ops, x) else None
@@ -780,7 +782,7 @@ def kda_project(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound):
         return None
     threads = _own_threads(ops, x.shape[0])
     lb = None if lower_bound is None else float(lower_bound)
-    out = mod.kda_project(x, ops, threads, A_log, dt_bias, head_dim, lb, _path())
+    out = mod.kda_project(x, ops, threads, A_log, dt_bias, head_dim, lb, _path(), list(stacked))
     stats["kernel_calls"] += len(ops)
     return tuple(out)
 

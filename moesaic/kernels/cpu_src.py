@@ -2307,20 +2307,36 @@ torch::Tensor operand_gemm(const torch::Tensor& a, const Operand& m, std::option
 // order: q, k, v, f_a, f_b, b, then g or g_a, g_b; each through gemm with the threads its own call would take),
 // the log-decay (kda_gate: -exp(A_log) softplus(z + dt_bias), or lower_bound sigmoid(exp(A_log) (z + dt_bias)))
 // and beta = sigmoid(b x) in fp32: the same products and torch ops in the same order, so the same bits.
-// Returns {qkv, g, beta, gate}.
+// `stacked` (the sizes of its parts): ops[0] is the six products of x stacked by rows (q | k | v | f_a | b |
+// g or g_a: layers/kda.py stack_inputs), then f_b and g_b where the gate is low-rank; each output row of gemm
+// is its own sum, so the parts have the bits of the separate products. Returns {qkv, g, beta, gate}.
 std::vector<torch::Tensor> kda_project(torch::Tensor x, std::vector<Operand> ops, std::vector<int64_t> threads,
                                        torch::Tensor A_log, torch::Tensor dt_bias, int64_t head_dim,
-                                       std::optional<double> lower_bound, int64_t path) {
-    TORCH_CHECK((ops.size() == 7 || ops.size() == 8) && threads.size() == ops.size(), "kda_project: 7 or 8 products");
+                                       std::optional<double> lower_bound, int64_t path, std::vector<int64_t> stacked) {
+    const bool st = !stacked.empty();
+    TORCH_CHECK(threads.size() == ops.size() && (st ? stacked.size() == 6 && (ops.size() == 2 || ops.size() == 3)
+                                                    : ops.size() == 7 || ops.size() == 8),
+                "kda_project: 7 or 8 products, or a stack of six and 1 or 2");
     const auto f32 = torch::kFloat32;
     auto lin = [&](const torch::Tensor& a, size_t i) { return operand_gemm(a, ops[i], std::nullopt, threads[i], path); };
-    auto qkv = at::cat({lin(x, 0), lin(x, 1), lin(x, 2)}, -1);
-    auto z = lin(lin(x, 3), 4);
+    torch::Tensor qkv, fa, bx, gx;  // x's products: q | k | v, f_a, b, g or g_a
+    if (st) {
+        auto parts = lin(x, 0).split_with_sizes(stacked, -1);
+        qkv = at::cat({parts[0], parts[1], parts[2]}, -1);
+        fa = parts[3].contiguous(), bx = parts[4], gx = parts[5];
+    } else {
+        qkv = at::cat({lin(x, 0), lin(x, 1), lin(x, 2)}, -1);
+        fa = lin(x, 3), bx = lin(x, 5);
+    }
+    const size_t fb = st ? 1 : 4;  // f_b, then (low-rank gate) g_b
+    auto z = lin(fa, fb);
     auto u = (z.to(f32) + dt_bias.to(f32)).view({z.size(0), -1, head_dim});
     auto rate = at::exp(A_log.to(f32)).view({1, -1, 1});
     auto g = lower_bound ? at::sigmoid(rate * u) * *lower_bound : -rate * at::softplus(u, 1.0, 20.0);
-    auto beta = at::sigmoid(lin(x, 5).to(f32));
-    auto gate = ops.size() == 7 ? lin(x, 6) : lin(lin(x, 6), 7);
+    auto beta = at::sigmoid(bx.to(f32));
+    torch::Tensor gate;
+    if (st) gate = ops.size() == 2 ? gx.contiguous() : lin(gx.contiguous(), 2);
+    else gate = ops.size() == 7 ? lin(x, 6) : lin(lin(x, 6), 7);
     return {qkv, g, beta, gate};
 }
 

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, operand
+from .linear import RowStack, linear, operand, replacement, stack_rows
 from .recurrent import RecurrentMixer, fold_channels, repeat_sections, unfold_channels
 
 L2NORM_EPS = 1e-6
@@ -129,6 +129,9 @@ class KdaWeights:
     g_a_proj: Tensor | None = None  # [Dv, d]        low-rank output gate
     g_b_proj: Tensor | None = None  # [H*Dv, Dv]
     g_proj: Tensor | None = None  # [H*Dv, d]       full-rank output gate (K3)
+    # q | k | v | f_a | b | g or g_a (every product of the layer input) stacked by rows (`stack_inputs`): one
+    # kernel call and one longer weight stream at decode sizes; the fields above are views of its rows
+    x_stack: RowStack | None = None
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -298,16 +301,46 @@ def kda_attend(
 # ----------------------------------------------------------------------------- the block
 
 
+def stack_inputs(w: KdaWeights) -> KdaWeights:
+    """w with its six products of the layer input (q, k, v, f_a, b, then g or g_a) stacked by rows into one
+    weight (layers/linear.stack_rows), where all six stack together (dense bf16, or packed in one scale
+    layout); its fields become views of the stack's rows (no memory added). Unchanged otherwise."""
+    ws = [
+        w.q_proj,
+        w.k_proj,
+        w.v_proj,
+        w.f_a_proj,
+        w.b_proj,
+        w.g_proj if w.g_proj is not None else w.g_a_proj,
+    ]
+    stacks = stack_rows(ws)
+    if len(stacks) != 1 or len(stacks[0].parts) != len(ws):
+        return w
+    swap = replacement(stacks)
+    fields = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "f_a_proj",
+        "b_proj",
+        "g_proj" if w.g_proj is not None else "g_a_proj",
+    )
+    return dataclasses.replace(w, x_stack=stacks[0], **{f: swap[id(getattr(w, f))] for f in fields})
+
+
 def kda_project(x: Tensor, w: KdaWeights, dims: KdaDims) -> tuple[Tensor, ...]:
     """The row-wise part before the recurrence, for every row of a batch at once (no state): the q|k|v
     projections [N, 3HD] in x's dtype, the log-decay g [N, H, Dk] and beta [N, H] in fp32, the output
     gate's projection [N, H*Dv]."""
     if not kernels("kda", x):  # decode rows and verify blocks on the CPU: the code below in one call
-        mats = [w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj]
-        mats += [w.g_proj] if w.g_proj is not None else [w.g_a_proj, w.g_b_proj]
-        fused = cpu.kda_project(
-            x, [operand(m) for m in mats], w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound
-        )
+        low_rank = [] if w.g_proj is not None else [w.g_b_proj]
+        if w.x_stack is not None:
+            mats, stacked = [w.x_stack.weight, w.f_b_proj] + low_rank, w.x_stack.sizes
+        else:
+            mats, stacked = [w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj], ()
+            mats += [w.g_proj] if w.g_proj is not None else [w.g_a_proj, w.g_b_proj]
+        ops = [operand(m) for m in mats]
+        fused = cpu.kda_project(x, ops, w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound, stacked)
         if fused is not None:
             return fused
     qkv = torch.cat([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], dim=-1)

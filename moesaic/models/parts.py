@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
-from ..layers.kda import KdaDims, KdaWeights
+from ..layers.kda import KdaDims, KdaWeights, stack_inputs
 from ..layers.mla import MlaWeights
 from ..layers.moe import Mlp, MoeWeights
 from ..weights.bind import Tensors
@@ -184,19 +184,21 @@ def bind_kda(t: Tensors, dims: KdaDims) -> KdaWeights:
             "only a zero tail (Kimi K3's export) can be dropped"
         )
     full = dims.full_rank_gate
-    return KdaWeights(
-        q_proj=t("q_proj.weight"),
-        k_proj=t("k_proj.weight"),
-        v_proj=t("v_proj.weight"),
-        conv=conv.float(),
-        f_a_proj=gate("f_a_proj.weight"),
-        f_b_proj=gate("f_b_proj.weight"),
-        dt_bias=gate("dt_bias").reshape(-1).float(),
-        A_log=a_log[:H].contiguous(),
-        b_proj=t("b_proj.weight"),
-        o_norm=t("o_norm.weight"),
-        o_proj=t("o_proj.weight"),
-        g_proj=t("g_proj.weight") if full else None,
-        g_a_proj=None if full else t("g_a_proj.weight"),
-        g_b_proj=None if full else t("g_b_proj.weight"),
+    return stack_inputs(
+        KdaWeights(
+            q_proj=t("q_proj.weight"),
+            k_proj=t("k_proj.weight"),
+            v_proj=t("v_proj.weight"),
+            conv=conv.float(),
+            f_a_proj=gate("f_a_proj.weight"),
+            f_b_proj=gate("f_b_proj.weight"),
+            dt_bias=gate("dt_bias").reshape(-1).float(),
+            A_log=a_log[:H].contiguous(),
+            b_proj=t("b_proj.weight"),
+            o_norm=t("o_norm.weight"),
+            o_proj=t("o_proj.weight"),
+            g_proj=t("g_proj.weight") if full else None,
+            g_a_proj=None if full else t("g_a_proj.weight"),
+            g_b_proj=None if full else t("g_b_proj.weight"),
+        )
     )
