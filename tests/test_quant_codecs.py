@@ -820,3 +820,42 @@ def test_fp4_encoders_compiled_equal_the_torch_code(monkeypatch, dtype):
         monkeypatch.delenv("MOESAIC_CPU_KERNELS")
         for a, b in zip(compiled, plain):
             assert _same(a, b), name
+
+
+def test_fp8_encoder_compiled_equals_the_torch_code(monkeypatch):
+    """kernels/cpu.encode_fp8 (one pass per block row, 8 values at a time) writes the torch code's bytes: every
+    1024th float of [-448, 448] rounded alone (a block whose amax is 448: scale 1, so its codes are the values'
+    E4M3 roundings, torch's own conversion), both scale formats, partial blocks, bf16 / fp16 / fp32, zero blocks;
+    a non-finite value leaves the work to the torch code."""
+    import moesaic.weights.quant as Q
+    from moesaic.kernels import cpu
+
+    if cpu.load() is None:
+        pytest.skip("no compiled kernels here")
+    top = torch.tensor(448.0).view(torch.int32).item()
+    mags = torch.arange(0, top + 1, 1024, dtype=torch.int32).view(torch.float32)
+    vals = torch.cat([mags, -mags])
+    rows = torch.nn.functional.pad(vals, (0, -len(vals) % 127)).view(-1, 127)
+    w = torch.cat([torch.full((rows.shape[0], 1), 448.0), rows], dim=1)  # [R, 128]: each row one block
+    got = Q.quantize_fp8_block(w, (1, 128))
+    assert torch.equal(got["weight_scale_inv"], torch.ones(rows.shape[0], 1))
+    assert torch.equal(got["weight"].view(torch.uint8), w.to(torch.float8_e4m3fn).view(torch.uint8))
+
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(300, 200, generator=g) * torch.logspace(-8, 2, 300)[:, None]
+    base[128:256, :128] = 0  # a zero block
+    bad = base.clone()
+    bad[3, 5] = float("nan")
+    probe = torch.empty(300, 200, dtype=torch.uint8), torch.empty(3, 2)
+    assert cpu.encode_fp8(base, (128, 128), False, *probe) and not cpu.encode_fp8(
+        bad, (128, 128), False, *probe
+    )
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for args in (((128, 128), "float"), ((128, 128), "ue8m0"), ((32, 32), "ue8m0"), ((1, 64), "float")):
+            for x in (base.to(dtype), bad.to(dtype)):
+                monkeypatch.setenv("MOESAIC_CPU_KERNELS", "1")
+                compiled = Q.quantize_fp8_block(x, *args)
+                monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")
+                plain = Q.quantize_fp8_block(x, *args)
+                monkeypatch.delenv("MOESAIC_CPU_KERNELS")
+                assert _same(compiled, plain), (dtype, args)

@@ -183,6 +183,7 @@ def load(verbose: bool = False):
                 "sink_attend",
                 "dsa_gathered_bf16",
                 "encode_fp4",
+                "encode_fp8",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -411,6 +412,20 @@ def encode_fp4(encoding: str, w: torch.Tensor, gs: float, packed: torch.Tensor, 
         return False
     return bool(
         mod.encode_fp4(FP4_ENCODINGS[encoding], w, float(gs), packed, scales, torch.get_num_threads())
+    )
+
+
+def encode_fp8(w: torch.Tensor, block, ue8m0: bool, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """weights/quant.py's quantize_fp8_block of w [N, K] with `block` (rows, cols) into codes [N, K] (uint8 view)
+    and scales [ceil(N/rows), ceil(K/cols)] (fp32, or E8M0 bytes with ue8m0), the same bytes, one block row at a
+    time with torch's threads. False where it does not apply (as encode_fp4)."""
+    if not (w.is_cpu and w.dim() == 2 and w.stride(-1) == 1 and w.dtype in _X_DTYPES and enabled()):
+        return False
+    mod = _module()
+    if mod is None:
+        return False
+    return bool(
+        mod.encode_fp8(w, int(block[0]), int(block[1]), ue8m0, codes, scales, torch.get_num_threads())
     )
 
 

@@ -2686,6 +2686,133 @@ bool encode_fp4(int64_t kind, torch::Tensor w, double gs, torch::Tensor packed, 
     }
     return finite != 0;
 }
+
+// x (finite, |x| <= 448) rounded to the nearest E4M3 value, ties to even: c10::Float8_e4m3fn's bits (torch's
+// conversion), without its branches. Below 2^-6 the E4M3 subnormals, multiples of 2^-9 (rounded by adding and
+// taking away 1.5 * 2^23: no contraction in this region); above, the float's bits rounded to 3 mantissa bits
+// and the exponent rebased from 127 to 7. encode_fp8's loop does the same 8 values at a time.
+inline uint8_t e4m3_bits(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    float af;
+    std::memcpy(&af, &a, 4);
+    const float sub = (af * 512.0f + 12582912.0f) - 12582912.0f;
+    const uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+    const uint32_t mag = af < 0.015625f ? (uint32_t)sub : normal;
+    return (uint8_t)(mag | ((u >> 24) & 0x80u));
+}
+
+// One block's row of values [j0, j1) over the scale s, clamped to +-448, to E4M3 bytes (e4m3_bits).
+void e4m3_span(const float* v, float s, uint8_t* out, int64_t j0, int64_t j1) {
+    int64_t j = j0;
+#if defined(MOESAIC_AVX2)
+    const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(448.0f), lo = _mm256_set1_ps(-448.0f);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 k512 = _mm256_set1_ps(512.0f), magic = _mm256_set1_ps(12582912.0f), minnorm = _mm256_set1_ps(0.015625f);
+    const __m256i round = _mm256_set1_epi32(0x7FFFF), one = _mm256_set1_epi32(1), rebase = _mm256_set1_epi32(960),
+                  signbit = _mm256_set1_epi32(0x80);
+    for (; j + 8 <= j1; j += 8) {
+        const __m256 x = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_div_ps(_mm256_loadu_ps(v + j), vs)));
+        const __m256 a = _mm256_and_ps(x, absmask);
+        const __m256i sub = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(a, k512), magic), magic));
+        const __m256i ai = _mm256_castps_si256(a);
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(ai, round), _mm256_and_si256(_mm256_srli_epi32(ai, 20), one));
+        const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(t, 20), rebase);
+        const __m256i mag = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(_mm256_cmp_ps(a, minnorm, _CMP_LT_OQ)));
+        const __m256i code = _mm256_or_si256(mag, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), signbit));
+        const __m256i p8 = _mm256_packus_epi16(_mm256_packus_epi32(code, code), _mm256_setzero_si256());
+        const int32_t b0 = _mm_cvtsi128_si32(_mm256_castsi256_si128(p8)), b1 = _mm_cvtsi128_si32(_mm256_extracti128_si256(p8, 1));
+        std::memcpy(out + j, &b0, 4);
+        std::memcpy(out + j + 4, &b1, 4);
+    }
+#endif
+    for (; j < j1; ++j) out[j] = e4m3_bits(std::min(448.0f, std::max(-448.0f, v[j] / s)));
+}
+
+// The largest |v| of [j0, j1) into m (max is exact in any order); false where one is not finite.
+bool absmax_span(const float* v, int64_t j0, int64_t j1, float& m) {
+    int64_t j = j0;
+    bool ok = true;
+#if defined(MOESAIC_AVX2)
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), big = _mm256_set1_ps(FLT_MAX);
+    __m256 vm = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (; j + 8 <= j1; j += 8) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + j), absmask);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // NaN or infinity
+        vm = _mm256_max_ps(vm, a);
+    }
+    ok = _mm256_movemask_ps(bad) == 0;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vm);
+    for (float l : lanes) m = l > m ? l : m;
+#endif
+    for (; j < j1; ++j) {
+        const float a = std::fabs(v[j]);
+        ok = ok && a <= FLT_MAX;
+        m = a > m ? a : m;
+    }
+    return ok;
+}
+
+// weights/quant.py's quantize_fp8_block over w [N, K] (fp32 / bf16 / fp16, unit stride in K): per (bn, bk) block
+// the amax, the scale (ue8m0: the E8M0 byte of pow2_ceil(max(amax, 1e-4) / 448), else amax / 448, 1 for a zero
+// block), each value over its block's scale clamped to +-448 and rounded to E4M3: the torch code's fp32
+// operations, so the same bytes, one block row at a time (read twice, from cache the second time). codes [N, K]
+// uint8; scales [ceil(N/bn), ceil(K/bk)] fp32, or uint8 (E8M0) with ue8m0. False where a value is not finite
+// (outputs partly written): the caller runs the torch code.
+bool encode_fp8(torch::Tensor w, int64_t bn, int64_t bk, bool ue8m0, torch::Tensor codes, torch::Tensor scales,
+                int64_t nthreads) {
+    TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && bn > 0 && bk > 0, "encode_fp8: w [N, K], unit stride in K");
+    const int64_t N = w.size(0), K = w.size(1), nb = (N + bn - 1) / bn, kb = (K + bk - 1) / bk;
+    TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 && codes.size(0) == N &&
+                    codes.size(1) == K && scales.is_contiguous() && scales.size(0) == nb && scales.size(1) == kb &&
+                    scales.scalar_type() == (ue8m0 ? torch::kUInt8 : torch::kFloat32),
+                "encode_fp8: codes [N, K] uint8, scales [nb, kb] (fp32, or uint8 with ue8m0), contiguous");
+    const int t = ty_of(w);
+    const char* wp = static_cast<const char*>(w.data_ptr());
+    const int64_t ld = w.stride(0) * w.element_size();
+    uint8_t* cp = codes.data_ptr<uint8_t>();
+    uint8_t* s8 = ue8m0 ? scales.data_ptr<uint8_t>() : nullptr;
+    float* s32 = ue8m0 ? nullptr : scales.data_ptr<float>();
+    int finite = 1;
+    pybind11::gil_scoped_release no_gil;
+#pragma omp parallel num_threads((int)std::max<int64_t>(1, nthreads)) reduction(&& : finite)
+    {
+        std::vector<float> row(K), amax(kb), sc(kb);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t r0 = b * bn, r1 = std::min(N, r0 + bn);
+            std::fill(amax.begin(), amax.end(), 0.f);
+            bool ok = true;
+            for (int64_t r = r0; r < r1 && ok; ++r) {  // the blocks' amax
+                load_row(t, wp + r * ld, row.data(), K);
+                for (int64_t c = 0; c < kb; ++c) ok = absmax_span(row.data(), c * bk, std::min(K, (c + 1) * bk), amax[c]) && ok;
+            }
+            if (!ok) {
+                finite = 0;
+                continue;
+            }
+            for (int64_t c = 0; c < kb; ++c) {
+                if (ue8m0) {
+                    int e2;
+                    const float m = std::frexp(std::max(amax[c], 1e-4f) / 448.0f, &e2);
+                    const int e = std::min(254, std::max(0, (m == 0.5f ? e2 - 1 : e2) + 127));
+                    s8[b * kb + c] = (uint8_t)e;
+                    sc[c] = std::ldexp(1.0f, e - 127);
+                } else {
+                    sc[c] = amax[c] > 0.f ? amax[c] / 448.0f : 1.0f;
+                    s32[b * kb + c] = sc[c];
+                }
+            }
+            for (int64_t r = r0; r < r1; ++r) {
+                load_row(t, wp + r * ld, row.data(), K);
+                for (int64_t c = 0; c < kb; ++c) e4m3_span(row.data(), sc[c], cp + r * K, c * bk, std::min(K, (c + 1) * bk));
+            }
+        }
+    }
+    return finite != 0;
+}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
