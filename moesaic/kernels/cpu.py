@@ -399,19 +399,24 @@ def serves_dense(x: torch.Tensor, w: torch.Tensor) -> bool:
 FP4_ENCODINGS = {"mxfp4": 0, "nvfp4": 1, "nvfp4-modelopt": 2}
 
 
+def _encoder(w: torch.Tensor):
+    """The compiled module when an encoder serves w (a 2-D fp32 / bf16 / fp16 weight on the CPU, unit stride in
+    its last dim, the kernels on and built), else None."""
+    if not (w.is_cpu and w.dim() == 2 and w.stride(-1) == 1 and w.dtype in _X_DTYPES and enabled()):
+        return None
+    return _module()
+
+
 def encode_fp4(encoding: str, w: torch.Tensor, gs: float, packed: torch.Tensor, scales: torch.Tensor) -> bool:
     """weights/quant.py's quantize_mxfp4 / quantize_nvfp4 (`encoding` in FP4_ENCODINGS; gs the NVFP4 global scale
     as that code makes it) of w [N, K] into packed [N, K/2] and scales [N, K/G] (uint8 views), the same bytes,
     in one pass with torch's threads (the torch code takes ~13 elementwise passes for the codes alone). False
     where it does not apply (kernels off or unbuilt, w elsewhere than the CPU, a value not finite): the caller
     runs the torch code."""
-    if not (w.is_cpu and w.dim() == 2 and w.stride(-1) == 1 and w.dtype in _X_DTYPES and enabled()):
-        return False
-    mod = _module()
-    if mod is None:
-        return False
-    return bool(
-        mod.encode_fp4(FP4_ENCODINGS[encoding], w, float(gs), packed, scales, torch.get_num_threads())
+    mod = _encoder(w)
+    threads = torch.get_num_threads()
+    return mod is not None and bool(
+        mod.encode_fp4(FP4_ENCODINGS[encoding], w, float(gs), packed, scales, threads)
     )
 
 
@@ -419,14 +424,9 @@ def encode_fp8(w: torch.Tensor, block, ue8m0: bool, codes: torch.Tensor, scales:
     """weights/quant.py's quantize_fp8_block of w [N, K] with `block` (rows, cols) into codes [N, K] (uint8 view)
     and scales [ceil(N/rows), ceil(K/cols)] (fp32, or E8M0 bytes with ue8m0), the same bytes, one block row at a
     time with torch's threads. False where it does not apply (as encode_fp4)."""
-    if not (w.is_cpu and w.dim() == 2 and w.stride(-1) == 1 and w.dtype in _X_DTYPES and enabled()):
-        return False
-    mod = _module()
-    if mod is None:
-        return False
-    return bool(
-        mod.encode_fp8(w, int(block[0]), int(block[1]), ue8m0, codes, scales, torch.get_num_threads())
-    )
+    mod = _encoder(w)
+    bn, bk, threads = int(block[0]), int(block[1]), torch.get_num_threads()
+    return mod is not None and bool(mod.encode_fp8(w, bn, bk, ue8m0, codes, scales, threads))
 
 
 def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:
