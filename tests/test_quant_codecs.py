@@ -859,3 +859,27 @@ def test_fp8_encoder_compiled_equals_the_torch_code(monkeypatch):
                 plain = Q.quantize_fp8_block(x, *args)
                 monkeypatch.delenv("MOESAIC_CPU_KERNELS")
                 assert _same(compiled, plain), (dtype, args)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("rows", [256, 200])
+def test_a_stack_packs_to_the_bytes_of_its_matrices(fmt, rows):
+    """contract.pack encodes a stack [E, N, K] as one [E N, K] matrix where every scale block lies within one
+    expert's matrix (mxfp4; fp8 where 128 divides N): the codes and scales of packing each matrix and stacking
+    them (what NVFP4, with a global scale per matrix, and fp8 at other N still do)."""
+    from moesaic.weights.contract import pack
+
+    g = torch.Generator().manual_seed(13)
+    stack = (
+        torch.randn(3, rows, 256, generator=g) * torch.tensor([0.01, 1.0, 30.0])[:, None, None]
+    ).bfloat16()
+    got = pack(stack, "experts.w.weight", fmt)
+    want = QuantizedTensor.stack(
+        [pack(m, f"experts.w.weight[{i}]", fmt) for i, m in enumerate(stack.unbind(0))]
+    )
+    assert got.shape == want.shape == stack.shape and got.format == want.format
+    assert torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))
+    assert torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
+    gs = (got.global_scale, want.global_scale)
+    assert (gs[0] is None and gs[1] is None) or torch.equal(*gs)
+    assert torch.equal(got.dequantize(torch.float32), want.dequantize(torch.float32))

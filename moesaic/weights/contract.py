@@ -388,9 +388,9 @@ def load_tensors(
         if not spec.integer:
             check_finite(t, name, src)
         if want in PACKED and linear_only and isinstance(t, torch.Tensor):
-            # a stack's codes are stacked into huge pages already (QuantizedTensor.stack); a matrix's moved there
-            packed = pack(t, name, want)
-            t = packed if t.dim() > 2 else _resident(packed)
+            t = pack(
+                t, name, want
+            )  # its codes in huge pages already (the encoders', QuantizedTensor.stack's)
         out[name] = t
     return out
 
@@ -665,18 +665,33 @@ _CT_CONFIG = {"quant_method": "compressed-tensors"}
 
 
 def pack(t: torch.Tensor, name: str, fmt: str) -> QuantizedTensor:
-    """A dense weight [N, K] (or a stack [E, N, K], one matrix at a time) packed at load: fp8 (E4M3,
-    128x128 block scales), mxfp4 or nvfp4 (compressed-tensors' encodings: weights/quant.py)."""
+    """A dense weight [N, K] (or a stack [E, N, K]) packed at load: fp8 (E4M3, 128x128 block scales), mxfp4 or
+    nvfp4 (compressed-tensors' encodings: weights/quant.py). The encoders put the codes in huge pages where they
+    apply. A stack whose scale blocks lie within each matrix (mxfp4's rows of 32; fp8 where 128 | N) is encoded
+    as one [E N, K] matrix, the same bytes as matrix by matrix without a call and a restack per expert; NVFP4's
+    global scale is each matrix's own, so its stacks go matrix by matrix."""
+    if t.dim() == 3 and (fmt == "mxfp4" or fmt == "fp8" and t.shape[1] % 128 == 0):
+        E, N, K = t.shape
+        flat = _encode(t.reshape(E * N, K), fmt)
+        return _packed({k: v.view(E, v.shape[0] // E, *v.shape[1:]) for k, v in flat.items()}, name, fmt)
     if t.dim() > 2:
         return QuantizedTensor.stack(
             [pack(x, f"{name}[{i}]", fmt) for i, x in enumerate(t.unbind(0))], name=name
         )
-    if fmt == "fp8":  # the encoders take t as it is, a few rows at a time in fp32 (weights/quant.py)
-        return from_suffix_dict(
-            quantize_fp8_block(t, (128, 128)), _FP8_CONFIG, name=_base(name), format="fp8_block"
-        )
-    encode = quantize_mxfp4 if fmt == "mxfp4" else quantize_nvfp4
-    return from_suffix_dict(encode(t), _CT_CONFIG, name=_base(name), format=fmt)
+    return _packed(_encode(t, fmt), name, fmt)
+
+
+def _encode(t: torch.Tensor, fmt: str) -> dict:
+    """The encoder's tensors for matrix t, taken as it is (a few rows at a time in fp32, or a compiled pass)."""
+    if fmt == "fp8":
+        return quantize_fp8_block(t, (128, 128))
+    return (quantize_mxfp4 if fmt == "mxfp4" else quantize_nvfp4)(t)
+
+
+def _packed(tensors: dict, name: str, fmt: str) -> QuantizedTensor:
+    if fmt == "fp8":
+        return from_suffix_dict(tensors, _FP8_CONFIG, name=_base(name), format="fp8_block")
+    return from_suffix_dict(tensors, _CT_CONFIG, name=_base(name), format=fmt)
 
 
 def to_checkpoint(

@@ -1319,7 +1319,7 @@ def quantize_fp8_block(
     bn, bk = block
     n, k = w.shape
     nb, kb = _ceil_div(n, bn), _ceil_div(k, bk)
-    codes = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
+    codes = memory.empty((n, k), torch.float8_e4m3fn, w.device)  # kept: in huge pages where they apply
     s_store = torch.empty(
         nb, kb, dtype=torch.uint8 if scale_fmt == "ue8m0" else torch.float32, device=w.device
     )
@@ -1362,7 +1362,7 @@ def quantize_mxfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[
     n, k = w.shape
     if k % MXFP4_GROUP:
         raise ValueError(f"mxfp4 needs K % 32 == 0, got {k}")
-    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
+    packed = memory.empty((n, k // 2), torch.uint8, w.device)  # kept: in huge pages where they apply
     e = torch.empty(n, k // MXFP4_GROUP, dtype=torch.uint8, device=w.device)
     done = cpu.encode_fp4("mxfp4", w, 0.0, packed, e)  # the same bytes in one compiled pass
     for r0, r1 in [] if done else _row_chunks(n, k):
@@ -1394,7 +1394,7 @@ def quantize_nvfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[
         gs = (E4M3_MAX * E2M1_MAX / amax_t).reshape(1)
     else:
         gs = (amax_t / (E4M3_MAX * E2M1_MAX)).reshape(())
-    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
+    packed = memory.empty((n, k // 2), torch.uint8, w.device)  # kept: in huge pages where they apply
     s = torch.empty(n, k // NVFP4_GROUP, dtype=torch.float8_e4m3fn, device=w.device)
     encoding = "nvfp4" if naming == "compressed-tensors" else "nvfp4-modelopt"
     done = cpu.encode_fp4(encoding, w, gs.item(), packed, s.view(torch.uint8))  # the same bytes, one pass
