@@ -284,7 +284,7 @@ def kda_attend(
 
     m = n - snapshot_last
     parts = []
-    if m > 1 and (kernels("kda", q) or not q.is_cpu):
+    if m > 1 and not kda_stepped(q):
         o, S = delta_rule_chunked(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], S, chunk_size)
         parts.append(o)
     elif m >= 1:

@@ -388,9 +388,8 @@ def load_tensors(
         if not spec.integer:
             check_finite(t, name, src)
         if want in PACKED and linear_only and isinstance(t, torch.Tensor):
-            t = pack(
-                t, name, want
-            )  # its codes in huge pages already (the encoders', QuantizedTensor.stack's)
+            # its codes lie in huge pages already (the encoders' memory, QuantizedTensor.stack's)
+            t = pack(t, name, want)
         out[name] = t
     return out
 
