@@ -182,6 +182,43 @@ def test_scale_edge_values(kernel):
     _assert_fp32_close(_raw(nv, x[:, :64]), _reference(nv, x[:, :64]))
 
 
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_fp8_outside_the_scaled_decode(kernel, e8m0):
+    """The AVX2 fp8 tiles read x times 2^64 and scales times 2^56 (codes as fp32 times 2^-120): an x of 2^63 or
+    more, or a scale of 2^72 or more, takes the portable loops instead, with the reference's results."""
+    gen = torch.Generator().manual_seed(5)
+    qt = _random_fp8(40, 192, gen, (32, 32), e8m0)
+    x = torch.randn(3, 192, generator=gen)
+    x[1, 7] = 2.0**70
+    _assert_fp32_close(_raw(qt, x), _reference(qt, x))
+    x[1, 7] = 1.0
+    if e8m0:
+        qt.scale.view(torch.uint8)[1, 2] = 127 + 90
+    else:
+        qt.scale[1, 2] = 2.0**90
+    _assert_fp32_close(_raw(qt, x), _reference(qt, x))
+
+
+def test_fp8_subnormal_codes(kernel):
+    """E4M3 subnormals decode to fp32 subnormals on the AVX2 tiles: exact, and with subnormals read as zero
+    (torch.set_flush_denormal) the call takes the portable loops."""
+    gen = torch.Generator().manual_seed(6)
+    qt = _random_fp8(24, 256, gen, (128, 128), False)
+    codes = torch.randint(1, 8, (24, 256), generator=gen, dtype=torch.int64)  # every code subnormal
+    codes = torch.where(torch.rand(24, 256, generator=gen) < 0.5, codes, codes | 0x80)
+    qt.codes.view(torch.uint8).copy_(codes.to(torch.uint8))
+    x = torch.randn(2, 256, generator=gen)
+    ref = _reference(qt, x)
+    _assert_fp32_close(_raw(qt, x), ref)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("no flush-denormal mode on this CPU")
+    try:
+        got = _raw(qt, x)
+    finally:
+        torch.set_flush_denormal(False)
+    _assert_fp32_close(got, ref)
+
+
 def test_nan_scale_propagates(kernel):
     gen = torch.Generator().manual_seed(1)
     qt = _random_fp4("mxfp4", 70, 64, gen)

@@ -7,8 +7,9 @@ One routine serves three weight encodings, a single matrix or a stack of experts
   bf16   W bf16 [E, N, K]: 8 values -> fp32 by a 16-bit shift (vpmovzxwd + vpslld).
   fp8    W E4M3 [E, N, K] + a scale per [bn, bk] block (fp32, or E8M0 bytes): 16 bytes -> sign-extended
          words, `<< 7` and a mask give the fp16 bits of value * 2^-8 (E4M3 subnormals become fp16
-         subnormals, converted exactly by vcvtph2ps); x is pre-multiplied by 2^8, the block scale is
-         applied to each 32-value partial sum.
+         subnormals, converted exactly by vcvtph2ps) where rows are dequantized; the products take 8 bytes
+         sign-extended to dwords, `<< 20` and a mask (value * 2^-120; x pre-multiplied by 2^64, each sum
+         by 2^56), the block scale applied to each 32-value partial sum.
   fp4    E2M1 packed [E, N, K/2] + a scale byte per group of 16 (E4M3, times or over the matrix's
          global scale: nvfp4) or 32 (E8M0: mxfp4). 32 bytes (64 values) per step: the two nibble
          planes index two 16-entry byte tables (vpshufb) giving the upper 16 bits of each value's fp32
@@ -195,8 +196,21 @@ inline void dec_fp4(const uint8_t* p, __m256 w[8]) {
     }
 }
 
+// E4M3 for the products: 8 bytes sign-extended to dwords, `<< 20` and a mask put sign, exponent and mantissa
+// where fp32 keeps them, so each value comes out times 2^-120 (E4M3 subnormals as fp32 subnormals, exact); x
+// is pre-multiplied by 2^64 (FP8_X) and each block scale by 2^56 (FP8_SUM). Three integer ops per 8 values: on a Zen 3
+// core 1.3-1.5x the fp16 trick's rate (docs/perf.md), which stays for dequantizing rows.
+constexpr float FP8_X = 0x1p64f, FP8_SUM = 0x1p56f;
+inline void dec_fp8_scaled(const uint8_t* p, __m256 w[8]) {
+    const __m256i keep = _mm256_set1_epi32((int)0x87F00000u);
+    for (int v = 0; v < 8; ++v) {
+        const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * v)));
+        w[v] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), keep));
+    }
+}
+
 inline void dec(int kind, const uint8_t* p, __m256 w[8]) {  // the packed kinds (bf16 is widened in step)
-    if (kind == FP8) dec_fp8(p, w);
+    if (kind == FP8) dec_fp8_scaled(p, w);
     else dec_fp4(p, w);
 }
 
@@ -204,9 +218,9 @@ inline void dec(int kind, const uint8_t* p, __m256 w[8]) {  // the packed kinds 
 // inside K (the partial last chunk has zero scales beyond K).
 template <int KIND, bool FULL>
 inline void scales(const Ctx& C, const Row& r, int64_t c, __m256& sA, __m256& sB) {
-    if constexpr (KIND == FP8) {
-        sA = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c]));
-        sB = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c + 1]));
+    if constexpr (KIND == FP8) {  // times FP8_SUM: the products' 2^-56 (gemm checks that no scale overflows)
+        sA = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c]) * FP8_SUM);
+        sB = _mm256_set1_ps(fp8_scale(r, C.sub2blk[2 * c + 1]) * FP8_SUM);
     } else if constexpr (KIND == MX) {  // lane 0 = group 2c, lane 1 = group 2c + 1
         const int64_t g = 2 * c;
         sA = FULL ? lanes(r.stab[r.s8[g]], r.stab[r.s8[g + 1]]) : lanes(fp4_scale(C, r, g), fp4_scale(C, r, g + 1));
@@ -1051,17 +1065,54 @@ struct AmxPacked {
 #endif  // MOESAIC_AMX
 
 // x [T, K] (fp32/bf16/fp16) -> fp32 [T, Kp] in the kind's chunk order, zero padded, times `factor`.
-std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool generic) {
+// Whether every block scale of the active matrices times FP8_SUM stays finite (|scale| < 2^72; NaN fails): the
+// AVX2 fp8 tiles fold FP8_SUM into the scales. Reads nb x kb scales a matrix (the codes' 1 / (bn bk)).
+bool fp8_scales_fit(const Weights& W, const std::vector<int64_t>& active, int64_t nb, int64_t kb) {
+    bool fit = true;
+    for (int64_t e : active)
+        for (int64_t i = 0; i < nb; ++i) {
+            const uint8_t* row = W.s + e * W.s_e + i * W.s_n;
+            if (W.s_f32) {
+                const float* f = reinterpret_cast<const float*>(row);
+                for (int64_t j = 0; j < kb; ++j) fit &= std::abs(f[j]) < 0x1p72f;
+            } else {
+                for (int64_t j = 0; j < kb; ++j) fit &= row[j] < 127 + 72;  // E8M0: 2^(b - 127); 255 is NaN
+            }
+        }
+    return fit;
+}
+
+// x as the AVX2 tiles read it (generic: as is): fp32, rows Kp apart, fp4's chunks permuted to the decoded order,
+// fp8's values times FP8_X. `scaled` (fp8 only) comes back false where the scaling cannot serve: a value of
+// magnitude 2^63 or more (or not finite), or subnormals read as zero (DAZ); the caller then takes the portable loops.
+std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool generic, bool& scaled) {
     const int64_t T = x.size(0), K = x.size(1);
     std::vector<float> out((size_t)(T * Kp), 0.f);
-    const float factor = (kind == FP8 && !generic) ? 256.f : 1.f;
+    const bool fp8 = kind == FP8 && !generic;
+#if defined(MOESAIC_AVX2)
+    const float factor = fp8 ? FP8_X : 1.f;
+    scaled = !fp8 || !(_mm_getcsr() & 0x40);
+#else
+    const float factor = 1.f;
+    scaled = true;
+#endif
     const bool perm = (kind == MX || kind == NV) && !generic;
     auto fill = [&](auto* src) {
         for (int64_t t = 0; t < T; ++t) {
             const auto* xr = src + t * K;
             float* o = out.data() + t * Kp;
+            if (fp8) {
+                bool bad = false;
+                for (int64_t k = 0; k < K; ++k) {
+                    const float v = (float)xr[k];
+                    bad |= !(std::abs(v) < 0x1p63f);  // NaN included
+                    o[k] = v * factor;
+                }
+                scaled = scaled && !bad;
+                continue;
+            }
             if (!perm) {
-                for (int64_t k = 0; k < K; ++k) o[k] = (float)xr[k] * factor;
+                for (int64_t k = 0; k < K; ++k) o[k] = (float)xr[k];
                 continue;
             }
             const int64_t full = K / CH * CH;
@@ -1211,8 +1262,18 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #else
     const bool dp = false;
 #endif
-    const int64_t Kp = generic ? K : (K + CH - 1) / CH * CH;
-    std::vector<float> xp = dp ? std::vector<float>() : prep_x(x, (int)kind, Kp, generic);
+#if defined(MOESAIC_AVX2)
+    if (kind == FP8 && !generic && !dp && !fp8_scales_fit(W, active, (N + bn - 1) / bn, (K + bk - 1) / bk))
+        generic = true;  // a scale of 2^72 or more (or NaN): the portable loops
+#endif
+    int64_t Kp = generic ? K : (K + CH - 1) / CH * CH;
+    bool scaled = true;
+    std::vector<float> xp = dp ? std::vector<float>() : prep_x(x, (int)kind, Kp, generic, scaled);
+    if (!scaled) {  // fp8 against an x the scaled decode cannot take: the portable loops
+        generic = true;
+        Kp = K;
+        xp = prep_x(x, (int)kind, Kp, generic, scaled);
+    }
     std::vector<uint16_t> x4;
     const int64_t Kc = kind == FP8 ? (K + CH - 1) / CH * CH : (K + 127) / 128 * 128;  // whole loads
 #if defined(MOESAIC_AVX512BF16)
