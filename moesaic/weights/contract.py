@@ -667,12 +667,20 @@ def pack(t: torch.Tensor, name: str, fmt: str) -> QuantizedTensor:
     """A dense weight [N, K] (or a stack [E, N, K]) packed at load: fp8 (E4M3, 128x128 block scales), mxfp4 or
     nvfp4 (compressed-tensors' encodings: weights/quant.py). The encoders put the codes in huge pages where they
     apply. A stack whose scale blocks lie within each matrix (mxfp4's rows of 32; fp8 where 128 | N) is encoded
-    as one [E N, K] matrix, the same bytes as matrix by matrix without a call and a restack per expert; NVFP4's
-    global scale is each matrix's own, so its stacks go matrix by matrix."""
+    as one [E N, K] matrix, the same bytes as matrix by matrix without a call and a restack per expert. NVFP4's
+    global scale is each matrix's own: its stacks are encoded matrix by matrix into the stack's memory (no
+    restack)."""
     if t.dim() == 3 and (fmt == "mxfp4" or fmt == "fp8" and t.shape[1] % 128 == 0):
         E, N, K = t.shape
         flat = _encode(t.reshape(E * N, K), fmt)
         return _packed({k: v.view(E, v.shape[0] // E, *v.shape[1:]) for k, v in flat.items()}, name, fmt)
+    if t.dim() == 3 and fmt == "nvfp4" and t.shape[2] % 16 == 0:
+        E, N, K = t.shape
+        codes = memory.empty((E, N, K // 2), torch.uint8, t.device)
+        scales = torch.empty(E, N, K // 16, dtype=torch.float8_e4m3fn, device=t.device)
+        gs = [quantize_nvfp4(m, out=(codes[e], scales[e]))["weight_global_scale"] for e, m in enumerate(t)]
+        tensors = {"weight_packed": codes, "weight_scale": scales, "weight_global_scale": torch.stack(gs)}
+        return _packed(tensors, name, fmt)
     if t.dim() > 2:
         return QuantizedTensor.stack(
             [pack(x, f"{name}[{i}]", fmt) for i, x in enumerate(t.unbind(0))], name=name

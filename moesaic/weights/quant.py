@@ -1375,11 +1375,14 @@ def quantize_mxfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[
     return {"weight": packed.view(torch.int8), "scale": e.view(torch.float8_e8m0fnu)}
 
 
-def quantize_nvfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[str, torch.Tensor]:
+def quantize_nvfp4(
+    w: torch.Tensor, naming: str = "compressed-tensors", out: tuple | None = None
+) -> dict[str, torch.Tensor]:
     """E2M1 codes with one E4M3 scale per 16 inputs and an fp32 global scale chosen so the largest
     group scale lands on 448: ModelOpt weight_scale_2 = amax/(448*6) (multiplier);
     compressed-tensors weight_global_scale = 448*6/amax (divisor). Codes are rounded against the
-    effective scale exactly as the decoder applies it."""
+    effective scale exactly as the decoder applies it. `out`: (codes [N, K/2] uint8, scales [N, K/16]
+    float8_e4m3fn), contiguous, to write into (a stack's matrix: contract.pack) instead of new tensors."""
     _check_2d(w, "quantize_nvfp4")
     if naming not in ("compressed-tensors", "modelopt"):
         raise ValueError(f"naming must be 'compressed-tensors' or 'modelopt', not {naming!r}")
@@ -1394,8 +1397,13 @@ def quantize_nvfp4(w: torch.Tensor, naming: str = "compressed-tensors") -> dict[
         gs = (E4M3_MAX * E2M1_MAX / amax_t).reshape(1)
     else:
         gs = (amax_t / (E4M3_MAX * E2M1_MAX)).reshape(())
-    packed = memory.empty((n, k // 2), torch.uint8, w.device)  # kept: in huge pages where they apply
-    s = torch.empty(n, k // NVFP4_GROUP, dtype=torch.float8_e4m3fn, device=w.device)
+    if out is None:
+        packed = memory.empty((n, k // 2), torch.uint8, w.device)  # kept: in huge pages where they apply
+        s = torch.empty(n, k // NVFP4_GROUP, dtype=torch.float8_e4m3fn, device=w.device)
+    else:
+        packed, s = out
+        if packed.shape != (n, k // 2) or s.shape != (n, k // NVFP4_GROUP) or s.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"quantize_nvfp4: out must be ([{n}, {k // 2}] bytes, [{n}, {k // 16}] e4m3)")
     encoding = "nvfp4" if naming == "compressed-tensors" else "nvfp4-modelopt"
     done = cpu.encode_fp4(encoding, w, gs.item(), packed, s.view(torch.uint8))  # the same bytes, one pass
     for r0, r1 in [] if done else chunks:
