@@ -8,8 +8,8 @@ One routine serves three weight encodings, a single matrix or a stack of experts
   fp8    W E4M3 [E, N, K] + a scale per [bn, bk] block (fp32, or E8M0 bytes): 16 bytes -> sign-extended
          words, `<< 7` and a mask give the fp16 bits of value * 2^-8 (E4M3 subnormals become fp16
          subnormals, converted exactly by vcvtph2ps) where rows are dequantized; the products take 8 bytes
-         sign-extended to dwords, `<< 20` and a mask (value * 2^-120; x pre-multiplied by 2^64, each sum
-         by 2^56), the block scale applied to each 32-value partial sum.
+         sign-extended to dwords, `<< 20` and a mask (value * 2^-120; x pre-multiplied by 2^64, the block
+         scales by 2^56), the block scale applied to each 32-value partial sum.
   fp4    E2M1 packed [E, N, K/2] + a scale byte per group of 16 (E4M3, times or over the matrix's
          global scale: nvfp4) or 32 (E8M0: mxfp4). 32 bytes (64 values) per step: the two nibble
          planes index two 16-entry byte tables (vpshufb) giving the upper 16 bits of each value's fp32
@@ -197,9 +197,9 @@ inline void dec_fp4(const uint8_t* p, __m256 w[8]) {
 }
 
 // E4M3 for the products: 8 bytes sign-extended to dwords, `<< 20` and a mask put sign, exponent and mantissa
-// where fp32 keeps them, so each value comes out times 2^-120 (E4M3 subnormals as fp32 subnormals, exact); x
-// is pre-multiplied by 2^64 (FP8_X) and each block scale by 2^56 (FP8_SUM). Three integer ops per 8 values: on a Zen 3
-// core 1.3-1.5x the fp16 trick's rate (docs/perf.md), which stays for dequantizing rows.
+// where fp32 keeps them, so each value comes out times 2^-120 (E4M3 subnormals as fp32 subnormals, exact);
+// x is pre-multiplied by 2^64 (FP8_X) and each block scale by 2^56 (FP8_SUM). Three integer ops per 8
+// values: on a Zen 3 core 1.3-1.5x the fp16 trick's rate (docs/perf.md), which stays for dequantizing rows.
 constexpr float FP8_X = 0x1p64f, FP8_SUM = 0x1p56f;
 inline void dec_fp8_scaled(const uint8_t* p, __m256 w[8]) {
     const __m256i keep = _mm256_set1_epi32((int)0x87F00000u);
@@ -1064,7 +1064,6 @@ struct AmxPacked {
 };
 #endif  // MOESAIC_AMX
 
-// x [T, K] (fp32/bf16/fp16) -> fp32 [T, Kp] in the kind's chunk order, zero padded, times `factor`.
 // Whether every block scale of the active matrices times FP8_SUM stays finite (|scale| < 2^72; NaN fails): the
 // AVX2 fp8 tiles fold FP8_SUM into the scales. Reads nb x kb scales a matrix (the codes' 1 / (bn bk)).
 bool fp8_scales_fit(const Weights& W, const std::vector<int64_t>& active, int64_t nb, int64_t kb) {
@@ -1082,8 +1081,8 @@ bool fp8_scales_fit(const Weights& W, const std::vector<int64_t>& active, int64_
     return fit;
 }
 
-// x as the AVX2 tiles read it (generic: as is): fp32, rows Kp apart, fp4's chunks permuted to the decoded order,
-// fp8's values times FP8_X. `scaled` (fp8 only) comes back false where the scaling cannot serve: a value of
+// x [T, K] (fp32 / bf16 / fp16) as the tiles read it: fp32 [T, Kp], zero padded; on the AVX2 tiles (not generic)
+// fp4's chunks permuted to the decoded order and fp8's values times FP8_X. `scaled` (fp8 only) comes back false where the scaling cannot serve: a value of
 // magnitude 2^63 or more (or not finite), or subnormals read as zero (DAZ); the caller then takes the portable loops.
 std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool generic, bool& scaled) {
     const int64_t T = x.size(0), K = x.size(1);
