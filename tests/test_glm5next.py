@@ -780,3 +780,55 @@ def test_bf16_model_tracks_transformers_in_bf16(hf_ckpt, ours):
     assert got.dtype == torch.float32
     assert rows.median() < 0.2 and rows[:10].max() < 0.2
     assert max_err(got, ref32) < 1.5 * max_err(ref16, ref32) + 0.1
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_pooled_keys_kept_with_the_rows(paged, monkeypatch):
+    """kpool_select_held keeps each complete pool's pooled keys with the held rows (the torch path): a step
+    pools only the pools it completed, and its selection is kpool_select's over all the rows held, after a
+    prompt, token by token, after a rollback into a pool with other rows written again, and after a restore;
+    pool_keys of pools alone or in runs is pool_keys of all of them, to the bit (what the memo relies on)."""
+    from moesaic.cache.paged import BLOCK_SIZE, BlockTable, PagePool
+    from moesaic.cache.state import SequenceState, TokenRows
+
+    g = torch.Generator().manual_seed(21)
+    c, P, topk, heads = 16, 4, 8, 3
+    ape = torch.randn(P, c, generator=g)
+    fresh = lambda: SequenceState([TokenRows({"k": c, "z": c}, torch.bfloat16, "cpu", 4 * BLOCK_SIZE)])  # noqa: E731
+    state = fresh()
+    if paged:
+        state = PagePool(state, num_blocks=6).page(fresh(), BlockTable([3, 0, 5, 1]))
+    held = state.layers[0]
+    real, pooled = dsa.pool_keys, []
+    monkeypatch.setattr(dsa, "pool_keys", lambda k, z, a: (pooled.append(k.shape[0]), real(k, z, a))[1])
+
+    def step(n_new: int) -> list[int]:
+        """Writes n_new rows, selects for them; the rows each pool_keys call of the held path took."""
+        held.write(**{f: torch.randn(n_new, c, generator=g).bfloat16() for f in ("k", "z")})
+        T = held.length
+        q, w = torch.randn(n_new, heads, c, generator=g), torch.randn(n_new, heads, generator=g)
+        pos = torch.arange(T - n_new, T)
+        pooled.clear()
+        got = dsa.kpool_select_held(q, w, held, ape, pos, topk)
+        calls = list(pooled)
+        want = dsa.kpool_select(q, w, held.rows("k")["k"], held.rows("z")["z"], ape, pos, topk)
+        assert torch.equal(got, want), T
+        return calls
+
+    assert step(37) == [36]  # a prompt: its 9 complete pools
+    calls = [step(1) for _ in range(10)]  # token by token: a pool when its last row arrives
+    assert calls == [[4] if (38 + i) % P == 0 else [] for i in range(10)]
+    held.rollback(6)  # 41 rows: into pool 10, whose pooled keys go (and pool 11's)
+    assert held.memo("pooled_keys", P).count == 10
+    assert step(6) == [4]  # pool 10 again, from its new rows
+    mark = held.snapshot()
+    step(9)
+    held.restore(mark)  # paged: the pages keep the rows written last, so the pools below 47 stay
+    assert held.memo("pooled_keys", P).count == (11 if paged else 0)  # contiguous: the snapshot's buffers
+    step(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        k, z = torch.randn(2, 103, c, generator=g).to(dtype)
+        whole = real(k, z, ape)
+        for cuts in ([0, 1, 25], [0, 24, 25], [0, 3, 10, 11, 25]):
+            parts = [real(k[a * P : b * P], z[a * P : b * P], ape) for a, b in zip(cuts[:-1], cuts[1:])]
+            assert torch.equal(torch.cat(parts), whole), (dtype, cuts)

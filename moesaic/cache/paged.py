@@ -184,6 +184,16 @@ class PagedRows(LengthRollback):
         """The rows held of fields `names` (default: every field), gathered from the pages."""
         return self._gather(self.length, names)
 
+    def rows_between(self, start: int, end: int, *names: str) -> dict[str, torch.Tensor]:
+        """Rows [start, end) of fields `names` (end <= length), gathered from the blocks that hold them only."""
+        b0, b1 = start // BLOCK_SIZE, -(-end // BLOCK_SIZE)
+        ids = self.table.tensor(self.device)[b0:b1]
+        off = start - b0 * BLOCK_SIZE
+        return {
+            k: self.fields[k][ids, self.index].reshape((b1 - b0) * BLOCK_SIZE, -1)[off : off + end - start]
+            for k in names
+        }
+
     def _gather(self, end: int, names=()) -> dict[str, torch.Tensor]:
         nb = -(-end // BLOCK_SIZE)
         ids = self.table.tensor(self.device)[:nb]
@@ -208,6 +218,7 @@ class PagedRows(LengthRollback):
         if length > len(self.table) * BLOCK_SIZE:
             raise RuntimeError(f"paged rows: restoring {length} rows needs the blocks that hold them")
         self.length = length
+        self._trim_memos()  # the pages hold what was written last: a memo is good up to the length
 
     mark = snapshot
     revert = restore

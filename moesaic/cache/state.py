@@ -18,6 +18,36 @@ import torch
 from ..errors import CapacityError
 
 
+class PoolMemo:
+    """Rows derived from each complete pool of `size` held rows (GLM-5.3 DSA's pooled indexer keys), kept beside
+    the rows so that a step computes only the pools it completed. Its holder (LengthRollback.memo) trims it
+    whenever its length drops below the pools it covers; rows are written only past the length, so the pools
+    kept are always those of the rows held."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.buf: torch.Tensor | None = None
+        self.count = 0  # pools held
+
+    def trim(self, length: int) -> None:
+        self.count = min(self.count, length // self.size)
+
+    def extend(self, rows: torch.Tensor) -> None:
+        """Appends the derived rows of pools count, count + 1, ... (capacity doubles)."""
+        end = self.count + rows.shape[0]
+        cap = 0 if self.buf is None else self.buf.shape[0]
+        if end > cap:
+            buf = rows.new_empty(max(end, 2 * cap, 16), rows.shape[1])
+            if self.count:
+                buf[: self.count] = self.buf[: self.count]
+            self.buf = buf
+        self.buf[self.count : end] = rows
+        self.count = end
+
+    def rows(self) -> torch.Tensor:
+        return self.buf[: self.count]
+
+
 class LengthRollback:
     """Rollback of a kind whose rows past `length` are ignored: forgetting n rows is free (TokenRows and
     cache/paged.py's PagedRows)."""
@@ -31,6 +61,19 @@ class LengthRollback:
         if not self.can_rollback(n):
             raise ValueError(f"cannot roll back {n} of {self.length} tokens")
         self.length -= n
+        self._trim_memos()
+
+    def memo(self, key: str, size: int) -> PoolMemo:
+        """This holder's PoolMemo `key` over pools of `size` rows, made on first use."""
+        memos = self.__dict__.setdefault("memos", {})
+        m = memos.get(key)
+        if m is None or m.size != size:
+            m = memos[key] = PoolMemo(size)
+        return m
+
+    def _trim_memos(self) -> None:
+        for m in self.__dict__.get("memos", {}).values():
+            m.trim(self.length)
 
 
 class TokenRows(LengthRollback):
@@ -85,6 +128,11 @@ class TokenRows(LengthRollback):
         self.bufs = {k: b[:length].clone() for k, b in bufs.items()}
         self.length = length
         self.shared = 0
+        self.__dict__.pop("memos", None)  # the rows are the snapshot's now: nothing derived from others stays
+
+    def rows_between(self, start: int, end: int, *names: str) -> dict[str, torch.Tensor]:
+        """Views of rows [start, end) of fields `names` (end <= length)."""
+        return {k: self.bufs[k][start:end] for k in names}
 
     @property
     def nbytes(self) -> int:

@@ -196,6 +196,32 @@ def kpool_select(
     return select(index_scores(q, weights, pooled), positions, ape.shape[0], index_topk, always_select_tail)
 
 
+def kpool_select_held(
+    q: Tensor,
+    weights: Tensor,
+    held,
+    ape: Tensor,
+    positions: Tensor,
+    index_topk: int,
+    always_select_tail: bool = True,
+) -> Tensor:
+    """kpool_select against a sequence's held rows (TokenRows / PagedRows with fields k, z, this step's
+    included). Where the torch code runs, the pooled keys of complete pools are kept with the rows
+    (`held.memo`): a step pools only the pools it completed instead of all T / P again (the pooled keys of a
+    pool are the same bits alone or among others: pool_keys works per pool, tested)."""
+    if kernels("indexer", q):
+        cache = held.rows("k", "z")
+        return kpool_select(
+            q, weights, cache["k"], cache["z"], ape, positions, index_topk, always_select_tail
+        )
+    P = ape.shape[0]
+    memo, pools = held.memo("pooled_keys", P), held.length // P
+    if memo.count < pools:
+        new = held.rows_between(memo.count * P, pools * P, "k", "z")
+        memo.extend(pool_keys(new["k"], new["z"], ape))
+    return select(index_scores(q, weights, memo.rows()), positions, P, index_topk, always_select_tail)
+
+
 def selection_mask(selection: Tensor, num_keys: int) -> Tensor:
     """Bool [n, num_keys]: which cached tokens each query attends to."""
     mask = torch.zeros(selection.shape[0], num_keys + 1, dtype=torch.bool, device=selection.device)

@@ -656,19 +656,11 @@ class Model:
                 if dsa.every_pool_fits(T, P, c.index_topk):  # a context within index_topk: all of it
                     sel = dsa.causal_selection(batch.positions[rows], T, P, c.index_topk, tail, newest=True)
                 else:
-                    cache = held.rows("k", "z")  # the latent rows are read by the attention below
                     if queries is None:
                         queries = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
                     qi, wts = queries
-                    sel = dsa.kpool_select(
-                        qi[rows],
-                        wts[rows],
-                        cache["k"],
-                        cache["z"],
-                        ix.ape,
-                        batch.positions[rows],
-                        c.index_topk,
-                        tail,
+                    sel = dsa.kpool_select_held(
+                        qi[rows], wts[rows], held, ix.ape, batch.positions[rows], c.index_topk, tail
                     )
             else:
                 held.write(latent=latent[rows])
@@ -731,7 +723,10 @@ def layer_schedule(cfg: Glm5NextConfig) -> list[str]:
 def state_bytes(cfg: Glm5NextConfig, dtype_bytes: int, rollback_window: int = 0) -> tuple[int, int]:
     """(bytes per token, fixed bytes per sequence). Per token: the latent of every DSA layer and the
     indexer k and z of every full one, in the cache dtype; these rows roll back for free. Fixed: every
-    KDA layer's fp32 recurrent state and conv tail, once plus once per token of the rollback window."""
+    KDA layer's fp32 recurrent state and conv tail, once plus once per token of the rollback window. Not
+    counted: the torch path's pooled indexer keys kept beside the rows (layers/dsa.kpool_select_held), one
+    row of index_head_dim per complete pool, 1 / (2 index_kpool) of a full layer's k and z (up to twice
+    that while its buffer doubles)."""
     n_dsa = cfg.layer_types.count(DSA)
     n_full = sum(cfg.is_full_indexer(L) for L in range(cfg.num_hidden_layers))
     per_token = (n_dsa * cfg.kv_lora_rank + n_full * 2 * cfg.index_head_dim) * dtype_bytes
