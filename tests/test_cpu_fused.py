@@ -360,6 +360,7 @@ class OpNames(TorchDispatchMode):
         (8, 64, 64, 128, 32, [1], [40]),  # the benchmark model's decode
         (4, 16, 24, 33, 0, [1, 3, 2], [5, 9, 2]),  # no rope part, odd latent width, a block of 3 (causal)
         (16, 128, 128, 512, 64, [4, 1], [300, 77]),  # release-sized heads, verify rows
+        (6, 32, 32, 40, 8, [2], [257]),  # heads in a group of 4 and two alone, a 40-wide latent
     ],
 )
 def test_mla_absorbed_matches_the_torch_code(kernels, H, dn, dv, kvr, dr, lens, Ts):

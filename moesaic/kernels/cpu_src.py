@@ -2085,6 +2085,74 @@ inline void axpy_bf16_many(const float* s, const uint16_t* b, int64_t bs, int64_
         for (int64_t k = c; k < n; ++k) y[k] += s[i] * bf16_bits_to_f32(b[i * bs + k]);
 }
 
+// dot_bf16_many for G queries a_h = a + h * as at once: out[h * os + i] = a_h . b_i, each summed exactly as
+// dot_bf16 sums it (the same bits), a row's bf16 values widened once for all G instead of once a query (the
+// widening, not the FMAs, bounds the one-query loop on AVX2: MLA's long-context decode is these products).
+template <int G>
+inline void dot_bf16_group(const float* a, int64_t as, const uint16_t* b, int64_t bs, int64_t n, int64_t m,
+                           float* out, int64_t os) {
+#if defined(MOESAIC_AVX2)
+    for (int64_t i = 0; i < m; ++i) {
+        const uint16_t* row = b + i * bs;
+        __m256 acc[G];
+        for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) {
+            const __m256 w = widen_bf16(row + k);
+            for (int h = 0; h < G; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a + h * as + k), w, acc[h]);
+        }
+        for (int h = 0; h < G; ++h) {
+            float v = hsum(acc[h]);
+            for (int64_t j = k; j < n; ++j) v += a[h * as + j] * bf16_bits_to_f32(row[j]);
+            out[h * os + i] = v;
+        }
+    }
+#endif
+}
+
+// axpy_bf16_many for G weight rows s_h = s + h * ss into y_h = y + h * ys at once: each y_h[c] the same chain of
+// FMAs over the rows in order (the same bits), a row's bf16 values widened once for all G.
+template <int G>
+inline void axpy_bf16_group(const float* s, int64_t ss, const uint16_t* b, int64_t bs, int64_t m, float* y,
+                            int64_t ys, int64_t n) {
+    int64_t c = 0;
+#if defined(MOESAIC_AVX2)
+    for (; c + 8 <= n; c += 8) {
+        __m256 o[G];
+        for (int h = 0; h < G; ++h) o[h] = _mm256_loadu_ps(y + h * ys + c);
+        for (int64_t i = 0; i < m; ++i) {
+            const __m256 w = widen_bf16(b + i * bs + c);
+            for (int h = 0; h < G; ++h) o[h] = _mm256_fmadd_ps(_mm256_set1_ps(s[h * ss + i]), w, o[h]);
+        }
+        for (int h = 0; h < G; ++h) _mm256_storeu_ps(y + h * ys + c, o[h]);
+    }
+#endif
+    for (int h = 0; h < G; ++h)
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t k = c; k < n; ++k) y[h * ys + k] += s[h * ss + i] * bf16_bits_to_f32(b[i * bs + k]);
+}
+
+// nq queries / weight rows by groups of 8 and 4 where AVX2 is on, the rest one at a time (the same bits).
+inline void dot_bf16_queries(const float* a, int64_t as, int64_t nq, const uint16_t* b, int64_t bs, int64_t n,
+                             int64_t m, float* out, int64_t os) {
+    int64_t h = 0;
+#if defined(MOESAIC_AVX2)
+    for (; h + 8 <= nq; h += 8) dot_bf16_group<8>(a + h * as, as, b, bs, n, m, out + h * os, os);
+    for (; h + 4 <= nq; h += 4) dot_bf16_group<4>(a + h * as, as, b, bs, n, m, out + h * os, os);
+#endif
+    for (; h < nq; ++h) dot_bf16_many(a + h * as, b, bs, n, m, out + h * os);
+}
+
+inline void axpy_bf16_queries(const float* s, int64_t ss, int64_t nq, const uint16_t* b, int64_t bs, int64_t m,
+                              float* y, int64_t ys, int64_t n) {
+    int64_t h = 0;
+#if defined(MOESAIC_AVX2)
+    for (; h + 8 <= nq; h += 8) axpy_bf16_group<8>(s + h * ss, ss, b, bs, m, y + h * ys, ys, n);
+    for (; h + 4 <= nq; h += 4) axpy_bf16_group<4>(s + h * ss, ss, b, bs, m, y + h * ys, ys, n);
+#endif
+    for (; h < nq; ++h) axpy_bf16_many(s + h * ss, b, bs, m, y + h * ys, n);
+}
+
 #if defined(MOESAIC_AVX512BF16)
 // vdpbf16ps forms of the two products over the cached rows (a long context's decode is these): q and the rows
 // are bf16 (q_lat and the probabilities are rounded to bf16 where the torch code rounds them), so every
@@ -2287,15 +2355,15 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                 for (const Seg& g : segs[s]) {  // the scores, a segment of rows for every head
                     if (g.t0 >= seen) break;
                     const int64_t t0 = g.t0, m = std::min(g.rows, seen - t0);
-                    for (int64_t hh = 0; hh < nh; ++hh) {
 #if defined(MOESAIC_AVX512BF16)
+                    for (int64_t hh = 0; hh < nh; ++hh) {
                         dp_rows(qb.data() + hh * kp, g.lat, ls, kvr, m, sc.data() + hh * T + t0);
                         if (dr) dp_rows(rb.data() + hh * rpad, g.rope, ks, dr, m, sr.data() + hh * T + t0);
-#else
-                        dot_bf16_many(ql.data() + hh * kvr, g.lat, ls, kvr, m, sc.data() + hh * T + t0);
-                        if (dr) dot_bf16_many(rrow.data() + hh * dr, g.rope, ks, dr, m, sr.data() + hh * T + t0);
-#endif
                     }
+#else
+                    dot_bf16_queries(ql.data(), kvr, nh, g.lat, ls, kvr, m, sc.data() + t0, T);
+                    if (dr) dot_bf16_queries(rrow.data(), dr, nh, g.rope, ks, dr, m, sr.data() + t0, T);
+#endif
                 }
                 for (int64_t hh = 0; hh < nh; ++hh) {  // the softmax, head by head
                     float* sh = sc.data() + hh * T;
@@ -2323,15 +2391,14 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                 for (const Seg& g : segs[s]) {
                     if (g.t0 >= seen) break;
                     const int64_t t0 = g.t0, m = std::min(g.rows, seen - t0);
-                    for (int64_t hh = 0; hh < nh; ++hh) {
 #if defined(MOESAIC_AVX512BF16)
-                        if (mix) {
+                    if (mix) {
+                        for (int64_t hh = 0; hh < nh; ++hh)
                             dp_mix_any(pb.data() + hh * T + t0, g.lat, ls, m, kvr, acc.data() + hh * MIX_ACC);
-                            continue;
-                        }
-#endif
-                        axpy_bf16_many(sc.data() + hh * T + t0, g.lat, ls, m, ol.data() + hh * kvr, kvr);
+                        continue;
                     }
+#endif
+                    axpy_bf16_queries(sc.data() + t0, T, nh, g.lat, ls, m, ol.data(), kvr, kvr);
                 }
                 for (int64_t hh = 0; hh < nh; ++hh) {  // out = o_lat . w_uv[h]ᵀ
                     const int64_t h = h0 + hh;
