@@ -632,6 +632,7 @@ def test_dsa_gathered_matches_the_torch_code(kernels, monkeypatch, dtype):
         (3, 4, 48, 48, 64, 90, 64, 64 * 64),  # one query a block
         (5, 8, 64, 32, 128, 700, 512, 1 << 25),
         (2, 16, 128, 128, 512, 300, 256, 1 << 25),  # operands past SMALL_PRODUCT
+        (2, 6, 32, 32, 40, 150, 100, 1 << 25),  # heads in a group of 4 and two alone, a 40-wide latent
     ):
         q = torch.randn(n, H, dn, generator=g).to(dtype)
         latent = torch.randn(T, kvr, generator=g).to(dtype)

@@ -2089,39 +2089,44 @@ inline void axpy_bf16_many(const float* s, const uint16_t* b, int64_t bs, int64_
 // dot_bf16 sums it (the same bits), a row's bf16 values widened once for all G instead of once a query (the
 // widening, not the FMAs, bounds the one-query loop on AVX2: MLA's long-context decode is these products).
 template <int G>
+inline void dot_bf16_group_row(const float* a, int64_t as, const uint16_t* row, int64_t n, float* out, int64_t os) {
+    int64_t k = 0;
+    float v[G] = {};
+#if defined(MOESAIC_AVX2)
+    __m256 acc[G];
+    for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+        const __m256 w = widen_bf16(row + k);
+        for (int h = 0; h < G; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a + h * as + k), w, acc[h]);
+    }
+    for (int h = 0; h < G; ++h) v[h] = hsum(acc[h]);
+#endif
+    for (int h = 0; h < G; ++h) {
+        for (int64_t j = k; j < n; ++j) v[h] += a[h * as + j] * bf16_bits_to_f32(row[j]);
+        out[h * os] = v[h];
+    }
+}
+
+template <int G>
 inline void dot_bf16_group(const float* a, int64_t as, const uint16_t* b, int64_t bs, int64_t n, int64_t m,
                            float* out, int64_t os) {
-#if defined(MOESAIC_AVX2)
-    for (int64_t i = 0; i < m; ++i) {
-        const uint16_t* row = b + i * bs;
-        __m256 acc[G];
-        for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= n; k += 8) {
-            const __m256 w = widen_bf16(row + k);
-            for (int h = 0; h < G; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a + h * as + k), w, acc[h]);
-        }
-        for (int h = 0; h < G; ++h) {
-            float v = hsum(acc[h]);
-            for (int64_t j = k; j < n; ++j) v += a[h * as + j] * bf16_bits_to_f32(row[j]);
-            out[h * os + i] = v;
-        }
-    }
-#endif
+    for (int64_t i = 0; i < m; ++i) dot_bf16_group_row<G>(a, as, b + i * bs, n, out + i, os);
 }
 
 // axpy_bf16_many for G weight rows s_h = s + h * ss into y_h = y + h * ys at once: each y_h[c] the same chain of
-// FMAs over the rows in order (the same bits), a row's bf16 values widened once for all G.
-template <int G>
-inline void axpy_bf16_group(const float* s, int64_t ss, const uint16_t* b, int64_t bs, int64_t m, float* y,
-                            int64_t ys, int64_t n) {
+// FMAs over the rows in order (the same bits), a row's bf16 values widened once for all G. row(i): the i-th of the
+// m rows, or null for none.
+template <int G, class Row>
+inline void axpy_bf16_group(const float* s, int64_t ss, Row row, int64_t m, float* y, int64_t ys, int64_t n) {
     int64_t c = 0;
 #if defined(MOESAIC_AVX2)
     for (; c + 8 <= n; c += 8) {
         __m256 o[G];
         for (int h = 0; h < G; ++h) o[h] = _mm256_loadu_ps(y + h * ys + c);
         for (int64_t i = 0; i < m; ++i) {
-            const __m256 w = widen_bf16(b + i * bs + c);
+            const uint16_t* r = row(i);
+            if (!r) continue;
+            const __m256 w = widen_bf16(r + c);
             for (int h = 0; h < G; ++h) o[h] = _mm256_fmadd_ps(_mm256_set1_ps(s[h * ss + i]), w, o[h]);
         }
         for (int h = 0; h < G; ++h) _mm256_storeu_ps(y + h * ys + c, o[h]);
@@ -2129,7 +2134,8 @@ inline void axpy_bf16_group(const float* s, int64_t ss, const uint16_t* b, int64
 #endif
     for (int h = 0; h < G; ++h)
         for (int64_t i = 0; i < m; ++i)
-            for (int64_t k = c; k < n; ++k) y[h * ys + k] += s[h * ss + i] * bf16_bits_to_f32(b[i * bs + k]);
+            if (const uint16_t* r = row(i))
+                for (int64_t k = c; k < n; ++k) y[h * ys + k] += s[h * ss + i] * bf16_bits_to_f32(r[k]);
 }
 
 // nq queries / weight rows by groups of 8 and 4 where AVX2 is on, the rest one at a time (the same bits).
@@ -2147,8 +2153,9 @@ inline void axpy_bf16_queries(const float* s, int64_t ss, int64_t nq, const uint
                               float* y, int64_t ys, int64_t n) {
     int64_t h = 0;
 #if defined(MOESAIC_AVX2)
-    for (; h + 8 <= nq; h += 8) axpy_bf16_group<8>(s + h * ss, ss, b, bs, m, y + h * ys, ys, n);
-    for (; h + 4 <= nq; h += 4) axpy_bf16_group<4>(s + h * ss, ss, b, bs, m, y + h * ys, ys, n);
+    const auto row = [&](int64_t i) { return b + i * bs; };
+    for (; h + 8 <= nq; h += 8) axpy_bf16_group<8>(s + h * ss, ss, row, m, y + h * ys, ys, n);
+    for (; h + 4 <= nq; h += 4) axpy_bf16_group<4>(s + h * ss, ss, row, m, y + h * ys, ys, n);
 #endif
     for (; h < nq; ++h) axpy_bf16_many(s + h * ss, b, bs, m, y + h * ys, n);
 }
@@ -3001,19 +3008,42 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const float sc = (float)scale, ninf = -std::numeric_limits<float>::infinity();
     for (int64_t e = 0; e < n * W; ++e) TORCH_CHECK(sp[e] < T, "dsa_gathered: a selected row past the cache");
+    // work items: a query's heads h0 .. h0 + g - 1 (g = 8, 4 or 1, as many items as threads allow), so that a
+    // selected row's bf16 values are widened once for the item's heads (dot_bf16_group_row, axpy_bf16_group:
+    // each head's sums as one head at a time makes them, the same bits)
+    const int64_t g_most = n * (H / 8) >= threads ? 8 : n * (H / 4) >= threads ? 4 : 1;
+    std::vector<std::array<int64_t, 3>> items;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t h0 = 0; h0 < H;) {
+            const int64_t g = H - h0 >= g_most ? g_most : 1;
+            items.push_back({i, h0, g});
+            h0 += g;
+        }
+    const int64_t n_items = (int64_t)items.size();
+    const auto row_of_sel = [&](int64_t i) {
+        return [&, i](int64_t e) -> const uint16_t* { const int64_t t = sp[i * W + e]; return t < 0 ? nullptr : row_of(t); };
+    };
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        std::vector<float> ql(kvr);
+        std::vector<float> ql(8 * kvr);
 #pragma omp for
-        for (int64_t ih = 0; ih < n * H; ++ih) {
-            const int64_t i = ih / H, h = ih % H;
-            std::fill(ql.begin(), ql.end(), 0.f);
-            axpy_bf16_many(qp + ih * dn, wp + h * wr * kvr, kvr, dn, ql.data(), kvr);
-            for (auto& v : ql) v = round_bf16(v);  // q_lat in bf16
-            float* row = lg + ih * W;
+        for (int64_t it = 0; it < n_items; ++it) {
+            const int64_t i = items[it][0], h0 = items[it][1], g = items[it][2];
+            for (int64_t hh = 0; hh < g; ++hh) {
+                float* q = ql.data() + hh * kvr;
+                std::fill(q, q + kvr, 0.f);
+                axpy_bf16_many(qp + (i * H + h0 + hh) * dn, wp + (h0 + hh) * wr * kvr, kvr, dn, q, kvr);
+                for (int64_t c = 0; c < kvr; ++c) q[c] = round_bf16(q[c]);  // q_lat in bf16
+            }
+            float* row = lg + (i * H + h0) * W;  // head h0 + hh's scores at row + hh * W
             for (int64_t e = 0; e < W; ++e) {
                 const int64_t t = sp[i * W + e];
-                row[e] = t < 0 ? ninf : round_bf16(dot_bf16(ql.data(), row_of(t), kvr)) * sc;
+                if (t >= 0) {
+                    if (g == 8) dot_bf16_group_row<8>(ql.data(), kvr, row_of(t), kvr, row + e, W);
+                    else if (g == 4) dot_bf16_group_row<4>(ql.data(), kvr, row_of(t), kvr, row + e, W);
+                    else dot_bf16_group_row<1>(ql.data(), kvr, row_of(t), kvr, row + e, W);
+                }
+                for (int64_t hh = 0; hh < g; ++hh) row[hh * W + e] = t < 0 ? ninf : round_bf16(row[hh * W + e]) * sc;
             }
         }
     }
@@ -3021,20 +3051,32 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
     const float* pp = p.data_ptr<float>();
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        std::vector<float> ol(kvr), o(dv);
+        std::vector<float> ol(8 * kvr), o(dv), pr(8 * W);
 #pragma omp for
-        for (int64_t ih = 0; ih < n * H; ++ih) {
-            const int64_t i = ih / H, h = ih % H;
-            std::fill(ol.begin(), ol.end(), 0.f);
-            for (int64_t e = 0; e < W; ++e) {
-                const int64_t t = sp[i * W + e];
-                const float pe = pp[ih * W + e];
-                const float pr = pe != pe ? 0.f : round_bf16(pe);  // nan_to_num: nothing selected
-                if (t >= 0 && pr != 0.f) axpy_bf16_many(&pr, row_of(t), ls, 1, ol.data(), kvr);
+        for (int64_t it = 0; it < n_items; ++it) {
+            const int64_t i = items[it][0], h0 = items[it][1], g = items[it][2];
+            for (int64_t e = 0; e < g * W; ++e) {
+                const float pe = pp[(i * H + h0) * W + e];
+                pr[e] = pe != pe ? 0.f : round_bf16(pe);  // nan_to_num: nothing selected
             }
-            for (auto& v : ol) v = round_bf16(v);  // o_lat in bf16
-            dot_bf16_many(ol.data(), wp + (h * wr + dn) * kvr, kvr, kvr, dv, o.data());
-            for (int64_t j = 0; j < dv; ++j) op[ih * dv + j] = f32_to_bf16_bits(o[j]);
+            // o_lat: the selected rows' FMAs in order (a zero probability adds 0, as skipping it would, the rows
+            // being finite), 64 rows at a time so that they stay in L1 while every block of o_lat passes over them
+            std::fill(ol.begin(), ol.begin() + g * kvr, 0.f);
+            const auto sel_row = row_of_sel(i);
+            for (int64_t e0 = 0; e0 < W; e0 += 64) {
+                const auto rows = [&](int64_t e) { return sel_row(e0 + e); };
+                const int64_t me = std::min<int64_t>(64, W - e0);
+                if (g == 8) axpy_bf16_group<8>(pr.data() + e0, W, rows, me, ol.data(), kvr, kvr);
+                else if (g == 4) axpy_bf16_group<4>(pr.data() + e0, W, rows, me, ol.data(), kvr, kvr);
+                else axpy_bf16_group<1>(pr.data() + e0, W, rows, me, ol.data(), kvr, kvr);
+            }
+            for (int64_t hh = 0; hh < g; ++hh) {
+                const int64_t ih = i * H + h0 + hh;
+                float* oh = ol.data() + hh * kvr;
+                for (int64_t c = 0; c < kvr; ++c) oh[c] = round_bf16(oh[c]);  // o_lat in bf16
+                dot_bf16_many(oh, wp + ((h0 + hh) * wr + dn) * kvr, kvr, kvr, dv, o.data());
+                for (int64_t j = 0; j < dv; ++j) op[ih * dv + j] = f32_to_bf16_bits(o[j]);
+            }
         }
     }
     return out;
