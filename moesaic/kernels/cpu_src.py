@@ -2740,6 +2740,14 @@ torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor p
     return out;
 }
 
+// The E8M0 exponent byte of pow2_ceil(x) for x > 0 (weights/quant.py's pow2_ceil_e8m0): 2^(e - 127) is the
+// smallest power of two >= x, clamped to the bytes 0..254.
+inline int e8m0_ceil(float x) {
+    int e2;
+    const float m = std::frexp(x, &e2);
+    return std::min(254, std::max(0, (m == 0.5f ? e2 - 1 : e2) + 127));
+}
+
 // weights/quant.py's encoders quantize_mxfp4 (kind 0) and quantize_nvfp4 (1: compressed-tensors' global
 // scale gs, a divisor; 2: ModelOpt's, a multiplier) over w [N, K] (fp32 / bf16 / fp16, unit stride in K): the
 // torch code's fp32 operations in its order, so the same bytes. Writes packed [N, K/2] (E2M1 pairs, the
@@ -2784,9 +2792,7 @@ bool encode_fp4(int64_t kind, torch::Tensor w, double gs, torch::Tensor packed, 
                     continue;
                 }
                 if (kind == 0) {  // amax floored, pow2_ceil_e8m0(amax / 6), divided by 2^(e - 127)
-                    int e2;
-                    const float m = std::frexp(std::max(amax, floor_mx) / 6.0f, &e2);
-                    const int e = std::min(254, std::max(0, (m == 0.5f ? e2 - 1 : e2) + 127));
+                    const int e = e8m0_ceil(std::max(amax, floor_mx) / 6.0f);
                     sp[i * (K / G) + g] = (uint8_t)e;
                     // times 2^(127 - e) is v / 2^(e - 127) exactly (both powers of two are floats: e <= 254)
                     const float inv = std::ldexp(1.0f, 127 - e);
@@ -2929,9 +2935,7 @@ bool encode_fp8(torch::Tensor w, int64_t bn, int64_t bk, bool ue8m0, torch::Tens
             }
             for (int64_t c = 0; c < kb; ++c) {
                 if (ue8m0) {
-                    int e2;
-                    const float m = std::frexp(std::max(amax[c], 1e-4f) / 448.0f, &e2);
-                    const int e = std::min(254, std::max(0, (m == 0.5f ? e2 - 1 : e2) + 127));
+                    const int e = e8m0_ceil(std::max(amax[c], 1e-4f) / 448.0f);
                     s8[b * kb + c] = (uint8_t)e;
                     sc[c] = std::ldexp(1.0f, e - 127);
                 } else {

@@ -305,26 +305,12 @@ def stack_inputs(w: KdaWeights) -> KdaWeights:
     """w with its six products of the layer input (q, k, v, f_a, b, then g or g_a) stacked by rows into one
     weight (layers/linear.stack_rows), where all six stack together (dense bf16, or packed in one scale
     layout); its fields become views of the stack's rows (no memory added). Unchanged otherwise."""
-    ws = [
-        w.q_proj,
-        w.k_proj,
-        w.v_proj,
-        w.f_a_proj,
-        w.b_proj,
-        w.g_proj if w.g_proj is not None else w.g_a_proj,
-    ]
-    stacks = stack_rows(ws)
-    if len(stacks) != 1 or len(stacks[0].parts) != len(ws):
+    gate = "g_proj" if w.g_proj is not None else "g_a_proj"
+    fields = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate)
+    stacks = stack_rows([getattr(w, f) for f in fields])
+    if len(stacks) != 1 or len(stacks[0].parts) != len(fields):
         return w
     swap = replacement(stacks)
-    fields = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "f_a_proj",
-        "b_proj",
-        "g_proj" if w.g_proj is not None else "g_a_proj",
-    )
     return dataclasses.replace(w, x_stack=stacks[0], **{f: swap[id(getattr(w, f))] for f in fields})
 
 
