@@ -6,18 +6,20 @@ transformers `generate` on the same bf16 weights where transformers runs the fam
 a batch-1 bf16 step's time goes (GEMM vs the rest).
 
     .venv/bin/python benchmarks/decode_roofline.py [--models mistral4,kimi_linear] [--threads N]
-        [--new 16] [--prompt 32] [--prefill 256] [--arms bf16,release,fp8,mxfp4,nvfp4] [--no-hf]
+        [--new 16] [--prompt 32] [--prefill 256] [--arms bf16,release,fp8,mxfp4,nvfp4,nvfp4+int8x] [--no-hf]
 
 Decode time is time(prompt + N new) - time(prompt + 1 new) (prefill cancels), best of `--repeats`. The
 roofline is bandwidth / bytes per step: the bytes are every weight a token reads under the arm's schedule
 (the model's `inspect --precision` bytes minus the embedding table and the routed experts a token does not
 pick: top-k of E per MoE layer). The release format stands in as the schedule that packs what the release
-packs (Mistral Small 4: NVFP4 experts; Kimi Linear is released in bf16, so it has no release arm).
+packs (Mistral Small 4: NVFP4 experts; Kimi Linear is released in bf16, so it has no release arm). An arm
+ending in `+int8x` runs with MOESAIC_CPU_INT8_ACTIVATIONS=1 (E2M1 weights against int8 activation rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -41,6 +43,7 @@ RELEASE = {
     "deepseek_v4": "*=fp8,expert=mxfp4",
 }
 ARMS = {"bf16": None, "fp8": "*=fp8", "mxfp4": "*=mxfp4", "nvfp4": "*=nvfp4"}
+INT8X = "+int8x"  # arm suffix: int8 activations (kernels/cpu.py int8_activations)
 
 
 def step_bytes(folder: Path, precision: str | None) -> int:
@@ -171,7 +174,7 @@ def load_hf(folder: Path, name: str):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="mistral4,kimi_linear")
-    ap.add_argument("--arms", default="bf16,release,fp8,mxfp4,nvfp4")
+    ap.add_argument("--arms", default="bf16,release,fp8,mxfp4,nvfp4,nvfp4+int8x")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=32)
@@ -186,7 +189,7 @@ def main():
     print(f"{threads} thread(s); read bandwidth (kernels' streaming read, this run): {bw:.1f} GB/s")
     g = torch.Generator().manual_seed(1)
     head = (
-        f"{'model':<12} {'arm':<8} {'MB/step':>8} {'roof tok/s':>10} {'b1 tok/s':>9} {'% roof':>7} "
+        f"{'model':<12} {'arm':<12} {'MB/step':>8} {'roof tok/s':>10} {'b1 tok/s':>9} {'% roof':>7} "
         f"{'b8 tok/s':>9} {'prefill tok/s':>13} {'vs hf b1':>9} {'vs hf b8':>9} {'vs hf prefill':>13}"
     )
     rows, shares = [], []
@@ -215,9 +218,11 @@ def main():
                     print(f"{name}: transformers generate failed ({type(e).__name__}: {str(e)[:100]})")
                 del hf
             for arm in args.arms.split(","):
-                precision = RELEASE.get(name, "missing") if arm == "release" else ARMS[arm]
+                base = arm.removesuffix(INT8X)
+                precision = RELEASE.get(name, "missing") if base == "release" else ARMS[base]
                 if precision == "missing":
                     continue
+                os.environ["MOESAIC_CPU_INT8_ACTIVATIONS"] = "1" if arm.endswith(INT8X) else "0"
                 llm = moesaic.LLM(str(folder), dtype="bfloat16", precision=precision)
                 gen = moesaic_gen(llm)
                 b1 = time_decode(gen, prompts[:1], args.new, args.repeats)
@@ -230,7 +235,7 @@ def main():
                     (ratio(b1, hf_b1), ratio(b8, hf_b8), ratio(pf, hf_pf)) if arm == "bf16" else ("-",) * 3
                 )
                 rows.append(
-                    f"{name:<12} {arm:<8} {mb:>8.1f} {roof:>10.1f} {b1:>9.1f} {100 * b1 / roof:>6.0f}% "
+                    f"{name:<12} {arm:<12} {mb:>8.1f} {roof:>10.1f} {b1:>9.1f} {100 * b1 / roof:>6.0f}% "
                     f"{b8:>9.1f} {pf:>13.0f} {hfcols[0]:>9} {hfcols[1]:>9} {hfcols[2]:>13}"
                 )
                 print(rows[-1], flush=True)
@@ -241,6 +246,7 @@ def main():
                         f"{step - mm:.1f} ms ({100 * (step - mm) / step:.0f} %)"
                     )
                 del llm
+                os.environ.pop("MOESAIC_CPU_INT8_ACTIVATIONS")
             if hf_b1:
                 print(f"{name}: transformers bf16 tok/s b1 {hf_b1:.1f}, b8 {hf_b8:.1f}, prefill {hf_pf:.0f}")
     print("\n" + head)

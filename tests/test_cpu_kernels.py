@@ -631,6 +631,89 @@ def test_tile_decode_equals_dequantize_rows(kernel, fmt, n, k):
         _assert_fp32_close(got, _reference(w, x))
 
 
+# ------------------------------------------------------------------------ int8 activations
+
+
+def _int8_reference(qt, x):
+    """x rounded as MOESAIC_CPU_INT8_ACTIVATIONS rounds it (each 32 values scaled by d = max |x| / 127 and
+    rounded to the nearest integer code, in fp32), then the exact products in float64."""
+    m, k = x.shape
+    blocks = torch.nn.functional.pad(x.float(), (0, -k % 32)).view(m, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = (blocks * inv).round().clamp(-127, 127)
+    rounded = (q.double() * (amax / 127.0).double()).view(m, -1)[:, :k]
+    return rounded @ qt.dequantize(torch.float32).double().transpose(-1, -2)
+
+
+INT8_SHAPES = [(67, 96), (5, 32), (7, 16), (33, 208), (7, 80), (9, 1088), (64, 2048), (36, 48)]
+
+
+@pytest.fixture
+def int8x(kernel, monkeypatch):
+    if not kernel.has_avx2():
+        pytest.skip("int8 activations take the AVX2 tiles")
+    monkeypatch.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "1")
+    return monkeypatch
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "nvfp4-modelopt"])
+def test_int8_activations_equal_their_rounding(int8x, fmt):
+    """MOESAIC_CPU_INT8_ACTIVATIONS=1: E2M1 weights against x rounded to int8 codes a 32-value block at a
+    time give the float64 products of the rounded x to fp32 accumulation (1e-6 of sum |x| |w|), every M up
+    to 16, 1 and 3 threads alike, tails of a 64-value chunk included; the exact path misses that bound (the
+    switch changes the arithmetic), and unset it is off."""
+    multiple, make = FORMATS[fmt]
+    missed = 0
+    for n, k in INT8_SHAPES:
+        if k % multiple:
+            continue
+        gen = torch.Generator().manual_seed(n * 100 + k)
+        w = make(n, k, gen)
+        for m in (1, 2, 3, 5, 16):
+            x = torch.randn(m, k, generator=gen) * 3
+            want = _int8_reference(w, x)
+            bound = x.double().abs() @ w.dequantize(torch.float32).double().abs().T
+            got = _raw(w, x, threads=1)
+            assert torch.equal(got, _raw(w, x, threads=3))
+            # (+ 1e-40: a row with the subnormal scale 2^-127 rounds its products in fp32's subnormal range)
+            assert ((got.double() - want).abs() <= 1e-6 * bound + 1e-40).all(), (n, k, m)
+            _assert_fp32_close(_raw(w, x, generic=True), _reference(w, x))  # the portable loops stay exact
+            int8x.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "0")
+            missed += not ((_raw(w, x).double() - want).abs() <= 1e-6 * bound + 1e-40).all()
+            int8x.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "1")
+    assert missed > 0
+    int8x.delenv("MOESAIC_CPU_INT8_ACTIVATIONS")
+    assert not cpu.int8_activations() and cpu._path() & cpu.Q8_PATH == 0
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct"])
+def test_int8_activations_grouped_and_not_finite(int8x, fmt):
+    """The grouped form with int8 activations equals one call per expert bit for bit; a call whose x holds
+    an inf or a NaN keeps the exact fp32 tiles (the same bits as with the switch off)."""
+    gen = torch.Generator().manual_seed(22)
+    counts = [3, 0, 1, 16, 2]
+    w = STACKS[fmt](len(counts), 72, 160, gen)
+    x = torch.randn(sum(counts), 160, generator=gen)
+    offs = _offsets(counts)
+    y = _raw(w, x, offs=offs, threads=2)
+    start = 0
+    for i, c in enumerate(counts):
+        if c:
+            assert torch.equal(y[start : start + c], _raw(w[i], x[start : start + c], threads=1))
+            start += c
+    one = _random_fp4(fmt.split("-")[0], 40, 128, gen)
+    for bad in (float("inf"), float("nan")):
+        xb = torch.randn(3, 128, generator=gen)
+        xb[1, 70] = bad
+        got = _raw(one, xb)
+        int8x.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "0")
+        exact = _raw(one, xb)
+        int8x.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "1")
+        assert torch.equal(got.isnan(), exact.isnan()) and torch.equal(got.nan_to_num(), exact.nan_to_num())
+        assert not torch.equal(_raw(one, xb[:1]), exact[:1])  # a finite x alone: the int8 tiles
+
+
 def test_env_var_disables_kernel(monkeypatch):
     """MOESAIC_CPU_KERNELS=0: the plain path (no build needed), same results."""
     monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")
@@ -740,6 +823,30 @@ def test_demo_tokens_kernel_vs_plain(kernel, monkeypatch, name, dtype):
         top = plain.topk(2, dim=-1).values
         clear = top[:, 0] - top[:, 1] > 2 * tol
         assert clear.any() and torch.equal(got.argmax(-1)[clear], plain.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("name", ["demo-kimi-k3-mxfp4", "demo-mistral4-nvfp4", "demo-deepseek-v4"])
+def test_demo_logits_with_int8_activations(int8x, name):
+    """The E2M1 demos with MOESAIC_CPU_INT8_ACTIVATIONS=1, teacher-forced on their exact greedy tokens: the
+    logits move (the switch is on) but at 4 in 5 positions by at most 5 % of their size (measured: 1-2 %, a
+    position where a router's top-k flips on a near tie more), and the argmax is the exact one wherever the
+    exact margin is wider than twice that position's change."""
+    llm = moesaic.LLM(name, dtype="float32")
+    params = moesaic.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    int8x.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "0")
+    outs = llm.generate(["Hello, world", [5, 17, 3, 9]], params)
+    for o in outs:
+        seq = list(o.prompt_token_ids) + list(o.token_ids[:-1])
+        int8x.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "0")
+        plain = llm.score(seq)
+        int8x.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "1")
+        got = llm.score(seq)
+        change = (got - plain).abs().amax(-1)
+        assert change.max() > 0
+        assert (change <= 0.05 * plain.abs().max()).float().mean() >= 0.8
+        top = plain.topk(2, dim=-1).values
+        clear = top[:, 0] - top[:, 1] > 2 * change
+        assert torch.equal(got.argmax(-1)[clear], plain.argmax(-1)[clear])
 
 
 # ------------------------------------------------------------------------ import direction

@@ -253,9 +253,23 @@ def _gemm(op: tuple, x, offs, out, bias, threads, generic, nbytes, amx=None):
     return out
 
 
+def int8_activations() -> bool:
+    """True when MOESAIC_CPU_INT8_ACTIVATIONS=1 (read at each call; off when unset): E2M1 weights (mxfp4, nvfp4)
+    multiply int8 activation rows, llama.cpp's Q8_0 rounding of x (each 32 values scaled by max |x| / 127 and
+    rounded to the nearest integer), by integer byte products: ~2x the fp32 tiles' rate from memory on an AVX2
+    core (docs/perf.md), outputs within x's rounding of the exact ones rather than equal to the plain path's.
+    The portable build and bf16 x on AVX-512 BF16 CPUs (vdpbf16ps) keep exact activations."""
+    return env.flag("MOESAIC_CPU_INT8_ACTIVATIONS", default=False)
+
+
+Q8_PATH = 4  # gemm's path bit: int8 activations against E2M1 weights
+
+
 def _path(generic: bool = False, amx: bool | None = None) -> int:
-    """gemm's path argument: 1 the portable code, 0 the best this CPU has (AMX where enabled), 2 without AMX."""
-    return 1 if generic else 0 if (amx_enabled() if amx is None else amx) else 2
+    """gemm's path argument: 1 the portable code, 0 the best this CPU has (AMX where enabled), 2 without AMX;
+    plus Q8_PATH where int8_activations()."""
+    path = 1 if generic else 0 if (amx_enabled() if amx is None else amx) else 2
+    return path | Q8_PATH if not generic and int8_activations() else path
 
 
 def _active_bytes(w: torch.Tensor, rows: int, grouped: bool) -> int:

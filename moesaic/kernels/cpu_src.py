@@ -73,14 +73,17 @@ CPP = r"""
 
 namespace {
 
-// The Python side passes BF16, FP8 or FP4; FP4 becomes MX (groups of 32) or NV (16) here.
-enum Kind { BF16 = 0, FP8 = 1, FP4 = 2, MX = 2, NV = 3 };
+// The Python side passes BF16, FP8 or FP4; FP4 becomes MX (groups of 32) or NV (16) here. MXQ / NVQ: the
+// AVX2 tiles of MX / NV against int8 activation rows (gemm's path bit Q8_PATH; the call's Ctx keeps MX / NV).
+enum Kind { BF16 = 0, FP8 = 1, FP4 = 2, MX = 2, NV = 3, MXQ = 4, NVQ = 5 };
+constexpr int64_t Q8_PATH = 4;
 constexpr int64_t CH = 64;                                 // K values per chunk
+constexpr int64_t QREC = 32;                               // floats of one chunk's int8 x record (prep_x_q8)
 // rows of x from which packed weights take AMX tiles (decoded to bf16 a block at a time) where the CPU has
 // them: below, the in-register decode of the vdpbf16ps path is faster (one thread, 1024 x 1024, AMX over it:
 // E2M1 0.4-0.5x at 1-2 rows, 0.7-0.8x at 4, 1.2-1.4x at 8, 2.2-2.5x at 16; E4M3 0.7x at 4, 1.1x at 8, 1.5x at 12)
 constexpr int64_t AMX_PACKED_ROWS[4] = {0, 8, 8, 8};
-constexpr int64_t CHUNK_BYTES[4] = {128, 64, 32, 32};      // bytes of one chunk of one row
+constexpr int64_t CHUNK_BYTES[6] = {128, 64, 32, 32, 32, 32};  // bytes of one chunk of one row
 
 float E8M0[256], E4M3[256];
 const float E2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -89,6 +92,8 @@ alignas(16) const uint8_t E2M1_B3[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x4
                                          0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
 alignas(16) const uint8_t E2M1_B2[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
                                          0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
+// 2 x each E2M1 value + 12: an unsigned byte for vpmaddubsw (the int8 x record carries the -12 x sum)
+alignas(16) const uint8_t E2M1_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 int FP4_PERM[CH];  // position in the decoded chunk -> element of the chunk
 // bf16 bytes (high, low) of the E4M3 values of the magnitude codes 0..127 (exact: <= 4 significant bits);
 // the NaN code decodes as 480, as on the AVX2 path
@@ -237,6 +242,21 @@ inline void scales(const Ctx& C, const Row& r, int64_t c, __m256& sA, __m256& sB
     }
 }
 
+// The int8 tiles' weight scales of chunk c, one per dword of the chunk's sums: MXQ groups 2c (dwords 0-3) and
+// 2c + 1 (4-7); NVQ groups 4c, 4c + 1 (dwords 0-1, 2-3), 4c + 2, 4c + 3 (4-5, 6-7).
+// Built by broadcasts from the table (load ports) and blends: shuffles would queue behind the nibble lookups.
+template <int KIND, bool FULL>
+inline __m256 scales_q8(const Ctx& C, const Row& r, int64_t c) {
+    static const float zero = 0.f;
+    auto at = [&](int64_t g) { return _mm256_broadcast_ss(FULL || g < C.ngroups ? &r.stab[r.s8[g]] : &zero); };
+    if constexpr (KIND == MXQ) {
+        return _mm256_blend_ps(at(2 * c), at(2 * c + 1), 0xF0);
+    } else {
+        const int64_t g = 4 * c;
+        return _mm256_blend_ps(_mm256_blend_ps(at(g), at(g + 1), 0xCC), _mm256_blend_ps(at(g + 2), at(g + 3), 0xCC), 0xF0);
+    }
+}
+
 // acc[r][m] += chunk c of weight rows r (bytes at p[r]) . x rows m
 template <int KIND, int R, int MB, bool FULL>
 inline void step(const Ctx& C, const Row* rows, const uint8_t* const* p, int64_t c, const float* x, int64_t xs,
@@ -257,6 +277,28 @@ inline void step(const Ctx& C, const Row* rows, const uint8_t* const* p, int64_t
 #pragma GCC unroll 4
                     for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(w[r][j], xv, acc[r][m]);
                 }
+        }
+        return;
+    }
+    if constexpr (KIND == MXQ || KIND == NVQ) {  // x: int8 records (prep_x_q8)
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_U)));
+        const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[r]));
+            const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(b, nib));  // the even values' bytes
+            const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(b, 4), nib));
+            const __m256 ws = scales_q8<KIND, FULL>(C, rows[r], c);
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; ++m) {
+                const auto* rec = reinterpret_cast<const __m256i*>(x + m * xs + c * QREC);
+                // byte pairs <= 2 x 24 x 127 and two of them summed: no int16 saturation
+                const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(rec)),
+                                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256(rec + 1)));
+                const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), _mm256_loadu_si256(rec + 2));
+                const __m256 sc = _mm256_mul_ps(ws, _mm256_castsi256_ps(_mm256_loadu_si256(rec + 3)));
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[r][m]);
+            }
         }
         return;
     }
@@ -337,7 +379,7 @@ void tile_mb(int mb, const Ctx& C, const Row* rows, const float* x, int64_t xs, 
 }
 
 // acc[(n - n0) * M + m] += x rows [0, M) . weight rows [n0, n1) over chunks [c0, c1) (+ tail).
-// Activation blocks of up to 4 rows; weight rows in groups of 4 (bf16, memory-bound: four streams)
+// Activation blocks of up to 4 rows; weight rows in groups of 4 (bf16 and the int8 tiles, memory-bound: four streams)
 // or 1-2 (fp8 / fp4, decode-bound: one row at a time streams best, measured).
 template <int KIND>
 void rows_pass(const Ctx& C, const Row* rows, int64_t n0, int64_t n1, const float* x, int64_t xs, int64_t M,
@@ -354,12 +396,13 @@ void rows_pass(const Ctx& C, const Row* rows, int64_t n0, int64_t n1, const floa
                     for (int r = 0; r < R; ++r) acc[(n - n0 + r0 + r) * M + m0 + m] += res[m * R + r];
             };
             int64_t r = 0;
-            if (KIND == BF16 && nr == 4 && mb <= 2) {
+            constexpr bool streams = KIND == BF16 || KIND == MXQ || KIND == NVQ;  // memory-bound: 4 streams
+            if (streams && nr == 4 && mb <= 2) {
                 tile_mb<KIND, 4>(mb, C, rg, xm, xs, c0, c1, tail, res);
                 add(0, 4);
                 r = 4;
             }
-            if (KIND == BF16 || mb > 2)
+            if (streams || mb > 2)
                 for (; r + 2 <= nr; r += 2) {
                     tile_mb<KIND, 2>(mb, C, rg + r, xm, xs, c0, c1, tail, res);
                     add(r, 2);
@@ -475,11 +518,14 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
     // One activation row: stream each weight row once, front to back. More rows: blocks of KB chunks,
     // so that a block of x stays in L1 while every weight row of the item passes over it (x of 16 rows
     // over the whole of K would be re-read from L2 for each weight row).
+    // The int8 tiles' x records of 4 rows over K = 4096 take 32 KB: one block of activation rows (M <= 4)
+    // streams the weight rows whole, as one row does (blocks of K restart the prefetcher's streams each KB).
     const int64_t nchunks = C.nfull + (C.tail_bytes ? 1 : 0);
-    const int64_t KB = M == 1 ? nchunks : std::max<int64_t>(8, 64 / std::min<int64_t>(M, 4));
+    const bool whole = M == 1 || ((KIND == MXQ || KIND == NVQ) && M <= 4);
+    const int64_t KB = whole ? nchunks : std::max<int64_t>(8, 64 / std::min<int64_t>(M, 4));
     // ... and blocks of RB weight rows, so that their bytes of a K block stay in L2 while the blocks of
     // activation rows pass over them.
-    const int64_t RB = M == 1 ? n1 - n0 : 32;
+    const int64_t RB = whole ? n1 - n0 : 32;
     // The tiles' side-by-side rows (and the RB blocks) come from the four sections (section_order).
     const int64_t count = n1 - n0;
     const std::vector<int64_t> pos = section_order(count);
@@ -1130,6 +1176,56 @@ std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool gen
     return out;
 }
 
+// x [T, K] as int8 records for the MXQ / NVQ tiles (llama.cpp's Q8_0 rows, in the nibble planes' order): each
+// 32 values (half a chunk) scaled by d = max |x| / 127 and rounded to the nearest code q (ties to even), one
+// QREC-float record a chunk: the q of its even values (bytes 0-31: the low nibbles' order), of its odd values
+// (32-63), 12 x the sum of each dword's 8 codes (int32, the E2M1_U offset) and d / 2 for each dword (E2M1_U
+// holds twice each value). Zeros beyond K. False where x has a value that is not finite (the fp32 tiles then).
+bool prep_x_q8(const torch::Tensor& x, int64_t nchunks, std::vector<float>& out) {
+    const int64_t T = x.size(0), K = x.size(1);
+    out.assign((size_t)(T * nchunks * QREC), 0.f);
+    bool finite = true;
+    auto fill = [&](auto* src) {
+        float v[CH];
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t c = 0; c < nchunks; ++c) {
+                const int64_t k0 = c * CH, n = std::min<int64_t>(CH, K - k0);
+                for (int64_t i = 0; i < CH; ++i) v[i] = i < n ? (float)src[t * K + k0 + i] : 0.f;
+                float* rec = out.data() + (t * nchunks + c) * QREC;
+                int8_t* q = reinterpret_cast<int8_t*>(rec);
+                int32_t* corr = reinterpret_cast<int32_t*>(rec + 16);
+                for (int h = 0; h < 2; ++h) {  // the two 32-value blocks
+                    const float* b = v + 32 * h;
+                    float amax = 0.f;
+                    bool fin = true;
+                    for (int i = 0; i < 32; ++i) {
+                        const float m = std::abs(b[i]);
+                        amax = std::max(amax, m);
+                        fin &= m <= FLT_MAX;  // false for inf and NaN (which std::max would skip)
+                    }
+                    finite = finite && fin;
+                    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+                    int8_t qb[32];
+                    for (int i = 0; i < 32; ++i) qb[i] = (int8_t)std::clamp(std::nearbyint(b[i] * inv), -127.f, 127.f);
+                    for (int i = 0; i < 16; ++i) {
+                        q[16 * h + i] = qb[2 * i];
+                        q[32 + 16 * h + i] = qb[2 * i + 1];
+                    }
+                    for (int d = 0; d < 4; ++d) {
+                        int32_t sum = 0;
+                        for (int i = 0; i < 8; ++i) sum += qb[8 * d + i];
+                        corr[4 * h + d] = 12 * sum;
+                        rec[24 + 4 * h + d] = amax / 127.f * 0.5f;
+                    }
+                }
+            }
+    };
+    if (x.scalar_type() == torch::kFloat32) fill(x.data_ptr<float>());
+    else if (x.scalar_type() == torch::kBFloat16) fill(x.data_ptr<c10::BFloat16>());
+    else fill(x.data_ptr<c10::Half>());
+    return finite;
+}
+
 }  // namespace
 
 // A gemm / dequant operand (see cpu.py) as the kernels read it: the call's shape C and the weights' layout W
@@ -1202,7 +1298,9 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
                    std::optional<torch::Tensor> out_, std::optional<torch::Tensor> bias, int64_t group, int64_t bn,
                    int64_t bk, int64_t nthreads, int64_t path) {
     TORCH_CHECK(kind == BF16 || kind == FP8 || kind == FP4, "kind");
-    TORCH_CHECK(path >= 0 && path <= 2, "path: 0 best, 1 generic, 2 no AMX");
+    TORCH_CHECK(path >= 0 && path <= (2 | Q8_PATH), "path: 0 best, 1 generic, 2 no AMX (| Q8_PATH: int8 x)");
+    const bool q8_asked = path & Q8_PATH;
+    path &= ~Q8_PATH;
     bool generic = path == 1;
     TORCH_CHECK(x.dim() == 2, "x: [T, K]");
     x = x.contiguous();
@@ -1267,7 +1365,12 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #endif
     int64_t Kp = generic ? K : (K + CH - 1) / CH * CH;
     bool scaled = true;
-    std::vector<float> xp = dp ? std::vector<float>() : prep_x(x, (int)kind, Kp, generic, scaled);
+    // int8 activations where asked, against E2M1 weights on the AVX2 tiles (bf16 x on AVX-512 BF16 CPUs keeps
+    // vdpbf16ps); x with a value that is not finite keeps the fp32 tiles
+    std::vector<float> xq;
+    const bool q8 = q8_asked && (kind == MX || kind == NV) && !generic && !dp && prep_x_q8(x, Kp / CH, xq);
+    if (q8) Kp = Kp / CH * QREC;  // xp's row stride: the records
+    std::vector<float> xp = dp || q8 ? std::move(xq) : prep_x(x, (int)kind, Kp, generic, scaled);
     if (!scaled) {  // fp8 against an x the scaled decode cannot take: the portable loops
         generic = true;
         Kp = K;
@@ -1348,8 +1451,14 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             switch (kind) {
                 case BF16: run_item<BF16>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
                 case FP8: run_item<FP8>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
-                case MX: run_item<MX>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
-                default: run_item<NV>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
+                case MX:
+                    if (q8) run_item<MXQ>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, false, wbuf);
+                    else run_item<MX>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf);
+                    break;
+                default:
+                    if (q8) run_item<NVQ>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, false, wbuf);
+                    else run_item<NV>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf);
+                    break;
             }
         }
     }

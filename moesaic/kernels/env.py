@@ -31,11 +31,12 @@ def get(name: str) -> str | None:
     return v if v is None or _DATA is None else os.environ.decodevalue(v)
 
 
-def flag(name: str) -> bool:
-    """An on/off switch: on unless set to 0 / false / off / no (any case, spaces around ignored)."""
+def flag(name: str, default: bool = True) -> bool:
+    """An on/off switch: `default` when unset, else on unless set to 0 / false / off / no (any case, spaces
+    around ignored)."""
     raw = _raw(name)
     if raw is None:
-        return True
+        return default
     on = _PARSED.get(raw)
     if on is None:
         text = raw if _DATA is None else os.environ.decodevalue(raw)
