@@ -515,13 +515,14 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
         return;
     }
 #if defined(MOESAIC_AVX2)
-    // One activation row: stream each weight row once, front to back. More rows: blocks of KB chunks,
-    // so that a block of x stays in L1 while every weight row of the item passes over it (x of 16 rows
-    // over the whole of K would be re-read from L2 for each weight row).
-    // The int8 tiles' x records of 4 rows over K = 4096 take 32 KB: one block of activation rows (M <= 4)
-    // streams the weight rows whole, as one row does (blocks of K restart the prefetcher's streams each KB).
+    // Up to 4 activation rows (one block of them): stream each weight row once, front to back, x read
+    // from L1 / L2 (4 fp32 rows over K = 4096: 64 KB); blocks of K would restart the prefetcher's streams
+    // every block for no reuse (one Zen 3 core, 4096 x 4096 at 2 and 4 rows: 1.2-1.5x whole, every kind;
+    // and each output is then the same sum at 1-4 rows). More rows: blocks of KB chunks, so that a block
+    // of x stays in L1 while every weight row of the item passes over it (x of 16 rows over the whole of K
+    // would be re-read from L2 for each weight row).
     const int64_t nchunks = C.nfull + (C.tail_bytes ? 1 : 0);
-    const bool whole = M == 1 || ((KIND == MXQ || KIND == NVQ) && M <= 4);
+    const bool whole = M <= 4;
     const int64_t KB = whole ? nchunks : std::max<int64_t>(8, 64 / std::min<int64_t>(M, 4));
     // ... and blocks of RB weight rows, so that their bytes of a K block stay in L2 while the blocks of
     // activation rows pass over them.
