@@ -10,6 +10,7 @@ projections, a V4-style 128x128 fp8 projection, GLM-5.3 / Mistral NVFP4 experts,
 bf16 projection) and each row count it times
 
     kernel   QuantizedTensor.matmul(x) (bf16: moesaic.kernels.cpu.linear): the compiled kernel
+    int8x    E2M1 weights: the same with MOESAIC_CPU_INT8_ACTIVATIONS=1 (x rounded to int8 a block of 32)
     no-amx   on a CPU with AMX: the same with MOESAIC_CPU_AMX=0 (vdpbf16ps; above 16 rows the plain path
              or F.linear), what the kernel did before it took AMX tiles
     plain    the same with MOESAIC_CPU_KERNELS=0 (tile-by-tile dequantize; bf16: F.linear)
@@ -116,9 +117,10 @@ def matmul_fn(w):
     return (lambda x: cpu.linear(x, w)) if isinstance(w, torch.Tensor) else w.matmul
 
 
-def set_kernels(on: bool, amx: bool = True) -> None:
+def set_kernels(on: bool, amx: bool = True, int8x: bool = False) -> None:
     os.environ["MOESAIC_CPU_KERNELS"] = "1" if on else "0"
     os.environ["MOESAIC_CPU_AMX"] = "1" if amx else "0"
+    os.environ["MOESAIC_CPU_INT8_ACTIVATIONS"] = "1" if int8x else "0"
 
 
 def row(cols) -> str:
@@ -160,6 +162,7 @@ def bench_shapes(args, shapes, dtype, bw, min_time, pool_bytes):
 
             cases = [
                 ("kernel", True, nbytes, lambda: matmul_fn(nxt(pool, "p"))(x)),
+                ("int8x", True, nbytes, lambda: matmul_fn(nxt(pool, "p"))(x)),
                 ("no-amx", True, nbytes, lambda: matmul_fn(nxt(pool, "p"))(x)),
                 ("plain", False, nbytes, lambda: matmul_fn(nxt(pool, "p"))(x)),
                 ("torch", True, dense.nbytes, lambda: F.linear(xb, nxt(dense_pool, "d"))),
@@ -169,9 +172,11 @@ def bench_shapes(args, shapes, dtype, bw, min_time, pool_bytes):
                 cases = [c for c in cases if c[0] != "plain"]
             if not (cpu.has_amx() and dtype == torch.bfloat16):
                 cases = [c for c in cases if c[0] != "no-amx"]
+            if getattr(qt, "format", None) not in ("mxfp4", "nvfp4"):  # int8 activations: E2M1 weights only
+                cases = [c for c in cases if c[0] != "int8x"]
             times = {}
             for method, kernels, nb, fn in cases:
-                set_kernels(kernels, amx=method != "no-amx")
+                set_kernels(kernels, amx=method != "no-amx", int8x=method == "int8x")
                 t = timeit(fn, min_time)
                 times[method] = t
                 gbs = nb / t / 1e9
@@ -180,6 +185,8 @@ def bench_shapes(args, shapes, dtype, bw, min_time, pool_bytes):
             ratios = f"kernel vs torch dense {times['torch'] / times['kernel']:.2f}x"
             if "plain" in times:
                 ratios += f", vs plain {times['plain'] / times['kernel']:.1f}x"
+            if "int8x" in times:
+                ratios += f", int8x vs kernel {times['kernel'] / times['int8x']:.2f}x"
             if "no-amx" in times:
                 ratios += f", vs no-amx {times['no-amx'] / times['kernel']:.2f}x"
             print(f"{'':32s} {'':>10s} {m:4d} {'ratio':>6s}  {ratios}")
