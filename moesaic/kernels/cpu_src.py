@@ -525,21 +525,22 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
     const bool whole = M <= 4;
     const int64_t KB = whole ? nchunks : std::max<int64_t>(8, 64 / std::min<int64_t>(M, 4));
     // ... and blocks of RB weight rows, so that their bytes of a K block stay in L2 while the blocks of
-    // activation rows pass over them.
-    const int64_t RB = whole ? n1 - n0 : 32;
+    // activation rows pass over them (whole rows: blocks of 256, whose rows are described as they come: an
+    // item of 32768 rows described at once wrote and read back 1 MB). RB is a multiple of 4: the same tiles.
+    const int64_t RB = whole ? 256 : 32;
     // The tiles' side-by-side rows (and the RB blocks) come from the four sections (section_order).
     const int64_t count = n1 - n0;
     const std::vector<int64_t> pos = section_order(count);
-    std::vector<Row> rows(count);
-    for (int64_t i = 0; i < count; ++i) rows[i] = row_of(C, W, e, slot, n0 + pos[i]);
+    std::vector<Row> rows(std::min(count, RB));
     wbuf.assign(count * M, 0.f);
-    for (int64_t r0 = n0; r0 < n1; r0 += RB) {
-        const int64_t r1 = std::min(n1, r0 + RB);
+    for (int64_t r0 = 0; r0 < count; r0 += RB) {
+        const int64_t r1 = std::min(count, r0 + RB);
+        for (int64_t i = r0; i < r1; ++i) rows[i - r0] = row_of(C, W, e, slot, n0 + pos[i]);
         for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
             const int64_t c1 = std::min(c0 + KB, nchunks);
             const bool tail = C.tail_bytes && c1 == nchunks;
-            rows_pass<KIND>(C, rows.data() + (r0 - n0), r0, r1, x + t0 * xs, xs, M, c0, tail ? c1 - 1 : c1, tail,
-                            wbuf.data() + (r0 - n0) * M);
+            rows_pass<KIND>(C, rows.data(), r0, r1, x + t0 * xs, xs, M, c0, tail ? c1 - 1 : c1, tail,
+                            wbuf.data() + r0 * M);
         }
     }
     put_rows(O, t0, n0, M, pos, wbuf);
