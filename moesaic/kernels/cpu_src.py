@@ -15,13 +15,17 @@ One routine serves three weight encodings, a single matrix or a stack of experts
          planes index two 16-entry byte tables (vpshufb) giving the upper 16 bits of each value's fp32
          encoding, interleaved (vpunpck*bw) and split into dwords by a shift / a mask: 64 values from
          one load, no per-16 shuffle. Products are summed per group lane and scaled once per group.
+         Where asked (gemm's Q8_PATH: MOESAIC_CPU_INT8_ACTIVATIONS=1), x rounded to int8 a block of 32
+         (prep_x_q8) instead: the nibbles index a table of 2 x value + 12 for vpmaddubsw against the codes,
+         one int32 per 8 values (vpmaddwd), the offset taken off, each group's and block's scales applied
+         to the converted sums (the MXQ / NVQ tiles; not the reference's bits, an opt-in).
 
 Decoded vectors come out in a fixed order inside each 64-value chunk; x is permuted once per call to
 match (prep_x), so the inner loop has no shuffles on x. Accumulation is fp32 (FMA); each output is
 rounded once to the output dtype (fp32, bf16 or fp16, round to nearest even).
 
-Register tiles: R weight rows x MB <= 4 activation rows per pass (R * MB <= 8 accumulators). One
-activation row streams every weight row once, front to back; more rows go by blocks of K and of 32
+Register tiles: R weight rows x MB <= 4 activation rows per pass (R * MB <= 8 accumulators). Up to 4
+activation rows stream every weight row once, front to back; more rows go by blocks of K and of 32
 weight rows, so that a block of x stays in L1 and the weights' block in L2 while each block of 4
 activation rows passes over them (run_item). Work items (expert, block of weight rows) are shared out
 by OpenMP with the thread count the caller chooses.
