@@ -394,19 +394,21 @@ def test_linear_bf16(kernel, m):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_rows_up_to_four_sum_alike(kernel, fmt):
-    """fp32 x (the AVX2 tiles on every x86 build): each output is the same sum at 1, 2, 3 and 4 rows of x (the
-    weight rows streamed whole, not in blocks of K), bit for bit, with int8 activations too for E2M1."""
+def test_rows_sum_alike_at_any_count(kernel, fmt):
+    """fp32 x (the AVX2 tiles on every x86 build): each output is the same sum at 1 to 16 rows of x where x
+    fits in 256 KB (the weight rows streamed whole, not in blocks of K), and at 1 to 4 rows of a longer x, bit
+    for bit, with int8 activations too for E2M1."""
     multiple, make = FORMATS[fmt]
     gen = torch.Generator().manual_seed(31)
-    w = make(40, 4096 + 3 * multiple if multiple > 1 else 4099, gen)
-    x = torch.randn(4, w.shape[-1], generator=gen)
-    for int8 in ("0", "1") if fmt.startswith(("mx", "nv")) else ("0",):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", int8)
-            four = _raw(w, x, threads=2)
-            for m in (1, 2, 3):
-                assert torch.equal(_raw(w, x[4 - m :]), four[4 - m :]), (m, int8)
+    for k, most in ((4096 - 3 * multiple if multiple > 1 else 4093, 16), (8192 + 3 * max(multiple, 2), 4)):
+        w = make(40, k, gen)
+        x = torch.randn(most, k, generator=gen)
+        for int8 in ("0", "1") if fmt.startswith(("mx", "nv")) else ("0",):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", int8)
+                every = _raw(w, x, threads=2)
+                for m in range(1, most):
+                    assert torch.equal(_raw(w, x[most - m :]), every[most - m :]), (k, m, int8)
 
 
 def _offsets(counts):

@@ -25,9 +25,10 @@ match (prep_x), so the inner loop has no shuffles on x. Accumulation is fp32 (FM
 rounded once to the output dtype (fp32, bf16 or fp16, round to nearest even).
 
 Register tiles: R weight rows x MB <= 4 activation rows per pass (R * MB <= 8 accumulators). Up to 4
-activation rows stream every weight row once, front to back; more rows go by blocks of K and of 32
-weight rows, so that a block of x stays in L1 and the weights' block in L2 while each block of 4
-activation rows passes over them (run_item). Work items (expert, block of weight rows) are shared out
+activation rows, and up to 16 whose x fits in 256 KB, stream every weight row whole, front to back (4 weight
+rows at a time, each block of 4 activation rows in turn); more go by blocks of K and of 32 weight rows, so
+that a block of x stays in L1 and the weights' block in L2 while each block of 4 activation rows passes over
+them (run_item). Work items (expert, block of weight rows) are shared out
 by OpenMP with the thread count the caller chooses.
 
 Also small fused routines that replace chains of small torch ops with the same float operations (the
@@ -521,17 +522,20 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
 #if defined(MOESAIC_AVX2)
     // Up to 4 activation rows (one block of them): stream each weight row once, front to back, x read
     // from L1 / L2 (4 fp32 rows over K = 4096: 64 KB); blocks of K would restart the prefetcher's streams
-    // every block for no reuse (one Zen 3 core, 4096 x 4096 at 2 and 4 rows: 1.2-1.5x whole, every kind;
-    // and each output is then the same sum at 1-4 rows). More rows: blocks of KB chunks, so that a block
-    // of x stays in L1 while every weight row of the item passes over it (x of 16 rows over the whole of K
-    // would be re-read from L2 for each weight row).
+    // every block for no reuse. More rows whose x fits L2 beside the weights (M x xs floats <= 256 KB: 16
+    // fp32 rows of K = 4096): whole rows too, 4 weight rows at a time, each block of 4 activation rows passing
+    // over them in turn (their bytes in L1 / L2 after the first). One Zen 3 core, 4096 x 4096 from memory,
+    // against blocks of K: 1.2-1.5x at 2 and 4 rows, 1.15-1.5x at 8, 1.03-1.25x at 16, every kind; and each
+    // output is the same sum at any such row count. Larger x: blocks of KB chunks, so that a block of x
+    // stays in L1 while every weight row of the item passes over it (x of 16 rows over the whole of a long K
+    // would be re-read from L3 for each group of weight rows).
     const int64_t nchunks = C.nfull + (C.tail_bytes ? 1 : 0);
-    const bool whole = M <= 4;
+    const bool whole = M <= 4 || M * xs * 4 <= (256 << 10);
     const int64_t KB = whole ? nchunks : std::max<int64_t>(8, 64 / std::min<int64_t>(M, 4));
     // ... and blocks of RB weight rows, so that their bytes of a K block stay in L2 while the blocks of
     // activation rows pass over them (whole rows: blocks of 256, whose rows are described as they come: an
     // item of 32768 rows described at once wrote and read back 1 MB). RB is a multiple of 4: the same tiles.
-    const int64_t RB = whole ? 256 : 32;
+    const int64_t RB = M <= 4 ? 256 : whole ? 4 : 32;
     // The tiles' side-by-side rows (and the RB blocks) come from the four sections (section_order).
     const int64_t count = n1 - n0;
     const std::vector<int64_t> pos = section_order(count);
