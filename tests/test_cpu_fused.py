@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moesaic.kernels import cpu
-from moesaic.layers import kda, mamba2, norms, rope
+from moesaic.layers import kda, mamba2, mla, norms, rope
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -760,6 +760,43 @@ def test_mamba2_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
     rows = (None, torch.randn(5, dims.conv_dim, generator=g), torch.rand(5, 4, generator=g))
     st = mamba2.Mamba2State.zeros(dims)
     assert cpu.mamba2_recur(*rows[1:], st.conv, w.conv_weight, None, w.A_log, w.D, st.ssm, dims, 4) is None
+
+
+def test_mla_project_keeps_the_torch_bits(kernels, monkeypatch):
+    """layers/mla.py's mla_project in one call (cpu.mla_project: the two or three products as `linear` computes
+    each, the q_a and kv_a norms as layers/norms.py's rms_norm) gives the torch code's q, latent and key slice
+    bit for bit at 1 to MAX_ROWS rows: with and without q's low rank, bf16, mxfp4 and fp8 weights; the call is
+    taken; fp32 norms or more rows keep the torch code."""
+    from types import SimpleNamespace
+
+    from moesaic.weights.quant import from_suffix_dict, quantize_fp8_block, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(29)
+    d, H, dn, dr, kvr, qr = 96, 3, 32, 16, 64, 32
+    c = SimpleNamespace(num_attention_heads=H, qk_head_dim=dn + dr, qk_nope_head_dim=dn, kv_lora_rank=kvr)
+    makes = {
+        "bf16": lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16(),
+        "mxfp4": lambda *s: from_suffix_dict(quantize_mxfp4(torch.randn(*s, generator=g) * 0.2)),
+        "fp8": lambda *s: from_suffix_dict(quantize_fp8_block(torch.randn(*s, generator=g) * 0.2, (32, 32))),
+    }
+    norm = lambda n: (1 + 0.1 * torch.randn(n, generator=g)).bfloat16()  # noqa: E731
+    for name, make in makes.items():
+        for low_rank in (True, False):
+            w = mla.MlaWeights(
+                kv_a=make(kvr + dr, d), kv_a_norm=norm(kvr), kv_b=None, o=None,
+                q=None if low_rank else make(H * (dn + dr), d),
+                q_a=make(qr, d) if low_rank else None, q_a_norm=norm(qr) if low_rank else None,
+                q_b=make(H * (dn + dr), qr) if low_rank else None,
+            )  # fmt: skip
+            for n in (1, 3, cpu.MAX_ROWS):
+                x = torch.randn(n, d, generator=g).bfloat16()
+                got, want = fused_and_torch(monkeypatch, "mla_project", mla.mla_project, x, w, c)
+                for a, b in zip(got, want):
+                    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, low_rank, n)
+    ops = [mla.operand(m) for m in (w.q, w.kv_a)]
+    assert cpu.mla_project(x, ops, [w.kv_a_norm.float()], 1e-6, kvr) is None  # an fp32 norm
+    more = torch.randn(cpu.MAX_ROWS + 1, d, generator=g).bfloat16()
+    assert cpu.mla_project(more, ops, [w.kv_a_norm], 1e-6, kvr) is None
 
 
 @pytest.mark.parametrize("variant", ["kimi_linear", "glm5_next", "kimi_k3"])

@@ -180,6 +180,7 @@ def load(verbose: bool = False):
                 "dsa_gathered",
                 "mamba2_recur",
                 "kda_project",
+                "mla_project",
                 "sink_attend",
                 "dsa_gathered_bf16",
                 "encode_fp4",
@@ -812,6 +813,25 @@ def kda_project(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound, stacke
     threads = _own_threads(ops, x.shape[0])
     lb = None if lower_bound is None else float(lower_bound)
     out = mod.kda_project(x, ops, threads, A_log, dt_bias, head_dim, lb, _path(), list(stacked))
+    stats["kernel_calls"] += len(ops)
+    return tuple(out)
+
+
+def mla_project(x, ops: list, norms: list, eps: float, kvr: int):
+    """layers/mla.py's mla_project products and norms in one call for up to MAX_ROWS rows: ops (q, kv_a) or (q_a,
+    q_b, kv_a) as operands, norms (kv_a_norm,) or (q_a_norm, kv_a_norm) of x's dtype, each product as `linear`
+    computes it and each norm as layers/norms.py's rms_norm, the same bits. (q, kv, latent), or None where it
+    does not apply (the caller runs the torch code)."""
+    if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
+        return None
+    if not all(n.dtype == x.dtype and n.dim() == 1 and n.shape[0] <= MAX_NORM_WIDTH for n in norms):
+        return None
+    mod = _fused_mod(x, *norms) if _operands_fit(ops, x) else None
+    if mod is None or not (lanes := sum_lanes()):
+        return None
+    threads = _own_threads(ops, x.shape[0])
+    norms = [n.contiguous() for n in norms]
+    out = mod.mla_project(x, ops, threads, norms, eps, kvr, lanes, _path())
     stats["kernel_calls"] += len(ops)
     return tuple(out)
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..cache.paged import PagedRows
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, matmul
+from .linear import linear, matmul, operand
 from .norms import rms_norm
 
 
@@ -108,13 +108,21 @@ def mla_project(x: torch.Tensor, w: MlaWeights, c, eps: float = 1e-6):
     normalised latent [n, kvr] and the shared key slice [n, dr], both still unrotated. (The q/kv a-norms
     use their class default eps, not the config's.)"""
     n, H = x.shape[0], c.num_attention_heads
-    if w.q is not None:
-        q = linear(x, w.q)
+    fused = None
+    if x.is_cpu and x.shape[0] <= cpu.MAX_ROWS:  # decode rows, verify blocks: the code below in one call
+        mats = [w.q, w.kv_a] if w.q is not None else [w.q_a, w.q_b, w.kv_a]
+        norms = [w.kv_a_norm] if w.q is not None else [w.q_a_norm, w.kv_a_norm]
+        fused = cpu.mla_project(x, [operand(m) for m in mats], norms, eps, c.kv_lora_rank)
+    if fused is not None:
+        q, kv, latent = fused
     else:
-        q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
+        if w.q is not None:
+            q = linear(x, w.q)
+        else:
+            q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
+        kv = linear(x, w.kv_a)
+        latent = rms_norm(kv[:, : c.kv_lora_rank], w.kv_a_norm, eps)
     q = q.view(n, H, c.qk_head_dim)
-    kv = linear(x, w.kv_a)
-    latent = rms_norm(kv[:, : c.kv_lora_rank], w.kv_a_norm, eps)
     return q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :], latent, kv[:, c.kv_lora_rank :]
 
 
