@@ -7,6 +7,7 @@ a batch-1 bf16 step's time goes (GEMM vs the rest).
 
     .venv/bin/python benchmarks/decode_roofline.py [--models mistral4,kimi_linear] [--threads N]
         [--new 16] [--prompt 32] [--prefill 256] [--arms bf16,release,fp8,mxfp4,nvfp4,nvfp4+int8x] [--no-hf]
+        [--alternate R]
 
 Decode time is time(prompt + N new) - time(prompt + 1 new) (prefill cancels), best of `--repeats`. The
 roofline is bandwidth / bytes per step: the bytes are every weight a token reads under the arm's schedule
@@ -14,12 +15,17 @@ roofline is bandwidth / bytes per step: the bytes are every weight a token reads
 pick: top-k of E per MoE layer). The release format stands in as the schedule that packs what the release
 packs (Mistral Small 4: NVFP4 experts; Kimi Linear is released in bf16, so it has no release arm). An arm
 ending in `+int8x` runs with MOESAIC_CPU_INT8_ACTIVATIONS=1 (E2M1 weights against int8 activation rows).
+
+`--alternate R` adds, per model, R rounds of batch-1 decode with every arm loaded at once and run in turn
+(one repeat each a round): on a shared, noisy machine the per-round ratios to the first arm, and their median,
+say more than one best-of run per arm taken minutes apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -181,6 +187,7 @@ def main():
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--alternate", type=int, default=0, help="rounds of batch-1 decode, the arms in turn")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -192,7 +199,7 @@ def main():
         f"{'model':<12} {'arm':<12} {'MB/step':>8} {'roof tok/s':>10} {'b1 tok/s':>9} {'% roof':>7} "
         f"{'b8 tok/s':>9} {'prefill tok/s':>13} {'vs hf b1':>9} {'vs hf b8':>9} {'vs hf prefill':>13}"
     )
-    rows, shares = [], []
+    rows, shares, alts = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             config = MODELS[name]
@@ -249,9 +256,40 @@ def main():
                 os.environ.pop("MOESAIC_CPU_INT8_ACTIVATIONS")
             if hf_b1:
                 print(f"{name}: transformers bf16 tok/s b1 {hf_b1:.1f}, b8 {hf_b8:.1f}, prefill {hf_pf:.0f}")
+            if args.alternate:
+                lines = alternate(folder, name, args.arms.split(","), prompts[:1], args.new, args.alternate)
+                print("\n".join(lines), flush=True)
+                alts += lines
     print("\n" + head)
     print("\n".join(rows))
     print("\n".join(shares))
+    print("\n".join(alts))
+
+
+def alternate(folder: Path, name: str, arms: list, prompt, new: int, rounds: int) -> list:
+    """Batch-1 decode tok/s of every arm, all loaded, run in turn for `rounds` rounds: lines with each arm's
+    median and its per-round ratio to the first arm (min-max, median)."""
+    gens = {}
+    for arm in arms:
+        base = arm.removesuffix(INT8X)
+        precision = RELEASE.get(name, "missing") if base == "release" else ARMS[base]
+        if precision != "missing":
+            gens[arm] = moesaic_gen(moesaic.LLM(str(folder), dtype="bfloat16", precision=precision))
+    tps = {arm: [] for arm in gens}
+    for _ in range(rounds):
+        for arm, gen in gens.items():
+            os.environ["MOESAIC_CPU_INT8_ACTIVATIONS"] = "1" if arm.endswith(INT8X) else "0"
+            tps[arm].append(time_decode(gen, prompt, new, 1))
+    os.environ.pop("MOESAIC_CPU_INT8_ACTIVATIONS", None)
+    first = tps[next(iter(tps))]
+    lines = []
+    for arm, t in tps.items():
+        r = [a / b for a, b in zip(t, first)]
+        lines.append(
+            f"{name} {arm}: b1 tok/s median {statistics.median(t):.1f} over {rounds} alternated rounds; per round "
+            f"x {next(iter(tps))} {min(r):.2f}-{max(r):.2f} (median {statistics.median(r):.2f})"
+        )
+    return lines
 
 
 if __name__ == "__main__":
