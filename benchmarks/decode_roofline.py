@@ -52,6 +52,17 @@ ARMS = {"bf16": None, "fp8": "*=fp8", "mxfp4": "*=mxfp4", "nvfp4": "*=nvfp4"}
 INT8X = "+int8x"  # arm suffix: int8 activations (kernels/cpu.py int8_activations)
 
 
+def arm_precision(name: str, arm: str) -> str | None:
+    """The precision schedule of `arm` for model `name` ("missing": a release arm the family does not have)."""
+    base = arm.removesuffix(INT8X)
+    return RELEASE.get(name, "missing") if base == "release" else ARMS[base]
+
+
+def use_arm(arm: str) -> None:
+    """MOESAIC_CPU_INT8_ACTIVATIONS as `arm` runs: 1 for a `+int8x` arm, else 0."""
+    os.environ["MOESAIC_CPU_INT8_ACTIVATIONS"] = "1" if arm.endswith(INT8X) else "0"
+
+
 def step_bytes(folder: Path, precision: str | None) -> int:
     """Weight bytes one decode token reads under `precision`: all but the embedding table and the routed
     experts it does not pick (top-k of E in each MoE layer)."""
@@ -225,11 +236,10 @@ def main():
                     print(f"{name}: transformers generate failed ({type(e).__name__}: {str(e)[:100]})")
                 del hf
             for arm in args.arms.split(","):
-                base = arm.removesuffix(INT8X)
-                precision = RELEASE.get(name, "missing") if base == "release" else ARMS[base]
+                precision = arm_precision(name, arm)
                 if precision == "missing":
                     continue
-                os.environ["MOESAIC_CPU_INT8_ACTIVATIONS"] = "1" if arm.endswith(INT8X) else "0"
+                use_arm(arm)
                 llm = moesaic.LLM(str(folder), dtype="bfloat16", precision=precision)
                 gen = moesaic_gen(llm)
                 b1 = time_decode(gen, prompts[:1], args.new, args.repeats)
@@ -271,14 +281,12 @@ def alternate(folder: Path, name: str, arms: list, prompt, new: int, rounds: int
     median and its per-round ratio to the first arm (min-max, median)."""
     gens = {}
     for arm in arms:
-        base = arm.removesuffix(INT8X)
-        precision = RELEASE.get(name, "missing") if base == "release" else ARMS[base]
-        if precision != "missing":
+        if (precision := arm_precision(name, arm)) != "missing":
             gens[arm] = moesaic_gen(moesaic.LLM(str(folder), dtype="bfloat16", precision=precision))
     tps = {arm: [] for arm in gens}
     for _ in range(rounds):
         for arm, gen in gens.items():
-            os.environ["MOESAIC_CPU_INT8_ACTIVATIONS"] = "1" if arm.endswith(INT8X) else "0"
+            use_arm(arm)
             tps[arm].append(time_decode(gen, prompt, new, 1))
     os.environ.pop("MOESAIC_CPU_INT8_ACTIVATIONS", None)
     first = tps[next(iter(tps))]

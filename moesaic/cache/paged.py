@@ -195,12 +195,7 @@ class PagedRows(LengthRollback):
         }
 
     def _gather(self, end: int, names=()) -> dict[str, torch.Tensor]:
-        nb = -(-end // BLOCK_SIZE)
-        ids = self.table.tensor(self.device)[:nb]
-        return {
-            k: self.fields[k][ids, self.index].reshape(nb * BLOCK_SIZE, -1)[:end]
-            for k in names or self.fields
-        }
+        return self.rows_between(0, end, *(names or self.fields))
 
     @property
     def bufs(self) -> dict[str, torch.Tensor]:

@@ -61,6 +61,8 @@ CPP = r"""
 #include <array>
 #include <optional>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <cstring>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -82,6 +84,15 @@ namespace {
 // AVX2 tiles of MX / NV against int8 activation rows (gemm's path bit Q8_PATH; the call's Ctx keeps MX / NV).
 enum Kind { BF16 = 0, FP8 = 1, FP4 = 2, MX = 2, NV = 3, MXQ = 4, NVQ = 5 };
 constexpr int64_t Q8_PATH = 4;
+
+// f(std::integral_constant<int, V>{}) for the first V of Vs equal to v, else for the last: a runtime choice (a
+// weight kind, a group of heads) made a template argument once.
+template <int V, int... Vs, class F>
+inline void with_value(int64_t v, F&& f) {
+    if constexpr (sizeof...(Vs) == 0) f(std::integral_constant<int, V>{});
+    else if (v == V) f(std::integral_constant<int, V>{});
+    else with_value<Vs...>(v, std::forward<F>(f));
+}
 constexpr int64_t CH = 64;                                 // K values per chunk
 constexpr int64_t QREC = 32;                               // floats of one chunk's int8 x record (prep_x_q8)
 // rows of x from which packed weights take AMX tiles (decoded to bf16 a block at a time) where the CPU has
@@ -1221,11 +1232,12 @@ bool prep_x_q8(const torch::Tensor& x, int64_t nchunks, std::vector<float>& out)
                         q[16 * h + i] = qb[2 * i];
                         q[32 + 16 * h + i] = qb[2 * i + 1];
                     }
+                    const float half_d = amax / 127.f * 0.5f;
                     for (int d = 0; d < 4; ++d) {
                         int32_t sum = 0;
                         for (int i = 0; i < 8; ++i) sum += qb[8 * d + i];
                         corr[4 * h + d] = 12 * sum;
-                        rec[24 + 4 * h + d] = amax / 127.f * 0.5f;
+                        rec[24 + 4 * h + d] = half_d;
                     }
                 }
             }
@@ -1458,18 +1470,11 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
                 continue;
             }
 #endif
-            switch (kind) {
-                case BF16: run_item<BF16>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
-                case FP8: run_item<FP8>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf); break;
-                case MX:
-                    if (q8) run_item<MXQ>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, false, wbuf);
-                    else run_item<MX>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf);
-                    break;
-                default:
-                    if (q8) run_item<NVQ>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, false, wbuf);
-                    else run_item<NV>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0, O, generic, wbuf);
-                    break;
-            }
+            // the int8 tiles where q8 (MXQ / NVQ: MX / NV + 2; generic is false there)
+            with_value<BF16, FP8, MX, NV, MXQ, NVQ>(q8 ? kind + (MXQ - MX) : kind, [&](auto K) {
+                run_item<decltype(K)::value>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0,
+                                             O, generic, wbuf);
+            });
         }
     }
     return out;
@@ -3180,11 +3185,10 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
             float* row = lg + (i * H + h0) * W;  // head h0 + hh's scores at row + hh * W
             for (int64_t e = 0; e < W; ++e) {
                 const int64_t t = sp[i * W + e];
-                if (t >= 0) {
-                    if (g == 8) dot_bf16_group_row<8>(ql.data(), kvr, row_of(t), kvr, row + e, W);
-                    else if (g == 4) dot_bf16_group_row<4>(ql.data(), kvr, row_of(t), kvr, row + e, W);
-                    else dot_bf16_group_row<1>(ql.data(), kvr, row_of(t), kvr, row + e, W);
-                }
+                if (t >= 0)
+                    with_value<8, 4, 1>(g, [&](auto G) {
+                        dot_bf16_group_row<decltype(G)::value>(ql.data(), kvr, row_of(t), kvr, row + e, W);
+                    });
                 for (int64_t hh = 0; hh < g; ++hh) row[hh * W + e] = t < 0 ? ninf : round_bf16(row[hh * W + e]) * sc;
             }
         }
@@ -3208,9 +3212,9 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
             for (int64_t e0 = 0; e0 < W; e0 += 64) {
                 const auto rows = [&](int64_t e) { return sel_row(e0 + e); };
                 const int64_t me = std::min<int64_t>(64, W - e0);
-                if (g == 8) axpy_bf16_group<8>(pr.data() + e0, W, rows, me, ol.data(), kvr, kvr);
-                else if (g == 4) axpy_bf16_group<4>(pr.data() + e0, W, rows, me, ol.data(), kvr, kvr);
-                else axpy_bf16_group<1>(pr.data() + e0, W, rows, me, ol.data(), kvr, kvr);
+                with_value<8, 4, 1>(g, [&](auto G) {
+                    axpy_bf16_group<decltype(G)::value>(pr.data() + e0, W, rows, me, ol.data(), kvr, kvr);
+                });
             }
             for (int64_t hh = 0; hh < g; ++hh) {
                 const int64_t ih = i * H + h0 + hh;
