@@ -278,7 +278,9 @@ def test_release_like_schedule_from_defaults_and_freq_form(tmp_path):
     hf_cut = hf_chunks(hf, token_by_token(chunks))
     err_full, err = max_err(full, hf_cut), max_err(got, hf_cut)
     print(f"glm5next release-like schedule (kpool 16) max abs err: prefill {err_full:.2e}, chunked {err:.2e}")
-    assert err_full < TOL and within_oracle(err, max_err(hf_cut, hf_logits(hf, ids)))
+    oracle_self = max_err(hf_cut, hf_logits(hf, ids))
+    print(f"transformers' own token-by-token vs full prefill: {oracle_self:.2e}")
+    assert within_oracle(err_full, oracle_self) and within_oracle(err, oracle_self)
 
 
 def token_by_token(chunks: list[list[int]]) -> list[list[int]]:

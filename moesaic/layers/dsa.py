@@ -81,7 +81,10 @@ def pool_keys(k: Tensor, z: Tensor, ape: Tensor) -> Tensor:
     n_pools = k.shape[0] // P
     kp = k[: n_pools * P].view(n_pools, P, c)
     logits = z[: n_pools * P].view(n_pools, P, c).float() + ape.float()
-    return (torch.softmax(logits, dim=1).to(k.dtype) * kp).sum(dim=1)
+    # over the last dim of the transposed view: torch's softmax over a middle dim blocks the outer rows
+    # by their count on AVX-512 CPUs (other bits at 1 pool than among 25), the last-dim form row by row
+    weights = torch.softmax(logits.transpose(1, 2), dim=-1).transpose(1, 2)
+    return (weights.to(k.dtype) * kp).sum(dim=1)
 
 
 def index_scores(q: Tensor, weights: Tensor, pooled: Tensor) -> Tensor:
