@@ -394,21 +394,25 @@ def test_linear_bf16(kernel, m):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_rows_sum_alike_at_any_count(kernel, fmt):
-    """fp32 x (the AVX2 tiles on every x86 build): each output is the same sum at 1 to 16 rows of x where x
-    fits in 256 KB (the weight rows streamed whole, not in blocks of K), and at 1 to 4 rows of a longer x, bit
-    for bit, with int8 activations too for E2M1."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_sum_alike_at_any_count(kernel, fmt, dtype):
+    """Each output is the same sum at 1 to 16 rows of x where x fits in 256 KB (the weight rows streamed whole,
+    not in blocks of K), and at 1 to 4 rows of a longer x, bit for bit, with int8 activations too for E2M1:
+    fp32 x (the AVX2 tiles, VNNI's with int8 activations) and bf16 x (vdpbf16ps and VNNI where the CPU has
+    them; up to 7 rows, below the AMX tiles' 8)."""
     multiple, make = FORMATS[fmt]
     gen = torch.Generator().manual_seed(31)
     for k, most in ((4096 - 3 * multiple if multiple > 1 else 4093, 16), (8192 + 3 * max(multiple, 2), 4)):
+        most = most if dtype == torch.float32 else min(most, 7)
         w = make(40, k, gen)
-        x = torch.randn(most, k, generator=gen)
+        x = torch.randn(most, k, generator=gen).to(dtype)
         for int8 in ("0", "1") if fmt.startswith(("mx", "nv")) else ("0",):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", int8)
-                every = _raw(w, x, threads=2)
+                every = _raw(w, x, threads=2, out=torch.empty(most, 40))  # fp32 sums (of bf16 x too)
                 for m in range(1, most):
-                    assert torch.equal(_raw(w, x[most - m :]), every[most - m :]), (k, m, int8)
+                    got = _raw(w, x[most - m :], out=torch.empty(m, 40))
+                    assert torch.equal(got, every[most - m :]), (k, m, int8)
 
 
 def _offsets(counts):
@@ -675,12 +679,18 @@ def int8x(kernel, monkeypatch):
     return monkeypatch
 
 
+@pytest.mark.parametrize("tiles", ["best", "avx2"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "nvfp4-modelopt"])
-def test_int8_activations_equal_their_rounding(int8x, fmt):
+def test_int8_activations_equal_their_rounding(int8x, kernel, fmt, tiles):
     """MOESAIC_CPU_INT8_ACTIVATIONS=1: E2M1 weights against x rounded to int8 codes a 32-value block at a
     time give the float64 products of the rounded x to fp32 accumulation (1e-6 of sum |x| |w|), every M up
-    to 16, 1 and 3 threads alike, tails of a 64-value chunk included; the exact path misses that bound (the
-    switch changes the arithmetic), and unset it is off."""
+    to 16, fp32 and bf16 x, 1 and 3 threads alike, tails of a 64- and a 128-value load included; the exact
+    path misses that bound (the switch changes the arithmetic), and unset it is off. On the CPU's best tiles
+    (VNNI where it has AVX-512 VNNI) and on the AVX2 ones (cpu.AVX2_ONLY)."""
+    if tiles == "avx2":
+        int8x.setattr(cpu, "AVX2_ONLY", True)
+    elif not kernel.has_vnni512():
+        pytest.skip("no AVX-512 VNNI: the best tiles are the AVX2 ones")
     multiple, make = FORMATS[fmt]
     missed = 0
     for n, k in INT8_SHAPES:
@@ -690,15 +700,19 @@ def test_int8_activations_equal_their_rounding(int8x, fmt):
         w = make(n, k, gen)
         for m in (1, 2, 3, 5, 16):
             x = torch.randn(m, k, generator=gen) * 3
+            if m == 3:  # bf16 rows (vdpbf16ps's exact products where the int8 switch is off)
+                x = x.bfloat16()
             want = _int8_reference(w, x)
             bound = x.double().abs() @ w.dequantize(torch.float32).double().abs().T
-            got = _raw(w, x, threads=1)
-            assert torch.equal(got, _raw(w, x, threads=3))
+            got = _raw(w, x, threads=1, out=torch.empty(m, n))  # (fp32 sums of bf16 x too)
+            assert torch.equal(got, _raw(w, x, threads=3, out=torch.empty(m, n)))
             # (+ 1e-40: a row with the subnormal scale 2^-127 rounds its products in fp32's subnormal range)
             assert ((got.double() - want).abs() <= 1e-6 * bound + 1e-40).all(), (n, k, m)
-            _assert_fp32_close(_raw(w, x, generic=True), _reference(w, x))  # the portable loops stay exact
+            # the portable loops stay exact
+            _assert_fp32_close(_raw(w, x, generic=True, out=torch.empty(m, n)), _reference(w, x.float()))
             int8x.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "0")
-            missed += not ((_raw(w, x).double() - want).abs() <= 1e-6 * bound + 1e-40).all()
+            exact = _raw(w, x, out=torch.empty(m, n))
+            missed += not ((exact.double() - want).abs() <= 1e-6 * bound + 1e-40).all()
             int8x.setenv("MOESAIC_CPU_INT8_ACTIVATIONS", "1")
     assert missed > 0
     int8x.delenv("MOESAIC_CPU_INT8_ACTIVATIONS")

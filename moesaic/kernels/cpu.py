@@ -165,6 +165,7 @@ def load(verbose: bool = False):
                 "dequant",
                 "read_bytes",
                 "has_avx2",
+                "has_vnni512",
                 "has_amx",
                 "sinkhorn",
                 "rms_norm",
@@ -258,18 +259,22 @@ def int8_activations() -> bool:
     """True when MOESAIC_CPU_INT8_ACTIVATIONS=1 (read at each call; off when unset): E2M1 weights (mxfp4, nvfp4)
     multiply int8 activation rows, llama.cpp's Q8_0 rounding of x (each 32 values scaled by max |x| / 127 and
     rounded to the nearest integer), by integer byte products: ~2x the fp32 tiles' rate from memory on an AVX2
-    core (docs/perf.md), outputs within x's rounding of the exact ones rather than equal to the plain path's.
-    The portable build and bf16 x on AVX-512 BF16 CPUs (vdpbf16ps) keep exact activations."""
+    core and more by AVX-512 VNNI (docs/perf.md), outputs within x's rounding of the exact ones rather than
+    equal to the plain path's. The portable build keeps exact activations, and so does bf16 x on AVX-512 BF16
+    CPUs without VNNI and VBMI (vdpbf16ps); AMX tiles (12 or more bf16 rows an expert) stay exact."""
     return env.flag("MOESAIC_CPU_INT8_ACTIVATIONS", default=False)
 
 
 Q8_PATH = 4  # gemm's path bit: int8 activations against E2M1 weights
+# True: the AVX2 tiles even where the CPU has AVX-512 (no vdpbf16ps, VNNI or AMX): for tests and A/B runs that
+# cover the AVX2 code on an AVX-512 machine
+AVX2_ONLY = False
 
 
 def _path(generic: bool = False, amx: bool | None = None) -> int:
-    """gemm's path argument: 1 the portable code, 0 the best this CPU has (AMX where enabled), 2 without AMX;
-    plus Q8_PATH where int8_activations()."""
-    path = 1 if generic else 0 if (amx_enabled() if amx is None else amx) else 2
+    """gemm's path argument: 1 the portable code, 0 the best this CPU has (AMX where enabled), 2 without AMX,
+    3 the AVX2 tiles only (AVX2_ONLY); plus Q8_PATH where int8_activations()."""
+    path = 1 if generic else 3 if AVX2_ONLY else 0 if (amx_enabled() if amx is None else amx) else 2
     return path | Q8_PATH if not generic and int8_activations() else path
 
 

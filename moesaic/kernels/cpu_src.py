@@ -18,7 +18,9 @@ One routine serves three weight encodings, a single matrix or a stack of experts
          Where asked (gemm's Q8_PATH: MOESAIC_CPU_INT8_ACTIVATIONS=1), x rounded to int8 a block of 32
          (prep_x_q8) instead: the nibbles index a table of 2 x value + 12 for vpmaddubsw against the codes,
          one int32 per 8 values (vpmaddwd), the offset taken off, each group's and block's scales applied
-         to the converted sums (the MXQ / NVQ tiles; not the reference's bits, an opt-in).
+         to the converted sums (the MXQ / NVQ tiles; not the reference's bits, an opt-in). With AVX-512
+         VNNI and VBMI the same records meet 128 values a load (q8z_tile: vpermb lookups, vpdpbusd),
+         bf16 and fp32 x alike.
 
 Decoded vectors come out in a fixed order inside each 64-value chunk; x is permuted once per call to
 match (prep_x), so the inner loop has no shuffles on x. Accumulation is fp32 (FMA); each output is
@@ -72,6 +74,9 @@ CPP = r"""
 #if defined(MOESAIC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define MOESAIC_AVX512BF16 1
 #endif
+#if defined(MOESAIC_AVX512BF16) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define MOESAIC_VNNI512 1
+#endif
 #if defined(MOESAIC_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define MOESAIC_AMX 1
 #include <sys/syscall.h>
@@ -94,11 +99,14 @@ inline void with_value(int64_t v, F&& f) {
     else with_value<Vs...>(v, std::forward<F>(f));
 }
 constexpr int64_t CH = 64;                                 // K values per chunk
-constexpr int64_t QREC = 32;                               // floats of one chunk's int8 x record (prep_x_q8)
+constexpr int64_t QREC = 64;                               // floats of one 128-value int8 x record (prep_x_q8)
 // rows of x from which packed weights take AMX tiles (decoded to bf16 a block at a time) where the CPU has
 // them: below, the in-register decode of the vdpbf16ps path is faster (one thread, 1024 x 1024, AMX over it:
 // E2M1 0.4-0.5x at 1-2 rows, 0.7-0.8x at 4, 1.2-1.4x at 8, 2.2-2.5x at 16; E4M3 0.7x at 4, 1.1x at 8, 1.5x at 12)
 constexpr int64_t AMX_PACKED_ROWS[4] = {0, 8, 8, 8};
+// ... and E2M1 weights against int8 activation rows on VNNI (q8z_tile): AMX from 12 rows (one thread, 4096 x
+// 4096 from memory, VNNI over AMX: 1.3-1.7x at 8 rows, 1.0-1.2x at 12, 0.8-1.0x at 16)
+constexpr int64_t AMX_Q8_ROWS = 12;
 constexpr int64_t CHUNK_BYTES[6] = {128, 64, 32, 32, 32, 32};  // bytes of one chunk of one row
 
 float E8M0[256], E4M3[256];
@@ -307,12 +315,13 @@ inline void step(const Ctx& C, const Row* rows, const uint8_t* const* p, int64_t
             const __m256 ws = scales_q8<KIND, FULL>(C, rows[r], c);
 #pragma GCC unroll 4
             for (int m = 0; m < MB; ++m) {
-                const auto* rec = reinterpret_cast<const __m256i*>(x + m * xs + c * QREC);
+                // chunk c is half c % 2 of record c / 2: each field's 32 bytes at 32 (c % 2) in it
+                const auto* rec = reinterpret_cast<const __m256i*>(x + m * xs + (c >> 1) * QREC + (c & 1) * 8);
                 // byte pairs <= 2 x 24 x 127 and two of them summed: no int16 saturation
                 const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(rec)),
-                                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256(rec + 1)));
-                const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), _mm256_loadu_si256(rec + 2));
-                const __m256 sc = _mm256_mul_ps(ws, _mm256_castsi256_ps(_mm256_loadu_si256(rec + 3)));
+                                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256(rec + 2)));
+                const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_loadu_si256(rec + 4));
+                const __m256 sc = _mm256_mul_ps(ws, _mm256_castsi256_ps(_mm256_loadu_si256(rec + 6)));
                 acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[r][m]);
             }
         }
@@ -713,6 +722,59 @@ void fp4dp_tile_mb(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int
     }
 }
 
+#if defined(MOESAIC_VNNI512)
+// E2M1 against int8 activation records (prep_x_q8; MOESAIC_CPU_INT8_ACTIVATIONS=1) on AVX-512 VNNI: a 64-byte
+// load is 128 values; vpermb looks each byte's low 6 bits up in E2M1_U four times over (2 x value + 12, an
+// unsigned byte), so the low nibbles need no mask and the high ones one 16-bit shift; vpdpbusd adds the even
+// values' and the odd values' byte products to dword l (values 8 l .. 8 l + 7), starting from the record's
+// -12 x sum; each dword's sum converted and scaled by its group's weight scale (fp4_scales16, as the exact
+// path's) times its block's d / 2. One int32 product per 4 values where the AVX2 tiles take two steps.
+template <int KIND, int R, int MB>
+void q8z_tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0, int64_t c1, float ge,
+              bool divides, float* res) {
+    constexpr int SPAN = KIND == MX ? 4 : 2, GC = 16 / SPAN;  // chunks a scale vector covers; groups a chunk
+    const __m512 gev = _mm512_set1_ps(ge);
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_U)));
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    __m512i pick[SPAN];  // chunk j's dword i: group GC j + i / (16 / GC)
+    for (int j = 0; j < SPAN; ++j)
+        pick[j] = _mm512_add_epi32(_mm512_set1_epi32(GC * j), _mm512_srli_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), KIND == MX ? 2 : 1));
+    const int64_t full = C.K / FC;
+    for (int64_t cs = c0; cs < c1; cs += SPAN) {
+        const int64_t g0 = cs * GC;
+        __m512 Z[R];
+        for (int r = 0; r < R; ++r) Z[r] = fp4_scales16<KIND>(rows[r].s8 + g0, C.ngroups - g0, gev, divides);
+        const int nj = (int)std::min<int64_t>(SPAN, c1 - cs);
+        for (int j = 0; j < nj; ++j) {
+            const int64_t c = cs + j;
+            const __mmask64 mask = c < full ? ~0ull : (1ull << ((C.K - c * FC) / 2)) - 1;
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+                const uint8_t* p = rows[r].w + c * (FC / 2);
+                _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+                const __m512i b = _mm512_maskz_loadu_epi8(mask, p);  // (zeros past K meet zero codes)
+                const __m512i lo = _mm512_permutexvar_epi8(b, tab);
+                const __m512i hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), tab);
+                const __m512 S = _mm512_permutexvar_ps(pick[j], Z[r]);
+#pragma GCC unroll 4
+                for (int m = 0; m < MB; ++m) {
+                    const float* rec = x + m * xs + c * QREC;
+                    __m512i d = _mm512_loadu_si512(rec + 32);
+                    d = _mm512_dpbusd_epi32(d, lo, _mm512_loadu_si512(rec));
+                    d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(rec + 16));
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(S, _mm512_loadu_ps(rec + 48)), acc[r][m]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#endif  // MOESAIC_VNNI512
+
 // E4M3 (fp8 blocks) against bf16 activations: 64 values a load; two 128-entry byte tables (vpermi2b) give
 // each code's bf16 bytes, the sign bit copied; x permuted once per call (prep_x_fp8dp): word i of lane l of
 // vector v is element 16 l + 8 v + i of the chunk, so lanes 0-1 hold the first 32 values (one scale block's
@@ -753,10 +815,20 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
 
 // One tile of R weight rows x mb activation rows on this path over its loads [c0, c1): the bf16, fp8 or
 // E2M1 one (a bf16 load is 32 values, the K tail inside the last).
-template <int KIND, int R>
-void dp_kind_tile(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1,
+template <int KIND, int R, typename X>
+void dp_kind_tile(int mb, const Ctx& C, const Row* rows, const X* x, int64_t xs, int64_t c0, int64_t c1,
                   float ge, bool divides, float* res) {
-    if constexpr (KIND == BF16) {
+    if constexpr (KIND == MXQ || KIND == NVQ) {
+#if defined(MOESAIC_VNNI512)
+        constexpr int K2 = KIND - (MXQ - MX);
+        switch (mb) {
+            case 1: q8z_tile<K2, R, 1>(C, rows, x, xs, c0, c1, ge, divides, res); break;
+            case 2: q8z_tile<K2, R, 2>(C, rows, x, xs, c0, c1, ge, divides, res); break;
+            case 3: q8z_tile<K2, R, 3>(C, rows, x, xs, c0, c1, ge, divides, res); break;
+            default: q8z_tile<K2, R, 4>(C, rows, x, xs, c0, c1, ge, divides, res); break;
+        }
+#endif
+    } else if constexpr (KIND == BF16) {
         const uint16_t* w[R];
         for (int r = 0; r < R; ++r) w[r] = reinterpret_cast<const uint16_t*>(rows[r].w);
         dp_tile_mb<R>(mb, w, x, xs, 32 * c0, std::min(C.K, 32 * c1), res);
@@ -776,20 +848,24 @@ void dp_kind_tile(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int6
 // of ~1024 values (bf16; 8 loads packed) and row blocks of 32 at M > 1 (as run_item). Tiles of 4 weight rows
 // x 4 activation rows; packed rows at M > 1 go 2 a tile (each row decoded once for its 4 x rows). x is the
 // caller's bf16 rows for bf16 weights, else prepared in the decoded order (prep_x_dp); row stride xs.
-template <int KIND>
+template <int KIND, typename X>
 void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1,
-                 const uint16_t* x, int64_t xs, int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
+                 const X* x, int64_t xs, int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
     const int64_t width = KIND == BF16 ? 32 : KIND == FP8 ? CH : FC;  // values a load
     const int64_t nchunks = (C.K + width - 1) / width;
-    const int64_t KB = M == 1 ? nchunks : KIND == BF16 ? 32 : 8, RB = M == 1 ? n1 - n0 : 32;
+    // as run_item: up to 4 activation rows, or more whose x fits in 256 KB, stream each weight row whole (4
+    // weight rows at a time, each block of 4 activation rows in turn, past 4); larger x goes by blocks of K
+    const bool whole = M <= 4 || M * xs * (int64_t)sizeof(X) <= (256 << 10);
+    const int64_t KB = whole ? nchunks : KIND == BF16 ? 32 : 8, RB = M <= 4 ? n1 - n0 : whole ? 4 : 32;
     const int64_t count = n1 - n0;
     const std::vector<int64_t> pos = section_order(count);
     std::vector<Row> rows(count);
     for (int64_t i = 0; i < count; ++i) rows[i] = row_of(C, W, e, slot, n0 + pos[i]);
     wbuf.assign(count * M, 0.f);
     float res[16];
-    const uint16_t* xm0 = x + t0 * xs;
-    const int RT = KIND == BF16 || M == 1 ? 4 : 2;
+    const X* xm0 = x + t0 * xs;
+    constexpr bool q8 = KIND == MXQ || KIND == NVQ;
+    const int RT = KIND == BF16 || M == 1 || (q8 && M <= 2) ? 4 : 2;
     const float ge = W.gsc ? W.gsc[e] : 1.f;  // nvfp4's global scale for this matrix
     for (int64_t r0 = 0; r0 < count; r0 += RB) {
         const int64_t r1 = std::min(count, r0 + RB);
@@ -1197,25 +1273,27 @@ std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool gen
     return out;
 }
 
-// x [T, K] as int8 records for the MXQ / NVQ tiles (llama.cpp's Q8_0 rows, in the nibble planes' order): each
-// 32 values (half a chunk) scaled by d = max |x| / 127 and rounded to the nearest code q (ties to even), one
-// QREC-float record a chunk: the q of its even values (bytes 0-31: the low nibbles' order), of its odd values
-// (32-63), 12 x the sum of each dword's 8 codes (int32, the E2M1_U offset) and d / 2 for each dword (E2M1_U
-// holds twice each value). Zeros beyond K. False where x has a value that is not finite (the fp32 tiles then).
-bool prep_x_q8(const torch::Tensor& x, int64_t nchunks, std::vector<float>& out) {
+// x [T, K] as int8 records for the int8 tiles (llama.cpp's Q8_0 rows, in the nibble planes' order): each 32
+// values scaled by d = max |x| / 127 and rounded to the nearest code q (ties to even), one QREC-float record
+// per 128 values (a VNNI load of packed codes; an AVX2 chunk is half of one): the q of its even values (bytes
+// 0-63: the low nibbles' order), of its odd values (64-127), minus 12 x the sum of each dword's 8 codes (int32
+// 32-47, the E2M1_U offset: the sums start from it) and d / 2 for each dword (floats 48-63: E2M1_U holds
+// twice each value). Dword l of a record's sums covers values 8 l .. 8 l + 7. Zeros beyond K. False where x
+// has a value that is not finite (the exact tiles then).
+bool prep_x_q8(const torch::Tensor& x, int64_t nrec, std::vector<float>& out) {
     const int64_t T = x.size(0), K = x.size(1);
-    out.assign((size_t)(T * nchunks * QREC), 0.f);
+    out.assign((size_t)(T * nrec * QREC), 0.f);
     bool finite = true;
     auto fill = [&](auto* src) {
-        float v[CH];
+        float v[128];
         for (int64_t t = 0; t < T; ++t)
-            for (int64_t c = 0; c < nchunks; ++c) {
-                const int64_t k0 = c * CH, n = std::min<int64_t>(CH, K - k0);
-                for (int64_t i = 0; i < CH; ++i) v[i] = i < n ? (float)src[t * K + k0 + i] : 0.f;
-                float* rec = out.data() + (t * nchunks + c) * QREC;
+            for (int64_t c = 0; c < nrec; ++c) {
+                const int64_t k0 = c * 128, n = std::min<int64_t>(128, K - k0);
+                for (int64_t i = 0; i < 128; ++i) v[i] = i < n ? (float)src[t * K + k0 + i] : 0.f;
+                float* rec = out.data() + (t * nrec + c) * QREC;
                 int8_t* q = reinterpret_cast<int8_t*>(rec);
-                int32_t* corr = reinterpret_cast<int32_t*>(rec + 16);
-                for (int h = 0; h < 2; ++h) {  // the two 32-value blocks
+                int32_t* corr = reinterpret_cast<int32_t*>(rec + 32);
+                for (int h = 0; h < 4; ++h) {  // the four 32-value blocks
                     const float* b = v + 32 * h;
                     float amax = 0.f;
                     bool fin = true;
@@ -1230,14 +1308,14 @@ bool prep_x_q8(const torch::Tensor& x, int64_t nchunks, std::vector<float>& out)
                     for (int i = 0; i < 32; ++i) qb[i] = (int8_t)std::clamp(std::nearbyint(b[i] * inv), -127.f, 127.f);
                     for (int i = 0; i < 16; ++i) {
                         q[16 * h + i] = qb[2 * i];
-                        q[32 + 16 * h + i] = qb[2 * i + 1];
+                        q[64 + 16 * h + i] = qb[2 * i + 1];
                     }
                     const float half_d = amax / 127.f * 0.5f;
                     for (int d = 0; d < 4; ++d) {
                         int32_t sum = 0;
                         for (int i = 0; i < 8; ++i) sum += qb[8 * d + i];
-                        corr[4 * h + d] = 12 * sum;
-                        rec[24 + 4 * h + d] = half_d;
+                        corr[4 * h + d] = -12 * sum;
+                        rec[48 + 4 * h + d] = half_d;
                     }
                 }
             }
@@ -1320,10 +1398,11 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
                    std::optional<torch::Tensor> out_, std::optional<torch::Tensor> bias, int64_t group, int64_t bn,
                    int64_t bk, int64_t nthreads, int64_t path) {
     TORCH_CHECK(kind == BF16 || kind == FP8 || kind == FP4, "kind");
-    TORCH_CHECK(path >= 0 && path <= (2 | Q8_PATH), "path: 0 best, 1 generic, 2 no AMX (| Q8_PATH: int8 x)");
+    TORCH_CHECK(path >= 0 && path <= (3 | Q8_PATH), "path: 0 best, 1 generic, 2 no AMX, 3 AVX2 (| Q8_PATH: int8 x)");
     const bool q8_asked = path & Q8_PATH;
     path &= ~Q8_PATH;
     bool generic = path == 1;
+    const bool avx2_only = path == 3;  // no AVX-512 paths (vdpbf16ps, VNNI, AMX): the AVX2 tiles
     TORCH_CHECK(x.dim() == 2, "x: [T, K]");
     x = x.contiguous();
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
@@ -1377,7 +1456,7 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #endif
     C.kind = (int)kind;
 #if defined(MOESAIC_AVX512BF16)
-    const bool dp = !generic && x.scalar_type() == torch::kBFloat16;  // vdpbf16ps
+    const bool dp = !generic && !avx2_only && x.scalar_type() == torch::kBFloat16;  // vdpbf16ps
 #else
     const bool dp = false;
 #endif
@@ -1387,11 +1466,18 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #endif
     int64_t Kp = generic ? K : (K + CH - 1) / CH * CH;
     bool scaled = true;
-    // int8 activations where asked, against E2M1 weights on the AVX2 tiles (bf16 x on AVX-512 BF16 CPUs keeps
-    // vdpbf16ps); x with a value that is not finite keeps the fp32 tiles
+    // int8 activations where asked, against E2M1 weights: VNNI where the CPU has it (any x dtype), else the AVX2
+    // tiles (bf16 x on AVX-512 BF16 CPUs without VNNI / VBMI keeps vdpbf16ps); x with a value that is not
+    // finite keeps the exact tiles
+#if defined(MOESAIC_VNNI512)
+    const bool vnni = !avx2_only;
+#else
+    const bool vnni = false;
+#endif
     std::vector<float> xq;
-    const bool q8 = q8_asked && (kind == MX || kind == NV) && !generic && !dp && prep_x_q8(x, Kp / CH, xq);
-    if (q8) Kp = Kp / CH * QREC;  // xp's row stride: the records
+    const int64_t nrec = (K + 127) / 128;
+    const bool q8 = q8_asked && (kind == MX || kind == NV) && !generic && (vnni || !dp) && prep_x_q8(x, nrec, xq);
+    if (q8) Kp = nrec * QREC;  // xp's row stride: the records
     std::vector<float> xp = dp || q8 ? std::move(xq) : prep_x(x, (int)kind, Kp, generic, scaled);
     if (!scaled) {  // fp8 against an x the scaled decode cannot take: the portable loops
         generic = true;
@@ -1402,7 +1488,7 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     const int64_t Kc = kind == FP8 ? (K + CH - 1) / CH * CH : (K + 127) / 128 * 128;  // whole loads
 #if defined(MOESAIC_AVX512BF16)
     if (dp && kind == FP8) x4 = prep_x_fp8dp(x, Kc);
-    else if (dp && kind != BF16) x4 = prep_x_fp4dp(x, Kc);
+    else if (dp && kind != BF16 && !(q8 && vnni)) x4 = prep_x_fp4dp(x, Kc);
 #endif
     const uint16_t* xb = !dp ? nullptr : kind == BF16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : x4.data();
     (void)xb;  // used by the AVX-512 BF16 paths only
@@ -1412,7 +1498,8 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     // bf16 a block of rows at a time), wherever the process may use the tiles: every expert's rows packed once
     int64_t most = 0;
     for (int64_t e : active) most = std::max(most, ends[e] - (e ? ends[e - 1] : 0));
-    amx = dp && most >= AMX_PACKED_ROWS[kind] && path == 0 && amx_permitted();
+    const int64_t amx_rows = q8 && vnni ? AMX_Q8_ROWS : AMX_PACKED_ROWS[kind];
+    amx = dp && most >= amx_rows && path == 0 && amx_permitted();
     const int64_t pairs = (K + 31) / 32 * 16;  // dwords of one packed x row
     std::vector<uint32_t> xa(amx ? (size_t)(T * pairs) : 0);
     if (amx)
@@ -1445,7 +1532,7 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             const int64_t slot = slot_of[e];
 #if defined(MOESAIC_AMX)
             const int64_t M = ends[e] - t0;
-            if (amx && M >= AMX_PACKED_ROWS[kind]) {
+            if (amx && M >= amx_rows) {
                 const uint32_t* xe = xa.data() + t0 * pairs;
                 if (kind == BF16) {
                     // blocks of at most 1 MB (512 rows of K = 1024): more than 32 activation rows read a
@@ -1459,6 +1546,15 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
                               kind == NV && W.gsc ? W.gsc[e] : 1.f, dbuf};
                 if (amx_item(src, K, items[i][1], items[i][2], xe, t0, M, O)) continue;
                 // a scale the fold cannot take exactly: this item by vdpbf16ps below
+            }
+#endif
+#if defined(MOESAIC_VNNI512)
+            if (q8 && vnni) {  // (MXQ / NVQ: MX / NV + 2)
+                with_value<MXQ, NVQ>(kind + (MXQ - MX), [&](auto K) {
+                    run_item_dp<decltype(K)::value>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0,
+                                                    ends[e] - t0, O, wbuf);
+                });
+                continue;
             }
 #endif
 #if defined(MOESAIC_AVX512BF16)
@@ -3368,6 +3464,14 @@ bool has_amx() {
 
 bool has_avx2() {
 #if defined(MOESAIC_AVX2)
+    return true;
+#else
+    return false;
+#endif
+}
+
+bool has_vnni512() {  // int8 activations by vpdpbusd (q8z_tile)
+#if defined(MOESAIC_VNNI512)
     return true;
 #else
     return false;
