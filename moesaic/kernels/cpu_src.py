@@ -506,20 +506,39 @@ inline Row row_of(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64
 // each, so the weights are read as four long streams (rows of 1-2 KB read four neighbours at a time restart
 // the hardware prefetcher's streams every row: half the bandwidth, docs/perf.md). Which rows share a tile
 // changes no output's arithmetic.
-std::vector<int64_t> section_order(int64_t count) {
-    const int64_t S = (count + 3) / 4;
-    std::vector<int64_t> pos;
-    pos.reserve(count);
-    for (int64_t i = 0; i < S; ++i)
-        for (int64_t k = i; k < count; k += S) pos.push_back(k);
+// Kept per thread for the last count asked (a step's calls repeat a few counts; a 32768-row head's order
+// built at every call cost ~1.5 % of a packed decode step).
+const std::vector<int64_t>& section_order(int64_t count) {
+    thread_local std::vector<int64_t> pos;
+    thread_local int64_t made = -1;
+    if (made != count) {
+        const int64_t S = (count + 3) / 4;
+        pos.clear();
+        pos.reserve(count);
+        for (int64_t i = 0; i < S; ++i)
+            for (int64_t k = i; k < count; k += S) pos.push_back(k);
+        made = count;
+    }
     return pos;
 }
 
-// The item's sums (wbuf, rows in section order) to the output.
+// The item's sums (wbuf, rows in section order) to the output: put's arithmetic, its dtype and bias
+// branches taken once.
+template <typename T>
+void put_rows_as(const Out& O, int64_t t0, int64_t n0, int64_t M, const std::vector<int64_t>& pos,
+                 const std::vector<float>& wbuf) {
+    for (int64_t m = 0; m < M; ++m) {
+        T* o = static_cast<T*>(O.p) + (t0 + m) * O.ld + n0;
+        const float* b = O.bias ? O.bias + n0 : nullptr;
+        const float* w = wbuf.data() + m;
+        for (size_t i = 0; i < pos.size(); ++i) o[pos[i]] = T(b ? w[i * M] + b[pos[i]] : w[i * M]);
+    }
+}
 void put_rows(const Out& O, int64_t t0, int64_t n0, int64_t M, const std::vector<int64_t>& pos,
               const std::vector<float>& wbuf) {
-    for (size_t i = 0; i < pos.size(); ++i)
-        for (int64_t m = 0; m < M; ++m) put(O, t0 + m, n0 + pos[i], wbuf[i * M + m]);
+    if (O.dtype == 0) put_rows_as<float>(O, t0, n0, M, pos, wbuf);
+    else if (O.dtype == 1) put_rows_as<c10::BFloat16>(O, t0, n0, M, pos, wbuf);
+    else put_rows_as<c10::Half>(O, t0, n0, M, pos, wbuf);
 }
 
 // Rows [n0, n1) of expert e against its x rows [t0, t0 + M) (x prepared: row stride xs).
@@ -558,7 +577,7 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
     const int64_t RB = M <= 4 ? 256 : whole ? 4 : 32;
     // The tiles' side-by-side rows (and the RB blocks) come from the four sections (section_order).
     const int64_t count = n1 - n0;
-    const std::vector<int64_t> pos = section_order(count);
+    const std::vector<int64_t>& pos = section_order(count);
     std::vector<Row> rows(std::min(count, RB));
     wbuf.assign(count * M, 0.f);
     for (int64_t r0 = 0; r0 < count; r0 += RB) {
@@ -856,11 +875,11 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
     // as run_item: up to 4 activation rows, or more whose x fits in 256 KB, stream each weight row whole (4
     // weight rows at a time, each block of 4 activation rows in turn, past 4); larger x goes by blocks of K
     const bool whole = M <= 4 || M * xs * (int64_t)sizeof(X) <= (256 << 10);
-    const int64_t KB = whole ? nchunks : KIND == BF16 ? 32 : 8, RB = M <= 4 ? n1 - n0 : whole ? 4 : 32;
+    // (rows described a block of RB at a time, as they come: whole rows at M <= 4 by blocks of 256)
+    const int64_t KB = whole ? nchunks : KIND == BF16 ? 32 : 8, RB = M <= 4 ? 256 : whole ? 4 : 32;
     const int64_t count = n1 - n0;
-    const std::vector<int64_t> pos = section_order(count);
-    std::vector<Row> rows(count);
-    for (int64_t i = 0; i < count; ++i) rows[i] = row_of(C, W, e, slot, n0 + pos[i]);
+    const std::vector<int64_t>& pos = section_order(count);
+    std::vector<Row> rows(std::min(count, RB));
     wbuf.assign(count * M, 0.f);
     float res[16];
     const X* xm0 = x + t0 * xs;
@@ -869,6 +888,8 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
     const float ge = W.gsc ? W.gsc[e] : 1.f;  // nvfp4's global scale for this matrix
     for (int64_t r0 = 0; r0 < count; r0 += RB) {
         const int64_t r1 = std::min(count, r0 + RB);
+        for (int64_t i = r0; i < r1; ++i) rows[i - r0] = row_of(C, W, e, slot, n0 + pos[i]);
+        const Row* rb = rows.data() - r0;  // rb[n]: row n of the item (n in [r0, r1))
         for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
             const int64_t c1 = std::min(nchunks, c0 + KB);
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -879,9 +900,9 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
                         for (int m = 0; m < mb; ++m)
                             for (int r = 0; r < R; ++r) wbuf[(at + r) * M + m0 + m] += res[m * R + r];
                     };
-                    if (nr == 4) { dp_kind_tile<KIND, 4>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 4); }
-                    else if (nr == 2) { dp_kind_tile<KIND, 2>(mb, C, rows.data() + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 2); }
-                    else for (int r = 0; r < nr; ++r) { dp_kind_tile<KIND, 1>(mb, C, rows.data() + n + r, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n + r, 1); }
+                    if (nr == 4) { dp_kind_tile<KIND, 4>(mb, C, rb + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 4); }
+                    else if (nr == 2) { dp_kind_tile<KIND, 2>(mb, C, rb + n, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n, 2); }
+                    else for (int r = 0; r < nr; ++r) { dp_kind_tile<KIND, 1>(mb, C, rb + n + r, xm0 + m0 * xs, xs, c0, c1, ge, W.divides, res); add(n + r, 1); }
                 }
             }
         }
@@ -1280,6 +1301,66 @@ std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool gen
 // 32-47, the E2M1_U offset: the sums start from it) and d / 2 for each dword (floats 48-63: E2M1_U holds
 // twice each value). Dword l of a record's sums covers values 8 l .. 8 l + 7. Zeros beyond K. False where x
 // has a value that is not finite (the exact tiles then).
+// One 32-value block b of a record: its codes (the even values' to qe[0, 16), the odd values' to qo[0, 16)),
+// -12 x each dword's sum of 8 codes to corr[0, 4), d / 2 to half_d[0, 4). False where b holds an inf or a NaN.
+inline bool q8_block(const float* b, int8_t* qe, int8_t* qo, int32_t* corr, float* half_d) {
+    float amax = 0.f;
+    bool fin = true;
+#if defined(MOESAIC_AVX2)
+    const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), big = _mm256_set1_ps(FLT_MAX);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    int ok = 0xFF;
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(b + 8 * i);
+        const __m256 a = _mm256_and_ps(v[i], mag);
+        mx = _mm256_max_ps(mx, a);
+        ok &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_LE_OQ));  // false for inf and NaN
+    }
+    fin = ok == 0xFF;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)  // nearest, ties to even (nearbyint's rounding), clamped
+        q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+            _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi));
+    // int32 -> int8 in value order (the packs interleave the lanes' dwords), then evens | odds per lane
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    p = _mm256_shuffle_epi8(p, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    p = _mm256_permute4x64_epi64(p, 0xD8);  // qwords 0, 2, 1, 3: the 16 even codes, then the 16 odd
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qe), _mm256_castsi256_si128(p));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qo), _mm256_extracti128_si256(p, 1));
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+    const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(corr), _mm_mullo_epi32(sums, _mm_set1_epi32(-12)));
+#else
+    for (int i = 0; i < 32; ++i) {
+        const float m = std::abs(b[i]);
+        amax = std::max(amax, m);
+        fin &= m <= FLT_MAX;  // false for inf and NaN (which std::max would skip)
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t qb[32];
+    for (int i = 0; i < 32; ++i) qb[i] = (int8_t)std::clamp(std::nearbyint(b[i] * inv), -127.f, 127.f);
+    for (int i = 0; i < 16; ++i) {
+        qe[i] = qb[2 * i];
+        qo[i] = qb[2 * i + 1];
+    }
+    for (int d = 0; d < 4; ++d) {
+        int32_t sum = 0;
+        for (int i = 0; i < 8; ++i) sum += qb[8 * d + i];
+        corr[d] = -12 * sum;
+    }
+#endif
+    const float hd = amax / 127.f * 0.5f;
+    for (int d = 0; d < 4; ++d) half_d[d] = hd;
+    return fin;
+}
+
 bool prep_x_q8(const torch::Tensor& x, int64_t nrec, std::vector<float>& out) {
     const int64_t T = x.size(0), K = x.size(1);
     out.assign((size_t)(T * nrec * QREC), 0.f);
@@ -1293,31 +1374,8 @@ bool prep_x_q8(const torch::Tensor& x, int64_t nrec, std::vector<float>& out) {
                 float* rec = out.data() + (t * nrec + c) * QREC;
                 int8_t* q = reinterpret_cast<int8_t*>(rec);
                 int32_t* corr = reinterpret_cast<int32_t*>(rec + 32);
-                for (int h = 0; h < 4; ++h) {  // the four 32-value blocks
-                    const float* b = v + 32 * h;
-                    float amax = 0.f;
-                    bool fin = true;
-                    for (int i = 0; i < 32; ++i) {
-                        const float m = std::abs(b[i]);
-                        amax = std::max(amax, m);
-                        fin &= m <= FLT_MAX;  // false for inf and NaN (which std::max would skip)
-                    }
-                    finite = finite && fin;
-                    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-                    int8_t qb[32];
-                    for (int i = 0; i < 32; ++i) qb[i] = (int8_t)std::clamp(std::nearbyint(b[i] * inv), -127.f, 127.f);
-                    for (int i = 0; i < 16; ++i) {
-                        q[16 * h + i] = qb[2 * i];
-                        q[64 + 16 * h + i] = qb[2 * i + 1];
-                    }
-                    const float half_d = amax / 127.f * 0.5f;
-                    for (int d = 0; d < 4; ++d) {
-                        int32_t sum = 0;
-                        for (int i = 0; i < 8; ++i) sum += qb[8 * d + i];
-                        corr[4 * h + d] = -12 * sum;
-                        rec[48 + 4 * h + d] = half_d;
-                    }
-                }
+                for (int h = 0; h < 4; ++h)  // the four 32-value blocks
+                    finite &= q8_block(v + 32 * h, q + 16 * h, q + 64 + 16 * h, corr + 4 * h, rec + 48 + 4 * h);
             }
     };
     if (x.scalar_type() == torch::kFloat32) fill(x.data_ptr<float>());
