@@ -99,6 +99,12 @@ class PagePool:
         self.bytes_per_token = sum(
             n * sum(w for _, w in fmt[0]) * fmt[1].itemsize for fmt, n in counts.items()
         )
+        # each paged layer's views of its pool ({field: [num_blocks, BLOCK_SIZE, width]}), made once: the
+        # sequences' PagedRows share them (a decode step writes and reads through them in every layer)
+        self.views = {
+            (fmt, index): {k: t[:, index] for k, t in self.pools[fmt].items()}
+            for fmt, index in self.layers.values()
+        }
 
     @staticmethod
     def paged_bytes_per_token(probe: SequenceState) -> int:
@@ -119,7 +125,9 @@ class PagePool:
             rows = state.layers[L]
             if type(rows) is not TokenRows or rows.length or row_format(rows) != fmt:
                 raise ValueError(f"layer {L} of this state is not an empty {fmt} TokenRows")
-            state.layers[L] = PagedRows(self.pools[fmt], index, table, rows.max_tokens)
+            state.layers[L] = PagedRows(
+                self.pools[fmt], index, table, rows.max_tokens, self.views[fmt, index]
+            )
         return state
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -135,9 +143,12 @@ class PagedRows(LengthRollback):
     forward that appends into them; `snapshot()` is just the length (the pages are shared through the
     block table, not copied)."""
 
-    def __init__(self, fields: dict[str, torch.Tensor], index: int, table: BlockTable, max_tokens: int):
+    def __init__(
+        self, fields: dict[str, torch.Tensor], index: int, table: BlockTable, max_tokens: int, views=None
+    ):
         self.fields = fields
         self.index = index
+        self.views = views if views is not None else {k: t[:, index] for k, t in fields.items()}
         self.table = table
         self.max_tokens = max_tokens
         first = next(iter(fields.values()))
@@ -152,10 +163,11 @@ class PagedRows(LengthRollback):
         return self._gather(self.length)
 
     def pages(self) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """This layer's views of the pool ({field: [num_blocks, BLOCK_SIZE, width]}) and the ids of the blocks
-        that hold rows 0..length in order: for a kernel that reads the rows in place (no gather)."""
+        """This layer's views of the pool ({field: [num_blocks, BLOCK_SIZE, width]}, shared: not to be changed)
+        and the ids of the blocks that hold rows 0..length in order: for a kernel that reads the rows in place
+        (no gather)."""
         nb = -(-self.length // BLOCK_SIZE)
-        return {k: t[:, self.index] for k, t in self.fields.items()}, self.table.ids[:nb]
+        return self.views, self.table.ids[:nb]
 
     def write(self, **rows: torch.Tensor) -> None:
         """Writes the new rows into their pages (append without the gather)."""
@@ -171,7 +183,7 @@ class PagedRows(LengthRollback):
         if n == 1:  # decode: one row, its place from Python ints (no index tensors built per step)
             block, offset = self.table.ids[self.length // BLOCK_SIZE], self.length % BLOCK_SIZE
             for k, r in rows.items():
-                self.fields[k][block, self.index, offset] = r[0]
+                self.views[k][block, offset] = r[0]
         else:
             ids = self.table.tensor(self.device)
             pos = torch.arange(self.length, end, device=self.device)
