@@ -16,6 +16,10 @@ pick: top-k of E per MoE layer). The release format stands in as the schedule th
 packs (Mistral Small 4: NVFP4 experts; Kimi Linear is released in bf16, so it has no release arm). An arm
 ending in `+int8x` runs with MOESAIC_CPU_INT8_ACTIVATIONS=1 (E2M1 weights against int8 activation rows).
 
+`--layers N` gives the models N layers: a CPU whose L3 holds a packed 0.3B model (the AMX Xeon VM reports
+480 MB, and holds ~100 MB: a 50 MB packed model is read at ~1.5x the memory's speed) is measured from memory
+with weights larger than that (Mistral-4 at 48 layers: ~1 GB a bf16 step, ~280 MB a mxfp4 one).
+
 `--alternate R` adds, per model, R rounds of batch-1 decode with every arm loaded at once and run in turn
 (one repeat each a round): on a shared, noisy machine the per-round ratios to the first arm, and their median,
 say more than one best-of run per arm taken minutes apart.
@@ -61,6 +65,15 @@ def arm_precision(name: str, arm: str) -> str | None:
 def use_arm(arm: str) -> None:
     """MOESAIC_CPU_INT8_ACTIVATIONS as `arm` runs: 1 for a `+int8x` arm, else 0."""
     os.environ["MOESAIC_CPU_INT8_ACTIVATIONS"] = "1" if arm.endswith(INT8X) else "0"
+
+
+def layers_of(config: dict, n: int) -> dict:
+    """`config` with n layers, for a family whose layers are alike past the first (Mistral-4: one dense, then
+    MoE); a family that lists its layers' kinds keeps its own count (ValueError)."""
+    listed = [k for k, v in config.items() if isinstance(v, (list, dict)) and k != "rope_parameters"]
+    if listed:
+        raise ValueError(f"--layers: this config lists per-layer facts ({', '.join(listed)}); not rescaled")
+    return dict(config, num_hidden_layers=n)
 
 
 def step_bytes(folder: Path, precision: str | None) -> int:
@@ -200,6 +213,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--alternate", type=int, default=0, help="rounds of batch-1 decode, the arms in turn")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="the models' layer count (default: their own): weights larger than a big L3 cache",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -215,6 +234,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             config = MODELS[name]
+            if args.layers:
+                config = layers_of(config, args.layers)
             folder = Path(tmp) / name
             nparams = write_checkpoint(folder, config, torch.bfloat16)
             vocab = VOCAB  # every benchmark model has it
