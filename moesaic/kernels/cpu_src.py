@@ -653,9 +653,8 @@ void dp_tile_mb(int mb, const uint16_t* const* w, const uint16_t* x, int64_t xs,
 // path; the scales are computed in registers (fp4_scales16).
 constexpr int64_t FC = 128;  // values per chunk
 
-inline void dec_fp4_bf16(const uint8_t* p, __mmask64 mask, __m512i v[4]) {
+inline void dec_fp4_bf16(__m512i b, __m512i v[4]) {  // b: a load's 64 code bytes
     const __m512i t = _mm512_load_si512(E2M1_BF16W);
-    const __m512i b = _mm512_maskz_loadu_epi8(mask, p);
     v[0] = _mm512_permutexvar_epi16(b, t);
     v[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), t);
     v[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), t);
@@ -691,17 +690,18 @@ inline __m512 chunk_dot(const __m512i v[4], const uint16_t* xm) {
     return _mm512_dpbf16_ps(t, (__m512bh)v[3], (__m512bh)_mm512_loadu_si512(xm + 96));
 }
 
-// res[m * R + r] = dot of x rows m (prepared, stride xs) and weight rows r over chunks [c0, c1). A row's
-// scales are read 16 groups at a time (SPAN chunks), and each chunk's fp32 lanes take theirs by one permute.
-template <int KIND, int R, int MB>
-void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float ge,
-                bool divides, float* res) {
-    constexpr int SPAN = KIND == MX ? 4 : 2, GC = 16 / SPAN;  // chunks a scale vector covers; groups a chunk
+// The loop of the E2M1 tiles on this path: res[m * R + r] = the dot of x rows m and weight rows r over loads
+// [c0, c1), where body(b, S, c, acc[r]) adds load c of a row (its 64 code bytes b, zeros past K) times the x
+// rows to acc[r][0, MB), S holding each fp32 lane's group scale: a row's scales read 16 groups at a time (SPAN
+// loads) and a load's lanes given theirs by one permute (lane i of load j: group GC j + i / (16 / GC)).
+template <int KIND, int R, int MB, typename Body>
+void fp4_loads(const Ctx& C, const Row* rows, int64_t c0, int64_t c1, float ge, bool divides, float* res, Body body) {
+    constexpr int SPAN = KIND == MX ? 4 : 2, GC = 16 / SPAN;  // loads a scale vector covers; groups a load
     const __m512 gev = _mm512_set1_ps(ge);
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    __m512i pick[SPAN];  // chunk j's fp32 lane i: group GC j + i / (16 / GC)
+    __m512i pick[SPAN];
     for (int j = 0; j < SPAN; ++j)
         pick[j] = _mm512_add_epi32(_mm512_set1_epi32(GC * j), _mm512_srli_epi32(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), KIND == MX ? 2 : 1));
@@ -718,16 +718,25 @@ void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
             for (int r = 0; r < R; ++r) {
                 const uint8_t* p = rows[r].w + c * (FC / 2);
                 _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-                __m512i v[4];
-                dec_fp4_bf16(p, mask, v);
-                const __m512 S = _mm512_permutexvar_ps(pick[j], Z[r]);
-#pragma GCC unroll 4
-                for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(chunk_dot(v, x + m * xs + c * FC), S, acc[r][m]);
+                body(_mm512_maskz_loadu_epi8(mask, p), _mm512_permutexvar_ps(pick[j], Z[r]), c, acc[r]);
             }
         }
     }
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// Packed E2M1 against bf16 activations prepared in the decoded order (stride xs): each load decoded to bf16
+// and its pair sums against each x row scaled once.
+template <int KIND, int R, int MB>
+void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float ge,
+                bool divides, float* res) {
+    fp4_loads<KIND, R, MB>(C, rows, c0, c1, ge, divides, res, [=](__m512i b, __m512 S, int64_t c, __m512 (&acc)[MB]) {
+        __m512i v[4];
+        dec_fp4_bf16(b, v);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(chunk_dot(v, x + m * xs + c * FC), S, acc[m]);
+    });
 }
 
 template <int KIND, int R>
@@ -746,51 +755,24 @@ void fp4dp_tile_mb(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int
 // load is 128 values; vpermb looks each byte's low 6 bits up in E2M1_U four times over (2 x value + 12, an
 // unsigned byte), so the low nibbles need no mask and the high ones one 16-bit shift; vpdpbusd adds the even
 // values' and the odd values' byte products to dword l (values 8 l .. 8 l + 7), starting from the record's
-// -12 x sum; each dword's sum converted and scaled by its group's weight scale (fp4_scales16, as the exact
-// path's) times its block's d / 2. One int32 product per 4 values where the AVX2 tiles take two steps.
+// -12 x sum; each dword's sum converted and scaled by its group's weight scale (the exact path's) times its
+// block's d / 2. One int32 product per 4 values where the AVX2 tiles take two steps.
 template <int KIND, int R, int MB>
 void q8z_tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0, int64_t c1, float ge,
               bool divides, float* res) {
-    constexpr int SPAN = KIND == MX ? 4 : 2, GC = 16 / SPAN;  // chunks a scale vector covers; groups a chunk
-    const __m512 gev = _mm512_set1_ps(ge);
     const __m512i tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_U)));
-    __m512 acc[R][MB];
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    __m512i pick[SPAN];  // chunk j's dword i: group GC j + i / (16 / GC)
-    for (int j = 0; j < SPAN; ++j)
-        pick[j] = _mm512_add_epi32(_mm512_set1_epi32(GC * j), _mm512_srli_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), KIND == MX ? 2 : 1));
-    const int64_t full = C.K / FC;
-    for (int64_t cs = c0; cs < c1; cs += SPAN) {
-        const int64_t g0 = cs * GC;
-        __m512 Z[R];
-        for (int r = 0; r < R; ++r) Z[r] = fp4_scales16<KIND>(rows[r].s8 + g0, C.ngroups - g0, gev, divides);
-        const int nj = (int)std::min<int64_t>(SPAN, c1 - cs);
-        for (int j = 0; j < nj; ++j) {
-            const int64_t c = cs + j;
-            const __mmask64 mask = c < full ? ~0ull : (1ull << ((C.K - c * FC) / 2)) - 1;
+    fp4_loads<KIND, R, MB>(C, rows, c0, c1, ge, divides, res, [=](__m512i b, __m512 S, int64_t c, __m512 (&acc)[MB]) {
+        const __m512i lo = _mm512_permutexvar_epi8(b, tab);
+        const __m512i hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), tab);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) {
-                const uint8_t* p = rows[r].w + c * (FC / 2);
-                _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-                const __m512i b = _mm512_maskz_loadu_epi8(mask, p);  // (zeros past K meet zero codes)
-                const __m512i lo = _mm512_permutexvar_epi8(b, tab);
-                const __m512i hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), tab);
-                const __m512 S = _mm512_permutexvar_ps(pick[j], Z[r]);
-#pragma GCC unroll 4
-                for (int m = 0; m < MB; ++m) {
-                    const float* rec = x + m * xs + c * QREC;
-                    __m512i d = _mm512_loadu_si512(rec + 32);
-                    d = _mm512_dpbusd_epi32(d, lo, _mm512_loadu_si512(rec));
-                    d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(rec + 16));
-                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(S, _mm512_loadu_ps(rec + 48)), acc[r][m]);
-                }
-            }
+        for (int m = 0; m < MB; ++m) {
+            const float* rec = x + m * xs + c * QREC;
+            __m512i d = _mm512_loadu_si512(rec + 32);
+            d = _mm512_dpbusd_epi32(d, lo, _mm512_loadu_si512(rec));
+            d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(rec + 16));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(S, _mm512_loadu_ps(rec + 48)), acc[m]);
         }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+    });
 }
 #endif  // MOESAIC_VNNI512
 
