@@ -463,6 +463,32 @@ def test_grouped_equals_per_expert_loop(kernel, fmt, dtype):
     assert torch.equal(got, want)
 
 
+def _unfused(monkeypatch, block: bool = True, ffn: bool = True):
+    """Turns the fused MoE calls off: cpu.moe_rows (the whole block) and / or cpu.ffn_rows (its feed-forward
+    part after the Python router)."""
+    if block:
+        monkeypatch.setattr(cpu, "moe_rows", lambda *a, **k: None)
+    if ffn:
+        monkeypatch.setattr(cpu, "ffn_rows", lambda *a, **k: None)
+
+
+def _moe_three_ways(monkeypatch, M, x, w, spec, token_ids=None):
+    """layers/moe.py's moe three ways, asserting the same bits: the whole block fused (cpu.moe_rows, which must
+    be taken), the router in Python with the fused feed-forward block, the torch code. Returns the result."""
+    taken, real = [], cpu.moe_rows
+    monkeypatch.setattr(cpu, "moe_rows", lambda *a, **k: (y := real(*a, **k), taken.append(y is not None))[0])
+    fused = M.moe(x, w, spec, token_ids)
+    assert taken == [True]
+    _unfused(monkeypatch, ffn=False)
+    half = M.moe(x, w, spec, token_ids)
+    _unfused(monkeypatch)
+    want = M.moe(x, w, spec, token_ids)
+    monkeypatch.undo()
+    assert torch.equal(fused.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(half.view(torch.int16), want.view(torch.int16))
+    return fused
+
+
 @pytest.mark.parametrize("fmt", list(STACKS))
 def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
     """layers/moe.py's block at decode sizes (cpu.ffn_rows: routed experts, shared expert, dense MLP in one
@@ -489,12 +515,11 @@ def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
         spec = M.MoeSpec(M.Router("sigmoid" if trial % 2 else "softmax", 3, fp32=trial % 3 == 0), glu=glu)
         x = (torch.randn(n, d, generator=gen) * (8 if trial == 2 else 1)).bfloat16()
         before = cpu.stats["kernel_calls"]
-        fused = M.moe(x, w, spec)
+        M.moe(x, w, spec)
         router_calls = 0 if spec.router.fp32 else 1  # an fp32 router is F.linear
         assert cpu.stats["kernel_calls"] - before == router_calls + 2 + (3 if trial < 4 else 0)
-        monkeypatch.setattr(cpu, "ffn_rows", lambda *a, **k: None)
-        want = M.moe(x, w, spec)
-        assert torch.equal(fused.view(torch.int16), want.view(torch.int16)), trial
+        _moe_three_ways(monkeypatch, M, x, w, spec)
+        _unfused(monkeypatch)
         dense_want = shared(x, glu)
         monkeypatch.undo()
         assert torch.equal(shared(x, glu).view(torch.int16), dense_want.view(torch.int16))
@@ -503,7 +528,7 @@ def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
     parts = ConcatRows([mats(e, i, d, gen), mats(e, i, d, gen)])
     w = M.MoeWeights(router=w.router, experts_in=parts, experts_out=w.experts_out, shared=shared)
     weights, ids = M.route(x, w, spec.router)
-    assert M.operand(parts) is None and M._fused(x, w, spec, weights, ids, True) is None
+    assert M.operand(parts) is None and M._fused_parts(w, spec, True) is None
     assert cpu.ffn_rows(x, weights, ids, None, M.operand(w.experts_out), shared.operands()) is None
     assert (
         M.swiglu_limit(M.situ_glu) is False
@@ -511,6 +536,37 @@ def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
     )
     many = torch.randn(cpu.MAX_ROWS + 1, d, generator=gen).bfloat16()
     assert cpu.ffn_rows(many, dense=shared.operands()) is None
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_fused_block_sqrtsoftplus_and_hash_routers(kernel, monkeypatch, fmt):
+    """DeepSeek-V4's routers in the whole fused block (cpu.moe_rows): sqrtsoftplus with and without a selection
+    bias, a hash layer's static experts (tid2eid[token]), a router kept in fp32, and one expert group of a
+    sigmoid router: the torch code's bits, at 1 to MAX_ROWS tokens; more than one expert group runs the
+    torch code."""
+    from moesaic.layers import moe as M
+
+    gen = torch.Generator().manual_seed(17)
+    e, d, i, k = 8, 96, 64, 3
+    mats = STACKS[fmt]
+    vocab = 50
+    for trial, n in enumerate([1, 4, 16, 2]):
+        w = M.MoeWeights(
+            router=torch.randn(e, d, generator=gen).bfloat16(),
+            experts_in=mats(e, 2 * i, d, gen),
+            experts_out=mats(e, d, i, gen),
+            bias=torch.randn(e, generator=gen) if trial != 1 else None,
+            hash_ids=torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(vocab)])
+            if trial == 2
+            else None,
+        )
+        spec = M.MoeSpec(M.Router("sqrtsoftplus", k, scale=1.5, fp32=trial == 3), glu=M.silu_glu)
+        x = torch.randn(n, d, generator=gen).bfloat16()
+        tokens = torch.randint(0, vocab, (n,), generator=gen)
+        _moe_three_ways(monkeypatch, M, x, w, spec, tokens)
+    grouped = M.MoeSpec(M.Router("sigmoid", 2, n_group=2, topk_group=1))
+    w = M.MoeWeights(router=w.router, experts_in=w.experts_in, experts_out=w.experts_out, bias=w.bias)
+    assert M._fused_block(x, w, grouped.router, None, M._fused_parts(w, grouped, True)) is None
 
 
 @pytest.mark.parametrize("fmt", list(STACKS))
@@ -536,25 +592,23 @@ def test_fused_ffn_ungated_relu2_equals_torch_code(kernel, monkeypatch, fmt):
         )
         x = (torch.randn(n, d, generator=gen) * (4 if trial == 1 else 1)).bfloat16()
         before = cpu.stats["kernel_calls"]
-        fused = M.moe(x, w, spec)
+        M.moe(x, w, spec)
         assert cpu.stats["kernel_calls"] - before == 1 + 2 + (
             2 if trial < 3 else 0
         )  # router, experts, shared
+        _moe_three_ways(monkeypatch, M, x, w, spec)
         dense = shared(x, act=M.relu2)
-        monkeypatch.setattr(cpu, "ffn_rows", lambda *a, **k: None)
-        want = M.moe(x, w, spec)
+        _unfused(monkeypatch)
         dense_want = shared(x, act=M.relu2)
         monkeypatch.undo()
-        assert torch.equal(fused.view(torch.int16), want.view(torch.int16)), trial
         assert torch.equal(dense.view(torch.int16), dense_want.view(torch.int16)), trial
-    weights, ids = M.route(x, w, spec.router)
     other = M.MoeSpec(spec.router, gated=False, act=torch.nn.functional.gelu)
-    assert M._fused(x, w, other, weights, ids, True) is None
+    assert M._fused_parts(w, other, True) is None
     gated_shared = M.Mlp(up=single(si, d), down=single(d, si), gate=single(si, d))
     mixed = M.MoeWeights(
         router=w.router, experts_in=w.experts_in, experts_out=w.experts_out, shared=gated_shared
     )
-    assert M._fused(x, mixed, spec, weights, ids, True) is None
+    assert M._fused_parts(mixed, spec, True) is None
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
@@ -574,7 +628,7 @@ def test_fused_ffn_weighted_sum_rounds_like_torch(kernel, monkeypatch, score):
     spec = M.MoeSpec(M.Router(score, 4, scale=2.446))
     xs = [(torch.randn(1 + t % 5, d, generator=gen) * (0.3 + t / 10)).bfloat16() for t in range(60)]
     fused = [M.moe(x, w, spec) for x in xs]
-    monkeypatch.setattr(cpu, "ffn_rows", lambda *a, **k: None)
+    _unfused(monkeypatch)
     for x, got in zip(xs, fused):
         assert torch.equal(got.view(torch.int16), M.moe(x, w, spec).view(torch.int16))
 

@@ -174,6 +174,7 @@ def load(verbose: bool = False):
                 "ssd_steps",
                 "mla_absorbed",
                 "ffn_rows",
+                "moe_rows",
                 "mhc_site_input",
                 "mhc_update",
                 "route",
@@ -708,7 +709,7 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
     )
 
 
-def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=None, relu2=False):
+def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=None, relu2=False, plan=None):
     """A few tokens' SwiGLU feed-forward block in one call (layers/moe.py's torch code at up to MAX_ROWS rows,
     the same bits): the routed experts (weights / ids [N, k], stacks w_in [E, 2I, d] gate|up and w_out [E, d,
     I]), each token's terms summed in ascending expert id, plus `dense` = (gate, up, down) (a shared expert
@@ -716,44 +717,118 @@ def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=N
     clamped at `limit` when given (layers/moe.py's clamped_silu_glu). `relu2`: ungated experts (w_in [E, I, d])
     and dense = (None, up, down), relu(h)^2 (layers/moe.py's relu2, Nemotron-H). Weights are operands
     (bf16_operand, fp8_operand, fp4_operand); x bf16 [N, d]. None where it does not apply (the caller runs
-    the torch code)."""
-    gate, up, down = dense or (None, None, None)
-    dense_ops = () if not dense else (up, down) if relu2 else (gate, up, down)
-    ops = ((w_in, w_out) if weights is not None else ()) + dense_ops
-    if not (ops and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
-        return None
+    the torch code). `plan`: ffn_plan's for these operands at x's row count (else made here)."""
     if weights is not None and weights.dtype not in _WEIGHTS:
         return None
-    mod = _fused_mod(x) if _operands_fit(ops, x) else None
-    if mod is None:
+    k = 0 if ids is None else ids.shape[1]
+    call = _ffn_call(x, k, w_in, w_out, dense, relu2, weights is not None, plan)
+    if call is None:
         return None
-    # each product's threads as its own call would have them: a grouped call's rows are the (token, slot)
-    # pairs, at most one expert a row
-    N = x.shape[0]
-    threads = _own_threads(dense_ops, N)
-    if weights is not None:
-        T, E = N * ids.shape[1], w_in[1].shape[0]
-        per = -(-T // max(1, min(T, E)))
-        threads = [threads_for(operand_bytes(op, T, True), per) for op in (w_in, w_out)] + threads
+    mod, products, threads = call
+    gate, up, down = dense or (None, None, None)
     y = mod.ffn_rows(
         x, weights, ids, w_in, w_out, gate if dense else None, up, down, limit, relu2, threads, _path()
     )
     if y is not None:
-        stats["kernel_calls"] += len(ops)
+        stats["kernel_calls"] += products
     return y
+
+
+def moe_rows(
+    x,
+    router,
+    router_f32,
+    score: str,
+    top_k: int,
+    bias,
+    hash_ids,
+    normalize: bool,
+    scale: float,
+    w_in,
+    w_out,
+    dense=(),
+    limit=None,
+    relu2=False,
+    plan=None,
+):
+    """layers/moe.py's whole MoE block for a few tokens in one call: the router's logits (`router` a bf16 [E, d]
+    weight the bf16 kernel serves against x, as `linear` runs it, or None with `router_f32` [E, d]: x in fp32
+    against it, F.linear's op), `route` on them (`hash_ids` [N, k]: a hash layer's experts), then `ffn_rows`
+    with the routed experts w_in / w_out and `dense`. The same calls as the torch code, the same bits; None
+    where it does not apply (the caller runs the torch code). `plan`: as ffn_rows'."""
+    if router is not None and not serves_dense(x, router):
+        return None
+    call = _ffn_call(x, top_k, w_in, w_out, dense, relu2, True, plan)
+    if call is None:
+        return None
+    mod, products, threads = call
+    gate, up, down = dense or (None, None, None)
+    op = None if router is None else bf16_operand(router)
+    router_threads = 1 if router is None else threads_for(router.nbytes, x.shape[0])
+    ys = mod.moe_rows(
+        x,
+        op,
+        router_f32,
+        router_threads,
+        ROUTER_SCORES[score],
+        top_k,
+        bias,
+        hash_ids,
+        normalize,
+        scale,
+        w_in,
+        w_out,
+        gate if dense else None,
+        up,
+        down,
+        limit,
+        relu2,
+        threads,
+        _path(),
+    )
+    if not ys:
+        return None
+    stats["kernel_calls"] += products + (router is not None)
+    return ys[0]
+
+
+def _ffn_call(x, k: int, w_in, w_out, dense, relu2: bool, routed: bool, plan=None):
+    """(module, products, each product's threads) for an ffn_rows call on x [N, d] (k slots a token where
+    `routed`), or None where it does not apply."""
+    if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
+        return None
+    plan = plan or ffn_plan(x.shape[0], k, w_in, w_out, dense, relu2, routed)
+    mod = _fused_mod(x) if plan is not None else None
+    return None if mod is None else (mod, *plan)
+
+
+def ffn_plan(rows: int, k: int, w_in, w_out, dense=(), relu2=False, routed=True):
+    """What an ffn_rows call over `rows` bf16 rows needs of its operands, the same from call to call (a caller
+    that keeps it spares ~100 Python calls a block): (products, each product's threads as its own call would
+    have them at torch's thread count now: a grouped call's rows are the (token, slot) pairs, at most one
+    expert a row), or None where the operands do not fit (not on the CPU, rows not contiguous, dense ones not
+    bf16)."""
+    gate, up, down = dense or (None, None, None)
+    dense_ops = () if not dense else (up, down) if relu2 else (gate, up, down)
+    ops = ((w_in, w_out) if routed else ()) + dense_ops
+    if not ops or not _operands_fit(ops, torch.bfloat16):
+        return None
+    threads = _own_threads(dense_ops, rows)
+    if routed:
+        T, E = rows * k, w_in[1].shape[0]
+        per = -(-T // max(1, min(T, E)))
+        threads = [threads_for(operand_bytes(op, T, True), per) for op in (w_in, w_out)] + threads
+    return len(ops), threads
 
 
 _WEIGHTS = (torch.bfloat16, torch.float32)
 
 
-def _operands_fit(ops, x) -> bool:
-    """Whether a fused call can run every operand of `ops` against x (CPU weights with contiguous rows, dense
-    ones of x's dtype)."""
+def _operands_fit(ops, dtype: torch.dtype) -> bool:
+    """Whether a fused call can run every operand of `ops` against x of `dtype` (CPU weights with contiguous
+    rows, dense ones of x's dtype)."""
     return all(
-        op is not None
-        and op[1].is_cpu
-        and op[1].stride(-1) == 1
-        and (op[0] != _BF16 or op[1].dtype == x.dtype)
+        op is not None and op[1].is_cpu and op[1].stride(-1) == 1 and (op[0] != _BF16 or op[1].dtype == dtype)
         for op in ops
     )
 
@@ -812,7 +887,7 @@ def kda_project(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound, stacke
     code)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
         return None
-    mod = _fused_mod(x, A_log, dt_bias) if _operands_fit(ops, x) else None
+    mod = _fused_mod(x, A_log, dt_bias) if _operands_fit(ops, x.dtype) else None
     if mod is None:
         return None
     threads = _own_threads(ops, x.shape[0])
@@ -831,7 +906,7 @@ def mla_project(x, ops: list, norms: list, eps: float, kvr: int):
         return None
     if not all(n.dtype == x.dtype and n.dim() == 1 and n.shape[0] <= MAX_NORM_WIDTH for n in norms):
         return None
-    mod = _fused_mod(x, *norms) if _operands_fit(ops, x) else None
+    mod = _fused_mod(x, *norms) if _operands_fit(ops, x.dtype) else None
     if mod is None or not (lanes := sum_lanes()):
         return None
     threads = _own_threads(ops, x.shape[0])

@@ -3255,6 +3255,28 @@ std::vector<torch::Tensor> route(torch::Tensor logits, int64_t score, int64_t to
     return {w * scale, chosen};
 }
 
+// layers/moe.py's moe() for a few tokens in one call where its parts fuse (the Python between the router's
+// product, the routing and the feed-forward block cost ~30-50 us a layer): the router's logits by the bf16
+// kernel (router: its operand, `router_threads` threads, as layers/linear.py's linear runs it) or in fp32
+// (router_f32: at::linear of x in fp32, as a router kept in fp32 is run), route() on them (hash_ids [N, k]: a
+// hash layer's experts), then ffn_rows on its weights and ids. The same calls as the torch code makes, so
+// the same bits. An empty list where ffn_rows does not apply (a repeated expert): the caller runs the torch
+// code.
+std::vector<torch::Tensor> moe_rows(torch::Tensor x, std::optional<Operand> router, std::optional<torch::Tensor> router_f32,
+                                    int64_t router_threads, int64_t score, int64_t top_k, std::optional<torch::Tensor> bias,
+                                    std::optional<torch::Tensor> hash_ids, bool normalize, double scale,
+                                    std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
+                                    std::optional<Operand> up, std::optional<Operand> down, std::optional<double> limit,
+                                    bool relu2, std::vector<int64_t> threads, int64_t path) {
+    TORCH_CHECK(router.has_value() != router_f32.has_value(), "moe_rows: one router, bf16 operand or fp32");
+    const auto logits = router_f32 ? at::linear(x.to(torch::kFloat32), *router_f32)
+                                   : operand_gemm(x, *router, std::nullopt, router_threads, path);
+    const auto routed = route(logits, score, top_k, bias, hash_ids, normalize, scale);
+    auto y = ffn_rows(x, routed[0], routed[1], w_in, w_out, gate, up, down, limit, relu2, threads, path);
+    if (!y.defined()) return {};
+    return {y};
+}
+
 // layers/dsa.py's attend_gathered for bf16 operands: the torch code's roundings (q_lat rounded to bf16; each
 // score's dot rounded to bf16, then scaled in fp32; torch's own softmax over the selection's order, a row
 // with nothing selected 0; the probabilities and o_lat rounded to bf16; the output rounded once), every

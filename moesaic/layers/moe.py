@@ -13,7 +13,7 @@ expert (relu2)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -324,6 +324,9 @@ class MoeWeights:
     # the router in fp32 for a router that takes fp32 logits (the same values), made at its first call: a
     # bf16 router converted at every call cost GLM-5.3-Flash's 288 x 4096 ~220 of ~365 us a layer and step
     router_f32: torch.Tensor | None = None
+    # the fused block's parts and plan (cpu.ffn_plan) by (spec, every, rows, threads), made at their first call:
+    # the operands and their thread counts do not change from step to step
+    fused_plans: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -362,10 +365,11 @@ def prefetch(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor 
         w.experts_in.prefetch(route(x, w, r, token_ids)[1].unique().tolist())
 
 
-def _fused(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids, every: bool) -> torch.Tensor | None:
-    """The block for a few tokens (decode rows, a verify block) as one compiled call where it applies:
-    SwiGLU (or squared-ReLU) experts in dense bf16 or packed stacks on the CPU, `every` one held here, no latent projections;
-    the same bits as the code below (cpu.ffn_rows). Ungated experts take it with relu2 (Nemotron-H)."""
+def _fused_parts(w: MoeWeights, spec: MoeSpec, every: bool) -> tuple | None:
+    """The feed-forward block's parts as one compiled call takes them, (w_in, w_out, dense, limit, relu2), where
+    it applies: SwiGLU (or squared-ReLU) experts in dense bf16 or packed stacks on the CPU, `every` one held
+    here, no latent projections; else None. The same bits as the code below (cpu.ffn_rows). Ungated experts
+    take it with relu2 (Nemotron-H)."""
     form = fused_form(spec.gated, spec.glu, spec.act)
     if form is None or not (every and w.latent_in is None and w.latent_out is None):
         return None
@@ -376,8 +380,39 @@ def _fused(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, weights, ids, every: b
     w_in, w_out = operand(w.experts_in), operand(w.experts_out)
     if w_in is None or w_out is None:  # streamed, split over ranks, gate | up quantized apart, fp32
         return None
-    dense = () if w.shared is None else w.shared.operands()
-    return cpu.ffn_rows(x, weights, ids, w_in, w_out, dense, *form)
+    return w_in, w_out, () if w.shared is None else w.shared.operands(), *form
+
+
+def _fused_plan(w: MoeWeights, spec: MoeSpec, every: bool, rows: int) -> tuple:
+    """(_fused_parts, cpu.ffn_plan for them at `rows` rows), kept on the layer per thread count."""
+    key = (spec, every, rows, torch.get_num_threads())
+    if key not in w.fused_plans:
+        parts = _fused_parts(w, spec, every)
+        plan = None if parts is None else cpu.ffn_plan(rows, spec.router.top_k, *parts[:3], relu2=parts[4])
+        w.fused_plans[key] = (parts, plan)
+    return w.fused_plans[key]
+
+
+def _fused_block(x: torch.Tensor, w: MoeWeights, r: Router, token_ids, parts: tuple, plan=None):
+    """The whole block for a few tokens in one compiled call (cpu.moe_rows: the router's product, `route` and
+    the feed-forward block, the calls the code below makes) where the router fuses too: one expert group, a
+    router the bf16 kernel serves (or kept in fp32), no Triton router; else None."""
+    if (r.score != "sqrtsoftplus" and r.n_group > 1) or kernels("router", x):
+        return None
+    router_f32 = None
+    if r.fp32:
+        if w.router_f32 is None:
+            w.router_f32 = w.router.float()
+        router_f32 = w.router_f32
+    elif type(w.router) is not torch.Tensor:
+        return None
+    hash_ids = w.hash_ids[token_ids] if r.score == "sqrtsoftplus" and w.hash_ids is not None else None
+    bias = None if r.score == "softmax" or hash_ids is not None else w.bias
+    normalize = r.normalize if r.score != "sqrtsoftplus" else True
+    router = None if r.fp32 else w.router
+    return cpu.moe_rows(
+        x, router, router_f32, r.score, r.top_k, bias, hash_ids, normalize, r.scale, *parts, plan=plan
+    )
 
 
 def fused_form(gated: bool, glu, act) -> tuple[float | None, bool] | None:
@@ -407,9 +442,12 @@ def swiglu_limit(glu) -> float | None | bool:
 
 def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE block on packed tokens x [N, d] (token_ids: for a hash layer's table)."""
-    weights, ids = route(x, w, spec.router, token_ids)
     every = w.first_expert == 0 and w.experts_in.shape[0] == w.router.shape[0]  # no expert on another rank
-    if x.shape[0] <= cpu.MAX_ROWS and (y := _fused(x, w, spec, weights, ids, every)) is not None:
+    parts, plan = _fused_plan(w, spec, every, x.shape[0]) if x.shape[0] <= cpu.MAX_ROWS else (None, None)
+    if parts is not None and (y := _fused_block(x, w, spec.router, token_ids, parts, plan)) is not None:
+        return y
+    weights, ids = route(x, w, spec.router, token_ids)
+    if parts is not None and (y := cpu.ffn_rows(x, weights, ids, *parts, plan=plan)) is not None:
         return y
     h = x if w.latent_in is None else linear(x, w.latent_in)
     act = (lambda gu: spec.glu(*gu.chunk(2, dim=-1))) if spec.gated else spec.act
