@@ -144,9 +144,9 @@ def hf_gen(model):
 def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
     """(ms per batch-1 decode step, ms of it in matrix products): the kernels' calls, the fp32 tiles and
     torch's mm / bmm / matmul are timed (wall clock) around each call; cpu.ffn_rows (a token's whole
-    feed-forward block: its products, a silu, a mul and the weighted sum), cpu.kda_project (KDA's eight
-    row-wise products, the log-decay and beta) and cpu.mla_project (MLA's q_a, q_b and kv_a products and two
-    norms) are counted as products."""
+    feed-forward block: its products, a silu, a mul and the weighted sum), cpu.moe_rows (the same with the
+    router's product and the routing's few ops), cpu.kda_project (KDA's eight row-wise products, the log-decay
+    and beta) and cpu.mla_project (MLA's q_a, q_b and kv_a products and two norms) are counted as products."""
     acc = [0.0]
 
     def timed(f):
@@ -159,7 +159,7 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
 
         return g
 
-    names = ("_gemm", "tiled_linear", "ffn_rows", "kda_project", "mla_project")
+    names = ("_gemm", "tiled_linear", "ffn_rows", "moe_rows", "kda_project", "mla_project")
     saved = [getattr(cpu, n) for n in names], torch.bmm, torch.matmul
     for n in names:
         setattr(cpu, n, timed(getattr(cpu, n)))
