@@ -39,8 +39,8 @@ squares summed in the order of torch's cascade sum) and rope.
 
 Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compiler targets them
 (`__AVX2__`, `__FMA__`, `__F16C__`), the portable scalar path (same math, row decoded to fp32 first)
-everywhere and on request (`generic`). On CPUs with AVX-512 BF16 (`__AVX512BF16__`: Zen 4, Sapphire
-Rapids) bf16 activations take vdpbf16ps instead (run_item_dp), against bf16 weights (32 a load, used as
+everywhere and on request (`generic`). On CPUs with AVX-512 BF16 and VBMI (`__AVX512BF16__`: Zen 4, Sapphire
+Rapids; not Cooper Lake, whose build takes the AVX2 tiles) bf16 activations take vdpbf16ps instead (run_item_dp), against bf16 weights (32 a load, used as
 stored), E2M1 (128 a load, decoded to bf16 by one 32-word table, vpermw) and E4M3 (64 a load, by two
 128-entry byte tables): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows. fp32 / fp16
 activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
@@ -71,10 +71,12 @@ CPP = r"""
 #define MOESAIC_AVX2 1
 #include <immintrin.h>
 #endif
-#if defined(MOESAIC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// (VBMI too: the fp8 decode's byte tables are vpermi2b; a BF16 CPU without it, Cooper Lake, takes the AVX2 tiles)
+#if defined(MOESAIC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VBMI__)
 #define MOESAIC_AVX512BF16 1
 #endif
-#if defined(MOESAIC_AVX512BF16) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if defined(MOESAIC_AVX512BF16) && defined(__AVX512VNNI__)
 #define MOESAIC_VNNI512 1
 #endif
 #if defined(MOESAIC_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
