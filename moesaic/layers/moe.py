@@ -283,15 +283,22 @@ class Mlp:
     up: object
     down: object
     gate: object | None = None
+    # (operands, cpu.ffn_plan) by (rows, threads), made at their first call (as MoeWeights.fused_plans)
+    fused_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __call__(self, x: torch.Tensor, glu=silu_glu, act=relu2) -> torch.Tensor:
         form = fused_form(self.gate is not None, glu, act)
-        if (
-            x.shape[0] <= cpu.MAX_ROWS
-            and form is not None
-            and (y := cpu.ffn_rows(x, dense=self.operands(), limit=form[0], relu2=form[1])) is not None
-        ):
-            return y  # decode rows on the CPU: the same products and roundings in one call
+        if x.shape[0] <= cpu.MAX_ROWS and form is not None:
+            key = (x.shape[0], torch.get_num_threads(), form[1])
+            if key not in self.fused_plans:
+                ops = self.operands()
+                self.fused_plans[key] = (
+                    ops,
+                    cpu.ffn_plan(x.shape[0], 0, None, None, ops, form[1], routed=False),
+                )
+            ops, plan = self.fused_plans[key]
+            if (y := cpu.ffn_rows(x, dense=ops, limit=form[0], relu2=form[1], plan=plan)) is not None:
+                return y  # decode rows on the CPU: the same products and roundings in one call
         if self.gate is None:
             return linear(act(linear(x, self.up)), self.down)
         return linear(glu(linear(x, self.gate), linear(x, self.up)), self.down)
@@ -326,7 +333,7 @@ class MoeWeights:
     router_f32: torch.Tensor | None = None
     # the fused block's parts and plan (cpu.ffn_plan) by (spec, every, rows, threads), made at their first call:
     # the operands and their thread counts do not change from step to step
-    fused_plans: dict = field(default_factory=dict)
+    fused_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
