@@ -524,6 +524,12 @@ const std::vector<int64_t>& section_order(int64_t count) {
     return pos;
 }
 
+// The row loops' blocking (run_item, run_item_dp): whether M activation rows of x_bytes each stream every weight
+// row whole (up to 4 rows, or more whose x fits in 256 KB beside the weights in L2), and the block of weight
+// rows described and passed over at a time (a multiple of 4: the same tiles).
+inline bool whole_rows(int64_t M, int64_t x_bytes) { return M <= 4 || M * x_bytes <= (256 << 10); }
+inline int64_t row_block(int64_t M, bool whole) { return M <= 4 ? 256 : whole ? 4 : 32; }
+
 // The item's sums (wbuf, rows in section order) to the output: put's arithmetic, its dtype and bias
 // branches taken once.
 template <typename T>
@@ -571,12 +577,12 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
     // stays in L1 while every weight row of the item passes over it (x of 16 rows over the whole of a long K
     // would be re-read from L3 for each group of weight rows).
     const int64_t nchunks = C.nfull + (C.tail_bytes ? 1 : 0);
-    const bool whole = M <= 4 || M * xs * 4 <= (256 << 10);
+    const bool whole = whole_rows(M, xs * 4);
     const int64_t KB = whole ? nchunks : std::max<int64_t>(8, 64 / std::min<int64_t>(M, 4));
     // ... and blocks of RB weight rows, so that their bytes of a K block stay in L2 while the blocks of
     // activation rows pass over them (whole rows: blocks of 256, whose rows are described as they come: an
     // item of 32768 rows described at once wrote and read back 1 MB). RB is a multiple of 4: the same tiles.
-    const int64_t RB = M <= 4 ? 256 : whole ? 4 : 32;
+    const int64_t RB = row_block(M, whole);
     // The tiles' side-by-side rows (and the RB blocks) come from the four sections (section_order).
     const int64_t count = n1 - n0;
     const std::vector<int64_t>& pos = section_order(count);
@@ -823,44 +829,34 @@ void dp_kind_tile(int mb, const Ctx& C, const Row* rows, const X* x, int64_t xs,
                   float ge, bool divides, float* res) {
     if constexpr (KIND == MXQ || KIND == NVQ) {
 #if defined(MOESAIC_VNNI512)
-        constexpr int K2 = KIND - (MXQ - MX);
-        switch (mb) {
-            case 1: q8z_tile<K2, R, 1>(C, rows, x, xs, c0, c1, ge, divides, res); break;
-            case 2: q8z_tile<K2, R, 2>(C, rows, x, xs, c0, c1, ge, divides, res); break;
-            case 3: q8z_tile<K2, R, 3>(C, rows, x, xs, c0, c1, ge, divides, res); break;
-            default: q8z_tile<K2, R, 4>(C, rows, x, xs, c0, c1, ge, divides, res); break;
-        }
+        with_value<1, 2, 3, 4>(mb, [&](auto MB) {
+            q8z_tile<KIND - (MXQ - MX), R, decltype(MB)::value>(C, rows, x, xs, c0, c1, ge, divides, res);
+        });
 #endif
     } else if constexpr (KIND == BF16) {
         const uint16_t* w[R];
         for (int r = 0; r < R; ++r) w[r] = reinterpret_cast<const uint16_t*>(rows[r].w);
         dp_tile_mb<R>(mb, w, x, xs, 32 * c0, std::min(C.K, 32 * c1), res);
     } else if constexpr (KIND == FP8) {
-        switch (mb) {
-            case 1: fp8dp_tile<R, 1>(C, rows, x, xs, c0, c1, res); break;
-            case 2: fp8dp_tile<R, 2>(C, rows, x, xs, c0, c1, res); break;
-            case 3: fp8dp_tile<R, 3>(C, rows, x, xs, c0, c1, res); break;
-            default: fp8dp_tile<R, 4>(C, rows, x, xs, c0, c1, res); break;
-        }
+        with_value<1, 2, 3, 4>(mb, [&](auto MB) { fp8dp_tile<R, decltype(MB)::value>(C, rows, x, xs, c0, c1, res); });
     } else {
         fp4dp_tile_mb<KIND, R>(mb, C, rows, x, xs, c0, c1, ge, divides, res);
     }
 }
 
-// run_item for bf16 x bf16 and packed weights (E2M1, E4M3) x bf16 on this path: the four sections, K blocks
-// of ~1024 values (bf16; 8 loads packed) and row blocks of 32 at M > 1 (as run_item). Tiles of 4 weight rows
-// x 4 activation rows; packed rows at M > 1 go 2 a tile (each row decoded once for its 4 x rows). x is the
-// caller's bf16 rows for bf16 weights, else prepared in the decoded order (prep_x_dp); row stride xs.
+// run_item for bf16 x bf16 and packed weights (E2M1, E4M3) x bf16, and E2M1 x int8 records (VNNI), on this
+// path: the four sections, each weight row streamed whole where x is small (whole_rows), else K blocks of
+// ~1024 values (bf16; 8 loads packed) and row blocks of 32 (as run_item). Tiles of 4 weight rows x 4 activation
+// rows; packed rows at M > 1 go 2 a tile (each row decoded once for its 4 x rows; int8 at 2 rows 4). x is the
+// caller's bf16 rows for bf16 weights, else prepared in the decoded order (prep_x_dp) or as int8 records
+// (prep_x_q8); row stride xs.
 template <int KIND, typename X>
 void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1,
                  const X* x, int64_t xs, int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
     const int64_t width = KIND == BF16 ? 32 : KIND == FP8 ? CH : FC;  // values a load
     const int64_t nchunks = (C.K + width - 1) / width;
-    // as run_item: up to 4 activation rows, or more whose x fits in 256 KB, stream each weight row whole (4
-    // weight rows at a time, each block of 4 activation rows in turn, past 4); larger x goes by blocks of K
-    const bool whole = M <= 4 || M * xs * (int64_t)sizeof(X) <= (256 << 10);
-    // (rows described a block of RB at a time, as they come: whole rows at M <= 4 by blocks of 256)
-    const int64_t KB = whole ? nchunks : KIND == BF16 ? 32 : 8, RB = M <= 4 ? 256 : whole ? 4 : 32;
+    const bool whole = whole_rows(M, xs * (int64_t)sizeof(X));  // as run_item; larger x by blocks of K
+    const int64_t KB = whole ? nchunks : KIND == BF16 ? 32 : 8, RB = row_block(M, whole);
     const int64_t count = n1 - n0;
     const std::vector<int64_t>& pos = section_order(count);
     std::vector<Row> rows(std::min(count, RB));
@@ -1278,13 +1274,6 @@ std::vector<float> prep_x(const torch::Tensor& x, int kind, int64_t Kp, bool gen
     return out;
 }
 
-// x [T, K] as int8 records for the int8 tiles (llama.cpp's Q8_0 rows, in the nibble planes' order): each 32
-// values scaled by d = max |x| / 127 and rounded to the nearest code q (ties to even), one QREC-float record
-// per 128 values (a VNNI load of packed codes; an AVX2 chunk is half of one): the q of its even values (bytes
-// 0-63: the low nibbles' order), of its odd values (64-127), minus 12 x the sum of each dword's 8 codes (int32
-// 32-47, the E2M1_U offset: the sums start from it) and d / 2 for each dword (floats 48-63: E2M1_U holds
-// twice each value). Dword l of a record's sums covers values 8 l .. 8 l + 7. Zeros beyond K. False where x
-// has a value that is not finite (the exact tiles then).
 // One 32-value block b of a record: its codes (the even values' to qe[0, 16), the odd values' to qo[0, 16)),
 // -12 x each dword's sum of 8 codes to corr[0, 4), d / 2 to half_d[0, 4). False where b holds an inf or a NaN.
 inline bool q8_block(const float* b, int8_t* qe, int8_t* qo, int32_t* corr, float* half_d) {
@@ -1345,6 +1334,13 @@ inline bool q8_block(const float* b, int8_t* qe, int8_t* qo, int32_t* corr, floa
     return fin;
 }
 
+// x [T, K] as int8 records for the int8 tiles (llama.cpp's Q8_0 rows, in the nibble planes' order): each 32
+// values scaled by d = max |x| / 127 and rounded to the nearest code q (ties to even), one QREC-float record
+// per 128 values (a VNNI load of packed codes; an AVX2 chunk is half of one): the q of its even values (bytes
+// 0-63: the low nibbles' order), of its odd values (64-127), minus 12 x the sum of each dword's 8 codes (int32
+// 32-47, the E2M1_U offset: the sums start from it) and d / 2 for each dword (floats 48-63: E2M1_U holds
+// twice each value). Dword l of a record's sums covers values 8 l .. 8 l + 7. Zeros beyond K. False where x
+// has a value that is not finite (the exact tiles then).
 bool prep_x_q8(const torch::Tensor& x, int64_t nrec, std::vector<float>& out) {
     const int64_t T = x.size(0), K = x.size(1);
     out.assign((size_t)(T * nrec * QREC), 0.f);
