@@ -144,11 +144,11 @@ class PagedRows(LengthRollback):
     block table, not copied)."""
 
     def __init__(
-        self, fields: dict[str, torch.Tensor], index: int, table: BlockTable, max_tokens: int, views=None
+        self, fields: dict[str, torch.Tensor], index: int, table: BlockTable, max_tokens: int, views: dict
     ):
         self.fields = fields
         self.index = index
-        self.views = views if views is not None else {k: t[:, index] for k, t in fields.items()}
+        self.views = views  # the pool's {field: fields[field][:, index]}, made once by the PagePool
         self.table = table
         self.max_tokens = max_tokens
         first = next(iter(fields.values()))

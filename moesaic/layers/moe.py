@@ -297,7 +297,10 @@ class Mlp:
                     cpu.ffn_plan(x.shape[0], 0, None, None, ops, form[1], routed=False),
                 )
             ops, plan = self.fused_plans[key]
-            if (y := cpu.ffn_rows(x, dense=ops, limit=form[0], relu2=form[1], plan=plan)) is not None:
+            if (
+                plan is not None
+                and (y := cpu.ffn_rows(x, dense=ops, limit=form[0], relu2=form[1], plan=plan)) is not None
+            ):
                 return y  # decode rows on the CPU: the same products and roundings in one call
         if self.gate is None:
             return linear(act(linear(x, self.up)), self.down)
@@ -348,12 +351,17 @@ class MoeSpec:
     eps: float = 1e-6
 
 
+def _router_f32(w: MoeWeights) -> torch.Tensor:
+    """The layer's router in fp32 (for a router that takes fp32 logits), made at its first call."""
+    if w.router_f32 is None:
+        w.router_f32 = w.router.float()
+    return w.router_f32
+
+
 def route(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor | None = None):
     """(weights [N, k], expert ids [N, k]) of each token."""
     if r.fp32:
-        if w.router_f32 is None:
-            w.router_f32 = w.router.float()
-        logits = F.linear(x.float(), w.router_f32)
+        logits = F.linear(x.float(), _router_f32(w))
     else:
         logits = linear(x, w.router)
     if r.score == "softmax":
@@ -406,17 +414,12 @@ def _fused_block(x: torch.Tensor, w: MoeWeights, r: Router, token_ids, parts: tu
     router the bf16 kernel serves (or kept in fp32), no Triton router; else None."""
     if (r.score != "sqrtsoftplus" and r.n_group > 1) or kernels("router", x):
         return None
-    router_f32 = None
-    if r.fp32:
-        if w.router_f32 is None:
-            w.router_f32 = w.router.float()
-        router_f32 = w.router_f32
-    elif type(w.router) is not torch.Tensor:
+    if not r.fp32 and type(w.router) is not torch.Tensor:
         return None
     hash_ids = w.hash_ids[token_ids] if r.score == "sqrtsoftplus" and w.hash_ids is not None else None
     bias = None if r.score == "softmax" or hash_ids is not None else w.bias
     normalize = r.normalize if r.score != "sqrtsoftplus" else True
-    router = None if r.fp32 else w.router
+    router, router_f32 = (None, _router_f32(w)) if r.fp32 else (w.router, None)
     return cpu.moe_rows(
         x, router, router_f32, r.score, r.top_k, bias, hash_ids, normalize, r.scale, *parts, plan=plan
     )
@@ -450,11 +453,12 @@ def swiglu_limit(glu) -> float | None | bool:
 def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE block on packed tokens x [N, d] (token_ids: for a hash layer's table)."""
     every = w.first_expert == 0 and w.experts_in.shape[0] == w.router.shape[0]  # no expert on another rank
+    # (no plan: the operands do not fit a fused call, which cpu.ffn_plan would find again at every call)
     parts, plan = _fused_plan(w, spec, every, x.shape[0]) if x.shape[0] <= cpu.MAX_ROWS else (None, None)
-    if parts is not None and (y := _fused_block(x, w, spec.router, token_ids, parts, plan)) is not None:
+    if plan is not None and (y := _fused_block(x, w, spec.router, token_ids, parts, plan)) is not None:
         return y
     weights, ids = route(x, w, spec.router, token_ids)
-    if parts is not None and (y := cpu.ffn_rows(x, weights, ids, *parts, plan=plan)) is not None:
+    if plan is not None and (y := cpu.ffn_rows(x, weights, ids, *parts, plan=plan)) is not None:
         return y
     h = x if w.latent_in is None else linear(x, w.latent_in)
     act = (lambda gu: spec.glu(*gu.chunk(2, dim=-1))) if spec.gated else spec.act
