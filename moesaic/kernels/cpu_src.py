@@ -641,15 +641,6 @@ void dp_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0
         for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-template <int R>
-void dp_tile_mb(int mb, const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0, int64_t k1, float* res) {
-    switch (mb) {  // R * MB <= 16 accumulators (of 32 registers)
-        case 1: dp_tile<R, 1>(w, x, xs, k0, k1, res); break;
-        case 2: dp_tile<R, 2>(w, x, xs, k0, k1, res); break;
-        case 3: dp_tile<R, 3>(w, x, xs, k0, k1, res); break;
-        default: dp_tile<R, 4>(w, x, xs, k0, k1, res); break;
-    }
-}
 
 // Packed E2M1 (mxfp4 / nvfp4) against bf16 activations: a 64-byte load is 128 values, four 32-value groups
 // (one a 128-bit lane) or eight 16-value ones (two a lane). vpermw looks each 16-bit word's low 5 bits up in a
@@ -747,16 +738,6 @@ void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
     });
 }
 
-template <int KIND, int R>
-void fp4dp_tile_mb(int mb, const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1,
-                   float ge, bool divides, float* res) {
-    switch (mb) {
-        case 1: fp4dp_tile<KIND, R, 1>(C, rows, x, xs, c0, c1, ge, divides, res); break;
-        case 2: fp4dp_tile<KIND, R, 2>(C, rows, x, xs, c0, c1, ge, divides, res); break;
-        case 3: fp4dp_tile<KIND, R, 3>(C, rows, x, xs, c0, c1, ge, divides, res); break;
-        default: fp4dp_tile<KIND, R, 4>(C, rows, x, xs, c0, c1, ge, divides, res); break;
-    }
-}
 
 #if defined(MOESAIC_VNNI512)
 // E2M1 against int8 activation records (prep_x_q8; MOESAIC_CPU_INT8_ACTIVATIONS=1) on AVX-512 VNNI: a 64-byte
@@ -823,25 +804,26 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
 }
 
 // One tile of R weight rows x mb activation rows on this path over its loads [c0, c1): the bf16, fp8 or
-// E2M1 one (a bf16 load is 32 values, the K tail inside the last).
+// E2M1 one (a bf16 load is 32 values, the K tail inside the last); R * mb <= 16 accumulators (of 32 registers).
 template <int KIND, int R, typename X>
 void dp_kind_tile(int mb, const Ctx& C, const Row* rows, const X* x, int64_t xs, int64_t c0, int64_t c1,
                   float ge, bool divides, float* res) {
-    if constexpr (KIND == MXQ || KIND == NVQ) {
+    with_value<1, 2, 3, 4>(mb, [&](auto MBc) {
+        constexpr int MB = decltype(MBc)::value;
+        if constexpr (KIND == MXQ || KIND == NVQ) {
 #if defined(MOESAIC_VNNI512)
-        with_value<1, 2, 3, 4>(mb, [&](auto MB) {
-            q8z_tile<KIND - (MXQ - MX), R, decltype(MB)::value>(C, rows, x, xs, c0, c1, ge, divides, res);
-        });
+            q8z_tile<KIND - (MXQ - MX), R, MB>(C, rows, x, xs, c0, c1, ge, divides, res);
 #endif
-    } else if constexpr (KIND == BF16) {
-        const uint16_t* w[R];
-        for (int r = 0; r < R; ++r) w[r] = reinterpret_cast<const uint16_t*>(rows[r].w);
-        dp_tile_mb<R>(mb, w, x, xs, 32 * c0, std::min(C.K, 32 * c1), res);
-    } else if constexpr (KIND == FP8) {
-        with_value<1, 2, 3, 4>(mb, [&](auto MB) { fp8dp_tile<R, decltype(MB)::value>(C, rows, x, xs, c0, c1, res); });
-    } else {
-        fp4dp_tile_mb<KIND, R>(mb, C, rows, x, xs, c0, c1, ge, divides, res);
-    }
+        } else if constexpr (KIND == BF16) {
+            const uint16_t* w[R];
+            for (int r = 0; r < R; ++r) w[r] = reinterpret_cast<const uint16_t*>(rows[r].w);
+            dp_tile<R, MB>(w, x, xs, 32 * c0, std::min(C.K, 32 * c1), res);
+        } else if constexpr (KIND == FP8) {
+            fp8dp_tile<R, MB>(C, rows, x, xs, c0, c1, res);
+        } else {
+            fp4dp_tile<KIND, R, MB>(C, rows, x, xs, c0, c1, ge, divides, res);
+        }
+    });
 }
 
 // run_item for bf16 x bf16 and packed weights (E2M1, E4M3) x bf16, and E2M1 x int8 records (VNNI), on this
