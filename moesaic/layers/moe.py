@@ -290,13 +290,7 @@ class Mlp:
         form = fused_form(self.gate is not None, glu, act)
         if x.shape[0] <= cpu.MAX_ROWS and form is not None:
             key = (x.shape[0], torch.get_num_threads(), form[1])
-            if key not in self.fused_plans:
-                ops = self.operands()
-                self.fused_plans[key] = (
-                    ops,
-                    cpu.ffn_plan(x.shape[0], 0, None, None, ops, form[1], routed=False),
-                )
-            ops, plan = self.fused_plans[key]
+            ops, plan = kept(self.fused_plans, key, lambda: self._plan(x.shape[0], form[1]))
             if (
                 plan is not None
                 and (y := cpu.ffn_rows(x, dense=ops, limit=form[0], relu2=form[1], plan=plan)) is not None
@@ -309,6 +303,18 @@ class Mlp:
     def operands(self) -> tuple:
         """(gate, up, down) as the CPU kernels take them (each None where they do not; gate None without one)."""
         return (None if self.gate is None else operand(self.gate), operand(self.up), operand(self.down))
+
+    def _plan(self, rows: int, relu2: bool) -> tuple:
+        ops = self.operands()
+        return ops, cpu.ffn_plan(rows, 0, None, None, ops, relu2, routed=False)
+
+
+def kept(plans: dict, key, make: Callable):
+    """plans[key], made by make() at its first use (a layer's fused operands and plans: they do not change
+    from step to step)."""
+    if key not in plans:
+        plans[key] = make()
+    return plans[key]
 
 
 @dataclass
@@ -358,19 +364,26 @@ def _router_f32(w: MoeWeights) -> torch.Tensor:
     return w.router_f32
 
 
+def _score_args(w: MoeWeights, r: Router, token_ids) -> tuple:
+    """(bias, hash ids, normalize) as the router's score takes them: softmax no bias; a hash layer's static
+    experts (sqrtsoftplus, which always normalizes) instead of the bias."""
+    hash_ids = w.hash_ids[token_ids] if r.score == "sqrtsoftplus" and w.hash_ids is not None else None
+    bias = None if r.score == "softmax" or hash_ids is not None else w.bias
+    return bias, hash_ids, r.normalize if r.score != "sqrtsoftplus" else True
+
+
 def route(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor | None = None):
     """(weights [N, k], expert ids [N, k]) of each token."""
     if r.fp32:
         logits = F.linear(x.float(), _router_f32(w))
     else:
         logits = linear(x, w.router)
+    bias, hash_ids, normalize = _score_args(w, r, token_ids)
     if r.score == "softmax":
-        return route_softmax(logits, r.top_k, r.n_group, r.topk_group, r.normalize, r.scale)
+        return route_softmax(logits, r.top_k, r.n_group, r.topk_group, normalize, r.scale)
     if r.score == "sigmoid":
-        return route_sigmoid(logits, r.top_k, w.bias, r.n_group, r.topk_group, r.normalize, r.scale)
-    if w.hash_ids is not None:
-        return route_sqrtsoftplus(logits, r.top_k, scale=r.scale, ids=w.hash_ids[token_ids])
-    return route_sqrtsoftplus(logits, r.top_k, w.bias, r.scale)
+        return route_sigmoid(logits, r.top_k, bias, r.n_group, r.topk_group, normalize, r.scale)
+    return route_sqrtsoftplus(logits, r.top_k, bias, r.scale, ids=hash_ids)
 
 
 def prefetch(x: torch.Tensor, w: MoeWeights, r: Router, token_ids: torch.Tensor | None = None) -> None:
@@ -400,12 +413,14 @@ def _fused_parts(w: MoeWeights, spec: MoeSpec, every: bool) -> tuple | None:
 
 def _fused_plan(w: MoeWeights, spec: MoeSpec, every: bool, rows: int) -> tuple:
     """(_fused_parts, cpu.ffn_plan for them at `rows` rows), kept on the layer per thread count."""
-    key = (spec, every, rows, torch.get_num_threads())
-    if key not in w.fused_plans:
+
+    def make():
         parts = _fused_parts(w, spec, every)
-        plan = None if parts is None else cpu.ffn_plan(rows, spec.router.top_k, *parts[:3], relu2=parts[4])
-        w.fused_plans[key] = (parts, plan)
-    return w.fused_plans[key]
+        if parts is None:
+            return None, None
+        return parts, cpu.ffn_plan(rows, spec.router.top_k, *parts[:3], relu2=parts[4])
+
+    return kept(w.fused_plans, (spec, every, rows, torch.get_num_threads()), make)
 
 
 def _fused_block(x: torch.Tensor, w: MoeWeights, r: Router, token_ids, parts: tuple, plan=None):
@@ -416,9 +431,7 @@ def _fused_block(x: torch.Tensor, w: MoeWeights, r: Router, token_ids, parts: tu
         return None
     if not r.fp32 and type(w.router) is not torch.Tensor:
         return None
-    hash_ids = w.hash_ids[token_ids] if r.score == "sqrtsoftplus" and w.hash_ids is not None else None
-    bias = None if r.score == "softmax" or hash_ids is not None else w.bias
-    normalize = r.normalize if r.score != "sqrtsoftplus" else True
+    bias, hash_ids, normalize = _score_args(w, r, token_ids)
     router, router_f32 = (None, _router_f32(w)) if r.fp32 else (w.router, None)
     return cpu.moe_rows(
         x, router, router_f32, r.score, r.top_k, bias, hash_ids, normalize, r.scale, *parts, plan=plan
