@@ -873,18 +873,36 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
 }
 
 // bf16 x [T, K] -> [T, Kc] bf16 words in each `width`-value load's decoded order, zero padded (Kc: whole
-// loads): word w of a load (vector w / 32, lane w / 8 % 4, word w % 8) is the load's value elem(v, l, i).
+// loads): word w of a load (vector w / 32, lane w / 8 % 4, word w % 8) is the load's value elem(v, l, i). Each
+// 32-word vector is one vpermt2w of the load's 64 values (width 64) or two blended (width 128: lanes taking
+// values 64-127 from the second pair); the index tables are made per call from elem.
 template <typename Elem>
 std::vector<uint16_t> prep_x_dp(const torch::Tensor& x, int64_t Kc, int64_t width, Elem elem) {
-    const int64_t T = x.size(0), K = x.size(1);
-    std::vector<uint16_t> out((size_t)(T * Kc), 0);
+    const int64_t T = x.size(0), K = x.size(1), nv = width / 32;
+    std::vector<uint16_t> out((size_t)(T * Kc));
     const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    alignas(64) uint16_t idx[4][32];
+    __mmask32 upper[4] = {};  // words whose value is one of 64-127
+    for (int v = 0; v < nv; ++v)
+        for (int w = 0; w < 32; ++w) {
+            const int e = elem(v, w / 8, w % 8);
+            idx[v][w] = (uint16_t)(e & 63);
+            if (e >= 64) upper[v] |= 1u << w;
+        }
     for (int64_t t = 0; t < T; ++t)
-        for (int64_t c = 0; c < Kc; c += width)
-            for (int64_t w = 0; w < width; ++w) {
-                const int64_t k = c + elem((int)(w / 32), (int)(w / 8 % 4), (int)(w % 8));
-                if (k < K) out[t * Kc + c + w] = src[t * K + k];
+        for (int64_t c = 0; c < Kc; c += width) {
+            __m512i in[4];
+            for (int64_t j = 0; j < nv; ++j) {  // values c + 32 j ..: zero past K
+                const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, K - c - 32 * j));
+                in[j] = _mm512_maskz_loadu_epi16(n == 32 ? ~0u : (1u << n) - 1, src + t * K + c + 32 * j);
             }
+            for (int v = 0; v < nv; ++v) {
+                const __m512i iv = _mm512_load_si512(idx[v]);
+                __m512i r = _mm512_permutex2var_epi16(in[0], iv, in[1]);
+                if (nv == 4) r = _mm512_mask_blend_epi16(upper[v], r, _mm512_permutex2var_epi16(in[2], iv, in[3]));
+                _mm512_storeu_si512(out.data() + t * Kc + c + 32 * v, r);
+            }
+        }
     return out;
 }
 std::vector<uint16_t> prep_x_fp4dp(const torch::Tensor& x, int64_t Kc) {  // fp4dp_tile's order
