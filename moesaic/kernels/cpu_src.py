@@ -641,7 +641,6 @@ void dp_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0
         for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-
 // Packed E2M1 (mxfp4 / nvfp4) against bf16 activations: a 64-byte load is 128 values, four 32-value groups
 // (one a 128-bit lane) or eight 16-value ones (two a lane). vpermw looks each 16-bit word's low 5 bits up in a
 // 32-word table of bf16 values (E2M1 values are exact in bf16; entries i and i + 16 are both code i's), so the
@@ -737,7 +736,6 @@ void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
         for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(chunk_dot(v, x + m * xs + c * FC), S, acc[m]);
     });
 }
-
 
 #if defined(MOESAIC_VNNI512)
 // E2M1 against int8 activation records (prep_x_q8; MOESAIC_CPU_INT8_ACTIVATIONS=1) on AVX-512 VNNI: a 64-byte
