@@ -40,9 +40,9 @@ squares summed in the order of torch's cascade sum) and rope.
 Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compiler targets them
 (`__AVX2__`, `__FMA__`, `__F16C__`), the portable scalar path (same math, row decoded to fp32 first)
 everywhere and on request (`generic`). On CPUs with AVX-512 BF16 and VBMI (`__AVX512BF16__`: Zen 4, Sapphire
-Rapids; not Cooper Lake, whose build takes the AVX2 tiles) bf16 activations take vdpbf16ps instead (run_item_dp), against bf16 weights (32 a load, used as
-stored), E2M1 (128 a load, decoded to bf16 by one 32-word table, vpermw) and E4M3 (64 a load, by two
-128-entry byte tables): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows. fp32 / fp16
+Rapids; not Cooper Lake, whose build takes the AVX2 tiles) bf16 activations take vdpbf16ps instead
+(run_item_dp), against bf16 weights (32 a load, used as stored), E2M1 (128 a load, decoded to bf16 by one
+32-word table, vpermw) and E4M3 (64 a load, by two 128-entry byte tables): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows. fp32 / fp16
 activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
 bf16 products take AMX tiles at every row count instead (amx_item: the weights as the A operand in place,
 x packed once a call as B, 16 weight rows x up to 32 activation rows a tile pass), and packed weights
@@ -873,20 +873,26 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
 // bf16 x [T, K] -> [T, Kc] bf16 words in each `width`-value load's decoded order, zero padded (Kc: whole
 // loads): word w of a load (vector w / 32, lane w / 8 % 4, word w % 8) is the load's value elem(v, l, i). Each
 // 32-word vector is one vpermt2w of the load's 64 values (width 64) or two blended (width 128: lanes taking
-// values 64-127 from the second pair); the index tables are made per call from elem.
+// values 64-127 from the second pair); the index tables are made once per elem (per instantiation).
 template <typename Elem>
 std::vector<uint16_t> prep_x_dp(const torch::Tensor& x, int64_t Kc, int64_t width, Elem elem) {
+    struct Tables {
+        alignas(64) uint16_t idx[4][32];
+        __mmask32 upper[4];  // words whose value is one of 64-127
+    };
+    static const Tables tab = [&] {  // all four vectors: a width-64 load reads the first two
+        Tables t{};
+        for (int v = 0; v < 4; ++v)
+            for (int w = 0; w < 32; ++w) {
+                const int e = elem(v, w / 8, w % 8);
+                t.idx[v][w] = (uint16_t)(e & 63);
+                if (e >= 64) t.upper[v] |= 1u << w;
+            }
+        return t;
+    }();
     const int64_t T = x.size(0), K = x.size(1), nv = width / 32;
     std::vector<uint16_t> out((size_t)(T * Kc));
     const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    alignas(64) uint16_t idx[4][32];
-    __mmask32 upper[4] = {};  // words whose value is one of 64-127
-    for (int v = 0; v < nv; ++v)
-        for (int w = 0; w < 32; ++w) {
-            const int e = elem(v, w / 8, w % 8);
-            idx[v][w] = (uint16_t)(e & 63);
-            if (e >= 64) upper[v] |= 1u << w;
-        }
     for (int64_t t = 0; t < T; ++t)
         for (int64_t c = 0; c < Kc; c += width) {
             __m512i in[4];
@@ -895,9 +901,9 @@ std::vector<uint16_t> prep_x_dp(const torch::Tensor& x, int64_t Kc, int64_t widt
                 in[j] = _mm512_maskz_loadu_epi16(n == 32 ? ~0u : (1u << n) - 1, src + t * K + c + 32 * j);
             }
             for (int v = 0; v < nv; ++v) {
-                const __m512i iv = _mm512_load_si512(idx[v]);
+                const __m512i iv = _mm512_load_si512(tab.idx[v]);
                 __m512i r = _mm512_permutex2var_epi16(in[0], iv, in[1]);
-                if (nv == 4) r = _mm512_mask_blend_epi16(upper[v], r, _mm512_permutex2var_epi16(in[2], iv, in[3]));
+                if (nv == 4) r = _mm512_mask_blend_epi16(tab.upper[v], r, _mm512_permutex2var_epi16(in[2], iv, in[3]));
                 _mm512_storeu_si512(out.data() + t * Kc + c + 32 * v, r);
             }
         }
