@@ -441,6 +441,7 @@ def test_mla_decode_reads_its_pages_in_place(kernels, monkeypatch, name):
     params = moesaic.SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
     ps = [[5, 6, 7] * 30, [9, 10], list(range(3, 140))]
     taken = []
+    monkeypatch.setattr(cpu, "mla_block", lambda *a: None)  # the module's code (the fused block: below)
     monkeypatch.setattr(mla, "_absorbed_in_place", _spy(mla._absorbed_in_place, taken))
     fast = [o.token_ids for o in llm.generate(ps, params)]
     assert sum(taken) >= 60  # the decode steps' calls read in place
@@ -837,3 +838,48 @@ def test_kda_project_keeps_the_torch_bits(kernels, monkeypatch, variant):
     ops = [kda.operand(m) for m in (w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj)]
     assert cpu.kda_project(x, ops + [ops[0]], w.A_log, w.dt_bias, D, None) is None
     assert kda.operand(torch.randn(4, 4)) is None  # an fp32 weight: kda_project is not asked
+
+
+@pytest.mark.parametrize("demo", ["demo-mistral4", "demo-kimi-linear"])
+def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo):
+    """layers/mla.py's mla_block (cpu.mla_block: mla_project, the rotations, the new rows written to their pages,
+    the absorbed attention over them and o's product in one call) gives the engine the logits of the module's
+    code bit for bit, decode step by decode step, for two sequences of different lengths decoding together;
+    the call is taken for every MLA layer of every decode step, and prompts keep the code."""
+    import moesaic
+
+    llm = moesaic.LLM(demo, dtype="bfloat16")
+    prompts = [list(range(5, 40)), list(range(50, 61))]
+    sp = moesaic.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = []
+    for fused in (True, False):
+        logits, taken = [], []
+        forward = llm.model.forward
+        keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
+        monkeypatch.setattr(llm.model, "forward", keep)
+        monkeypatch.setattr(cpu, "mla_block", _spy(cpu.mla_block, taken) if fused else lambda *a: None)
+        tokens = [r.token_ids for r in llm.generate(prompts, sp)]
+        monkeypatch.undo()
+        runs.append((tokens, logits, taken))
+    (tokens, got, taken), (want_tokens, want, _) = runs
+    mla_layers = sum(isinstance(getattr(w, "attn", None), mla.MlaWeights) for w in llm.model.layers)
+    assert mla_layers and taken == [True] * (mla_layers * (len(got) - 1))  # every decode step's MLA layers
+    assert tokens == want_tokens and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_mla_plan_declines_what_the_call_cannot_take(kernels):
+    """mla_plan keeps the module's code for fp32 norms, more rows than MAX_ROWS, or an operand it cannot run."""
+    g = torch.Generator().manual_seed(3)
+    d, H, dn, dv, kvr, dr = 64, 2, 16, 16, 32, 8
+    w = lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16()  # noqa: E731
+    ops = [mla.operand(m) for m in (w(H * (dn + dr), d), w(kvr + dr, d), w(d, H * dv))]
+    norm = w(kvr)
+    w_uk, w_uv = w(H, dn, kvr), w(H, dv, kvr)
+    pools = (w(4, 16, kvr), w(4, 16, dr))
+    assert cpu.mla_plan(ops, [norm], w_uk, w_uv, pools, 1) is not None
+    assert cpu.mla_plan(ops, [norm.float()], w_uk, w_uv, pools, 1) is None
+    assert cpu.mla_plan(ops, [norm], w_uk, w_uv, pools, cpu.MAX_ROWS + 1) is None
+    assert cpu.mla_plan([*ops[:2], None], [norm], w_uk, w_uv, pools, 1) is None
+    assert cpu.mla_plan(ops, [norm], w_uk, w_uv, (pools[0].float(), pools[1]), 1) is None

@@ -173,13 +173,7 @@ class PagedRows(LengthRollback):
         """Writes the new rows into their pages (append without the gather)."""
         n = next(iter(rows.values())).shape[0]
         end = self.length + n
-        if end > self.max_tokens:
-            raise CapacityError(f"sequence would hold {end} tokens, more than the model's {self.max_tokens}")
-        if end > len(self.table) * BLOCK_SIZE:
-            raise RuntimeError(
-                f"paged rows: {end} rows need {-(-end // BLOCK_SIZE)} blocks, the sequence holds "
-                f"{len(self.table)} (the scheduler allocates blocks before the forward)"
-            )
+        self._check(end)
         if n == 1:  # decode: one row, its place from Python ints (no index tensors built per step)
             block, offset = self.table.ids[self.length // BLOCK_SIZE], self.length % BLOCK_SIZE
             for k, r in rows.items():
@@ -191,6 +185,25 @@ class PagedRows(LengthRollback):
             for k, r in rows.items():
                 self.fields[k][blocks, self.index, offsets] = r.to(self.dtype)
         self.length = end
+
+    def place(self, n: int) -> list[int]:
+        """Where the next n rows go, block and row of each in one flat list, with write's checks; the length
+        advanced: for a compiled call that writes the rows itself (kernels/cpu.py mla_block)."""
+        end = self.length + n
+        self._check(end)
+        ids = self.table.ids
+        where = [v for p in range(self.length, end) for v in (ids[p // BLOCK_SIZE], p % BLOCK_SIZE)]
+        self.length = end
+        return where
+
+    def _check(self, end: int) -> None:
+        if end > self.max_tokens:
+            raise CapacityError(f"sequence would hold {end} tokens, more than the model's {self.max_tokens}")
+        if end > len(self.table) * BLOCK_SIZE:
+            raise RuntimeError(
+                f"paged rows: {end} rows need {-(-end // BLOCK_SIZE)} blocks, the sequence holds "
+                f"{len(self.table)} (the scheduler allocates blocks before the forward)"
+            )
 
     def rows(self, *names: str) -> dict[str, torch.Tensor]:
         """The rows held of fields `names` (default: every field), gathered from the pages."""

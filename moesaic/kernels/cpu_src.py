@@ -2755,6 +2755,54 @@ std::vector<torch::Tensor> mla_project(torch::Tensor x, std::vector<Operand> ops
     return {q, kv, norm(kv.slice(1, 0, kvr), norms.back())};
 }
 
+// layers/mla.py's mla_block: an MLA module for rows whose sequences all take the absorbed path over one pool's
+// pages (decode rows, verify blocks), in one call where Python made ~40 small calls and ops a layer (~100 us
+// there from memory, docs/perf.md): mla_project (ops: its operands, then o's), q viewed as [n, H, dn + dr], the
+// rope parts rotated by rope() (layout as rope's; < 0: none), each row's latent and key slice written to its
+// page (place: block and row of each query row), mla_absorbed over the pages (blocks / lengths as it takes
+// them) and o's product of its [n, H * dv] output. The calls the Python code makes, in its order, with the
+// thread counts it would give them: the same bits. Returns o's product [n, d].
+torch::Tensor mla_block(torch::Tensor x, std::vector<Operand> ops, std::vector<int64_t> threads,
+                        std::vector<torch::Tensor> norms, double eps, int64_t kvr, int64_t lanes, int64_t path,
+                        int64_t H, int64_t dn, std::optional<torch::Tensor> cos, std::optional<torch::Tensor> sin,
+                        int64_t layout, int64_t rope_threads, torch::Tensor latent_pool, torch::Tensor rope_pool,
+                        std::vector<int64_t> place, torch::Tensor w_uk, torch::Tensor w_uv, std::vector<int64_t> lens,
+                        double scale, int64_t attn_threads, std::vector<std::vector<int64_t>> blocks,
+                        std::vector<int64_t> lengths) {
+    TORCH_CHECK(ops.size() >= 3 && threads.size() == ops.size(), "mla_block: mla_project's operands, then o's");
+    TORCH_CHECK(layout < 0 || (cos && sin), "mla_block: cos / sin for the rotation");
+    const Operand o = ops.back();
+    const int64_t o_threads = threads.back();
+    ops.pop_back(), threads.pop_back();
+    const auto proj = mla_project(x, ops, threads, norms, eps, kvr, lanes, path);
+    const int64_t n = x.size(0);
+    const auto q = proj[0].view({n, H, -1});
+    torch::Tensor q_rope = q.slice(2, dn), k_rope = proj[1].slice(1, kvr);
+    if (layout >= 0) {
+        k_rope = rope(k_rope.unsqueeze(1), *cos, *sin, layout, rope_threads, 0).select(1, 0);
+        q_rope = rope(q_rope, *cos, *sin, layout, rope_threads, 0);
+    }
+    const auto& latent = proj[2];
+    TORCH_CHECK((int64_t)place.size() == 2 * n, "mla_block: a block and a row for each query row");
+    for (const auto* t : {&latent_pool, &rope_pool})
+        TORCH_CHECK(t->dim() == 3 && t->scalar_type() == torch::kBFloat16 && t->stride(2) == 1,
+                    "mla_block: pages [blocks, rows, width] bf16");
+    TORCH_CHECK(latent.scalar_type() == torch::kBFloat16 && latent_pool.size(2) == kvr &&
+                    rope_pool.size(2) == k_rope.size(1), "mla_block: page widths");
+    auto put = [&](const torch::Tensor& pool, const torch::Tensor& rows, int64_t i) {  // PagedRows.write's copy
+        const int64_t b = place[2 * i], r = place[2 * i + 1];
+        TORCH_CHECK(b >= 0 && b < pool.size(0) && r >= 0 && r < pool.size(1), "mla_block: page out of range");
+        auto* dst = reinterpret_cast<uint16_t*>(pool.data_ptr()) + b * pool.stride(0) + r * pool.stride(1);
+        const auto* src = reinterpret_cast<const uint16_t*>(rows.data_ptr()) + i * rows.stride(0);
+        std::memcpy(dst, src, rows.size(1) * sizeof(uint16_t));
+    };
+    for (int64_t i = 0; i < n; ++i) put(latent_pool, latent, i), put(rope_pool, k_rope, i);
+    const std::vector<torch::Tensor> latents(lens.size(), latent_pool), k_ropes(lens.size(), rope_pool);
+    const auto out = mla_absorbed(q.slice(2, 0, dn), q_rope, w_uk, w_uv, latents, k_ropes, lens, scale, attn_threads,
+                                  blocks, lengths);
+    return operand_gemm(out.flatten(1), o, std::nullopt, o_threads, path);
+}
+
 // No FMA contraction in ffn_rows: torch rounds every product of the weighted sum.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options

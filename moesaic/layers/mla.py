@@ -14,7 +14,7 @@ per-head keys and values are `c @ W_kv_b`. Two exact evaluations of the same att
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,8 @@ class MlaWeights:
     q_a_norm: torch.Tensor | None = None
     q_b: object | None = None
     gate: object | None = None  # an output gate g_proj [H dv, d] (Kimi K3's gated MLA)
+    # (the pool's views, cpu.mla_plan) by (rows, threads), made at the first call (as MoeWeights.fused_plans)
+    fused_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def causal_mask(n_new: int, total: int, device) -> torch.Tensor | None:
@@ -247,6 +249,54 @@ def _absorbed_in_place(batch, layers: list, q_nope, q_rope, w_kv_b, v_head_dim: 
         blocks=[list(b) for b in ids],
         lengths=[r.length for r in layers],
     )
+
+
+def mla_block(L: int, batch, x: torch.Tensor, w: MlaWeights, c, rope=None, eps: float = 1e-6):
+    """An MLA module in one compiled call where every sequence of the batch takes the absorbed path over the
+    engine's pages (decode rows, verify blocks): mla_project, the rotation `rope` = (cos, sin, layout as
+    kernels/cpu.py's rope takes it: 0 rope_interleaved, 1 rope_half) of the query's and key's rope parts
+    (None: no rotation), mla_batch and the output product of its [N, H * dv] rows by w.o. cpu.mla_block makes
+    the calls this module's code makes, in its order: the same bits, without ~40 small calls and ops a layer.
+    -> [N, d]; None where it does not apply (the caller runs the code)."""
+    N = x.shape[0]
+    if not (x.is_cpu and x.dtype == torch.bfloat16 and N <= cpu.MAX_ROWS) or kernels("mla", x):
+        return None
+    layers = [s.state.layers[L] for s in batch.seqs]
+    if not shared_pages(layers):
+        return None
+    H, dn, kvr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim
+    dr = c.qk_head_dim - dn
+    at = 0
+    for s in batch.seqs:  # _absorbed_in_place's rule
+        if s.start != at or not prefers_absorbed(s.n, kvr, dr, dn, dv):
+            return None
+        at += s.n
+    if at != N:
+        return None
+    views = layers[0].views
+
+    def make():
+        mats = [w.q, w.kv_a] if w.q is not None else [w.q_a, w.q_b, w.kv_a]
+        norms = [w.kv_a_norm] if w.q is not None else [w.q_a_norm, w.kv_a_norm]
+        ops = [operand(m) for m in (*mats, w.o)]
+        pools = (views["latent"], views["k_rope"])
+        return cpu.mla_plan(ops, norms, *split_kv_b(w.kv_b, H, dn, dv), pools, N)
+
+    key = (N, torch.get_num_threads())
+    made = w.fused_plans.get(key)
+    if (
+        made is None or made[0] is not views
+    ):  # the first call, or another pool (a new engine on these weights)
+        made = w.fused_plans[key] = (views, make())
+    if (plan := made[1]) is None:
+        return None
+
+    def place():  # the new rows' pages (the caches advanced), rows and blocks per sequence, lengths
+        where = [v for r, s in zip(layers, batch.seqs) for v in r.place(s.n)]
+        blocks = [list(r.pages()[1]) for r in layers]
+        return where, [s.n for s in batch.seqs], blocks, [r.length for r in layers]
+
+    return cpu.mla_block(x, plan, eps, kvr, H, dn, rope, c.softmax_scale, place)
 
 
 def shared_pages(rows: list) -> bool:

@@ -55,7 +55,7 @@ from ..config import (
 from ..errors import ConfigError
 from ..layers.kda import KDA, KdaDims, KdaState, KdaWeights
 from ..layers.linear import embedding, linear
-from ..layers.mla import MlaWeights, mla_batch, mla_project
+from ..layers.mla import MlaWeights, mla_batch, mla_block, mla_project
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe, silu_glu
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
@@ -485,6 +485,8 @@ class Model:
         c, a = self.cfg, w.attn
         if isinstance(a, KdaWeights):
             return run_recurrent(KDA, a, c.kda_dims, L, x, batch)
+        if a.gate is None and (y := mla_block(L, batch, x, a, c, None, MLA_NORM_EPS)) is not None:
+            return y
         q_nope, q_shared, latent, k_shared = mla_project(x, a, c, MLA_NORM_EPS)
         o = mla_batch(L, batch, q_nope, q_shared, latent, k_shared, a.kv_b, c.v_head_dim, c.softmax_scale)
         o = o.flatten(1)

@@ -27,7 +27,7 @@ from ..cache.state import SequenceState, TokenRows
 from ..config import declared, eos_ids, field, non_negative, positive, read_config, require, section
 from ..errors import ConfigError
 from ..layers.linear import embedding, linear
-from ..layers.mla import MlaWeights, mla_batch, mla_project
+from ..layers.mla import MlaWeights, mla_batch, mla_block, mla_project
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe
 from ..layers.norms import rms_norm
 from ..layers.rope import (
@@ -438,6 +438,10 @@ class Model:
         self, L: int, w: MlaWeights, x: torch.Tensor, batch: ForwardBatch, cos, sin, qscale
     ) -> torch.Tensor:
         c = self.cfg
+        if qscale is None:
+            rope = (cos, sin, 0 if self.rope_fn is rope_interleaved else 1)
+            if (y := mla_block(L, batch, x, w, c, rope)) is not None:
+                return y
         q_nope, q_rope, latent, k_rope = mla_project(x, w, c)
         k_rope = self.rope_fn(k_rope[:, None], cos, sin)[:, 0]
         q_rope = self.rope_fn(q_rope, cos, sin)
