@@ -508,19 +508,34 @@ inline Row row_of(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64
 // each, so the weights are read as four long streams (rows of 1-2 KB read four neighbours at a time restart
 // the hardware prefetcher's streams every row: half the bandwidth, docs/perf.md). Which rows share a tile
 // changes no output's arithmetic.
-// Kept per thread for the last count asked (a step's calls repeat a few counts; a 32768-row head's order
-// built at every call cost ~1.5 % of a packed decode step).
-const std::vector<int64_t>& section_order(int64_t count) {
-    thread_local std::vector<int64_t> pos;
-    thread_local int64_t made = -1;
-    if (made != count) {
-        const int64_t S = (count + 3) / 4;
-        pos.clear();
-        pos.reserve(count);
-        for (int64_t i = 0; i < S; ++i)
-            for (int64_t k = i; k < count; k += S) pos.push_back(k);
-        made = count;
+// A thread's buffers for gemm's items, kept between calls (one TLS lookup a call, no allocation an item): an
+// item's sums, its rows' descriptions, and the orders of the last few counts asked (a step's products repeat a
+// few counts; a 32768-row head's order built at every call cost ~1.5 % of a packed decode step, and a
+// thread_local order and two vectors made per item ~1.5 % of a 48-layer fp8 step).
+struct Scratch {
+    std::vector<float> wbuf, tmp;  // an item's sums (section order), a row of them in row order
+    std::vector<Row> rows;
+    std::array<std::pair<int64_t, std::vector<int64_t>>, 8> orders;  // (count, its order), -1: none yet
+    size_t next = 0;  // the entry a new count replaces
+    Scratch() {
+        for (auto& o : orders) o.first = -1;
     }
+};
+Scratch& thread_scratch() {  // looked up once a call (a reference to a thread_local costs a TLS call a use)
+    thread_local Scratch s;
+    return s;
+}
+const std::vector<int64_t>& section_order(Scratch& s, int64_t count) {
+    for (const auto& o : s.orders)
+        if (o.first == count) return o.second;
+    auto& [made, pos] = s.orders[s.next];
+    s.next = (s.next + 1) % s.orders.size();
+    const int64_t S = (count + 3) / 4;
+    pos.clear();
+    pos.reserve(count);
+    for (int64_t i = 0; i < S; ++i)
+        for (int64_t k = i; k < count; k += S) pos.push_back(k);
+    made = count;
     return pos;
 }
 
@@ -530,29 +545,28 @@ const std::vector<int64_t>& section_order(int64_t count) {
 inline bool whole_rows(int64_t M, int64_t x_bytes) { return M <= 4 || M * x_bytes <= (256 << 10); }
 inline int64_t row_block(int64_t M, bool whole) { return M <= 4 ? 256 : whole ? 4 : 32; }
 
-// The item's sums (wbuf, rows in section order) to the output: put's arithmetic, its dtype and bias
-// branches taken once.
-template <typename T>
-void put_rows_as(const Out& O, int64_t t0, int64_t n0, int64_t M, const std::vector<int64_t>& pos,
-                 const std::vector<float>& wbuf) {
+// The item's sums (wbuf, rows in section order) to the output, a row of x at a time: back in row order (tmp),
+// plus the bias, then stored by store_row's conversion (a contiguous loop, not a scattered one a value).
+void store_row(int t, const float* y, void* p, int64_t n);
+void put_rows(const Out& O, int64_t t0, int64_t n0, int64_t M, const std::vector<int64_t>& pos, Scratch& sc) {
+    const size_t n = pos.size();
+    sc.tmp.resize(n);
+    float* tmp = sc.tmp.data();
+    const int64_t elem = O.dtype == 0 ? 4 : 2;
     for (int64_t m = 0; m < M; ++m) {
-        T* o = static_cast<T*>(O.p) + (t0 + m) * O.ld + n0;
-        const float* b = O.bias ? O.bias + n0 : nullptr;
-        const float* w = wbuf.data() + m;
-        for (size_t i = 0; i < pos.size(); ++i) o[pos[i]] = T(b ? w[i * M] + b[pos[i]] : w[i * M]);
+        const float* w = sc.wbuf.data() + m;
+        for (size_t i = 0; i < n; ++i) tmp[pos[i]] = w[i * M];
+        if (O.bias)
+            for (size_t i = 0; i < n; ++i) tmp[i] += O.bias[n0 + i];
+        store_row((int)O.dtype, tmp, static_cast<char*>(O.p) + ((t0 + m) * O.ld + n0) * elem, (int64_t)n);
     }
-}
-void put_rows(const Out& O, int64_t t0, int64_t n0, int64_t M, const std::vector<int64_t>& pos,
-              const std::vector<float>& wbuf) {
-    if (O.dtype == 0) put_rows_as<float>(O, t0, n0, M, pos, wbuf);
-    else if (O.dtype == 1) put_rows_as<c10::BFloat16>(O, t0, n0, M, pos, wbuf);
-    else put_rows_as<c10::Half>(O, t0, n0, M, pos, wbuf);
 }
 
 // Rows [n0, n1) of expert e against its x rows [t0, t0 + M) (x prepared: row stride xs).
 template <int KIND>
 void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1, const float* x,
-              int64_t xs, int64_t t0, int64_t M, const Out& O, bool generic, std::vector<float>& wbuf) {
+              int64_t xs, int64_t t0, int64_t M, const Out& O, bool generic, Scratch& sc) {
+    std::vector<float>& wbuf = sc.wbuf;
     if (generic) {
         wbuf.resize(C.K);
         for (int64_t n = n0; n < n1; ++n) {
@@ -585,8 +599,9 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
     const int64_t RB = row_block(M, whole);
     // The tiles' side-by-side rows (and the RB blocks) come from the four sections (section_order).
     const int64_t count = n1 - n0;
-    const std::vector<int64_t>& pos = section_order(count);
-    std::vector<Row> rows(std::min(count, RB));
+    const std::vector<int64_t>& pos = section_order(sc, count);
+    std::vector<Row>& rows = sc.rows;
+    rows.resize(std::min(count, RB));
     wbuf.assign(count * M, 0.f);
     for (int64_t r0 = 0; r0 < count; r0 += RB) {
         const int64_t r1 = std::min(count, r0 + RB);
@@ -598,7 +613,7 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
                             wbuf.data() + r0 * M);
         }
     }
-    put_rows(O, t0, n0, M, pos, wbuf);
+    put_rows(O, t0, n0, M, pos, sc);
 #endif
 }
 
@@ -832,14 +847,16 @@ void dp_kind_tile(int mb, const Ctx& C, const Row* rows, const X* x, int64_t xs,
 // (prep_x_q8); row stride xs.
 template <int KIND, typename X>
 void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1,
-                 const X* x, int64_t xs, int64_t t0, int64_t M, const Out& O, std::vector<float>& wbuf) {
+                 const X* x, int64_t xs, int64_t t0, int64_t M, const Out& O, Scratch& sc) {
+    std::vector<float>& wbuf = sc.wbuf;
     const int64_t width = KIND == BF16 ? 32 : KIND == FP8 ? CH : FC;  // values a load
     const int64_t nchunks = (C.K + width - 1) / width;
     const bool whole = whole_rows(M, xs * (int64_t)sizeof(X));  // as run_item; larger x by blocks of K
     const int64_t KB = whole ? nchunks : KIND == BF16 ? 32 : 8, RB = row_block(M, whole);
     const int64_t count = n1 - n0;
-    const std::vector<int64_t>& pos = section_order(count);
-    std::vector<Row> rows(std::min(count, RB));
+    const std::vector<int64_t>& pos = section_order(sc, count);
+    std::vector<Row>& rows = sc.rows;
+    rows.resize(std::min(count, RB));
     wbuf.assign(count * M, 0.f);
     float res[16];
     const X* xm0 = x + t0 * xs;
@@ -867,7 +884,7 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
             }
         }
     }
-    put_rows(O, t0, n0, M, pos, wbuf);
+    put_rows(O, t0, n0, M, pos, sc);
 }
 
 // bf16 x [T, K] -> [T, Kc] bf16 words in each `width`-value load's decoded order, zero padded (Kc: whole
@@ -1564,7 +1581,7 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     pybind11::gil_scoped_release no_gil;
 #pragma omp parallel num_threads(nt) if (nt > 1 && n_items > 1)
     {
-        std::vector<float> wbuf;
+        Scratch& sc = thread_scratch();
         std::vector<uint16_t> dbuf;  // AMX: packed rows decoded to bf16
         (void)dbuf;
 #pragma omp for schedule(dynamic, 1)
@@ -1594,26 +1611,27 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             if (q8 && vnni) {  // (MXQ / NVQ: MX / NV + 2)
                 with_value<MXQ, NVQ>(kind + (MXQ - MX), [&](auto K) {
                     run_item_dp<decltype(K)::value>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0,
-                                                    ends[e] - t0, O, wbuf);
+                                                    ends[e] - t0, O, sc);
                 });
                 continue;
             }
 #endif
 #if defined(MOESAIC_AVX512BF16)
             if (dp) {
-                if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, wbuf);
-                else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
-                else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
-                else run_item_dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, wbuf);
+                if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, sc);
+                else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
+                else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
+                else run_item_dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
                 continue;
             }
 #endif
             // the int8 tiles where q8 (MXQ / NVQ: MX / NV + 2; generic is false there)
             with_value<BF16, FP8, MX, NV, MXQ, NVQ>(q8 ? kind + (MXQ - MX) : kind, [&](auto K) {
                 run_item<decltype(K)::value>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0,
-                                             O, generic, wbuf);
+                                             O, generic, sc);
             });
         }
+        if (sc.wbuf.capacity() > (1 << 20)) std::vector<float>().swap(sc.wbuf);  // keep at most 4 MB a thread
     }
     return out;
 }
