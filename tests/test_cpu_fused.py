@@ -869,8 +869,9 @@ def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo):
         assert torch.equal(a, b)
 
 
-def test_mla_plan_declines_what_the_call_cannot_take(kernels):
-    """mla_plan keeps the module's code for fp32 norms, more rows than MAX_ROWS, or an operand it cannot run."""
+def test_mla_block_declines_what_it_cannot_take(kernels):
+    """mla_plan keeps the module's code for fp32 norms, more rows than MAX_ROWS, or an operand it cannot run;
+    mla_block for pages it cannot write or a rotation of another width, before the caches advance."""
     g = torch.Generator().manual_seed(3)
     d, H, dn, dv, kvr, dr = 64, 2, 16, 16, 32, 8
     w = lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16()  # noqa: E731
@@ -878,8 +879,14 @@ def test_mla_plan_declines_what_the_call_cannot_take(kernels):
     norm = w(kvr)
     w_uk, w_uv = w(H, dn, kvr), w(H, dv, kvr)
     pools = (w(4, 16, kvr), w(4, 16, dr))
-    assert cpu.mla_plan(ops, [norm], w_uk, w_uv, pools, 1) is not None
-    assert cpu.mla_plan(ops, [norm.float()], w_uk, w_uv, pools, 1) is None
-    assert cpu.mla_plan(ops, [norm], w_uk, w_uv, pools, cpu.MAX_ROWS + 1) is None
-    assert cpu.mla_plan([*ops[:2], None], [norm], w_uk, w_uv, pools, 1) is None
-    assert cpu.mla_plan(ops, [norm], w_uk, w_uv, (pools[0].float(), pools[1]), 1) is None
+    plan = cpu.mla_plan(ops, [norm], w_uk, w_uv, 1)
+    assert plan is not None
+    assert cpu.mla_plan(ops, [norm.float()], w_uk, w_uv, 1) is None
+    assert cpu.mla_plan(ops, [norm], w_uk, w_uv, cpu.MAX_ROWS + 1) is None
+    assert cpu.mla_plan([*ops[:2], None], [norm], w_uk, w_uv, 1) is None
+    x, placed = w(1, d), []
+    place = lambda: placed.append(1)  # noqa: E731
+    assert cpu.mla_block(x, plan, (pools[0].float(), pools[1]), 1e-6, kvr, H, dn, None, 1.0, place) is None
+    cos = torch.ones(1, dr // 2 + 1).bfloat16()  # a rotation of another width than the key's rope part
+    assert cpu.mla_block(x, plan, pools, 1e-6, kvr, H, dn, (cos, cos, 0), 1.0, place) is None
+    assert placed == []

@@ -917,39 +917,47 @@ def mla_project(x, ops: list, norms: list, eps: float, kvr: int):
     return tuple(out)
 
 
-def mla_plan(ops: list, norms: list, w_uk, w_uv, pools, rows: int) -> tuple | None:
+def mla_plan(ops: list, norms: list, w_uk, w_uv, rows: int) -> tuple | None:
     """mla_block's weights checked once for a layer at `rows` rows of x: (ops: mla_project's operands then o's,
-    each one's threads as its own call would take them, the norms, w_uk, w_uv, the pool's latent and key views
-    [blocks, rows, width]); None where the call does not take them."""
+    each one's threads as its own call would take them, the norms, w_uk, w_uv); None where the call does not
+    take them."""
     if not (0 < rows <= MAX_ROWS and _operands_fit(ops, torch.bfloat16)):
         return None
     if not all(n.dtype == torch.bfloat16 and n.dim() == 1 and n.shape[0] <= MAX_NORM_WIDTH for n in norms):
         return None
-    parts = (*norms, w_uk, w_uv, *pools)
+    parts = (*norms, w_uk, w_uv)
     if not all(t.is_cpu and t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in parts):
         return None
-    if not all(t.dim() == 3 for t in (w_uk, w_uv, *pools)):
+    if not (w_uk.dim() == w_uv.dim() == 3):
         return None
-    return ops, _own_threads(ops, rows), [n.contiguous() for n in norms], w_uk, w_uv, pools
+    return ops, _own_threads(ops, rows), [n.contiguous() for n in norms], w_uk, w_uv
 
 
-def mla_block(x, plan: tuple, eps: float, kvr: int, heads: int, dn: int, rope, scale: float, place):
+def mla_block(x, plan: tuple, pools, eps: float, kvr: int, heads: int, dn: int, rope, scale: float, place):
     """layers/mla.py's mla_block in one call for the weights of `plan` (mla_plan at x's rows): mla_project, the
     rotation `rope` = (cos, sin, layout as `rope` takes it) of the query's and key's rope parts or None, the new
-    rows written to their pages, mla_absorbed over them (`scale`), then o's product; the same calls in the same
-    order, the same bits. `place()` -> (a (block, row) per query row flat, rows per sequence, each sequence's
-    block ids, lengths) is called once the call applies, and only then (it advances the caches). o's product
-    [N, d], or None where it does not apply (the caller runs the code)."""
+    rows written to their pages (pools: the pool's latent and key views [blocks, rows, width]), mla_absorbed
+    over them (`scale`), then o's product; the same calls in the same order, the same bits. `place()` -> (a
+    (block, row) per query row flat, rows per sequence, each sequence's block ids, lengths) is called once the
+    call applies, and only then (it advances the caches). o's product [N, d], or None where it does not apply
+    (the caller runs the code)."""
     if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(-1) == 1):
+        return None
+    latent, k_rope = pools
+    if not all(t.dtype == torch.bfloat16 and t.dim() == 3 and t.stride(-1) == 1 for t in pools):
+        return None
+    if latent.shape[-1] != kvr:
         return None
     if rope is not None:
         cos, sin, layout = rope
         if not (cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == x.shape[0]):
             return None
-    mod = _fused_mod(x, *(() if rope is None else (cos, sin)))
+        if 2 * cos.shape[1] != k_rope.shape[-1]:
+            return None
+    mod = _fused_mod(x, *pools, *(() if rope is None else (cos, sin)))
     if mod is None or not (lanes := sum_lanes()):
         return None
-    ops, threads, norms, w_uk, w_uv, pools = plan
+    ops, threads, norms, w_uk, w_uv = plan
     rows = x.shape[0]
     if rope is None:
         cos, sin, layout, rope_threads = None, None, -1, 1
@@ -963,7 +971,7 @@ def mla_block(x, plan: tuple, eps: float, kvr: int, heads: int, dn: int, rope, s
     attn_threads = _fused_threads(heads * sum(lengths) * w_uk.shape[-1], ATTEND_PARALLEL)
     y = mod.mla_block(
         x, ops, threads, norms, eps, kvr, lanes, _path(), heads, dn, cos, sin, layout, rope_threads,
-        *pools, where, w_uk, w_uv, lens, scale, attn_threads, blocks, lengths,
+        latent, k_rope, where, w_uk, w_uv, lens, scale, attn_threads, blocks, lengths,
     )  # fmt: skip
     stats["kernel_calls"] += len(ops)
     return y

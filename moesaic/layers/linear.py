@@ -30,6 +30,14 @@ def operand(w) -> tuple | None:
     return w.kernel_operand() if hasattr(w, "kernel_operand") else None
 
 
+def kept(plans: dict, key, make):
+    """plans[key], made by make() at its first use (a layer's fused operands and plans: they do not change
+    from step to step)."""
+    if key not in plans:
+        plans[key] = make()
+    return plans[key]
+
+
 SMALL_PRODUCT = 1 << 18  # operand elements up to which a half-precision CPU product runs in fp32 (matmul)
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..cache.paged import PagedRows
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, matmul, operand
+from .linear import kept, linear, matmul, operand
 from .norms import rms_norm
 
 
@@ -39,7 +39,7 @@ class MlaWeights:
     q_a_norm: torch.Tensor | None = None
     q_b: object | None = None
     gate: object | None = None  # an output gate g_proj [H dv, d] (Kimi K3's gated MLA)
-    # (the pool's views, cpu.mla_plan) by (rows, threads), made at the first call (as MoeWeights.fused_plans)
+    # cpu.mla_plan by (rows, threads), made at the first call (as MoeWeights.fused_plans)
     fused_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -273,22 +273,14 @@ def mla_block(L: int, batch, x: torch.Tensor, w: MlaWeights, c, rope=None, eps: 
         at += s.n
     if at != N:
         return None
-    views = layers[0].views
 
     def make():
         mats = [w.q, w.kv_a] if w.q is not None else [w.q_a, w.q_b, w.kv_a]
         norms = [w.kv_a_norm] if w.q is not None else [w.q_a_norm, w.kv_a_norm]
         ops = [operand(m) for m in (*mats, w.o)]
-        pools = (views["latent"], views["k_rope"])
-        return cpu.mla_plan(ops, norms, *split_kv_b(w.kv_b, H, dn, dv), pools, N)
+        return cpu.mla_plan(ops, norms, *split_kv_b(w.kv_b, H, dn, dv), N)
 
-    key = (N, torch.get_num_threads())
-    made = w.fused_plans.get(key)
-    if (
-        made is None or made[0] is not views
-    ):  # the first call, or another pool (a new engine on these weights)
-        made = w.fused_plans[key] = (views, make())
-    if (plan := made[1]) is None:
+    if (plan := kept(w.fused_plans, (N, torch.get_num_threads()), make)) is None:
         return None
 
     def place():  # the new rows' pages (the caches advanced), rows and blocks per sequence, lengths
@@ -296,7 +288,9 @@ def mla_block(L: int, batch, x: torch.Tensor, w: MlaWeights, c, rope=None, eps: 
         blocks = [list(r.pages()[1]) for r in layers]
         return where, [s.n for s in batch.seqs], blocks, [r.length for r in layers]
 
-    return cpu.mla_block(x, plan, eps, kvr, H, dn, rope, c.softmax_scale, place)
+    views = layers[0].views
+    pools = (views["latent"], views["k_rope"])
+    return cpu.mla_block(x, plan, pools, eps, kvr, H, dn, rope, c.softmax_scale, place)
 
 
 def shared_pages(rows: list) -> bool:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, operand
+from .linear import kept, linear, operand
 from .norms import rms_norm
 
 PREFETCH_MAX_TOKENS = 32  # streamed experts: a batch this large (a prefill chunk) reads, not guesses
@@ -307,14 +307,6 @@ class Mlp:
     def _plan(self, rows: int, relu2: bool) -> tuple:
         ops = self.operands()
         return ops, cpu.ffn_plan(rows, 0, None, None, ops, relu2, routed=False)
-
-
-def kept(plans: dict, key, make: Callable):
-    """plans[key], made by make() at its first use (a layer's fused operands and plans: they do not change
-    from step to step)."""
-    if key not in plans:
-        plans[key] = make()
-    return plans[key]
 
 
 @dataclass
