@@ -841,29 +841,42 @@ def test_kda_project_keeps_the_torch_bits(kernels, monkeypatch, variant):
 
 
 @pytest.mark.parametrize("demo", ["demo-mistral4", "demo-kimi-linear"])
-def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo):
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
     """layers/mla.py's mla_block (cpu.mla_block: mla_project, the rotations, the new rows written to their pages,
     the absorbed attention over them and o's product in one call) gives the engine the logits of the module's
-    code bit for bit, decode step by decode step, for two sequences of different lengths decoding together;
-    the call is taken for every MLA layer of every decode step, and prompts keep the code."""
+    code bit for bit, forward by forward, for two sequences of different lengths: decoding together (the call
+    taken for every MLA layer of every decode step; the prompts together keep the code), and with prompts
+    chunked to 4 rows a step (blocks of several rows over the pages written before them, as verify blocks)."""
     import moesaic
 
-    llm = moesaic.LLM(demo, dtype="bfloat16")
+    kw = {} if chunk is None else {"max_num_batched_tokens": chunk, "enable_prefix_caching": False}
+    llm = moesaic.LLM(demo, dtype="bfloat16", **kw)
     prompts = [list(range(5, 40)), list(range(50, 61))]
     sp = moesaic.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     runs = []
     for fused in (True, False):
-        logits, taken = [], []
-        forward = llm.model.forward
+        logits, rows = [], []
+        forward, real = llm.model.forward, cpu.mla_block
+
+        def spy(x, *a, _real=real, _rows=rows, **k):
+            y = _real(x, *a, **k)
+            _rows.append(x.shape[0] if y is not None else 0)
+            return y
+
         keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
         monkeypatch.setattr(llm.model, "forward", keep)
-        monkeypatch.setattr(cpu, "mla_block", _spy(cpu.mla_block, taken) if fused else lambda *a: None)
+        monkeypatch.setattr(cpu, "mla_block", spy if fused else lambda *a: None)
         tokens = [r.token_ids for r in llm.generate(prompts, sp)]
         monkeypatch.undo()
-        runs.append((tokens, logits, taken))
-    (tokens, got, taken), (want_tokens, want, _) = runs
+        runs.append((tokens, logits, rows))
+    (tokens, got, rows), (want_tokens, want, _) = runs
     mla_layers = sum(isinstance(getattr(w, "attn", None), mla.MlaWeights) for w in llm.model.layers)
-    assert mla_layers and taken == [True] * (mla_layers * (len(got) - 1))  # every decode step's MLA layers
+    assert mla_layers and 0 not in rows  # every call that reached it was taken
+    if chunk is None:
+        assert rows == [2] * (mla_layers * (len(got) - 1))  # every decode step's MLA layers, both rows
+    else:
+        assert max(rows) > 1  # blocks of several rows
     assert tokens == want_tokens and len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
