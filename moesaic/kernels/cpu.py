@@ -898,6 +898,11 @@ def kda_project(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound, stacke
     return tuple(out)
 
 
+def _norms_fit(norms: list, dtype: torch.dtype) -> bool:
+    """Whether the fused MLA calls take these norm weights: of x's dtype, one row each, within MAX_NORM_WIDTH."""
+    return all(n.dtype == dtype and n.dim() == 1 and n.shape[0] <= MAX_NORM_WIDTH for n in norms)
+
+
 def mla_project(x, ops: list, norms: list, eps: float, kvr: int):
     """layers/mla.py's mla_project products and norms in one call for up to MAX_ROWS rows: ops (q, kv_a) or (q_a,
     q_b, kv_a) as operands, norms (kv_a_norm,) or (q_a_norm, kv_a_norm) of x's dtype, each product as `linear`
@@ -905,7 +910,7 @@ def mla_project(x, ops: list, norms: list, eps: float, kvr: int):
     does not apply (the caller runs the torch code)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
         return None
-    if not all(n.dtype == x.dtype and n.dim() == 1 and n.shape[0] <= MAX_NORM_WIDTH for n in norms):
+    if not _norms_fit(norms, x.dtype):
         return None
     mod = _fused_mod(x, *norms) if _operands_fit(ops, x.dtype) else None
     if mod is None or not (lanes := sum_lanes()):
@@ -923,7 +928,7 @@ def mla_plan(ops: list, norms: list, w_uk, w_uv, rows: int) -> tuple | None:
     take them."""
     if not (0 < rows <= MAX_ROWS and _operands_fit(ops, torch.bfloat16)):
         return None
-    if not all(n.dtype == torch.bfloat16 and n.dim() == 1 and n.shape[0] <= MAX_NORM_WIDTH for n in norms):
+    if not _norms_fit(norms, torch.bfloat16):
         return None
     parts = (*norms, w_uk, w_uv)
     if not all(t.is_cpu and t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in parts):

@@ -223,17 +223,22 @@ def mla_batch(
     return out
 
 
+def all_absorbed(batch, N: int, kvr: int, dr: int, dn: int, dv: int) -> bool:
+    """Whether the batch's N rows are every sequence's, packed in order, and each sequence prefers the absorbed
+    path (decode rows, verify blocks): the rule of the paged calls over all sequences at once."""
+    at = 0
+    for s in batch.seqs:
+        if s.start != at or not prefers_absorbed(s.n, kvr, dr, dn, dv):
+            return False
+        at += s.n
+    return at == N
+
+
 def _absorbed_in_place(batch, layers: list, q_nope, q_rope, w_kv_b, v_head_dim: int, scale: float):
     """Every sequence's rows absorbed (decode rows, verify blocks), packed in order, over paged caches whose
     new rows are written: cpu.mla_absorbed reading the pages in place; None where it does not apply."""
     N, H, dn = q_nope.shape
-    kvr, dr = w_kv_b.shape[-1], q_rope.shape[-1]
-    at = 0
-    for s in batch.seqs:
-        if s.start != at or not prefers_absorbed(s.n, kvr, dr, dn, v_head_dim):
-            return None
-        at += s.n
-    if at != N:
+    if not all_absorbed(batch, N, w_kv_b.shape[-1], q_rope.shape[-1], dn, v_head_dim):
         return None
     views, ids = zip(*(r.pages() for r in layers))
     w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
@@ -265,13 +270,7 @@ def mla_block(L: int, batch, x: torch.Tensor, w: MlaWeights, c, rope=None, eps: 
     if not shared_pages(layers):
         return None
     H, dn, kvr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim
-    dr = c.qk_head_dim - dn
-    at = 0
-    for s in batch.seqs:  # _absorbed_in_place's rule
-        if s.start != at or not prefers_absorbed(s.n, kvr, dr, dn, dv):
-            return None
-        at += s.n
-    if at != N:
+    if not all_absorbed(batch, N, kvr, c.qk_head_dim - dn, dn, dv):
         return None
 
     def make():
