@@ -498,7 +498,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fn_dtype", [torch.bfloat16, torch.float32])
 def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn_dtype):
-    """layers/mhc.py's site_input and update in one call each (cpu.mhc_site_input / mhc_update) give the torch
+    """layers/mhc.py's site_input and update in one call each (cpu.mhc_enter / mhc_update) give the torch
     code's bits: 4 streams, rows 1 to MAX_ROWS + 1 (the site's product by the kernel, then by torch's linear),
     bf16, fp16 and fp32 streams, bf16 and fp32 fn, signed zeros in the streams; the calls are taken (a stream
     count the fused Sinkhorn does not take runs the torch code)."""
@@ -506,7 +506,8 @@ def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn
 
     g = torch.Generator().manual_seed(7)
     dims = mhc.MhcDims(4, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-5)
-    for N, d in ((1, 96), (3, 96), (cpu.MAX_ROWS, 64), (cpu.MAX_ROWS + 1, 64), (2, 4096)):
+    # rows 7 and 8: the sigmoids of 28 values are torch's scalar code (by hand in the call), of 32 its vector code
+    for N, d in ((1, 96), (3, 96), (7, 64), (8, 64), (cpu.MAX_ROWS, 64), (cpu.MAX_ROWS + 1, 64), (2, 4096)):
         site = mhc.MhcSite(
             (torch.randn(dims.site_width, 4 * d, generator=g) * 0.05).to(fn_dtype),
             torch.randn(dims.site_width, generator=g),
@@ -516,13 +517,13 @@ def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn
         h[0, :, :3] = -0.0  # a collapse of signed zeros: torch's sum starts from +0
         y = torch.randn(N, d, generator=g).to(dtype)
         taken = []
-        for name in ("mhc_site_input", "mhc_update"):
+        for name in ("mhc_enter", "mhc_update"):
             monkeypatch.setattr(cpu, name, _spy(getattr(cpu, name), taken))
         fused = mhc.site_input(h, site, dims)
         fused_h = mhc.update(h, y, fused[1], fused[2])
         assert taken == [True, True]  # both fused calls ran and returned
         monkeypatch.undo()
-        monkeypatch.setattr(cpu, "mhc_site_input", lambda *a: None)
+        monkeypatch.setattr(cpu, "mhc_enter", lambda *a: None)
         monkeypatch.setattr(cpu, "mhc_update", lambda *a: None)
         want = mhc.site_input(h, site, dims)
         want_h = mhc.update(h, y, want[1], want[2])
@@ -537,7 +538,68 @@ def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn
     site5 = mhc.MhcSite(
         torch.randn(five.site_width, 40, generator=g), torch.zeros(five.site_width), torch.ones(3)
     )
-    assert cpu.mhc_site_input(h5, site5.fn, site5.columns, site5.base, torch.ones(40), 1e-6, 1e-6, 20) is None
+    assert cpu.mhc_enter(h5, None, site5.fn, site5.columns, site5.base, 1e-6, 1e-6, 20) is None
+
+
+def _three_blocks(h0, dims, sites, norm, weight, shift) -> list:
+    """Three blocks over mhc.Streams(h0): each block's input, the streams after the second (a tap) and after
+    the last. A block's output is made from its input (so a wrong input shows downstream); the first is in
+    the streams' dtype, the others fp32 (the update rounds them)."""
+    from moesaic.layers import mhc
+
+    s, seen = mhc.Streams(h0, dims), []
+    for i, site in enumerate(sites):
+        x = s.enter(site, norm, weight, 1e-5)
+        seen.append(x)
+        y = x.float() * 0.75 + shift
+        s.leave(y if i else y.to(h0.dtype))
+        if i == 1:
+            seen.append(s.value())  # a tap between blocks: the update runs alone
+    return [*seen, s.value()]
+
+
+@pytest.mark.parametrize("order", ["rms_norm", "rms_norm_cast_once"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mhc_streams_keep_the_torch_bits(kernels, monkeypatch, order, dtype):
+    """mhc.Streams: at each enter after the first, the waiting update, the site's maps and collapse and the
+    block's norm are one call (cpu.mhc_enter, taken at every enter), with the bits of site_input, update and
+    the norm run in turn (the fused mHC calls off): the inputs of three blocks (each block's output made from
+    its input, so a wrong input shows downstream), the streams after them, and a tap's value between; GLM's
+    and DeepSeek-V4's norm orders, rows on both sides of the sigmoids' scalar / vector split, an fp32 block
+    output for bf16 streams (the update's y.to(dtype))."""
+    from moesaic.layers import mhc
+
+    g = torch.Generator().manual_seed(11)
+    norm = getattr(norms, order)
+    dims = mhc.MhcDims(4, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-5)
+    for N, d in ((1, 128), (7, 64), (cpu.MAX_ROWS + 1, 32)):
+        sites = [
+            mhc.MhcSite(
+                (torch.randn(dims.site_width, 4 * d, generator=g) * 0.05).bfloat16(),
+                torch.randn(dims.site_width, generator=g),
+                torch.rand(3, generator=g) + 0.5,
+            )
+            for _ in range(3)
+        ]
+        weight = (torch.rand(d, generator=g) + 0.5).to(dtype if order == "rms_norm" else torch.float32)
+        h0 = (torch.randn(N, 4, d, generator=g) * 3).to(dtype)
+        shift = torch.randn(N, d, generator=g)
+
+        args = (h0, dims, sites, norm, weight, shift)
+        taken = []
+        monkeypatch.setattr(cpu, "mhc_enter", _spy(cpu.mhc_enter, taken))
+        fused = _three_blocks(*args)
+        assert taken == [True] * 3
+        monkeypatch.undo()
+        monkeypatch.setattr(cpu, "mhc_enter", lambda *a: None)
+        monkeypatch.setattr(cpu, "mhc_update", lambda *a: None)
+        want = _three_blocks(*args)
+        monkeypatch.undo()
+        for got, ref in zip(fused, want, strict=True):
+            assert got.dtype == ref.dtype and torch.equal(_bits(got), _bits(ref)), (N, d)
+    s = mhc.Streams(h0, dims)
+    with pytest.raises(RuntimeError, match="follows an enter"):
+        s.leave(h0[:, 0])
 
 
 def test_sum_lanes_found_on_x86_builds():

@@ -175,7 +175,7 @@ def load(verbose: bool = False):
                 "mla_absorbed",
                 "ffn_rows",
                 "moe_rows",
-                "mhc_site_input",
+                "mhc_enter",
                 "mhc_update",
                 "route",
                 "kda_recur",
@@ -556,11 +556,13 @@ def rope(x, cos, sin, layout: int, keep: int = 0):
     return y if x.dim() == 3 else y.view(x.shape)
 
 
-def mhc_site_input(streams, fn, columns, base, ones, norm_eps: float, hc_eps: float, iters: int):
-    """layers/mhc.py's site_input (site_maps, collapse) in one call, the same bits: (x [N, d], post [N, n],
-    comb [N, n, n]) for streams [N, n, d] (contiguous, n <= 4: the fused Sinkhorn's rule) and a site's fn,
-    per-column scale `columns`, base (fp32) and the norm's unit weight `ones` [n d]. None where it does
-    not apply (the caller runs the torch code)."""
+def mhc_enter(streams, waiting, fn, columns, base, norm_eps: float, hc_eps: float, iters: int, norm=None):
+    """layers/mhc.py's Streams.enter in one call, the same bits: where `waiting` = (y, post, comb) is given, the
+    update of streams [N, n, d] by it first (update's operations), then the site's input of the result
+    (site_input's: fn, per-column scale `columns`, base fp32) and, where `norm` = (weight [d], eps, pre, mid,
+    out) is given, the block's RMSNorm of it (rms_norm's roundings, dtypes or None). (h, x [N, d], post [N, n],
+    comb [N, n, n]): h is streams itself without an update. None where it does not apply (n <= 4, the fused
+    Sinkhorn's rule; the caller runs the torch code)."""
     if not (streams.dim() == 3 and streams.is_contiguous() and streams.shape[1] <= 4 and iters >= 1):
         return None
     N, n, d = streams.shape
@@ -568,28 +570,46 @@ def mhc_site_input(streams, fn, columns, base, ones, norm_eps: float, hc_eps: fl
         0 < n * d <= MAX_NORM_WIDTH and columns is not None and columns.dtype == base.dtype == torch.float32
     ):
         return None
-    mod = _fused_mod(streams, fn)
+    y = post = comb = weight = None
+    eps, pre, mid, out = 0.0, 0, 0, 0
+    if waiting is not None:
+        y, post, comb = waiting
+        if not post.dtype == comb.dtype == torch.float32:
+            return None
+    if norm is not None:
+        weight, eps, pre, mid, out = norm
+        if weight.shape != (d,) or weight.dtype not in _TY:
+            return None
+        pre, mid, out = _TY.get(pre, 0), _TY.get(mid, 0), _TY[out]
+    mod = _fused_mod(streams, fn, *(t for t in (y, weight) if t is not None))
     if mod is None or not (lanes := sum_lanes()):
         return None
     kernel_fn = fn.dtype == torch.bfloat16 and fn.stride(-1) == 1 and N <= MAX_ROWS
-    norm_threads = _fused_threads(streams.numel())
-    x, post, comb = mod.mhc_site_input(
-        streams,
-        fn,
-        columns,
-        base,
-        ones,
-        norm_eps,
-        hc_eps,
-        iters,
-        lanes,
-        kernel_fn,
-        norm_threads,
-        threads_for(fn.nbytes, N),
-        _path(),
-    )
     stats["kernel_calls"] += kernel_fn
-    return x, post, comb
+    return tuple(
+        mod.mhc_enter(
+            streams,
+            y,
+            post,
+            comb,
+            fn,
+            columns,
+            base,
+            norm_eps,
+            hc_eps,
+            iters,
+            lanes,
+            kernel_fn,
+            _fused_threads(streams.numel()),
+            threads_for(fn.nbytes, N),
+            _path(),
+            weight,
+            eps,
+            pre,
+            mid,
+            out,
+        )
+    )
 
 
 def mhc_update(streams, y, post, comb):

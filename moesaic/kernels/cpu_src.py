@@ -358,6 +358,12 @@ inline void step(const Ctx& C, const Row* rows, const uint8_t* const* p, int64_t
 // res[m * R + r] = dot over chunks [c0, c1) (+ the partial last chunk if `tail`) of x row m and weight
 // row r, for R weight rows and MB activation rows. The partial chunk is read through zero-padded
 // copies of the rows' tails.
+bool amd_cpu() {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd");
+}
+const bool NTA_AHEAD = amd_cpu();  // tile's prefetch hint (below)
+
 template <int KIND, int R, int MB>
 void tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0, int64_t c1, bool tail, float* res) {
     __m256 acc[R][MB];
@@ -366,13 +372,20 @@ void tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0,
     const uint8_t* p[R];
     for (int64_t c = c0; c < c1; ++c) {
         // 8 chunks ahead: the first pass over a K block at M > 1 is not streamed by the hardware prefetcher
-        // (measured). Non-temporal, as a weight is read once a step: on a Zen 3 core the NTA hint made one
-        // row against 8 MB of weights 6-7 % faster (a 67 MB head 6 %), whole decode steps 2-4 %, 2-16 rows
-        // level (docs/perf.md).
+        // (measured). Non-temporal on AMD, as a weight is read once a step: on a Zen 3 core the NTA hint made
+        // one row against 8 MB of weights 6-7 % faster (a 67 MB head 6 %), whole decode steps 2-4 %, 2-16 rows
+        // level. Into L1 elsewhere: on a Sapphire Rapids-class Xeon the NTA hint made fp32 x against 196 KB of
+        // cold bf16 rows 3.4x slower than T0 or no hint (31 vs 9 us; docs/perf.md).
         for (int r = 0; r < R; ++r) {
             p[r] = rows[r].w + c * CHUNK_BYTES[KIND];
-            _mm_prefetch(reinterpret_cast<const char*>(p[r]) + 8 * CHUNK_BYTES[KIND], _MM_HINT_NTA);
-            if (KIND == BF16) _mm_prefetch(reinterpret_cast<const char*>(p[r]) + 8 * CHUNK_BYTES[KIND] + 64, _MM_HINT_NTA);
+            const char* ahead = reinterpret_cast<const char*>(p[r]) + 8 * CHUNK_BYTES[KIND];
+            if (NTA_AHEAD) {
+                _mm_prefetch(ahead, _MM_HINT_NTA);
+                if (KIND == BF16) _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+            } else {
+                _mm_prefetch(ahead, _MM_HINT_T0);
+                if (KIND == BF16) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            }
         }
         step<KIND, R, MB, true>(C, rows, p, c, x, xs, acc);
     }
@@ -1893,6 +1906,22 @@ float torch_sum(const float* s, int64_t n) {
     for (int l = 0; l < W; ++l) acc += lanes[l];
     return acc;
 }
+
+// One row of rms_norm below, in place: v [D] (the row as loaded, fp32) becomes rnd_mid(x' *
+// rnd_factor(rsqrt(mean(x'^2) + eps))) times w (none where w is null: 1 * v is v), x' = rnd_pre(v); sq [D]
+// is scratch.
+inline void norm_row(float* v, float* sq, const float* w, int64_t D, float eps, int pre, int mid, int factor,
+                     int64_t lanes) {
+    round_row(pre, v, D);
+    for (int64_t k = 0; k < D; ++k) sq[k] = v[k] * v[k];
+    const float sum = lanes == 8 ? torch_sum<8>(sq, D) : torch_sum<16>(sq, D);
+    float inv = 1.f / std::sqrt(sum / (float)D + eps);
+    round_row(factor, &inv, 1);
+    for (int64_t k = 0; k < D; ++k) v[k] = v[k] * inv;
+    round_row(mid, v, D);
+    if (w)
+        for (int64_t k = 0; k < D; ++k) v[k] = w[k] * v[k];
+}
 }  // namespace
 
 // y = rnd_out(w * rnd_mid(x' * rnd_factor(rsqrt(mean(x'^2) + eps)))), x' = rnd_pre(x), per row of x [R, D]
@@ -1910,7 +1939,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t p
     const char* xp = reinterpret_cast<const char*>(x.data_ptr());
     char* op = reinterpret_cast<char*>(out.data_ptr());
     const int64_t xe = x.element_size(), oe = out.element_size();
-    const float eps = (float)eps_d, fd = (float)D;
+    const float eps = (float)eps_d;
     const int64_t G = w.dim() == 2 ? w.size(0) : 1;
     std::vector<float> wf(G * D);
     load_row(ty_of(w), w.data_ptr(), wf.data(), G * D);
@@ -1919,15 +1948,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t p
         float* v = xv.data();
         for (int64_t r = r0; r < r1; ++r) {
             load_row(tx, xp + r * xs * xe, v, D);
-            round_row((int)pre, v, D);
-            for (int64_t k = 0; k < D; ++k) sq[k] = v[k] * v[k];
-            const float sum = lanes == 8 ? torch_sum<8>(sq.data(), D) : torch_sum<16>(sq.data(), D);
-            float inv = 1.f / std::sqrt(sum / fd + eps);
-            round_row((int)factor, &inv, 1);
-            for (int64_t k = 0; k < D; ++k) v[k] = v[k] * inv;
-            round_row((int)mid, v, D);
-            const float* wr = wf.data() + (r % G) * D;
-            for (int64_t k = 0; k < D; ++k) v[k] = wr[k] * v[k];
+            norm_row(v, sq.data(), wf.data() + (r % G) * D, D, eps, (int)pre, (int)mid, (int)factor, lanes);
             store_row((int)out_ty, v, op + r * D * oe, D);
         }
     };
@@ -2964,10 +2985,12 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
 #pragma GCC optimize("fp-contract=off")
 #endif
 namespace {
-// x[t] = rnd(sum_j pre[t, j] s[t, j]) (collapse): s [N, n, d] contiguous of type ty, pre [N, n] fp32.
+// x[t] = rnd(sum_j pre[t, j] s[t, j]) (collapse): s [N, n, d] contiguous of type ty, pre [N, n] fp32; with a
+// norm (nw: its fp32 weight [d]), the block's RMSNorm of that row (rms_norm's operations, roundings pre / mid)
+// stored as out_ty, else the row stored as ty.
 void mhc_collapse(int ty, const char* s, const float* pre, char* x, int64_t N, int64_t n, int64_t d,
-                  int64_t threads) {
-    const int64_t es = ty == F32 ? 4 : 2;
+                  int64_t threads, const float* nw, float eps, int npre, int nmid, int out_ty, int64_t lanes) {
+    const int64_t es = ty == F32 ? 4 : 2, xs = (nw ? out_ty : ty) == F32 ? 4 : 2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         std::vector<float> acc(d), row(d);
@@ -2979,10 +3002,24 @@ void mhc_collapse(int ty, const char* s, const float* pre, char* x, int64_t N, i
                 const float p = pre[t * n + j];
                 for (int64_t i = 0; i < d; ++i) acc[i] += p * row[i];
             }
-            store_row(ty, acc.data(), x + t * d * es, d);
+            if (nw) {
+                round_row(ty, acc.data(), d);  // the collapse's rounding to the streams' dtype
+                norm_row(acc.data(), row.data(), nw, d, eps, npre, nmid, F32, lanes);
+                store_row(out_ty, acc.data(), x + t * d * xs, d);
+            } else {
+                store_row(ty, acc.data(), x + t * d * xs, d);
+            }
         }
     }
 }
+
+// torch's sigmoid of n contiguous fp32 values in place, for n < 32: its vector loop (two vectors a round)
+// leaves such a count to its scalar code, 1 / (1 + exp(-a)) with the C library's expf (larger counts take
+// at::sigmoid_ itself)
+void scalar_sigmoid(float* v, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) v[i] = 1.f / (1.f + std::exp(-v[i]));
+}
+constexpr int64_t SCALAR_SIGMOID = 32;
 
 // h'[t, k] = rnd(rnd(rnd(post[t, k]) y[t]) + rnd(sum_j rnd(comb[t, j, k]) s[t, j])) (update): the sum in
 // fp32 from 0, j in order; rnd rounds to ty. s / out [N, n, d] and y [N, d] of type ty, post [N, n] and
@@ -3019,57 +3056,6 @@ void mhc_mix(int ty, const char* s, const char* y, const float* post, const floa
 }
 }  // namespace
 
-// streams [N, n, d]; fn [(2+n) n, n d]; columns / base [(2+n) n] fp32; ones [n d] fp32 (the norm's unit
-// weight). kernel_fn: fn through gemm (bf16, few rows), else torch's linear on fn in fp32. Returns (x [N, d]
-// in the streams' dtype, post [N, n], comb [N, n, n]).
-std::vector<torch::Tensor> mhc_site_input(torch::Tensor streams, torch::Tensor fn, torch::Tensor columns,
-                                          torch::Tensor base, torch::Tensor ones, double norm_eps, double hc_eps,
-                                          int64_t iters, int64_t lanes, bool kernel_fn, int64_t norm_threads,
-                                          int64_t fn_threads, int64_t path) {
-    TORCH_CHECK(streams.dim() == 3 && streams.is_contiguous(), "mhc_site_input: streams [N, n, d], contiguous");
-    const int64_t N = streams.size(0), n = streams.size(1), d = streams.size(2), W = (2 + n) * n;
-    TORCH_CHECK(n <= 4 && iters >= 1 && fn.size(0) == W && fn.size(1) == n * d, "mhc_site_input: shapes");
-    TORCH_CHECK(columns.is_contiguous() && base.is_contiguous() && columns.numel() == W && base.numel() == W &&
-                    columns.scalar_type() == torch::kFloat32 && base.scalar_type() == torch::kFloat32,
-                "mhc_site_input: columns / base [(2+n) n] fp32");
-    auto scaled = rms_norm(streams.reshape({N, n * d}), ones, norm_eps, F32, F32, F32, lanes, norm_threads, F32);
-    auto m = kernel_fn ? gemm(BF16, scaled, fn, std::nullopt, std::nullopt, false, std::nullopt, std::nullopt,
-                              std::nullopt, 0, 1, 1, fn_threads, path)
-                       : at::linear(scaled, fn.to(torch::kFloat32));
-    m = m.contiguous();
-    TORCH_CHECK(m.scalar_type() == torch::kFloat32, "mhc_site_input: the site's product in fp32");
-    // z = m * columns + base, each part in its own contiguous tensor (the layout the torch code gives
-    // its sigmoids and softmax)
-    auto f32 = streams.options().dtype(torch::kFloat32);
-    auto pre = at::empty({N, n}, f32), post = at::empty({N, n}, f32), logits = at::empty({N, n, n}, f32);
-    const float *mp = m.data_ptr<float>(), *cp = columns.data_ptr<float>(), *bp = base.data_ptr<float>();
-    float *pp = pre.data_ptr<float>(), *qp = post.data_ptr<float>(), *lp = logits.data_ptr<float>();
-    for (int64_t t = 0; t < N; ++t)
-        for (int64_t c = 0; c < W; ++c) {
-            float z = mp[t * W + c] * cp[c];
-            z = z + bp[c];
-            if (c < n) pp[t * n + c] = z;
-            else if (c < 2 * n) qp[t * n + c - n] = z;
-            else lp[t * n * n + c - 2 * n] = z;
-        }
-    at::sigmoid_(pre);
-    at::sigmoid_(post);
-    auto comb = at::softmax(logits, -1);
-    const float eps = (float)hc_eps;
-    float* cb = comb.data_ptr<float>();
-    for (int64_t i = 0; i < N * n; ++i) {
-        pp[i] = pp[i] + eps;
-        qp[i] = qp[i] * 2.f;
-    }
-    for (int64_t i = 0; i < N * n * n; ++i) cb[i] = cb[i] + eps;
-    sinkhorn(comb, iters, hc_eps);
-    const int ty = ty_of(streams);
-    auto x = at::empty({N, d}, streams.options());
-    mhc_collapse(ty, static_cast<const char*>(streams.data_ptr()), pp, static_cast<char*>(x.data_ptr()), N, n, d,
-                 norm_threads);
-    return {x, post, comb};
-}
-
 // layers/mhc.py's update: post[k] y + sum_j comb[j, k] h[j] in the streams' dtype (the comb product in fp32
 // from 0, j in order, rounded once).
 torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor post, torch::Tensor comb,
@@ -3085,6 +3071,102 @@ torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor p
     mhc_mix(ty_of(streams), static_cast<const char*>(streams.data_ptr()), static_cast<const char*>(y.data_ptr()),
             post.data_ptr<float>(), comb.data_ptr<float>(), static_cast<char*>(out.data_ptr()), N, n, d, threads);
     return out;
+}
+
+// layers/mhc.py's Streams.enter in one call: where y is given, the waiting update first (h = update(streams, y,
+// post0, comb0), mhc_update's operations), then the site's input of h (site_maps, collapse) and, where nw is
+// given, the block's RMSNorm of it (rms_norm's operations; pre, mid, out_ty its roundings). streams [N, n, d];
+// fn [(2+n) n, n d]; columns / base [(2+n) n] fp32. kernel_fn: fn through gemm (bf16, few rows), else torch's
+// linear on fn in fp32. Returns (h, x [N, d], post [N, n], comb [N, n, n]); x in the streams' dtype without
+// a norm, else out_ty.
+std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch::Tensor> y,
+                                     std::optional<torch::Tensor> post0, std::optional<torch::Tensor> comb0,
+                                     torch::Tensor fn, torch::Tensor columns, torch::Tensor base, double norm_eps,
+                                     double hc_eps, int64_t iters, int64_t lanes, bool kernel_fn, int64_t threads,
+                                     int64_t fn_threads, int64_t path, std::optional<torch::Tensor> nw, double eps,
+                                     int64_t npre, int64_t nmid, int64_t out_ty) {
+    TORCH_CHECK(streams.dim() == 3 && streams.is_contiguous(), "mhc_enter: streams [N, n, d], contiguous");
+    const int64_t N = streams.size(0), n = streams.size(1), d = streams.size(2), W = (2 + n) * n;
+    TORCH_CHECK(n <= 4 && iters >= 1 && fn.size(0) == W && fn.size(1) == n * d, "mhc_enter: shapes");
+    TORCH_CHECK(columns.is_contiguous() && base.is_contiguous() && columns.numel() == W && base.numel() == W &&
+                    columns.scalar_type() == torch::kFloat32 && base.scalar_type() == torch::kFloat32,
+                "mhc_enter: columns / base [(2+n) n] fp32");
+    TORCH_CHECK(lanes == 8 || lanes == 16, "mhc_enter: 8 or 16 lanes");
+    const int ty = ty_of(streams);
+    torch::Tensor h = streams;
+    if (y) {
+        TORCH_CHECK(post0 && comb0, "mhc_enter: an update needs post and comb");
+        auto yt = y->scalar_type() == streams.scalar_type() ? *y : y->to(streams.scalar_type());  // y.to(dt)
+        h = mhc_update(streams, yt.contiguous(), post0->contiguous(), comb0->contiguous(), threads);
+    }
+    std::vector<float> nwf;
+    if (nw) {
+        TORCH_CHECK(nw->is_contiguous() && nw->numel() == d, "mhc_enter: the norm's weight [d]");
+        nwf.resize(d);
+        load_row(ty_of(*nw), nw->data_ptr(), nwf.data(), d);
+    }
+    // the site's product: each flattened row scaled by its reciprocal (unweighted) RMS in fp32, then fn's
+    const int64_t nd = n * d;
+    const float neps = (float)norm_eps;
+    const char* hp = static_cast<const char*>(h.data_ptr());
+    const int64_t es = ty == F32 ? 4 : 2;
+    std::vector<float> scaled(N * nd), m(N * W);
+#pragma omp parallel num_threads(threads) if (threads > 1 && N > 1)
+    {
+        std::vector<float> sq(nd);
+#pragma omp for
+        for (int64_t t = 0; t < N; ++t) {
+            float* v = scaled.data() + t * nd;
+            load_row(ty, hp + t * nd * es, v, nd);
+            norm_row(v, sq.data(), nullptr, nd, neps, F32, F32, F32, lanes);
+        }
+    }
+    auto f32 = streams.options().dtype(torch::kFloat32);
+    auto scaled_t = torch::from_blob(scaled.data(), {N, nd}, f32);
+    if (kernel_fn) {
+        auto m_t = torch::from_blob(m.data(), {N, W}, f32);
+        gemm(BF16, scaled_t, fn, std::nullopt, std::nullopt, false, std::nullopt, m_t, std::nullopt, 0, 1, 1,
+             fn_threads, path);
+    } else {
+        auto mt = at::linear(scaled_t, fn.to(torch::kFloat32)).contiguous();
+        TORCH_CHECK(mt.scalar_type() == torch::kFloat32, "mhc_enter: the site's product in fp32");
+        std::copy_n(mt.data_ptr<float>(), N * W, m.data());
+    }
+    // z = m * columns + base, each part in its own contiguous rows (the layout the torch code gives its
+    // sigmoids and softmax)
+    auto post = at::empty({N, n}, f32);
+    std::vector<float> pre(N * n), logits(N * n * n);
+    const float *cp = columns.data_ptr<float>(), *bp = base.data_ptr<float>();
+    float* qp = post.data_ptr<float>();
+    for (int64_t t = 0; t < N; ++t)
+        for (int64_t c = 0; c < W; ++c) {
+            float z = m[t * W + c] * cp[c];
+            z = z + bp[c];
+            if (c < n) pre[t * n + c] = z;
+            else if (c < 2 * n) qp[t * n + c - n] = z;
+            else logits[t * n * n + c - 2 * n] = z;
+        }
+    if (N * n < SCALAR_SIGMOID) {
+        scalar_sigmoid(pre.data(), N * n);
+        scalar_sigmoid(qp, N * n);
+    } else {
+        auto pre_t = torch::from_blob(pre.data(), {N, n}, f32);
+        at::sigmoid_(pre_t);
+        at::sigmoid_(post);
+    }
+    auto comb = at::softmax(torch::from_blob(logits.data(), {N, n, n}, f32), -1);
+    const float heps = (float)hc_eps;
+    float* cb = comb.data_ptr<float>();
+    for (int64_t i = 0; i < N * n; ++i) {
+        pre[i] = pre[i] + heps;
+        qp[i] = qp[i] * 2.f;
+    }
+    for (int64_t i = 0; i < N * n * n; ++i) cb[i] = cb[i] + heps;
+    sinkhorn(comb, iters, hc_eps);
+    auto x = at::empty({N, d}, streams.options().dtype(nw ? st_of(out_ty) : streams.scalar_type()));
+    mhc_collapse(ty, hp, pre.data(), static_cast<char*>(x.data_ptr()), N, n, d, threads,
+                 nw ? nwf.data() : nullptr, (float)eps, (int)npre, (int)nmid, (int)out_ty, lanes);
+    return {h, x, post, comb};
 }
 
 // The E8M0 exponent byte of pow2_ceil(x) for x > 0 (weights/quant.py's pow2_ceil_e8m0): 2^(e - 127) is the

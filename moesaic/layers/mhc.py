@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
+from . import norms
 from .norms import unit_weight
 
 
@@ -151,12 +152,55 @@ def update(streams: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
 def site_input(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Tensor, Tensor]:
     """The usual (non-delayed) site: (block input [N, d], post, comb); finish with `update`."""
     if streams.is_cpu and not kernels("mhc", streams):  # the same ops in one compiled call
-        ones = unit_weight(streams.shape[-2] * streams.shape[-1], streams.device)
-        args = (site.fn, site.columns, site.base, ones, dims.norm_eps, dims.hc_eps, dims.sinkhorn_iters)
-        if (fused := cpu.mhc_site_input(streams, *args)) is not None:
-            return fused
+        fused = cpu.mhc_enter(streams, None, *_site_args(site, dims))
+        if fused is not None:
+            return fused[1:]
     pre, post, comb = site_maps(streams, site, dims)
     return collapse(streams, pre), post, comb
+
+
+def _site_args(site: MhcSite, dims: MhcDims) -> tuple:
+    return site.fn, site.columns, site.base, dims.norm_eps, dims.hc_eps, dims.sinkhorn_iters
+
+
+class Streams:
+    """The streams h [N, n, d] of one pass between its blocks, each block entered through its site:
+    `x = s.enter(site, norm, weight, eps)` gives the block's input (its norm applied: `norm` one of
+    layers/norms.py's orders), `s.leave(y)` takes its output, `s.value()` the streams after it. The update
+    by y waits for the next `enter` or `value`: on the CPU an update, the next site's maps and collapse and
+    the next block's norm are one compiled call (cpu.mhc_enter: update, site_input and the norm's
+    operations, so the same bits); elsewhere those three functions run in turn."""
+
+    def __init__(self, h: Tensor, dims: MhcDims):
+        self.h, self.dims = h, dims
+        self.maps = None  # (post, comb) of the site last entered
+        self.waiting = None  # the block output whose update has not run yet
+
+    def enter(self, site: MhcSite, norm, weight: Tensor, eps: float) -> Tensor:
+        h = self.h
+        if h.is_cpu and not kernels("mhc", h):
+            waiting = None if self.waiting is None else (self.waiting, *self.maps)
+            rounding = norms.roundings(norm, h.dtype, weight.dtype)
+            fused = None
+            if rounding is not None:
+                fused = cpu.mhc_enter(h, waiting, *_site_args(site, self.dims), (weight, eps, *rounding))
+            if fused is not None:
+                self.h, x, *maps = fused
+                self.maps, self.waiting = tuple(maps), None
+                return x
+        x, *maps = site_input(self.value(), site, self.dims)
+        self.maps = tuple(maps)
+        return norm(x, weight, eps)
+
+    def leave(self, y: Tensor) -> None:
+        if self.maps is None or self.waiting is not None:
+            raise RuntimeError("mhc.Streams: leave() follows an enter()")
+        self.waiting = y
+
+    def value(self) -> Tensor:
+        if self.waiting is not None:
+            self.h, self.waiting = update(self.h, self.waiting, *self.maps), None
+        return self.h
 
 
 def head_mean(streams: Tensor) -> Tensor:

@@ -8,11 +8,29 @@ import torch
 from ..kernels import cpu
 
 
+def _rms_norm_roundings(x: torch.dtype, w: torch.dtype) -> tuple:
+    return None, x, x if w == x else torch.promote_types(w, x)
+
+
+def _fp32_weight_roundings(x: torch.dtype, w: torch.dtype) -> tuple:
+    return w, None, w
+
+
+def _cast_once_roundings(x: torch.dtype, w: torch.dtype) -> tuple:
+    return None, None, x
+
+
+def roundings(order, x: torch.dtype, w: torch.dtype) -> tuple | None:
+    """cpu.rms_norm's (pre, mid, out) roundings of the norm `order` (one of the functions below) on an x and a
+    weight of these dtypes, for a compiled call that runs it inside another; None for any other function."""
+    f = _ROUNDINGS.get(order)
+    return None if f is None else f(x, w)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`w * (x / rms(x))`: normalise in fp32, round to the input dtype, then scale by the weight
     (the order of the Llama/DeepSeek/Mistral references; the weight is never `1 + w`)."""
-    out = x.dtype if weight.dtype == x.dtype else torch.promote_types(weight.dtype, x.dtype)
-    y = cpu.rms_norm(x, weight, eps, None, x.dtype, out)
+    y = cpu.rms_norm(x, weight, eps, *_rms_norm_roundings(x.dtype, weight.dtype))
     if y is not None:
         return y
     dtype = x.dtype
@@ -24,7 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Nemotron-H's order: cast to the weight dtype, normalise and multiply by the weight in fp32,
     then cast back."""
-    y = cpu.rms_norm(x, weight, eps, weight.dtype, None, weight.dtype)
+    y = cpu.rms_norm(x, weight, eps, *_fp32_weight_roundings(x.dtype, weight.dtype))
     if y is not None:
         return y
     dtype = weight.dtype
@@ -36,12 +54,19 @@ def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 def rms_norm_cast_once(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeepSeek-V4's order: normalise in fp32, multiply by the (fp32) weight in fp32, cast to the
     input dtype once."""
-    y = cpu.rms_norm(x, weight, eps, None, None, x.dtype)
+    y = cpu.rms_norm(x, weight, eps, *_cast_once_roundings(x.dtype, weight.dtype))
     if y is not None:
         return y
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)
+
+
+_ROUNDINGS = {
+    rms_norm: _rms_norm_roundings,
+    rms_norm_fp32_weight: _fp32_weight_roundings,
+    rms_norm_cast_once: _cast_once_roundings,
+}
 
 
 def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -865,25 +865,26 @@ class Model:
             )
         return attention_output(w, out, c, rope, pos)
 
-    def block(self, L: int, w: Layer, h: Tensor, batch: ForwardBatch, kind: str | None = None) -> Tensor:
-        """One decoder block over the streams h [N, n, d] (the MTP layer's too: `kind` SLIDING)."""
+    def block(self, L: int, w: Layer, hs: mhc.Streams, batch: ForwardBatch, kind: str | None = None) -> None:
+        """One decoder block over the streams hs (the MTP layer's too: `kind` SLIDING); its last update
+        waits in hs for the next block's site (mhc.Streams)."""
         eps = self.cfg.rms_norm_eps
-        x, post, comb = mhc.site_input(h, w.attn_hc, self.hc)
-        y = self.attention(L, w.attn, rms_norm_cast_once(x, w.attn_norm, eps), batch, kind)
-        h = mhc.update(h, y, post, comb)
-        x, post, comb = mhc.site_input(h, w.mlp_hc, self.hc)
-        y = moe(rms_norm_cast_once(x, w.mlp_norm, eps), w.mlp, self.moe, batch.token_ids)
-        return mhc.update(h, y, post, comb)
+        x = hs.enter(w.attn_hc, rms_norm_cast_once, w.attn_norm, eps)
+        hs.leave(self.attention(L, w.attn, x, batch, kind))
+        x = hs.enter(w.mlp_hc, rms_norm_cast_once, w.mlp_norm, eps)
+        hs.leave(moe(x, w.mlp, self.moe, batch.token_ids))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         c = self.cfg
         eps = c.rms_norm_eps
-        h = mhc.expand(embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
+        hs = mhc.Streams(mhc.expand(embedding(batch.token_ids, self.embed), c.hc_mult), self.hc)  # [N, n, d]
         for L, w in enumerate(self.layers):
-            h = self.block(L, w, h, batch)
-            batch.tap(L, h, mhc.head_mean)
+            self.block(L, w, hs, batch)
+            if L in batch.taps:
+                batch.tap(L, hs.value(), mhc.head_mean)
+        h = hs.value()
         batch.finish()
         head = self.hc_head
         batch.tap(FINAL, h, lambda s: mhc.head_weighted(s, head.fn, head.base, head.scale, self.hc))

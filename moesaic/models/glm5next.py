@@ -683,22 +683,22 @@ class Model:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
-        c = self.cfg
-        h = mhc.expand(embedding(batch.token_ids, self.embed), c.hc_mult)  # [N, n, d]
+        c, eps = self.cfg, self.cfg.rms_norm_eps
+        hs = mhc.Streams(mhc.expand(embedding(batch.token_ids, self.embed), c.hc_mult), self.hc)  # [N, n, d]
         selections = None  # of the most recent full DSA layer, one per sequence
         for L, w in enumerate(self.layers):
-            x, post, comb = mhc.site_input(h, w.attn_site, self.hc)
-            x = rms_norm(x, w.attn_norm, c.rms_norm_eps)
+            x = hs.enter(w.attn_site, rms_norm, w.attn_norm, eps)
             if isinstance(w.mixer, KdaWeights):
                 y = run_recurrent(kda.KDA, w.mixer, self.kda_dims, L, x, batch)
             else:
                 y, sel = self.dsa_block(L, w.mixer, x, batch, selections)
                 if w.mixer.indexer is not None:
                     selections = sel
-            h = mhc.update(h, y, post, comb)
-            x, post, comb = mhc.site_input(h, w.ffn_site, self.hc)
-            h = mhc.update(h, self.mlp(w.mlp, rms_norm(x, w.mlp_norm, c.rms_norm_eps)), post, comb)
-            batch.tap(L, h, mhc.head_mean)
+            hs.leave(y)
+            hs.leave(self.mlp(w.mlp, hs.enter(w.ffn_site, rms_norm, w.mlp_norm, eps)))
+            if L in batch.taps:
+                batch.tap(L, hs.value(), mhc.head_mean)
+        h = hs.value()
         batch.finish()
         batch.tap(FINAL, h, mhc.head_mean)
         h = rms_norm(mhc.head_mean(h[batch.logit_rows]), self.norm, c.rms_norm_eps)

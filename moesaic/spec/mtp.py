@@ -45,7 +45,7 @@ from ..cache.state import SequenceState, TokenRows
 from ..errors import ConfigError
 from ..layers.csa import SLIDING, new_attention_state
 from ..layers.linear import linear
-from ..layers.mhc import expand, head_weighted
+from ..layers.mhc import Streams, expand, head_weighted
 from ..layers.norms import rms_norm, rms_norm_cast_once, rms_norm_fp32_weight
 from ..models import deepseek_v4, glm5next, nemotron_h
 from .base import MAX_DEFERRED, Draft
@@ -116,8 +116,9 @@ class DeepseekV4Head:
         m, w, eps = self.model, self.w, self.model.cfg.rms_norm_eps
         e = rms_norm_cast_once(F.embedding(batch.token_ids, m.embed), w.enorm, eps)
         x = linear(e, w.e_proj) + linear(rms_norm_cast_once(h, w.hnorm, eps), w.h_proj)
-        streams = m.block(0, w.layer, expand(x, m.cfg.hc_mult), batch, SLIDING)
-        return head_weighted(streams, w.hc_head.fn, w.hc_head.base, w.hc_head.scale, m.hc)
+        streams = Streams(expand(x, m.cfg.hc_mult), m.hc)
+        m.block(0, w.layer, streams, batch, SLIDING)
+        return head_weighted(streams.value(), w.hc_head.fn, w.hc_head.base, w.hc_head.scale, m.hc)
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         m = self.model
