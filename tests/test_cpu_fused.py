@@ -541,6 +541,29 @@ def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn
     assert cpu.mhc_enter(h5, None, site5.fn, site5.columns, site5.base, 1e-6, 1e-6, 20) is None
 
 
+def test_f32_rows_products(kernels):
+    """cpu.f32_rows (fp32 x against fp32 rows: the mHC site's product where fn is fp32, as DeepSeek-V4 ships it):
+    within fp32 rounding of the fp64 product at odd K and N, a row's bits the same alone, among 16 rows and
+    under 2 threads; other dtypes and more than MAX_ROWS rows declined (None)."""
+    g = torch.Generator().manual_seed(5)
+    for K, N in ((4096, 24), (1000, 7), (13, 5)):
+        w = torch.randn(N, K, generator=g)
+        x = torch.randn(cpu.MAX_ROWS, K, generator=g)
+        got = cpu.f32_rows(x, w)
+        want = x.double() @ w.double().T
+        tol = 4 * K * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().T)
+        assert ((got.double() - want).abs() <= tol).all(), (K, N)
+        assert torch.equal(cpu.f32_rows(x[3:4], w), got[3:4])
+        saved = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(cpu.f32_rows(x, w), got)
+        finally:
+            torch.set_num_threads(saved)
+    assert cpu.f32_rows(x.bfloat16(), w) is None
+    assert cpu.f32_rows(torch.randn(cpu.MAX_ROWS + 1, 13), w) is None
+
+
 def _three_blocks(h0, dims, sites, norm, weight, shift) -> list:
     """Three blocks over mhc.Streams(h0): each block's input, the streams after the second (a tap) and after
     the last. A block's output is made from its input (so a wrong input shows downstream); the first is in

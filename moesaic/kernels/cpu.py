@@ -176,6 +176,7 @@ def load(verbose: bool = False):
                 "ffn_rows",
                 "moe_rows",
                 "mhc_enter",
+                "f32_rows",
                 "mhc_update",
                 "route",
                 "kda_recur",
@@ -584,7 +585,7 @@ def mhc_enter(streams, waiting, fn, columns, base, norm_eps: float, hc_eps: floa
     mod = _fused_mod(streams, fn, *(t for t in (y, weight) if t is not None))
     if mod is None or not (lanes := sum_lanes()):
         return None
-    kernel_fn = fn.dtype == torch.bfloat16 and fn.stride(-1) == 1 and N <= MAX_ROWS
+    kernel_fn = fn.dtype in (torch.bfloat16, torch.float32) and fn.stride(-1) == 1 and N <= MAX_ROWS
     stats["kernel_calls"] += kernel_fn
     return tuple(
         mod.mhc_enter(
@@ -610,6 +611,17 @@ def mhc_enter(streams, waiting, fn, columns, base, norm_eps: float, hc_eps: floa
             out,
         )
     )
+
+
+def f32_rows(x, w):
+    """x [M, K] fp32 @ w.T for fp32 w [N, K] (rows contiguous), M <= MAX_ROWS: each output the sum of 16 partial
+    sums in k order, its own bits whatever the rows around it (not torch's: for the products that both the
+    fused mHC call and layers/mhc.py's project take). None where it does not apply."""
+    if not (x.dim() == w.dim() == 2 and x.dtype == w.dtype == torch.float32 and 0 < x.shape[0] <= MAX_ROWS):
+        return None
+    if not (x.shape[1] == w.shape[1] and w.stride(-1) == 1) or (mod := _fused_mod(x, w)) is None:
+        return None
+    return mod.f32_rows(x, w, threads_for(w.nbytes, x.shape[0]))
 
 
 def mhc_update(streams, y, post, comb):

@@ -3013,6 +3013,34 @@ void mhc_collapse(int ty, const char* s, const float* pre, char* x, int64_t N, i
     }
 }
 
+// out[m, r] = x[m] . w[r] for fp32 x [M, K] and fp32 w rows [r0, r1) (row stride ws): 16 partial sums (k mod 16)
+// from 0 in k order, added in lane order, then the K % 16 tail from the last; each product rounded, then added
+// (no contraction in this region). The same bits for a row whatever M, the rows around it and the threads.
+// Weight rows 4 at a time, each x chunk loaded once for them.
+void f32_dot_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t ws, int64_t r0, int64_t r1,
+                  float* out, int64_t N) {
+    const int64_t K16 = K / 16 * 16;
+    for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K;
+        for (int64_t r = r0; r < r1; r += 4) {
+            const int64_t R = std::min<int64_t>(4, r1 - r);
+            float acc[4][16] = {};
+            for (int64_t k = 0; k < K16; k += 16)
+                for (int64_t i = 0; i < R; ++i) {
+                    const float* wr = w + (r + i) * ws + k;
+#pragma GCC unroll 16
+                    for (int l = 0; l < 16; ++l) acc[i][l] = acc[i][l] + xm[k + l] * wr[l];
+                }
+            for (int64_t i = 0; i < R; ++i) {
+                float sum = 0.f;
+                for (int l = 0; l < 16; ++l) sum = sum + acc[i][l];
+                for (int64_t k = K16; k < K; ++k) sum = sum + xm[k] * w[(r + i) * ws + k];
+                out[m * N + r + i] = sum;
+            }
+        }
+    }
+}
+
 // torch's sigmoid of n contiguous fp32 values in place, for n < 32: its vector loop (two vectors a round)
 // leaves such a count to its scalar code, 1 / (1 + exp(-a)) with the C library's expf (larger counts take
 // at::sigmoid_ itself)
@@ -3073,11 +3101,29 @@ torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor p
     return out;
 }
 
+// x [M, K] fp32 against fp32 w [N, K] (rows contiguous): f32_dot_rows's bits, weight rows shared out to the threads.
+torch::Tensor f32_rows(torch::Tensor x, torch::Tensor w, int64_t nthreads) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == torch::kFloat32 &&
+                    w.scalar_type() == torch::kFloat32 && w.size(1) == x.size(1) && w.stride(1) == 1,
+                "f32_rows: x [M, K] and w [N, K] fp32, w's rows contiguous");
+    x = x.contiguous();
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    auto out = torch::empty({M, N}, x.options());
+    const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t blocks = (N + 3) / 4;
+    pybind11::gil_scoped_release no_gil;
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && blocks > 1)
+    for (int64_t b = 0; b < blocks; ++b)
+        f32_dot_rows(xp, M, K, wp, w.stride(0), 4 * b, std::min<int64_t>(N, 4 * b + 4), op, N);
+    return out;
+}
+
 // layers/mhc.py's Streams.enter in one call: where y is given, the waiting update first (h = update(streams, y,
 // post0, comb0), mhc_update's operations), then the site's input of h (site_maps, collapse) and, where nw is
 // given, the block's RMSNorm of it (rms_norm's operations; pre, mid, out_ty its roundings). streams [N, n, d];
-// fn [(2+n) n, n d]; columns / base [(2+n) n] fp32. kernel_fn: fn through gemm (bf16, few rows), else torch's
-// linear on fn in fp32. Returns (h, x [N, d], post [N, n], comb [N, n, n]); x in the streams' dtype without
+// fn [(2+n) n, n d]; columns / base [(2+n) n] fp32. kernel_fn: fn through gemm (bf16, few rows) or f32_rows
+// (fp32), else torch's linear on fn in fp32. Returns (h, x [N, d], post [N, n], comb [N, n, n]); x in the streams' dtype without
 // a norm, else out_ty.
 std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch::Tensor> y,
                                      std::optional<torch::Tensor> post0, std::optional<torch::Tensor> comb0,
@@ -3123,7 +3169,10 @@ std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch:
     }
     auto f32 = streams.options().dtype(torch::kFloat32);
     auto scaled_t = torch::from_blob(scaled.data(), {N, nd}, f32);
-    if (kernel_fn) {
+    if (kernel_fn && fn.scalar_type() == torch::kFloat32) {
+        TORCH_CHECK(fn.stride(1) == 1, "mhc_enter: fn's rows contiguous");
+        f32_dot_rows(scaled.data(), N, nd, fn.data_ptr<float>(), fn.stride(0), 0, W, m.data(), W);
+    } else if (kernel_fn) {
         auto m_t = torch::from_blob(m.data(), {N, W}, f32);
         gemm(BF16, scaled_t, fn, std::nullopt, std::nullopt, false, std::nullopt, m_t, std::nullopt, 0, 1, 1,
              fn_threads, path);

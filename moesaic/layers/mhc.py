@@ -96,6 +96,8 @@ def project(streams: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
         # fp32): the same products as F.linear on fn.float() summed in another order, without an fp32
         # copy of fn made per call (3x fn's bytes moved a site, every step)
         return cpu.bf16_matmul(scaled, fn)
+    if fn.dtype == torch.float32 and (out := cpu.f32_rows(scaled, fn)) is not None:
+        return out  # the fused site's product (cpu.mhc_enter): its bits, not torch's sum order
     return F.linear(scaled, fn.float())
 
 
