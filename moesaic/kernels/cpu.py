@@ -901,13 +901,13 @@ def kda_recur(qkv, g, beta, tail, conv_w, S, heads: int, head_dim: int, snapshot
     if S is not None and S.dtype != torch.float32:
         return None
     mod = _fused_mod(qkv, g, beta, tail, conv_w, *(() if S is None else (S,)))
-    if mod is None:
+    if mod is None or not (lanes := sum_lanes()):
         return None
     first = _delta_threads(n - snapshot_last, heads, head_dim, head_dim)  # the rows before the snapshots
     snap = _delta_threads(snapshot_last, heads, head_dim, head_dim)
     return tuple(
         mod.kda_recur(
-            qkv, g, beta, tail, conv_w, S, heads, head_dim, snapshot_last, eps, head_dim**-0.5, first, snap
+            qkv, g, beta, tail, conv_w, S, heads, head_dim, snapshot_last, eps, head_dim**-0.5, first, snap, lanes
         )
     )
 

@@ -2082,7 +2082,11 @@ std::vector<torch::Tensor> delta_rule(torch::Tensor q, torch::Tensor k, torch::T
                     S0.dim() == 3 && S0.size(0) == q.size(0) && S0.size(1) == q.size(2) && S0.size(2) == v.size(2),
                 "delta_rule: q, k, E [H, n, Dk], v [H, n, Dv], beta [H, n], S [H, Dk, Dv]");
     const int64_t H = q.size(0), n = q.size(1), Dk = q.size(2), Dv = v.size(2);
-    auto S = S0.contiguous().clone();
+    // the first row's decay reads S0 and writes S (a separate clone was one more pass over a cold state:
+    // 38 of ~68 us a decode row of 16 x 64 x 64 heads in place)
+    const auto S0c = S0.contiguous();
+    auto S = n ? torch::empty_like(S0c) : S0c.clone();
+    const float* s0p = S0c.data_ptr<float>();
     auto o = torch::empty({H, n, Dv}, v.options());
     auto states = torch::empty({keep ? n : 0, H, Dk, Dv}, v.options());
     const auto qa = q.accessor<float, 3>(), ka = k.accessor<float, 3>(), va = v.accessor<float, 3>(),
@@ -2098,12 +2102,14 @@ std::vector<torch::Tensor> delta_rule(torch::Tensor q, torch::Tensor k, torch::T
         for (int64_t h = h0; h < h1; ++h) {
             float* __restrict s = sp + h * Dk * Dv;
             for (int64_t t = 0; t < n; ++t) {
+                const float* from = t ? s : s0p + h * Dk * Dv;  // the state the decay reads (s itself after row 0)
                 for (int64_t j = 0; j < Dv; ++j) u[j] = 0.f;
                 for (int64_t i = 0; i < Dk; ++i) {
                     const float e = ea[h][t][i], ki = ka[h][t][i];
-                    float* __restrict row = s + i * Dv;
+                    float* row = s + i * Dv;
+                    const float* old = from + i * Dv;
                     for (int64_t j = 0; j < Dv; ++j) {
-                        row[j] *= e;
+                        row[j] = old[j] * e;
                         u[j] += ki * row[j];
                     }
                 }
@@ -2155,38 +2161,80 @@ void conv_taps(const float* x, const float* w, const float* b, float* out, int64
 
 // layers/kda.py's kda_recur on the CPU, any rows (decode rows, verify blocks, prompts: token by token): the short
 // conv and SiLU from the tail, q, k and v as the rows' dtype, the l2 norms (q scaled), then delta_rule above
-// (exp(g) by torch), its threads passed for the rows before the snapshots and for the snapshot rows. The same
-// torch ops in the same order on the same views as the Python code, so the same bits. Returns {o [n, H, Dv],
-// the final state, the snapshots [snapshot_last, H, Dk, Dv], the conv's padded input [K - 1 + n, C]}.
+// (exp(g) by torch), its threads passed for the rows before the snapshots and for the snapshot rows. The Python
+// code's float operations in its order: the conv's taps, the roundings, x * x summed in torch's order (`lanes`,
+// torch_sum), the division and the scale are loops here; the SiLU, the sqrt (one call over every row's sum) and
+// the exp stay torch's (their exp and sqrt decide their bits: torch's sqrt is MKL's, not always the nearest
+// float). So the same bits. Returns {o [n, H, Dv], the final state, the snapshots [snapshot_last,
+// H, Dk, Dv], the conv's padded input [K - 1 + n, C]}.
 std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::Tensor beta, torch::Tensor tail,
                                      torch::Tensor conv_w, std::optional<torch::Tensor> state, int64_t H, int64_t D,
                                      int64_t snapshot_last, double eps, double qscale, int64_t threads_first,
-                                     int64_t threads_snap) {
+                                     int64_t threads_snap, int64_t lanes) {
     const auto f32 = torch::kFloat32;
-    const int64_t n = qkv.size(0), K = conv_w.size(-1), m = n - snapshot_last;
+    const int64_t n = qkv.size(0), K = conv_w.size(-1), m = n - snapshot_last, C = qkv.size(1);
     TORCH_CHECK(n > 0 && m >= 0, "kda_recur: 0 <= snapshot_last <= rows");
-    auto full = at::cat({tail.to(f32), qkv.to(f32)});
-    const auto w = conv_w.to(f32).reshape({-1, K}).contiguous();  // [C, K]
-    auto y = torch::empty({n, full.size(1)}, full.options());
-    conv_taps(full.data_ptr<float>(), w.data_ptr<float>(), nullptr, y.data_ptr<float>(), n, full.size(1), K);
-    auto parts = at::silu(y).to(qkv.scalar_type()).view({n, 3, H, D}).unbind(1);
-    auto l2 = [&](const torch::Tensor& x) { return x / at::sqrt((x * x).sum(-1, true) + eps); };
-    auto q = (l2(parts[0].to(f32)) * qscale).transpose(0, 1);
-    auto k = l2(parts[1].to(f32)).transpose(0, 1);
-    auto v = parts[2].to(f32).transpose(0, 1), gt = g.to(f32).transpose(0, 1), bt = beta.to(f32).transpose(0, 1);
-    auto S = state ? state->to(f32) : torch::zeros({H, D, v.size(-1)}, v.options());
+    TORCH_CHECK(qkv.dim() == 2 && C == 3 * H * D && tail.dim() == 2 && tail.size(0) == K - 1 && tail.size(1) == C &&
+                    conv_w.numel() == C * K, "kda_recur: qkv [n, 3 H D], tail [K - 1, 3 H D], conv_w [3 H D, (1,) K]");
+    TORCH_CHECK(lanes == 8 || lanes == 16, "kda_recur: 8 or 16 lanes");
+    // full = cat(tail.float(), qkv.float()); y = the conv's taps over it
+    auto full = torch::empty({K - 1 + n, C}, qkv.options().dtype(f32));
+    float* fp = full.data_ptr<float>();
+    const auto tc = tail.contiguous(), xc = qkv.contiguous(), wc = conv_w.contiguous();
+    load_row(ty_of(tc), tc.data_ptr(), fp, (K - 1) * C);
+    load_row(ty_of(xc), xc.data_ptr(), fp + (K - 1) * C, n * C);
+    std::vector<float> wf(C * K);
+    load_row(ty_of(wc), wc.data_ptr(), wf.data(), C * K);
+    auto y = torch::empty({n, C}, full.options());
+    conv_taps(fp, wf.data(), nullptr, y.data_ptr<float>(), n, C, K);
+    const auto ys = at::silu(y);
+    // q | k | v [3, H, n, D]: each row rounded to qkv's dtype, q and k divided by sqrt(sum(x * x) + eps), q scaled
+    auto parts = torch::empty({3, H, n, D}, full.options());
+    float* pp = parts.data_ptr<float>();
+    const float* yp = ys.data_ptr<float>();
+    const int tq = ty_of(qkv);
+    const float epsf = (float)eps, qs = (float)qscale;
+    auto norms = torch::empty({2, H, n}, full.options());  // sum(x * x) + eps of each q and k row, then its sqrt
+    float* np_ = norms.data_ptr<float>();
+    std::vector<float> sq(D);
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t part = 0; part < 3; ++part)
+            for (int64_t h = 0; h < H; ++h) {
+                float* x = pp + ((part * H + h) * n + t) * D;
+                std::copy_n(yp + t * C + (part * H + h) * D, D, x);
+                round_row(tq, x, D);
+                if (part == 2) continue;
+                for (int64_t i = 0; i < D; ++i) sq[i] = x[i] * x[i];
+                const float sum = lanes == 8 ? torch_sum<8>(sq.data(), D) : torch_sum<16>(sq.data(), D);
+                np_[(part * H + h) * n + t] = sum + epsf;
+            }
+    at::sqrt_(norms);  // torch's sqrt (MKL's where torch has it: not always the nearest float)
+    for (int64_t part = 0; part < 2; ++part)
+        for (int64_t r = 0; r < H * n; ++r) {
+            float* x = pp + (part * H * n + r) * D;
+            const float root = np_[part * H * n + r];
+            for (int64_t i = 0; i < D; ++i) x[i] = x[i] / root;
+            if (part == 0)
+                for (int64_t i = 0; i < D; ++i) x[i] = x[i] * qs;
+        }
+    const auto q = parts.select(0, 0), k = parts.select(0, 1), v = parts.select(0, 2);
+    const auto gt = g.to(f32).transpose(0, 1), bt = beta.to(f32).transpose(0, 1);
+    auto S = state ? state->to(f32) : torch::zeros({H, D, D}, full.options());
     std::vector<torch::Tensor> outs;
     auto snaps = S.new_empty({0, S.size(0), S.size(1), S.size(2)});
     auto run = [&](int64_t a, int64_t b, bool keep, int64_t threads) {
-        auto r = delta_rule(q.slice(1, a, b), k.slice(1, a, b), v.slice(1, a, b), at::exp(gt.slice(1, a, b)),
-                            bt.slice(1, a, b), S, keep, threads);
+        const bool all = a == 0 && b == n;  // no slices to dispatch
+        auto r = all ? delta_rule(q, k, v, at::exp(gt), bt, S, keep, threads)
+                     : delta_rule(q.slice(1, a, b), k.slice(1, a, b), v.slice(1, a, b), at::exp(gt.slice(1, a, b)),
+                                  bt.slice(1, a, b), S, keep, threads);
         outs.push_back(r[0]);
         S = r[1];
         if (keep) snaps = r[2];
     };
     if (m) run(0, m, false, threads_first);
     if (snapshot_last) run(m, n, true, threads_snap);
-    return {at::cat(outs, 1).transpose(0, 1).contiguous(), S, snaps, full};
+    auto o = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+    return {o.transpose(0, 1).contiguous(), S, snaps, full};
 }
 
 // Mamba-2's recurrent step over m tokens for H independent heads (layers/mamba2.py's ssd_step, token by
