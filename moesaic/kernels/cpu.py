@@ -907,7 +907,20 @@ def kda_recur(qkv, g, beta, tail, conv_w, S, heads: int, head_dim: int, snapshot
     snap = _delta_threads(snapshot_last, heads, head_dim, head_dim)
     return tuple(
         mod.kda_recur(
-            qkv, g, beta, tail, conv_w, S, heads, head_dim, snapshot_last, eps, head_dim**-0.5, first, snap, lanes
+            qkv,
+            g,
+            beta,
+            tail,
+            conv_w,
+            S,
+            heads,
+            head_dim,
+            snapshot_last,
+            eps,
+            head_dim**-0.5,
+            first,
+            snap,
+            lanes,
         )
     )
 
