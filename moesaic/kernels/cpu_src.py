@@ -3171,8 +3171,8 @@ torch::Tensor f32_rows(torch::Tensor x, torch::Tensor w, int64_t nthreads) {
 // post0, comb0), mhc_update's operations), then the site's input of h (site_maps, collapse) and, where nw is
 // given, the block's RMSNorm of it (rms_norm's operations; pre, mid, out_ty its roundings). streams [N, n, d];
 // fn [(2+n) n, n d]; columns / base [(2+n) n] fp32. kernel_fn: fn through gemm (bf16, few rows) or f32_rows
-// (fp32), else torch's linear on fn in fp32. Returns (h, x [N, d], post [N, n], comb [N, n, n]); x in the streams' dtype without
-// a norm, else out_ty.
+// (fp32), else torch's linear on fn in fp32. Returns (h, x [N, d], post [N, n], comb [N, n, n]); x in the
+// streams' dtype without a norm, else out_ty.
 std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch::Tensor> y,
                                      std::optional<torch::Tensor> post0, std::optional<torch::Tensor> comb0,
                                      torch::Tensor fn, torch::Tensor columns, torch::Tensor base, double norm_eps,

@@ -695,13 +695,14 @@ class Model:
                 if w.mixer.indexer is not None:
                     selections = sel
             hs.leave(y)
-            hs.leave(self.mlp(w.mlp, hs.enter(w.ffn_site, rms_norm, w.mlp_norm, eps)))
+            x = hs.enter(w.ffn_site, rms_norm, w.mlp_norm, eps)
+            hs.leave(self.mlp(w.mlp, x))
             if L in batch.taps:
                 batch.tap(L, hs.value(), mhc.head_mean)
         h = hs.value()
         batch.finish()
         batch.tap(FINAL, h, mhc.head_mean)
-        h = rms_norm(mhc.head_mean(h[batch.logit_rows]), self.norm, c.rms_norm_eps)
+        h = rms_norm(mhc.head_mean(h[batch.logit_rows]), self.norm, eps)
         return linear(h, self.lm_head).float()
 
 
