@@ -56,6 +56,9 @@ _SCORE_BUDGET = 1 << 22
 # ---------------------------------------------------------------- rope on the trailing channels
 
 
+RECENT = 4  # positions tensors whose angles a RopeTail keeps
+
+
 @dataclass(frozen=True)
 class RopeTail:
     """One rope set applied to the trailing 2·len(freqs) channels, pairs kept in place (V4's
@@ -63,11 +66,14 @@ class RopeTail:
 
     freqs: Tensor  # [rope_dim / 2] fp32
     factor: float = 1.0
-    # [positions, cos, sin, -sin or None] of the last two positions tensors roped at, latest first. A
-    # forward's layers rope at the same batch.positions three or four times each (q, kv, the indexer's
-    # query, the output's inverse), between a compressor's entries at their own positions: the angles are
-    # made once a forward, not once a call. Keyed by the tensor object, which is held (so its id is not
-    # reused); positions are never written in place.
+    # [positions, cos, sin, -sin or None] of the last RECENT positions tensors roped at, most recently used
+    # first. A forward's layers rope at the same batch.positions three or four times each (q, kv, the
+    # indexer's query, the output's inverse), between compressors' entries at their own positions (two new
+    # tensors a layer where both of a CSA layer's compressors close one): the angles are made once a forward,
+    # not once a call (two entries kept in order of making let the entries evict batch.positions: the
+    # benchmark's DeepSeek-V4 step made angles ~4.7 times, now ~3.5, one per RopeTail and per closed entry).
+    # Keyed by the tensor object, which is held (so its id is not reused); positions are never written in
+    # place.
     recent: list = field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -79,7 +85,8 @@ class RopeTail:
         hit = next((e for e in self.recent if e[0] is positions), None)
         if hit is None:
             hit = [positions, *cos_sin(self.freqs, positions, self.factor), None]
-            self.recent[:] = [hit, *self.recent[:1]]
+        if not self.recent or self.recent[0] is not hit:
+            self.recent[:] = [hit, *(e for e in self.recent if e is not hit)][:RECENT]
         if not inverse:
             return hit[1], hit[2]
         if hit[3] is None:
