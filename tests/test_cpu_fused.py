@@ -967,6 +967,34 @@ def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("demo", ["demo-deepseek-v4", "demo-deepseek-v41"])
+def test_v4_inputs_keep_the_engine_bits(kernels, monkeypatch, demo):
+    """DeepSeek-V4's (and V4.1's, without the head RMS) attention inputs after x's products in one call
+    (cpu.v4_inputs: the two cast-once norms, q_b's product, the head RMS and the two rotations) give the engine
+    the logits of the code bit for bit, forward by forward, for two sequences decoding together and their
+    prompts (the call taken for every attention layer of every forward of up to MAX_ROWS rows)."""
+    import moesaic
+
+    llm = moesaic.LLM(demo, dtype="bfloat16")
+    prompts = [list(range(5, 14)), list(range(50, 56))]
+    sp = moesaic.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    runs = []
+    for fused in (True, False):
+        logits, taken = [], []
+        forward = llm.model.forward
+        keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
+        monkeypatch.setattr(llm.model, "forward", keep)
+        monkeypatch.setattr(cpu, "v4_inputs", _spy(cpu.v4_inputs, taken) if fused else lambda *a: None)
+        tokens = [r.token_ids for r in llm.generate(prompts, sp)]
+        monkeypatch.undo()
+        runs.append((tokens, logits, taken))
+    (tokens, got, taken), (want_tokens, want, _) = runs
+    assert taken and all(taken)
+    assert tokens == want_tokens and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_mla_block_declines_what_it_cannot_take(kernels):
     """mla_plan keeps the module's code for fp32 norms, more rows than MAX_ROWS, or an operand it cannot run;
     mla_block for pages it cannot write or a rotation of another width, before the caches advance."""

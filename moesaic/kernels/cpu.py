@@ -185,6 +185,7 @@ def load(verbose: bool = False):
                 "kda_project",
                 "mla_project",
                 "mla_block",
+                "v4_inputs",
                 "sink_attend",
                 "dsa_gathered_bf16",
                 "encode_fp4",
@@ -1025,6 +1026,49 @@ def mla_block(x, plan: tuple, pools, eps: float, kvr: int, heads: int, dn: int, 
     )  # fmt: skip
     stats["kernel_calls"] += len(ops)
     return y
+
+
+def v4_inputs(qa, kv, q_b, q_a_norm, kv_norm, eps: float, heads: int, ones, cos, sin):
+    """models/deepseek_v4.py's attention_inputs after x's products (qa, kv [n, D]) in one call for up to MAX_ROWS
+    rows: the norms in DeepSeek-V4's cast-once order, q_b's product (operand q_b) viewed [n, heads, D], each
+    head's unweighted RMS where `ones` (its unit weight [D]) is given, and the rotation of q's and kv's last 2 *
+    cos.shape[1] channels by cos / sin (rope_pairs); the same calls, the same bits. (qr, q, kv), or None where it
+    does not apply (the caller runs the code)."""
+    if not (qa.dim() == kv.dim() == 2 and 0 < qa.shape[0] <= MAX_ROWS and qa.shape[0] == kv.shape[0]):
+        return None
+    n, D = kv.shape
+    if not (qa.dtype == kv.dtype == torch.bfloat16 and qa.stride(-1) == 1 and kv.stride(-1) == 1):
+        return None
+    if not (
+        q_a_norm.shape == (qa.shape[1],) and kv_norm.shape == (D,) and max(D, qa.shape[1]) <= MAX_NORM_WIDTH
+    ):
+        return None
+    if not (cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == n and 2 * cos.shape[1] <= D):
+        return None
+    if ones is not None and ones.shape != (D,):
+        return None
+    mod = _fused_mod(qa, kv, q_a_norm, kv_norm, cos, sin) if _operands_fit([q_b], qa.dtype) else None
+    if mod is None or not (lanes := sum_lanes()):
+        return None
+    threads = _own_threads([q_b], n)[0]
+    norms = q_a_norm.contiguous(), kv_norm.contiguous()
+    out = mod.v4_inputs(
+        qa,
+        kv,
+        q_b,
+        threads,
+        *norms,
+        eps,
+        _TY[qa.dtype],
+        lanes,
+        _path(),
+        heads,
+        ones,
+        cos.contiguous(),
+        sin.contiguous(),
+    )
+    stats["kernel_calls"] += 1
+    return tuple(out)
 
 
 def ssd_steps(x, dt, A, B, C, h, keep_states: bool):

@@ -2890,6 +2890,30 @@ torch::Tensor mla_block(torch::Tensor x, std::vector<Operand> ops, std::vector<i
     return operand_gemm(out.flatten(1), o, std::nullopt, o_threads, path);
 }
 
+// models/deepseek_v4.py's attention_inputs after x's products, for a few rows: qr = the q_a rows' norm (rms_norm's
+// roundings pre / mid / out of norm_ty: DeepSeek-V4's cast-once order), q = q_b's product of qr viewed [n, H, D],
+// each head's unweighted RMS (head_norm: norms.head_rms, `ones` its unit weight [D]) and the rotation of its last
+// channels (rope_pairs: layout 2, cos / sin [n, rope / 2]); kv = the kv rows' norm, rotated the same way. The
+// calls layers/norms.py, rope.py and linear.py make, in their order, with their threads: the same bits. Returns
+// {qr, q, kv}.
+std::vector<torch::Tensor> v4_inputs(torch::Tensor qa, torch::Tensor kv, Operand q_b, int64_t q_b_threads,
+                                     torch::Tensor q_a_norm, torch::Tensor kv_norm, double eps, int64_t norm_ty,
+                                     int64_t lanes, int64_t path, int64_t H, std::optional<torch::Tensor> ones,
+                                     torch::Tensor cos, torch::Tensor sin) {
+    TORCH_CHECK(qa.dim() == 2 && kv.dim() == 2 && qa.size(0) == kv.size(0), "v4_inputs: qa [n, q_lora], kv [n, D]");
+    const int64_t n = qa.size(0), D = kv.size(1), rope_dim = 2 * cos.size(1), ty = ty_of(qa);
+    TORCH_CHECK(rope_dim <= D && cos.size(0) == n, "v4_inputs: cos / sin [n, rope / 2] within the head");
+    const auto qr = rms_norm(qa, q_a_norm, eps, 0, 0, norm_ty, lanes, 1, 0);
+    auto q = operand_gemm(qr, q_b, std::nullopt, q_b_threads, path);
+    TORCH_CHECK(q.size(1) == H * D, "v4_inputs: q_b's rows H x D");
+    q = q.view({n, H, D});
+    if (ones) q = rms_norm(q.view({n * H, D}), *ones, eps, 0, ty, ty, lanes, 1, ty).view({n, H, D});
+    q = rope(q, cos, sin, 2, 1, D - rope_dim);
+    auto k = rms_norm(kv.stride(1) == 1 ? kv : kv.contiguous(), kv_norm, eps, 0, 0, norm_ty, lanes, 1, 0);
+    k = rope(k.view({n, 1, D}), cos, sin, 2, 1, D - rope_dim).view({n, D});
+    return {qr, q, k};
+}
+
 // No FMA contraction in ffn_rows: torch rounds every product of the weighted sum.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options

@@ -43,8 +43,8 @@ from torch import Tensor
 from ..cache.state import TailRows, TokenRows, can_rollback
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, matmul, products
-from .norms import rms_norm_cast_once
+from .linear import linear, matmul, operand, products
+from .norms import rms_norm_cast_once, unit_weight
 from .rope import cos_sin, rope_pairs
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -96,6 +96,17 @@ class RopeTail:
     def __call__(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
         """x [n, ..., D] at positions [n]; `inverse` rotates by −angle."""
         return rope_pairs(x, *self.angles(positions, inverse), keep=x.shape[-1] - self.dim)
+
+
+def fused_inputs(qa, kv, q_b, q_a_norm, kv_norm, eps: float, heads: int, head_norm: bool, rope, positions):
+    """DeepSeek-V4's attention inputs after x's products (models/deepseek_v4.attention_inputs: qr = the q_a rows'
+    cast-once norm, q = q_b's product per head, head-RMS'd where `head_norm`, and kv = the kv rows' norm, q and kv
+    rotated by `rope` at positions) in one compiled call on the CPU, the same bits: (qr, q, kv), or None where
+    it does not apply (the caller runs the code)."""
+    if not qa.is_cpu or kernels("mla", qa) or (op := operand(q_b)) is None:
+        return None
+    ones = unit_weight(kv.shape[-1], kv.device) if head_norm else None
+    return cpu.v4_inputs(qa, kv, op, q_a_norm, kv_norm, eps, heads, ones, *rope.angles(positions))
 
 
 def grouped_out(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:

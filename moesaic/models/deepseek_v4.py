@@ -93,6 +93,7 @@ from ..layers.csa import (
     attention_state_bytes,
     compressor_inputs,
     compressor_update,
+    fused_inputs,
     grouped_out,
     indexer_select,
     layer_compressors,
@@ -731,6 +732,20 @@ def attention_inputs(
     layers/linear.products gives it (the stacked products), else linear."""
     eps, N = cfg.rms_norm_eps, x.shape[0]
     lin = lin or products(x, ())
+    fused = fused_inputs(
+        lin(w.q_a),
+        lin(w.kv),
+        w.q_b,
+        w.q_a_norm,
+        w.kv_norm,
+        eps,
+        cfg.num_attention_heads,
+        q_head_norm,
+        rope,
+        positions,
+    )
+    if fused is not None:  # the CPU: the code below after x's products in one call
+        return fused
     qr = rms_norm_cast_once(lin(w.q_a), w.q_a_norm, eps)
     q = linear(qr, w.q_b).view(N, cfg.num_attention_heads, cfg.head_dim)
     q = rope(head_rms(q, eps) if q_head_norm else q, positions)
