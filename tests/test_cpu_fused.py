@@ -623,6 +623,8 @@ def test_mhc_streams_keep_the_torch_bits(kernels, monkeypatch, order, dtype):
     s = mhc.Streams(h0, dims)
     with pytest.raises(RuntimeError, match="follows an enter"):
         s.leave(h0[:, 0])
+    # float64 streams (an exact reference's): the call declines, the torch code runs
+    assert mhc.Streams(h0.double(), dims).enter(sites[0], norm, weight.float(), 1e-5).dtype == torch.float64
 
 
 def test_sum_lanes_found_on_x86_builds():

@@ -580,8 +580,10 @@ def mhc_enter(streams, waiting, fn, columns, base, norm_eps: float, hc_eps: floa
             return None
     if norm is not None:
         weight, eps, pre, mid, out = norm
-        if weight.shape != (d,) or weight.dtype not in _TY:
-            return None
+        if weight.shape != (d,) or not all(
+            t in _TY for t in (weight.dtype, out, *(r for r in (pre, mid) if r))
+        ):
+            return None  # (a float64 model, say: the torch code)
         pre, mid, out = _TY.get(pre, 0), _TY.get(mid, 0), _TY[out]
     mod = _fused_mod(streams, fn, *(t for t in (y, weight) if t is not None))
     if mod is None or not (lanes := sum_lanes()):
