@@ -146,9 +146,10 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
     torch's mm / bmm / matmul are timed (wall clock) around each call; cpu.ffn_rows (a token's whole
     feed-forward block: its products, a silu, a mul and the weighted sum), cpu.moe_rows (the same with the
     router's product and the routing's few ops), cpu.kda_project (KDA's eight row-wise products, the log-decay
-    and beta), cpu.mla_project (MLA's q_a, q_b and kv_a products and two norms) and cpu.mla_block (an MLA module's
+    and beta), cpu.mla_project (MLA's q_a, q_b and kv_a products and two norms), cpu.mla_block (an MLA module's
     decode rows: mla_project's products, o's, and with them the ropes, the page writes and the absorbed
-    attention, ~50 us a layer of Mistral-4's at these lengths) are counted as products."""
+    attention, ~50 us a layer of Mistral-4's at these lengths) and cpu.v4_inputs (DeepSeek-V4's q_b product with
+    its two norms, head RMS and ropes) are counted as products."""
     acc = [0.0]
 
     def timed(f):
@@ -161,7 +162,16 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
 
         return g
 
-    names = ("_gemm", "tiled_linear", "ffn_rows", "moe_rows", "kda_project", "mla_project", "mla_block")
+    names = (
+        "_gemm",
+        "tiled_linear",
+        "ffn_rows",
+        "moe_rows",
+        "kda_project",
+        "mla_project",
+        "mla_block",
+        "v4_inputs",
+    )
     saved = [getattr(cpu, n) for n in names], torch.bmm, torch.matmul
     for n in names:
         setattr(cpu, n, timed(getattr(cpu, n)))
