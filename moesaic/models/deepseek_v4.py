@@ -730,31 +730,24 @@ def attention_inputs(
     """(qr, q [N, H, D] roped, kv [N, D] roped) of the packed layer input: qr = RMSNorm(x Wq_a),
     q = rope(headRMS(qr Wq_b)) (V4.1: no head RMS), kv = rope(RMSNorm(x Wkv)). `lin`: linear(x, ·) as
     layers/linear.products gives it (the stacked products), else linear."""
-    eps, N = cfg.rms_norm_eps, x.shape[0]
+    eps, N, H = cfg.rms_norm_eps, x.shape[0], cfg.num_attention_heads
     lin = lin or products(x, ())
-    fused = fused_inputs(
-        lin(w.q_a),
-        lin(w.kv),
-        w.q_b,
-        w.q_a_norm,
-        w.kv_norm,
-        eps,
-        cfg.num_attention_heads,
-        q_head_norm,
-        rope,
-        positions,
-    )
-    if fused is not None:  # the CPU: the code below after x's products in one call
+    qa, kv = lin(w.q_a), lin(w.kv)
+    fused = fused_inputs(qa, kv, w.q_b, w.q_a_norm, w.kv_norm, eps, H, q_head_norm, rope, positions)
+    if fused is not None:  # the CPU: the code below in one call
         return fused
-    qr = rms_norm_cast_once(lin(w.q_a), w.q_a_norm, eps)
-    q = linear(qr, w.q_b).view(N, cfg.num_attention_heads, cfg.head_dim)
+    qr = rms_norm_cast_once(qa, w.q_a_norm, eps)
+    q = linear(qr, w.q_b).view(N, H, cfg.head_dim)
     q = rope(head_rms(q, eps) if q_head_norm else q, positions)
-    return qr, q, attention_kv(w, x, cfg, rope, positions, lin)
+    return qr, q, _kv_rows(kv, w, cfg, rope, positions)
 
 
 def attention_kv(w: Attention, x: Tensor, cfg, rope: RopeTail, positions: Tensor, lin=None) -> Tensor:
     """kv [N, D] = rope(RMSNorm(x Wkv)), the one key (= value) row of each input row."""
-    kv = (lin or products(x, ()))(w.kv)
+    return _kv_rows((lin or products(x, ()))(w.kv), w, cfg, rope, positions)
+
+
+def _kv_rows(kv: Tensor, w: Attention, cfg, rope: RopeTail, positions: Tensor) -> Tensor:
     return rope(rms_norm_cast_once(kv, w.kv_norm, cfg.rms_norm_eps), positions)
 
 
