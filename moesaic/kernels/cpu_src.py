@@ -355,15 +355,15 @@ inline void step(const Ctx& C, const Row* rows, const uint8_t* const* p, int64_t
     }
 }
 
-// res[m * R + r] = dot over chunks [c0, c1) (+ the partial last chunk if `tail`) of x row m and weight
-// row r, for R weight rows and MB activation rows. The partial chunk is read through zero-padded
-// copies of the rows' tails.
 bool amd_cpu() {
     __builtin_cpu_init();
     return __builtin_cpu_is("amd");
 }
 const bool NTA_AHEAD = amd_cpu();  // tile's prefetch hint (below)
 
+// res[m * R + r] = dot over chunks [c0, c1) (+ the partial last chunk if `tail`) of x row m and weight
+// row r, for R weight rows and MB activation rows. The partial chunk is read through zero-padded
+// copies of the rows' tails.
 template <int KIND, int R, int MB>
 void tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t c0, int64_t c1, bool tail, float* res) {
     __m256 acc[R][MB];
@@ -1907,15 +1907,19 @@ float torch_sum(const float* s, int64_t n) {
     return acc;
 }
 
+// sum(v * v) of D values in torch's order (`lanes`: its vectors' lanes, torch_sum); sq [D] is scratch.
+inline float sum_squares(const float* v, float* sq, int64_t D, int64_t lanes) {
+    for (int64_t k = 0; k < D; ++k) sq[k] = v[k] * v[k];
+    return lanes == 8 ? torch_sum<8>(sq, D) : torch_sum<16>(sq, D);
+}
+
 // One row of rms_norm below, in place: v [D] (the row as loaded, fp32) becomes rnd_mid(x' *
 // rnd_factor(rsqrt(mean(x'^2) + eps))) times w (none where w is null: 1 * v is v), x' = rnd_pre(v); sq [D]
 // is scratch.
 inline void norm_row(float* v, float* sq, const float* w, int64_t D, float eps, int pre, int mid, int factor,
                      int64_t lanes) {
     round_row(pre, v, D);
-    for (int64_t k = 0; k < D; ++k) sq[k] = v[k] * v[k];
-    const float sum = lanes == 8 ? torch_sum<8>(sq, D) : torch_sum<16>(sq, D);
-    float inv = 1.f / std::sqrt(sum / (float)D + eps);
+    float inv = 1.f / std::sqrt(sum_squares(v, sq, D, lanes) / (float)D + eps);
     round_row(factor, &inv, 1);
     for (int64_t k = 0; k < D; ++k) v[k] = v[k] * inv;
     round_row(mid, v, D);
@@ -2204,9 +2208,7 @@ std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::
                 std::copy_n(yp + t * C + (part * H + h) * D, D, x);
                 round_row(tq, x, D);
                 if (part == 2) continue;
-                for (int64_t i = 0; i < D; ++i) sq[i] = x[i] * x[i];
-                const float sum = lanes == 8 ? torch_sum<8>(sq.data(), D) : torch_sum<16>(sq.data(), D);
-                np_[(part * H + h) * n + t] = sum + epsf;
+                np_[(part * H + h) * n + t] = sum_squares(x, sq.data(), D, lanes) + epsf;
             }
     at::sqrt_(norms);  // torch's sqrt (MKL's where torch has it: not always the nearest float)
     for (int64_t part = 0; part < 2; ++part)
@@ -2223,10 +2225,9 @@ std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::
     std::vector<torch::Tensor> outs;
     auto snaps = S.new_empty({0, S.size(0), S.size(1), S.size(2)});
     auto run = [&](int64_t a, int64_t b, bool keep, int64_t threads) {
-        const bool all = a == 0 && b == n;  // no slices to dispatch
-        auto r = all ? delta_rule(q, k, v, at::exp(gt), bt, S, keep, threads)
-                     : delta_rule(q.slice(1, a, b), k.slice(1, a, b), v.slice(1, a, b), at::exp(gt.slice(1, a, b)),
-                                  bt.slice(1, a, b), S, keep, threads);
+        // rows [a, b) of each (the whole tensor where that is all of it: no slice to dispatch)
+        auto cut = [&](const torch::Tensor& t) { return a == 0 && b == n ? t : t.slice(1, a, b); };
+        auto r = delta_rule(cut(q), cut(k), cut(v), at::exp(cut(gt)), cut(bt), S, keep, threads);
         outs.push_back(r[0]);
         S = r[1];
         if (keep) snaps = r[2];
@@ -3173,21 +3174,25 @@ torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor p
     return out;
 }
 
-// x [M, K] fp32 against fp32 w [N, K] (rows contiguous): f32_dot_rows's bits, weight rows shared out to the threads.
-torch::Tensor f32_rows(torch::Tensor x, torch::Tensor w, int64_t nthreads) {
-    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == torch::kFloat32 &&
-                    w.scalar_type() == torch::kFloat32 && w.size(1) == x.size(1) && w.stride(1) == 1,
-                "f32_rows: x [M, K] and w [N, K] fp32, w's rows contiguous");
-    x = x.contiguous();
-    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-    auto out = torch::empty({M, N}, x.options());
-    const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const int64_t blocks = (N + 3) / 4;
-    pybind11::gil_scoped_release no_gil;
+// out [M, N] = x [M, K] against the fp32 rows of w [N, K] (rows contiguous): f32_dot_rows's bits, the weight rows
+// shared out to the threads by fours (the same bits under any threads).
+void f32_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& w, float* out, int64_t nthreads) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.size(1) == K && w.stride(1) == 1,
+                "f32_rows: w [N, K] fp32, its rows contiguous");
+    const int64_t N = w.size(0), blocks = (N + 3) / 4;
+    const float* wp = w.data_ptr<float>();
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && blocks > 1)
     for (int64_t b = 0; b < blocks; ++b)
-        f32_dot_rows(xp, M, K, wp, w.stride(0), 4 * b, std::min<int64_t>(N, 4 * b + 4), op, N);
+        f32_dot_rows(x, M, K, wp, w.stride(0), 4 * b, std::min<int64_t>(N, 4 * b + 4), out, N);
+}
+
+// x [M, K] fp32 against fp32 w [N, K]: f32_rows_into's products, into a new [M, N].
+torch::Tensor f32_rows(torch::Tensor x, torch::Tensor w, int64_t nthreads) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "f32_rows: x [M, K] fp32");
+    x = x.contiguous();
+    auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+    pybind11::gil_scoped_release no_gil;
+    f32_rows_into(x.data_ptr<float>(), x.size(0), x.size(1), w, out.data_ptr<float>(), nthreads);
     return out;
 }
 
@@ -3242,8 +3247,7 @@ std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch:
     auto f32 = streams.options().dtype(torch::kFloat32);
     auto scaled_t = torch::from_blob(scaled.data(), {N, nd}, f32);
     if (kernel_fn && fn.scalar_type() == torch::kFloat32) {
-        TORCH_CHECK(fn.stride(1) == 1, "mhc_enter: fn's rows contiguous");
-        f32_dot_rows(scaled.data(), N, nd, fn.data_ptr<float>(), fn.stride(0), 0, W, m.data(), W);
+        f32_rows_into(scaled.data(), N, nd, fn, m.data(), fn_threads);
     } else if (kernel_fn) {
         auto m_t = torch::from_blob(m.data(), {N, W}, f32);
         gemm(BF16, scaled_t, fn, std::nullopt, std::nullopt, false, std::nullopt, m_t, std::nullopt, 0, 1, 1,
