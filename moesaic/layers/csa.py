@@ -103,7 +103,7 @@ def fused_inputs(qa, kv, q_b, q_a_norm, kv_norm, eps: float, heads: int, head_no
     cast-once norm, q = q_b's product per head, head-RMS'd where `head_norm`, and kv = the kv rows' norm, q and kv
     rotated by `rope` at positions) in one compiled call on the CPU, the same bits: (qr, q, kv), or None where
     it does not apply (the caller runs the code)."""
-    if not qa.is_cpu or kernels("mla", qa) or (op := operand(q_b)) is None:
+    if not qa.is_cpu or (op := operand(q_b)) is None:  # as sink_attention's: no Triton kernel for these steps
         return None
     ones = unit_weight(kv.shape[-1], kv.device) if head_norm else None
     return cpu.v4_inputs(qa, kv, op, q_a_norm, kv_norm, eps, heads, ones, *rope.angles(positions))
