@@ -149,7 +149,9 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
     and beta), cpu.mla_project (MLA's q_a, q_b and kv_a products and two norms), cpu.mla_block (an MLA module's
     decode rows: mla_project's products, o's, and with them the ropes, the page writes and the absorbed
     attention, ~50 us a layer of Mistral-4's at these lengths) and cpu.v4_inputs (DeepSeek-V4's q_b product with
-    its two norms, head RMS and ropes) are counted as products."""
+    its two norms, head RMS and ropes) are counted as products, and so are the weight products inside
+    cpu.mhc_enter (the mHC site's) and cpu.dsa_gathered (DSA's W_k and W_v), which those calls time themselves
+    (cpu.product_seconds)."""
     acc = [0.0]
 
     def timed(f):
@@ -181,16 +183,17 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
         best = None
         for _ in range(repeats):
             acc[0] = 0.0
-            t = time.perf_counter()
+            t, inner = time.perf_counter(), cpu.product_seconds(True)  # (on: the fused calls' own count)
             gen([prompt], 1)
-            t1, g1 = time.perf_counter() - t, acc[0]
+            t1, g1 = time.perf_counter() - t, acc[0] + cpu.product_seconds(True) - inner
             acc[0] = 0.0
-            t = time.perf_counter()
+            t, inner = time.perf_counter(), cpu.product_seconds(True)
             gen([prompt], new)
-            tn, gn = time.perf_counter() - t, acc[0]
+            tn, gn = time.perf_counter() - t, acc[0] + cpu.product_seconds(True) - inner
             step, mm = (tn - t1) / (new - 1), (gn - g1) / (new - 1)
             best = (step, mm) if best is None or step < best[0] else best
     finally:
+        cpu.product_seconds(False)
         for n, f in zip(names, saved[0]):
             setattr(cpu, n, f)
         torch.bmm, torch.matmul = saved[1:]

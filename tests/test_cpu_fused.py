@@ -564,6 +564,39 @@ def test_f32_rows_products(kernels):
     assert cpu.f32_rows(torch.randn(cpu.MAX_ROWS + 1, 13), w) is None
 
 
+def test_product_seconds_counts_the_fused_calls_products(kernels):
+    """cpu.product_seconds: the weight products inside cpu.mhc_enter (bf16 and fp32 fn) and cpu.dsa_gathered
+    (bf16) add to the count while it is on, and nothing adds while it is off (the benchmark's split of a step
+    reads it); the calls' outputs do not depend on it."""
+    from moesaic.layers import mhc
+    from moesaic.layers.linear import SMALL_PRODUCT
+
+    g = torch.Generator().manual_seed(29)
+    dims = mhc.MhcDims(4)
+    h = torch.randn(1, 4, 512, generator=g).bfloat16()
+    q = torch.randn(1, 8, 64, generator=g).bfloat16()
+    latent = torch.randn(300, 128, generator=g).bfloat16()
+    w = (torch.randn(8 * 96, 128, generator=g) * 0.1).bfloat16()
+    sel = torch.randperm(300, generator=g)[:200].view(1, -1)
+    fn = torch.randn(dims.site_width, 4 * 512, generator=g) * 0.01
+    site = mhc.MhcSite(fn, torch.zeros(dims.site_width), torch.ones(3))
+
+    def enter(fn):
+        return lambda: cpu.mhc_enter(h, None, fn, site.columns, site.base, 1e-6, 1e-6, 20)[1]
+
+    calls = [enter(fn), enter(fn.bfloat16())]
+    calls.append(lambda: cpu.dsa_gathered(q, latent, w, 32, 0.125, sel, 0, SMALL_PRODUCT))
+    try:
+        for call in calls:
+            before = cpu.product_seconds(False)
+            off = call()
+            assert cpu.product_seconds(True) == before  # off: nothing counted
+            on = call()
+            assert cpu.product_seconds(False) > before and torch.equal(on, off)
+    finally:
+        cpu.product_seconds(False)
+
+
 def _three_blocks(h0, dims, sites, norm, weight, shift) -> list:
     """Three blocks over mhc.Streams(h0): each block's input, the streams after the second (a tap) and after
     the last. A block's output is made from its input (so a wrong input shows downstream); the first is in

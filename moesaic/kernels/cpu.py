@@ -190,6 +190,7 @@ def load(verbose: bool = False):
                 "dsa_gathered_bf16",
                 "encode_fp4",
                 "encode_fp8",
+                "product_seconds",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -614,6 +615,14 @@ def mhc_enter(streams, waiting, fn, columns, base, norm_eps: float, hc_eps: floa
             out,
         )
     )
+
+
+def product_seconds(on: bool) -> float:
+    """Seconds spent so far in the weight products inside compiled calls that also do other work (mhc_enter's
+    site product, dsa_gathered's W_k and W_v on bf16), for a benchmark's split of a step; `on` switches the
+    counting on or off from now (off by default). 0.0 without the compiled module."""
+    mod = _module()
+    return 0.0 if mod is None else mod.product_seconds(on)
 
 
 def f32_rows(x, w):

@@ -61,6 +61,8 @@ CPP = r"""
 #include <cfloat>
 #include <cmath>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <optional>
 #include <cstdint>
 #include <type_traits>
@@ -3061,29 +3063,67 @@ namespace {
 // x[t] = rnd(sum_j pre[t, j] s[t, j]) (collapse): s [N, n, d] contiguous of type ty, pre [N, n] fp32; with a
 // norm (nw: its fp32 weight [d]), the block's RMSNorm of that row (rms_norm's operations, roundings pre / mid)
 // stored as out_ty, else the row stored as ty.
+// The seconds spent in the weight products inside calls that also do other work (mhc_enter's site product,
+// dsa_gathered_bf16's W_k and W_v), for a benchmark's split of a step into products and the rest (thread
+// seconds: wall seconds on one thread). Counted only while switched on (product_seconds).
+std::atomic<bool> product_clock_on{false};
+std::atomic<int64_t> product_clock_ns{0};
+struct ProductClock {  // times its scope where the clock is on
+    const bool on = product_clock_on.load(std::memory_order_relaxed);
+    const std::chrono::steady_clock::time_point t0 = on ? std::chrono::steady_clock::now()
+                                                         : std::chrono::steady_clock::time_point{};
+    ~ProductClock() {
+        if (on)
+            product_clock_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::steady_clock::now() - t0).count();
+    }
+};
+
+// A thread's buffers for the mHC calls, kept between calls (their own: mhc_enter calls gemm, which has its
+// Scratch): four of them, each grown to the largest asked.
+float* mhc_buffer(int i, int64_t n) {
+    thread_local std::array<std::vector<float>, 4> bufs;
+    if ((int64_t)bufs[i].size() < n) bufs[i].resize(n);
+    return bufs[i].data();
+}
+
+// Runs body(t, buffers) for t in [0, N): on `threads` threads (each its own buffers of `width` floats) where
+// asked, else here on the thread's kept buffer (no parallel region: its setup is a measurable part of a
+// one-row call after a weight stream).
+template <class F>
+void rows_on(int64_t N, int64_t threads, int64_t width, int slot, F body) {
+    if (threads > 1 && N > 1) {
+#pragma omp parallel num_threads(threads)
+        {
+            std::vector<float> buf(width);
+#pragma omp for
+            for (int64_t t = 0; t < N; ++t) body(t, buf.data());
+        }
+    } else {
+        float* buf = mhc_buffer(slot, width);
+        for (int64_t t = 0; t < N; ++t) body(t, buf);
+    }
+}
+
 void mhc_collapse(int ty, const char* s, const float* pre, char* x, int64_t N, int64_t n, int64_t d,
                   int64_t threads, const float* nw, float eps, int npre, int nmid, int out_ty, int64_t lanes) {
     const int64_t es = ty == F32 ? 4 : 2, xs = (nw ? out_ty : ty) == F32 ? 4 : 2;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        std::vector<float> acc(d), row(d);
-#pragma omp for
-        for (int64_t t = 0; t < N; ++t) {
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t j = 0; j < n; ++j) {
-                load_row(ty, s + (t * n + j) * d * es, row.data(), d);
-                const float p = pre[t * n + j];
-                for (int64_t i = 0; i < d; ++i) acc[i] += p * row[i];
-            }
-            if (nw) {
-                round_row(ty, acc.data(), d);  // the collapse's rounding to the streams' dtype
-                norm_row(acc.data(), row.data(), nw, d, eps, npre, nmid, F32, lanes);
-                store_row(out_ty, acc.data(), x + t * d * xs, d);
-            } else {
-                store_row(ty, acc.data(), x + t * d * xs, d);
-            }
+    rows_on(N, threads, 2 * d, 0, [&](int64_t t, float* buf) {
+        float *acc = buf, *row = buf + d;
+        std::fill(acc, acc + d, 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+            load_row(ty, s + (t * n + j) * d * es, row, d);
+            const float p = pre[t * n + j];
+            for (int64_t i = 0; i < d; ++i) acc[i] += p * row[i];
         }
-    }
+        if (nw) {
+            round_row(ty, acc, d);  // the collapse's rounding to the streams' dtype
+            norm_row(acc, row, nw, d, eps, npre, nmid, F32, lanes);
+            store_row(out_ty, acc, x + t * d * xs, d);
+        } else {
+            store_row(ty, acc, x + t * d * xs, d);
+        }
+    });
 }
 
 // out[m, r] = x[m] . w[r] for fp32 x [M, K] and fp32 w rows [r0, r1) (row stride ws): 16 partial sums (k mod 16)
@@ -3128,32 +3168,28 @@ constexpr int64_t SCALAR_SIGMOID = 32;
 void mhc_mix(int ty, const char* s, const char* y, const float* post, const float* comb, char* out, int64_t N,
              int64_t n, int64_t d, int64_t threads) {
     const int64_t es = ty == F32 ? 4 : 2;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        std::vector<float> rows(n * d), yrow(d), acc(d), spread(d), c(n * n), p(n);
-#pragma omp for
-        for (int64_t t = 0; t < N; ++t) {
-            load_row(ty, s + t * n * d * es, rows.data(), n * d);
-            load_row(ty, y + t * d * es, yrow.data(), d);
-            std::copy_n(comb + t * n * n, n * n, c.data());
-            round_row(ty, c.data(), n * n);  // comb.to(dt)
-            std::copy_n(post + t * n, n, p.data());
-            round_row(ty, p.data(), n);  // post.to(dt)
-            for (int64_t k = 0; k < n; ++k) {
-                std::fill(acc.begin(), acc.end(), 0.f);
-                for (int64_t j = 0; j < n; ++j) {
-                    const float cj = c[j * n + k];
-                    const float* r = rows.data() + j * d;
-                    for (int64_t i = 0; i < d; ++i) acc[i] += cj * r[i];
-                }
-                round_row(ty, acc.data(), d);
-                for (int64_t i = 0; i < d; ++i) spread[i] = p[k] * yrow[i];
-                round_row(ty, spread.data(), d);
-                for (int64_t i = 0; i < d; ++i) spread[i] = spread[i] + acc[i];
-                store_row(ty, spread.data(), out + (t * n + k) * d * es, d);
+    rows_on(N, threads, (n + 3) * d + n * n + n, 1, [&](int64_t t, float* buf) {
+        float *rows = buf, *yrow = rows + n * d, *acc = yrow + d, *spread = acc + d, *c = spread + d, *p = c + n * n;
+        load_row(ty, s + t * n * d * es, rows, n * d);
+        load_row(ty, y + t * d * es, yrow, d);
+        std::copy_n(comb + t * n * n, n * n, c);
+        round_row(ty, c, n * n);  // comb.to(dt)
+        std::copy_n(post + t * n, n, p);
+        round_row(ty, p, n);  // post.to(dt)
+        for (int64_t k = 0; k < n; ++k) {
+            std::fill(acc, acc + d, 0.f);
+            for (int64_t j = 0; j < n; ++j) {
+                const float cj = c[j * n + k];
+                const float* r = rows + j * d;
+                for (int64_t i = 0; i < d; ++i) acc[i] += cj * r[i];
             }
+            round_row(ty, acc, d);
+            for (int64_t i = 0; i < d; ++i) spread[i] = p[k] * yrow[i];
+            round_row(ty, spread, d);
+            for (int64_t i = 0; i < d; ++i) spread[i] = spread[i] + acc[i];
+            store_row(ty, spread, out + (t * n + k) * d * es, d);
         }
-    }
+    });
 }
 }  // namespace
 
@@ -3233,29 +3269,24 @@ std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch:
     const float neps = (float)norm_eps;
     const char* hp = static_cast<const char*>(h.data_ptr());
     const int64_t es = ty == F32 ? 4 : 2;
-    std::vector<float> scaled(N * nd), m(N * W);
-#pragma omp parallel num_threads(threads) if (threads > 1 && N > 1)
-    {
-        std::vector<float> sq(nd);
-#pragma omp for
-        for (int64_t t = 0; t < N; ++t) {
-            float* v = scaled.data() + t * nd;
-            load_row(ty, hp + t * nd * es, v, nd);
-            norm_row(v, sq.data(), nullptr, nd, neps, F32, F32, F32, lanes);
-        }
-    }
+    float *scaled = mhc_buffer(2, N * nd), *m = mhc_buffer(3, N * W);
+    rows_on(N, threads, nd, 0, [&](int64_t t, float* sq) {
+        float* v = scaled + t * nd;
+        load_row(ty, hp + t * nd * es, v, nd);
+        norm_row(v, sq, nullptr, nd, neps, F32, F32, F32, lanes);
+    });
     auto f32 = streams.options().dtype(torch::kFloat32);
-    auto scaled_t = torch::from_blob(scaled.data(), {N, nd}, f32);
     if (kernel_fn && fn.scalar_type() == torch::kFloat32) {
-        f32_rows_into(scaled.data(), N, nd, fn, m.data(), fn_threads);
+        ProductClock clock;
+        f32_rows_into(scaled, N, nd, fn, m, fn_threads);
     } else if (kernel_fn) {
-        auto m_t = torch::from_blob(m.data(), {N, W}, f32);
-        gemm(BF16, scaled_t, fn, std::nullopt, std::nullopt, false, std::nullopt, m_t, std::nullopt, 0, 1, 1,
-             fn_threads, path);
+        ProductClock clock;
+        gemm(BF16, torch::from_blob(scaled, {N, nd}, f32), fn, std::nullopt, std::nullopt, false, std::nullopt,
+             torch::from_blob(m, {N, W}, f32), std::nullopt, 0, 1, 1, fn_threads, path);
     } else {
-        auto mt = at::linear(scaled_t, fn.to(torch::kFloat32)).contiguous();
+        auto mt = at::linear(torch::from_blob(scaled, {N, nd}, f32), fn.to(torch::kFloat32)).contiguous();
         TORCH_CHECK(mt.scalar_type() == torch::kFloat32, "mhc_enter: the site's product in fp32");
-        std::copy_n(mt.data_ptr<float>(), N * W, m.data());
+        std::copy_n(mt.data_ptr<float>(), N * W, m);
     }
     // z = m * columns + base, each part in its own contiguous rows (the layout the torch code gives its
     // sigmoids and softmax)
@@ -3292,6 +3323,12 @@ std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch:
     mhc_collapse(ty, hp, pre.data(), static_cast<char*>(x.data_ptr()), N, n, d, threads,
                  nw ? nwf.data() : nullptr, (float)eps, (int)npre, (int)nmid, (int)out_ty, lanes);
     return {h, x, post, comb};
+}
+
+// The seconds ProductClock has counted so far; `on` switches the counting on or off from here.
+double product_seconds(bool on) {
+    product_clock_on = on;
+    return product_clock_ns.load() * 1e-9;
 }
 
 // The E8M0 exponent byte of pow2_ceil(x) for x > 0 (weights/quant.py's pow2_ceil_e8m0): 2^(e - 127) is the
@@ -3609,11 +3646,14 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
 #pragma omp for
         for (int64_t it = 0; it < n_items; ++it) {
             const int64_t i = items[it][0], h0 = items[it][1], g = items[it][2];
-            for (int64_t hh = 0; hh < g; ++hh) {
-                float* q = ql.data() + hh * kvr;
-                std::fill(q, q + kvr, 0.f);
-                axpy_bf16_many(qp + (i * H + h0 + hh) * dn, wp + (h0 + hh) * wr * kvr, kvr, dn, q, kvr);
-                for (int64_t c = 0; c < kvr; ++c) q[c] = round_bf16(q[c]);  // q_lat in bf16
+            {
+                ProductClock clock;
+                for (int64_t hh = 0; hh < g; ++hh) {
+                    float* q = ql.data() + hh * kvr;
+                    std::fill(q, q + kvr, 0.f);
+                    axpy_bf16_many(qp + (i * H + h0 + hh) * dn, wp + (h0 + hh) * wr * kvr, kvr, dn, q, kvr);
+                    for (int64_t c = 0; c < kvr; ++c) q[c] = round_bf16(q[c]);  // q_lat in bf16
+                }
             }
             float* row = lg + (i * H + h0) * W;  // head h0 + hh's scores at row + hh * W
             for (int64_t e = 0; e < W; ++e) {
@@ -3649,6 +3689,7 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
                     axpy_bf16_group<decltype(G)::value>(pr.data() + e0, W, rows, me, ol.data(), kvr, kvr);
                 });
             }
+            ProductClock clock;
             for (int64_t hh = 0; hh < g; ++hh) {
                 const int64_t ih = i * H + h0 + hh;
                 float* oh = ol.data() + hh * kvr;
