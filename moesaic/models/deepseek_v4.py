@@ -829,49 +829,55 @@ class Model:
         """Layer L's attention (L indexes the sequences' states); `kind` for a block outside the decoder
         (the MTP layer's sliding window)."""
         c = self.cfg
-        kind, eps = kind or c.layer_types[L], c.rms_norm_eps
+        kind = kind or c.layer_types[L]
         rope, pos = self.rope[kind], batch.positions
         lin = products(x, w.x_stacks)
         qr, q, kv = attention_inputs(w, x, c, rope, pos, lin=lin)
-        comp, idx = w.compressor, w.index_compressor
-        if comp is not None:
-            ckv, cgate = compressor_inputs(x, comp, lin)
-        if idx is not None:
-            ikv, igate = compressor_inputs(x, idx, lin)
-            queries = None  # the indexer's queries, computed for the first sequence that needs scores
-        out = torch.empty_like(q)
-        for s in batch.seqs:
-            r = slice(s.start, s.start + s.n)
-            st = s.state.layers[L]
-            win_start = s.past - st.window.held
-            win = st.window.append(kv=kv[r])["kv"]
-            entries = sel = None
-            if comp is not None:
-                entries = compressor_update(st.compressor, ckv[r], cgate[r], comp, eps, rope)[0]
-            if idx is not None:
-                keys = compressor_update(st.indexer, ikv[r], igate[r], idx, eps, rope)[0]
-                if keys.shape[0] <= c.index_topk:  # every entry fits in the top-k: each visible one is kept
-                    sel = visible_entries(pos[r], keys.shape[0], c.csa_ratio, newest=True)
-                else:
-                    if queries is None:
-                        queries = index_query(w.index, qr, x, c, rope, pos)
-                    qi, wts = queries
-                    sel = indexer_select(qi[r], wts[r], keys, pos[r], c.csa_ratio, c.index_topk)[0]
-            ratio = c.hca_ratio if kind == HCA else c.csa_ratio
-            out[r] = sink_attention(
-                q[r],
-                pos[r],
-                s.past,
-                win,
-                win_start,
-                c.sliding_window,
-                w.sinks,
-                c.head_dim**-0.5,
-                entries,
-                sel,
-                ratio,
-            )
+        comp = None if w.compressor is None else compressor_inputs(x, w.compressor, lin)
+        idx = None if w.index_compressor is None else compressor_inputs(x, w.index_compressor, lin)
+        queries = []  # the indexer's queries of every row, made for the first sequence that needs scores
+
+        def index_rows(r):
+            if not queries:
+                queries.extend(index_query(w.index, qr, x, c, rope, pos))
+            return queries if r is None else [t[r] for t in queries]
+
+        if len(batch.seqs) == 1:  # one sequence's rows are the batch's: no slices, no copy into out
+            out = self.attend(L, w, kind, batch.seqs[0], q, pos, kv, comp, idx, lambda: index_rows(None))
+        else:
+            out = torch.empty_like(q)
+            for s in batch.seqs:
+                r = slice(s.start, s.start + s.n)
+                comp_r = None if comp is None else [t[r] for t in comp]
+                idx_r = None if idx is None else [t[r] for t in idx]
+                out[r] = self.attend(
+                    L, w, kind, s, q[r], pos[r], kv[r], comp_r, idx_r, lambda r=r: index_rows(r)
+                )
         return attention_output(w, out, c, rope, pos)
+
+    def attend(self, L: int, w: Attention, kind: str, s, q, pos, kv, comp, idx, index_rows) -> Tensor:
+        """One sequence's rows of layer L's attention: q [n, H, D], pos, kv [n, D] and the compressors'
+        inputs (kv, gate) its rows of them; index_rows() gives the indexer's queries of its rows. Appends
+        the rows to the sequence's window and compressors."""
+        c, eps, rope = self.cfg, self.cfg.rms_norm_eps, self.rope[kind]
+        st = s.state.layers[L]
+        win_start = s.past - st.window.held
+        win = st.window.append(kv=kv)["kv"]
+        entries = sel = None
+        if comp is not None:
+            entries = compressor_update(st.compressor, *comp, w.compressor, eps, rope)[0]
+        if idx is not None:
+            keys = compressor_update(st.indexer, *idx, w.index_compressor, eps, rope)[0]
+            if keys.shape[0] <= c.index_topk:  # every entry fits in the top-k: each visible one is kept
+                sel = visible_entries(pos, keys.shape[0], c.csa_ratio, newest=True)
+            else:
+                qi, wts = index_rows()
+                sel = indexer_select(qi, wts, keys, pos, c.csa_ratio, c.index_topk)[0]
+        ratio = c.hca_ratio if kind == HCA else c.csa_ratio
+        scale = c.head_dim**-0.5
+        return sink_attention(
+            q, pos, s.past, win, win_start, c.sliding_window, w.sinks, scale, entries, sel, ratio
+        )
 
     def block(self, L: int, w: Layer, hs: mhc.Streams, batch: ForwardBatch, kind: str | None = None) -> None:
         """One decoder block over the streams hs (the MTP layer's too: `kind` SLIDING); its last update
