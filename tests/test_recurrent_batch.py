@@ -11,6 +11,7 @@ import torch
 from test_kda_layer import HIDDEN, dims_for, hf_module, ours
 from test_mamba2_layer import build as build_mamba2
 
+from moesaic.cache.batch import SeqChunk
 from moesaic.cache.state import RecurrentState
 from moesaic.layers import kda, mamba2
 from moesaic.layers.recurrent import run_recurrent
@@ -52,7 +53,7 @@ def test_a_batch_projects_once_and_equals_each_sequence_alone(case, monkeypatch)
     alone = [mixer.run(x[a : a + n], w, dims, s, min(n, 3)) for a, n, s in zip(starts, ROWS, states)]
 
     seqs = [
-        SimpleNamespace(start=a, n=n, state=SimpleNamespace(layers={0: RecurrentState(s, window=3)}))
+        SeqChunk(SimpleNamespace(layers={0: RecurrentState(s, window=3)}), a, n, 0)
         for a, n, s in zip(starts, ROWS, states)
     ]
     calls = counting(monkeypatch, module)
@@ -69,11 +70,7 @@ def test_a_batch_projects_once_and_equals_each_sequence_alone(case, monkeypatch)
         0,
         x[:1],
         SimpleNamespace(
-            seqs=[
-                SimpleNamespace(
-                    start=0, n=1, state=SimpleNamespace(layers={0: RecurrentState(states[0], window=3)})
-                )
-            ]
+            seqs=[SeqChunk(SimpleNamespace(layers={0: RecurrentState(states[0], window=3)}), 0, 1, 0)]
         ),
     )
 
@@ -113,7 +110,7 @@ def test_a_stepped_mixer_asks_only_the_snapshots_it_keeps(window, monkeypatch):
         x = torch.randn(24, d, generator=torch.Generator().manual_seed(5))
         state = RecurrentState(zero, window=window)
         kept = state.snapshots_needed(24)
-        seq = SimpleNamespace(start=0, n=24, state=SimpleNamespace(layers={0: state}))
+        seq = SeqChunk(SimpleNamespace(layers={0: state}), 0, 24, 0)
         y = run_recurrent(counted, w, dims, 0, x, SimpleNamespace(seqs=[seq]))
         results[stepped is not None] = (asked, y, seq.state.layers[0])
     assert results[True][0] == [kept] and results[False][0] == [STEPPED_ROWS] and kept <= window + 1

@@ -24,6 +24,11 @@ class SeqChunk:
     n: int  # how many new tokens
     past: int  # tokens the state held before this forward
 
+    def rows(self, t):
+        """This sequence's rows of a per-row tensor t [N, ...] of its forward: t itself where they are all of
+        them (a batch of one sequence: no slice made)."""
+        return t if self.n == t.shape[0] else t[self.start : self.start + self.n]
+
 
 @dataclass
 class ForwardBatch:

@@ -58,7 +58,7 @@ def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch
         groups.setdefault((s.n, s.state.layers[L].snapshots_needed(s.n)), []).append(s)
     o = None
     for (n, snap), seqs in groups.items():
-        rows = [tuple(f[s.start : s.start + n] for f in feats) for s in seqs]
+        rows = [tuple(s.rows(f) for f in feats) for s in seqs]
         states = [s.state.layers[L].value for s in seqs]
         # a lone row's only snapshot is the new state, and a lone row takes the token recurrence with or
         # without snapshots: none are asked for (a decode step with a rollback window copies nothing).
@@ -85,6 +85,9 @@ def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch
             else:
                 snaps = []
             s.state.layers[L].advance(new, snaps, n)
+            if n == x.shape[0]:  # the batch's only sequence: its y is every row's
+                o = y
+                continue
             if o is None:
                 o = y.new_empty((x.shape[0],) + y.shape[1:])
             o[s.start : s.start + n] = y

@@ -648,29 +648,31 @@ class Model:
             queries = None  # the indexer's queries, computed for the first sequence that needs scores
         selections = []
         for j, s in enumerate(batch.seqs):
-            rows = slice(s.start, s.start + s.n)
             held = s.state.layers[L]
             if ix is not None:
-                held.write(latent=latent[rows], k=k[rows], z=z[rows])
+                held.write(latent=s.rows(latent), k=s.rows(k), z=s.rows(z))
                 P, T, tail = c.index_kpool, held.length, c.index_kpool_always_select_tail
+                pos = s.rows(batch.positions)
                 if dsa.every_pool_fits(T, P, c.index_topk):  # a context within index_topk: all of it
-                    sel = dsa.causal_selection(batch.positions[rows], T, P, c.index_topk, tail, newest=True)
+                    sel = dsa.causal_selection(pos, T, P, c.index_topk, tail, newest=True)
                 else:
                     if queries is None:
                         queries = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
                     qi, wts = queries
                     sel = dsa.kpool_select_held(
-                        qi[rows], wts[rows], held, ix.ape, batch.positions[rows], c.index_topk, tail
+                        s.rows(qi), s.rows(wts), held, ix.ape, pos, c.index_topk, tail
                     )
             else:
-                held.write(latent=latent[rows])
+                held.write(latent=s.rows(latent))
                 sel = shared[j]
             selections.append(sel)
         paged = [s.state.layers[L] for s in batch.seqs]
         out = dsa.paged_sparse_mla_attend(
             q, paged, [s.n for s in batch.seqs], m.kv_b, dv, dn**-0.5, selections
         )
-        if out is None:  # the CPU / torch path (and unpaged rows): sequence by sequence
+        if out is None and len(batch.seqs) == 1:  # the CPU / torch path: one sequence's rows are all
+            out = dsa.sparse_mla_attend_held(q, paged[0], m.kv_b, dv, dn**-0.5, selections[0])
+        elif out is None:  # sequence by sequence
             out = x.new_empty(N, H, dv)
             for s, held, sel in zip(batch.seqs, paged, selections):
                 rows = slice(s.start, s.start + s.n)
