@@ -95,7 +95,8 @@ class RowStack:
             y = cpu.linear(x, w) if cpu.serves_dense(x, w) else None
         else:
             y = w.kernel_matmul(x)
-        return None if y is None else list(y.split(self.sizes, dim=-1))
+        # split_with_sizes, not split(): the latter's Python wrapper costs ~2 us a call
+        return None if y is None else list(y.split_with_sizes(self.sizes, -1))
 
 
 def stack_rows(ws: list) -> tuple[RowStack, ...]:

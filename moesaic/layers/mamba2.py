@@ -211,7 +211,7 @@ def mamba2_project(x: Tensor, w: Mamba2Weights, dims: Mamba2Dims) -> tuple[Tenso
     """The row-wise part, for every row of a batch at once (no state): z [N, H*P] and the pre-conv xBC in
     the projection's dtype, dt [N, H] fp32 after softplus and the clamp."""
     zxbcdt = linear(x, w.in_proj, w.in_proj_bias)
-    z, xbc, dt = zxbcdt.split([dims.inner, dims.conv_dim, dims.num_heads], dim=-1)
+    z, xbc, dt = zxbcdt.split_with_sizes([dims.inner, dims.conv_dim, dims.num_heads], -1)
     dt = F.softplus(dt.float() + w.dt_bias.float()).clamp(dims.dt_min, dims.dt_max)
     return z, xbc, dt
 
@@ -240,7 +240,7 @@ def mamba2_recur(
     dtype = xbc.dtype
     xbc, seq = causal_conv(xbc, state.conv, w.conv_weight, w.conv_bias)
     xbc = xbc.to(dtype).float()
-    xs, B, C = xbc.split([dims.inner, G * N, G * N], dim=-1)
+    xs, B, C = xbc.split_with_sizes([dims.inner, G * N, G * N], -1)
     xs = xs.reshape(n, H, P)
     B = B.reshape(n, G, N).repeat_interleave(H // G, dim=1)  # [n, H, N]
     C = C.reshape(n, G, N).repeat_interleave(H // G, dim=1)
