@@ -642,17 +642,24 @@ def test_mhc_streams_keep_the_torch_bits(kernels, monkeypatch, order, dtype):
         shift = torch.randn(N, d, generator=g)
 
         args = (h0, dims, sites, norm, weight, shift)
-        taken = []
+        taken, planned = [], []
         monkeypatch.setattr(cpu, "mhc_enter", _spy(cpu.mhc_enter, taken))
-        fused = _three_blocks(*args)
-        assert taken == [True] * 3
+        monkeypatch.setattr(cpu, "mhc_run", _spy(cpu.mhc_run, planned))
+        fused = _three_blocks(*args)  # grad mode on: every call checked
+        with torch.inference_mode():  # off: decode's rows through the plans kept on the sites (twice: kept)
+            kept = [_three_blocks(*args) for _ in range(2)]
+        kept_calls = 6 if N <= cpu.MAX_ROWS else 0  # (more rows: checked at every call)
+        # (mhc_enter runs mhc_run too)
+        assert taken == [True] * (9 - kept_calls) and planned == [True] * 9, (N, taken, planned)
         monkeypatch.undo()
         monkeypatch.setattr(cpu, "mhc_enter", lambda *a: None)
+        monkeypatch.setattr(cpu, "mhc_plan", lambda *a: None)
         monkeypatch.setattr(cpu, "mhc_update", lambda *a: None)
         want = _three_blocks(*args)
         monkeypatch.undo()
-        for got, ref in zip(fused, want, strict=True):
-            assert got.dtype == ref.dtype and torch.equal(_bits(got), _bits(ref)), (N, d)
+        for outs in (fused, *kept):
+            for got, ref in zip(outs, want, strict=True):
+                assert got.dtype == ref.dtype and torch.equal(_bits(got), _bits(ref)), (N, d)
     s = mhc.Streams(h0, dims)
     with pytest.raises(RuntimeError, match="follows an enter"):
         s.leave(h0[:, 0])

@@ -69,6 +69,7 @@ class MhcSite:
             n = round(math.sqrt(self.base.shape[-1] + 1)) - 1  # (2 + n) n columns
             columns = self.scale.repeat_interleave(torch.tensor([n, n, n * n], device=self.scale.device))
         object.__setattr__(self, "columns", columns)
+        object.__setattr__(self, "plans", {})  # Streams' cpu.mhc_plan answers at decode sizes
 
 
 def site_shapes(dims: MhcDims, hidden_size: int) -> dict[str, tuple[int, ...]]:
@@ -182,10 +183,13 @@ class Streams:
         h = self.h
         if h.is_cpu and not kernels("mhc", h):
             waiting = None if self.waiting is None else (self.waiting, *self.maps)
-            rounding = norms.roundings(norm, h.dtype, weight.dtype)
             fused = None
-            if rounding is not None:
-                fused = cpu.mhc_enter(h, waiting, *_site_args(site, self.dims), (weight, eps, *rounding))
+            if torch.is_grad_enabled() or h.shape[0] > cpu.MAX_ROWS:  # checked at every call
+                rounding = norms.roundings(norm, h.dtype, weight.dtype)
+                if rounding is not None:
+                    fused = cpu.mhc_enter(h, waiting, *_site_args(site, self.dims), (weight, eps, *rounding))
+            elif plan := self._plan(site, norm, weight, eps, waiting):
+                fused = cpu.mhc_run(plan, h, waiting)
             if fused is not None:
                 self.h, x, *maps = fused
                 self.maps, self.waiting = tuple(maps), None
@@ -193,6 +197,19 @@ class Streams:
         x, *maps = site_input(self.value(), site, self.dims)
         self.maps = tuple(maps)
         return norm(x, weight, eps)
+
+    def _plan(self, site: MhcSite, norm, weight: Tensor, eps: float, waiting) -> tuple | None:
+        """cpu.mhc_plan for this enter, kept on the site for decode's few rows (its checks cost more than the
+        rest of the call's Python)."""
+        d = self.dims
+        key = (cpu.mhc_key(self.h, waiting), d.norm_eps, d.hc_eps, d.sinkhorn_iters, norm, weight, eps)
+        if key not in site.plans:
+            rounding = norms.roundings(norm, self.h.dtype, weight.dtype)
+            args = _site_args(site, d)
+            site.plans[key] = (
+                None if rounding is None else cpu.mhc_plan(self.h, waiting, *args, (weight, eps, *rounding))
+            )
+        return site.plans[key]
 
     def leave(self, y: Tensor) -> None:
         if self.maps is None or self.waiting is not None:
