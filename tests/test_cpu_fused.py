@@ -679,11 +679,13 @@ def test_sum_lanes_found_on_x86_builds():
 def test_routers_keep_the_torch_bits(kernels, monkeypatch, dtype):
     """layers/moe.py's routers in one call each (cpu.route) give the torch code's weights and ids: softmax,
     sigmoid and sqrt(softplus) scores, with and without a correction bias (bf16 and fp32), normalised or
-    not, scaled, a hash layer's given ids, 1 to 17 rows; the calls are taken."""
+    not, scaled, a hash layer's given ids, 1 to 17 rows, 1 to 15 experts a token (the weights' sum in torch's
+    order below its vector width: cpu.route's loops); the calls are taken."""
     from moesaic.layers import moe
 
     g = torch.Generator().manual_seed(11)
-    for N, E, k in ((1, 32, 4), (3, 256, 8), (17, 64, 6)):
+    shapes = ((1, 32, 4), (3, 256, 8), (17, 64, 6), (2, 16, 1), (1, 64, 2), (4, 16, 3), (2, 128, 5))
+    for N, E, k in shapes + ((1, 256, 7), (5, 64, 9), (1, 256, 12), (2, 32, 15), (3, 64, 16)):
         logits = (torch.randn(N, E, generator=g) * 2).to(dtype)
         bias_f = torch.randn(E, generator=g) * 0.1
         hash_ids = torch.randint(0, E, (N, k), generator=g)

@@ -663,7 +663,7 @@ def route(logits, score: str, top_k: int, bias=None, ids=None, normalize: bool =
     return (
         None
         if mod is None
-        else tuple(mod.route(logits, ROUTER_SCORES[score], top_k, bias, ids, normalize, scale))
+        else tuple(mod.route(logits, ROUTER_SCORES[score], top_k, bias, ids, normalize, scale, sum_lanes()))
     )
 
 
@@ -833,6 +833,7 @@ def moe_rows(
         relu2,
         threads,
         _path(),
+        sum_lanes(),
     )
     if not ys:
         return None

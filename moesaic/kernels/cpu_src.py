@@ -3546,11 +3546,60 @@ bool encode_fp8(torch::Tensor w, int64_t bn, int64_t bk, bool ue8m0, torch::Tens
 #pragma GCC pop_options
 #endif
 
+// torch's fp32 sum of n contiguous values where n is below its vector width (its reduction's scalar path:
+// four partial sums from 0 over the values in steps of four, the rest added to the first, then the four
+// added in order).
+inline float short_row_sum(const float* v, int64_t n) {
+    float p[4] = {0.f, 0.f, 0.f, 0.f};
+    const int64_t n4 = n / 4 * 4;
+    for (int64_t i = 0; i < n4; i += 4)
+        for (int j = 0; j < 4; ++j) p[j] += v[i + j];
+    for (int64_t i = n4; i < n; ++i) p[0] += v[i];
+    return ((p[0] + p[1]) + p[2]) + p[3];
+}
+
+// route's weights of its chosen experts, `scores.gather(1, chosen)`, normalised (`w / (w.sum(-1) + 1e-20)`)
+// where asked and scaled, as loops with the ops' roundings to the scores' dtype (fp32 or bf16; the sum by
+// short_row_sum, so k below the sum's `lanes`): five small ops that cost ~4 us each in a decode step (their
+// code cold after a weight stream). Undefined where that does not apply (the caller runs the ops).
+torch::Tensor route_weights(const torch::Tensor& scores, const torch::Tensor& chosen, bool normalize, double scale,
+                            int64_t lanes) {
+    const int64_t k = chosen.size(-1);
+    const bool bf = scores.scalar_type() == torch::kBFloat16;
+    if (!(bf || scores.scalar_type() == torch::kFloat32) || scores.dim() != 2 || !scores.is_contiguous() ||
+        chosen.dim() != 2 || !chosen.is_contiguous() || chosen.scalar_type() != torch::kInt64 ||
+        chosen.size(0) != scores.size(0) || k < 1 || k >= lanes || k > 16)
+        return torch::Tensor();
+    const int64_t N = scores.size(0), E = scores.size(1);
+    const int64_t* cp = chosen.data_ptr<int64_t>();
+    for (int64_t i = 0; i < N * k; ++i) TORCH_CHECK(cp[i] >= 0 && cp[i] < E, "route: an expert id out of range");
+    auto w = at::empty({N, k}, scores.options());
+    const auto rnd = [bf](float v) { return bf ? round_bf16(v) : v; };
+    const float sc = (float)scale, tiny = (float)1e-20;
+    for (int64_t t = 0; t < N; ++t) {
+        float v[16];
+        for (int64_t j = 0; j < k; ++j) {
+            const int64_t e = t * E + cp[t * k + j];
+            v[j] = bf ? bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(scores.data_ptr())[e])
+                      : scores.data_ptr<float>()[e];
+        }
+        if (normalize) {
+            const float d = rnd(rnd(short_row_sum(v, k)) + tiny);
+            for (int64_t j = 0; j < k; ++j) v[j] = rnd(v[j] / d);
+        }
+        for (int64_t j = 0; j < k; ++j) v[j] = rnd(v[j] * sc);
+        if (bf) store_row(BF16T, v, reinterpret_cast<uint16_t*>(w.data_ptr()) + t * k, k);
+        else std::copy_n(v, k, w.data_ptr<float>() + t * k);
+    }
+    return w;
+}
+
 // layers/moe.py's routers without group limiting (score 0 softmax in the logits' dtype, 1 sigmoid in fp32,
-// 2 sqrt(softplus)): the same torch ops in the same order, so the same bits; ids given (a hash layer's) are
-// used as they are. Returns {weights, ids}.
+// 2 sqrt(softplus)): the same torch ops in the same order, so the same bits (the weights' ops by
+// route_weights where it applies: `lanes`, the fused norm's sum lanes, 0 for none); ids given (a hash
+// layer's) are used as they are. Returns {weights, ids}.
 std::vector<torch::Tensor> route(torch::Tensor logits, int64_t score, int64_t top_k, std::optional<torch::Tensor> bias,
-                                 std::optional<torch::Tensor> ids, bool normalize, double scale) {
+                                 std::optional<torch::Tensor> ids, bool normalize, double scale, int64_t lanes) {
     torch::Tensor scores;
     if (score == 0) scores = logits.softmax(-1);
     else if (score == 1) scores = logits.to(torch::kFloat32).sigmoid();
@@ -3562,7 +3611,9 @@ std::vector<torch::Tensor> route(torch::Tensor logits, int64_t score, int64_t to
         auto choice = !bias ? scores : score == 1 ? scores + bias->to(torch::kFloat32) : scores + *bias;
         chosen = std::get<1>(choice.topk(top_k, -1, true, false));
     }
-    auto w = scores.gather(1, chosen);
+    auto w = route_weights(scores, chosen, normalize, scale, lanes);
+    if (w.defined()) return {w, chosen};
+    w = scores.gather(1, chosen);
     if (normalize) w = w / (w.sum(-1, true) + 1e-20);
     return {w * scale, chosen};
 }
@@ -3579,11 +3630,11 @@ std::vector<torch::Tensor> moe_rows(torch::Tensor x, std::optional<Operand> rout
                                     std::optional<torch::Tensor> hash_ids, bool normalize, double scale,
                                     std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
                                     std::optional<Operand> up, std::optional<Operand> down, std::optional<double> limit,
-                                    bool relu2, std::vector<int64_t> threads, int64_t path) {
+                                    bool relu2, std::vector<int64_t> threads, int64_t path, int64_t lanes) {
     TORCH_CHECK(router.has_value() != router_f32.has_value(), "moe_rows: one router, bf16 operand or fp32");
     const auto logits = router_f32 ? at::linear(x.to(torch::kFloat32), *router_f32)
                                    : operand_gemm(x, *router, std::nullopt, router_threads, path);
-    const auto routed = route(logits, score, top_k, bias, hash_ids, normalize, scale);
+    const auto routed = route(logits, score, top_k, bias, hash_ids, normalize, scale, lanes);
     auto y = ffn_rows(x, routed[0], routed[1], w_in, w_out, gate, up, down, limit, relu2, threads, path);
     if (!y.defined()) return {};
     return {y};
