@@ -2935,6 +2935,28 @@ std::vector<torch::Tensor> v4_inputs(torch::Tensor qa, torch::Tensor kv, Operand
 // the same order as that code: the same bits (tests/test_cpu_kernels.py). `threads`: each product's thread
 // count, in order (w_in, w_out, gate, up, down: the parts given), from kernels/cpu.py's threads_for. A token
 // choosing an expert twice returns an undefined tensor (None): the caller runs the torch code.
+// a = a * b (mul, 0) or a + b (add, 1) in place for bf16 a [R, C] contiguous and bf16 b [R, C] with unit column
+// stride: each result in fp32, rounded once, as torch's bf16 mul_ / add_ (whose dispatch costs more than the
+// work at a decode step's sizes); other dtypes or layouts by those ops.
+void bf16_rows_(torch::Tensor& a, const torch::Tensor& b, int op) {
+    if (!(a.scalar_type() == torch::kBFloat16 && b.scalar_type() == torch::kBFloat16 && a.dim() == 2 &&
+          a.is_contiguous() && b.sizes() == a.sizes() && b.stride(1) == 1)) {
+        op == 0 ? a.mul_(b) : a.add_(b);
+        return;
+    }
+    const int64_t R = a.size(0), C = a.size(1), ld = b.stride(0);
+    uint16_t* ap = reinterpret_cast<uint16_t*>(a.data_ptr());
+    const uint16_t* bp = reinterpret_cast<const uint16_t*>(b.data_ptr());
+    for (int64_t r = 0; r < R; ++r) {
+        uint16_t* ar = ap + r * C;
+        const uint16_t* br = bp + r * ld;
+        if (op == 0)
+            for (int64_t c = 0; c < C; ++c) ar[c] = f32_to_bf16_bits(bf16_bits_to_f32(ar[c]) * bf16_bits_to_f32(br[c]));
+        else
+            for (int64_t c = 0; c < C; ++c) ar[c] = f32_to_bf16_bits(bf16_bits_to_f32(ar[c]) + bf16_bits_to_f32(br[c]));
+    }
+}
+
 torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, std::optional<torch::Tensor> ids,
                        std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
                        std::optional<Operand> up, std::optional<Operand> down, std::optional<double> limit,
@@ -2953,8 +2975,9 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
     auto out_rows = [](const Operand& m) { return std::get<1>(m).size(-2); };
     // layers/moe.py's silu_glu, or clamped_silu_glu with `limit`, by torch's ops on the same views
     auto glu = [&](const torch::Tensor& gate, const torch::Tensor& up) {
-        if (!limit) return at::silu(gate).mul_(up);
-        return at::silu(at::clamp(gate, std::nullopt, *limit)).mul_(at::clamp(up, -*limit, *limit));
+        auto h = at::silu(limit ? at::clamp(gate, std::nullopt, *limit) : gate);
+        bf16_rows_(h, limit ? at::clamp(up, -*limit, *limit) : up, 0);
+        return h;
     };
     auto act = [&](const torch::Tensor& gu, int64_t I) {  // the experts' activation over w_in's rows
         return relu2 ? at::relu(gu).square() : glu(gu.narrow(1, 0, I), gu.narrow(1, I, I));
@@ -3003,7 +3026,10 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
             row_of[p] = next[e]++;
             sp[row_of[p]] = p / k;
         }
-        auto gu = product(x.index_select(0, src), *w_in, offs);
+        auto xs = torch::empty({T, d}, x.options());  // x.index_select(0, src), as a copy of rows
+        for (int64_t p = 0; p < T; ++p)
+            std::memcpy(static_cast<char*>(xs.data_ptr()) + p * d * 2, static_cast<const char*>(x.data_ptr()) + sp[p] * d * 2, d * 2);
+        auto gu = product(xs, *w_in, offs);
         auto y = product(act(gu, I), *w_out, offs);  // [T, d], grouped by expert
         const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr());
         out = torch::empty({N, d}, x.options());
@@ -3041,7 +3067,7 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
         }
         auto s = product(h, *down, std::nullopt);
         if (!routed) return s;
-        out.add_(s);  // `y + s` in bf16
+        bf16_rows_(out, s, 1);  // `y + s` in bf16
     }
     return out;
 }
