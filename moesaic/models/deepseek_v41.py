@@ -825,20 +825,21 @@ class Model:
             ikv, igate = compressor_inputs(x, a.index_compressor, lin)
         if a.index is not None:  # an index source
             qi, wts = index_query(a.index, qr, x, c, self.rope_compress, pos)
-        out = torch.empty_like(q)
+        out = None if len(batch.seqs) == 1 else torch.empty_like(q)  # one sequence: its rows are all (s.rows)
         for b, s in enumerate(batch.seqs):
-            rows = slice(s.start, s.start + s.n)
             st = s.state.layers[L]
             win_start = s.past - st.window.held
-            win = st.window.append(kv=kv[rows])["kv"]
+            win = st.window.append(kv=s.rows(kv))["kv"]
             entries = sel = None
             if r:
                 if src == L:
                     entries, latent, E0 = compressor_update(
-                        st.compressor, ckv[rows], cgate[rows], a.compressor, eps, rope
+                        st.compressor, s.rows(ckv), s.rows(cgate), a.compressor, eps, rope
                     )
                     if a.index_compressor is not None:
-                        compressor_update(st.indexer, ikv[rows], igate[rows], a.index_compressor, eps, rope)
+                        compressor_update(
+                            st.indexer, s.rows(ikv), s.rows(igate), a.index_compressor, eps, rope
+                        )
                     elif w.key_proj is not None and latent.shape[0]:  # V4.1: keys from the latent before rope
                         k = rms_norm_cast_once(linear(latent, w.key_proj), w.key_norm, eps)
                         at = torch.arange(E0, E0 + k.shape[0], device=k.device) * r
@@ -848,10 +849,10 @@ class Model:
                 if isrc == L:
                     cand = L == c.candidate_source_layer_id
                     sel, keep = indexer_select(
-                        qi[rows],
-                        wts[rows],
+                        s.rows(qi),
+                        s.rows(wts),
                         s.state.layers[src].indexer.held_entries(),
-                        pos[rows],
+                        s.rows(pos),
                         r,
                         c.index_topk,
                         c.candidate_block_size,
@@ -863,9 +864,9 @@ class Model:
                         published[("candidates", b)] = keep
                 elif isrc is not None:
                     sel = published[(isrc, b)]
-            out[rows] = sink_attention(
-                q[rows],
-                pos[rows],
+            o = sink_attention(
+                s.rows(q),
+                s.rows(pos),
                 s.past,
                 win,
                 win_start,
@@ -876,6 +877,10 @@ class Model:
                 sel,
                 r,
             )
+            if out is None:
+                out = o
+            else:
+                out[s.start : s.start + s.n] = o
         return attention_output(a, out, c, rope, pos)
 
     def engram_rows(self, batch: ForwardBatch) -> Tensor:
