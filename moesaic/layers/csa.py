@@ -204,6 +204,7 @@ class CompressorState:
             {"kv": pw, "gate": pw}, dtype, device, dims.rows_read + rollback_window, dims.rows_read
         )
         self.entries = TokenRows({"entry": dims.width}, dtype, device, max_tokens // dims.ratio + 1)
+        self.no_entries = torch.empty(0, dims.width, dtype=dtype, device=device)  # (no window closed)
 
     def can_rollback(self, n: int) -> bool:
         return self.raw.can_rollback(n)
@@ -276,7 +277,7 @@ def compressor_update(
     raw = state.raw.append(kv=kv, gate=gate)
     E0, E1 = T0 // m, (T0 + n) // m
     if E1 == E0:
-        return state.held_entries(), kv.new_empty(0, d.width), E0
+        return state.held_entries(), state.no_entries, E0
     has_prev = d.overlap and E0 > 0
     first = (E0 - 1 if has_prev else E0) * m
     a, b = first - (T0 - held), E1 * m - (T0 - held)
