@@ -357,7 +357,10 @@ def kda_recur(
         y, full = short_conv(qkv, state.conv, w.conv)
         q, k, v = y.to(qkv.dtype).view(n, 3, H, D).unbind(1)
         o, S, snaps = kda_attend(q, k, v, g, beta, state.recurrent, dims.chunk_size, snapshot_last)
-    new_state = KdaState(conv=full[full.shape[0] - (K - 1) :].clone(), recurrent=S)
+    tail = full[full.shape[0] - (K - 1) :]
+    # a lone row's tail is all of full but its first row: kept as that view (a longer forward's is copied, so
+    # that the rest of full is freed)
+    new_state = KdaState(conv=tail if n == 1 else tail.clone(), recurrent=S)
     # after new token t the conv tail is full[t+1 : t+K]
     snapshots = [
         KdaState(conv=full[t + 1 : t + K].clone(), recurrent=snaps[i])
