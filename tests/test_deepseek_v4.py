@@ -492,30 +492,6 @@ def test_visible_entries_are_what_the_indexer_keeps_within_topk(ratio):
     assert want.shape == (1, topk) and (want >= 0).sum() == topk < E  # the scores choose
 
 
-@pytest.mark.parametrize("width", [32, 3])
-def test_rope_tail_lone_positions_from_blocks_keep_the_bits(width):
-    """A lone position's angles come from a block of BLOCK positions' made at once where the first block's rows
-    all have the bits of cos_sin at one position (checked; else cos_sin each time): positions across blocks,
-    more blocks than kept, a block made again after its eviction, inverse angles; the bits of cos_sin whichever
-    path, and the blocks taken where they are exact (32 frequencies: torch's vector loop on whole vectors)."""
-    from moesaic.layers import csa
-    from moesaic.layers.rope import cos_sin
-
-    gen = torch.Generator().manual_seed(3)
-    rope = csa.RopeTail(torch.rand(width, generator=gen) * 0.9, factor=1.0)
-    for p in (5, 6, 255, 256, 1000, 3 * csa.BLOCK + 7, 9 * csa.BLOCK, 17 * csa.BLOCK + 1, 6, 0):
-        pos = torch.tensor([p])
-        cos, sin = cos_sin(rope.freqs, pos, rope.factor)
-        for inverse in (False, True):
-            got = rope.angles(pos, inverse)
-            for a, b in zip(got, (cos, -sin if inverse else sin)):
-                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (width, p, inverse)
-        assert len(rope.blocks) <= csa.BLOCKS
-        if rope.exact[0]:
-            assert p // csa.BLOCK in rope.blocks and got[0]._base is not None  # a view of the block
-    assert rope.exact[0] is not None or width != 32
-
-
 def test_rope_tail_makes_its_angles_once_per_positions_tensor():
     """A forward's layers rope at one batch.positions tensor several times each, between a compressor's
     entries at their own positions: the angles of the last two positions tensors are kept, by the tensor

@@ -57,8 +57,6 @@ _SCORE_BUDGET = 1 << 22
 
 
 RECENT = 4  # positions tensors whose angles a RopeTail keeps
-BLOCK = 256  # positions whose angles a RopeTail makes at once for a lone position on the host (BLOCKS kept)
-BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -77,13 +75,6 @@ class RopeTail:
     # Keyed by the tensor object, which is held (so its id is not reused); positions are never written in
     # place.
     recent: list = field(default_factory=list, compare=False, repr=False)
-    # a lone position's angles (a decode row's, a compressor entry's) as a view of BLOCK positions' made at once:
-    # one element access and two views where cos_sin costs six small ops (~35 us in a step, their code cold
-    # after a weight stream). {block: (cos, sin, -sin)}, the BLOCKS most recently made; `exact` [None | bool]:
-    # whether a block's rows have the bits of cos_sin at one position (elementwise ops, but torch's vector
-    # loop leaves a short tail to its scalar code: checked on the first block, every row, else never used).
-    blocks: dict = field(default_factory=dict, compare=False, repr=False)
-    exact: list = field(default_factory=lambda: [None], compare=False, repr=False)
 
     @property
     def dim(self) -> int:
@@ -93,7 +84,7 @@ class RopeTail:
         """(cos, sin) [n, dim / 2] at positions [n] (sin negated for `inverse`)."""
         hit = next((e for e in self.recent if e[0] is positions), None)
         if hit is None:
-            hit = [positions, *self._cos_sin(positions)]
+            hit = [positions, *cos_sin(self.freqs, positions, self.factor), None]
         if not self.recent or self.recent[0] is not hit:
             self.recent[:] = [hit, *(e for e in self.recent if e is not hit)][:RECENT]
         if not inverse:
@@ -101,34 +92,6 @@ class RopeTail:
         if hit[3] is None:
             hit[3] = -hit[2]
         return hit[1], hit[3]
-
-    def _cos_sin(self, positions: Tensor) -> list:
-        """[cos, sin, -sin or None (made when asked)] at positions."""
-        if positions.numel() == 1 and positions.device.type == "cpu" and self.exact[0] is not False:
-            b, i = divmod(int(positions), BLOCK)  # on the host: no sync
-            block = self.blocks.pop(b, None) or self._block(b)
-            if block is not None:
-                self.blocks[b] = block  # the most recently used last
-                for old in list(self.blocks)[:-BLOCKS]:
-                    del self.blocks[old]
-                return [t[i : i + 1] for t in block]
-        return [*cos_sin(self.freqs, positions, self.factor), None]
-
-    def _block(self, b: int) -> tuple | None:
-        """(cos, sin, -sin) of block b's positions, or None where their rows are not cos_sin's at one position."""
-        pos = torch.arange(b * BLOCK, (b + 1) * BLOCK, device=self.freqs.device)
-        cos, sin = cos_sin(self.freqs, pos, self.factor)
-        if self.exact[0] is None:
-
-            def same(j):  # bit for bit
-                one = cos_sin(self.freqs, pos[j : j + 1], self.factor)
-                return all(
-                    torch.equal(a.view(torch.int32), t[j : j + 1].view(torch.int32))
-                    for a, t in zip(one, (cos, sin))
-                )
-
-            self.exact[0] = cos.dtype == torch.float32 and all(same(j) for j in range(BLOCK))
-        return (cos, sin, -sin) if self.exact[0] else None
 
     def __call__(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
         """x [n, ..., D] at positions [n]; `inverse` rotates by −angle."""
