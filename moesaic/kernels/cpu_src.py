@@ -2917,24 +2917,6 @@ std::vector<torch::Tensor> v4_inputs(torch::Tensor qa, torch::Tensor kv, Operand
     return {qr, q, k};
 }
 
-// No FMA contraction in ffn_rows: torch rounds every product of the weighted sum.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-#endif
-// A few tokens' feed-forward block (layers/moe.py at decode sizes: a batch's decode rows, a verify block) in
-// one call, where the block's Python and small torch ops cost as much as its products: the routed experts
-// (ids / weights [N, k] from the router; stacks w_in [E, 2I, d] gate|up and w_out [E, d, I], dense bf16 or
-// packed) as two grouped gemm calls over the (token, slot) pairs grouped by expert (each token's slots in
-// ascending id, the pairs in that order within an expert: run_experts' sort and stable argsort), silu(gate)
-// * up (clamped at `limit`: clamped_silu_glu) by torch's own ops on the same views, each token's weighted sum over its slots in ascending id in
-// the weights' dtype (bf16: each product and each partial sum rounded, from 0; fp32: summed from 0, rounded
-// once to x's dtype); then the dense SwiGLU MLP (gate / up [I', d], down [d, I']: a shared expert) added in
-// x's dtype. Either part may be absent. `relu2`: ungated experts and MLP instead (Nemotron-H: w_in [E, I, d],
-// no gate, relu(h)^2 by torch's ops: layers/moe.py's relu2). The same products over the same rows, the same float operations in
-// the same order as that code: the same bits (tests/test_cpu_kernels.py). `threads`: each product's thread
-// count, in order (w_in, w_out, gate, up, down: the parts given), from kernels/cpu.py's threads_for. A token
-// choosing an expert twice returns an undefined tensor (None): the caller runs the torch code.
 // a = a * b (mul, 0) or a + b (add, 1) in place for bf16 a [R, C] contiguous and bf16 b [R, C] with unit column
 // stride: each result in fp32, rounded once, as torch's bf16 mul_ / add_ (whose dispatch costs more than the
 // work at a decode step's sizes); other dtypes or layouts by those ops.
@@ -2957,6 +2939,24 @@ void bf16_rows_(torch::Tensor& a, const torch::Tensor& b, int op) {
     }
 }
 
+// No FMA contraction in ffn_rows: torch rounds every product of the weighted sum.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+// A few tokens' feed-forward block (layers/moe.py at decode sizes: a batch's decode rows, a verify block) in
+// one call, where the block's Python and small torch ops cost as much as its products: the routed experts
+// (ids / weights [N, k] from the router; stacks w_in [E, 2I, d] gate|up and w_out [E, d, I], dense bf16 or
+// packed) as two grouped gemm calls over the (token, slot) pairs grouped by expert (each token's slots in
+// ascending id, the pairs in that order within an expert: run_experts' sort and stable argsort), silu(gate)
+// * up (clamped at `limit`: clamped_silu_glu) by torch's own ops on the same views, each token's weighted sum over its slots in ascending id in
+// the weights' dtype (bf16: each product and each partial sum rounded, from 0; fp32: summed from 0, rounded
+// once to x's dtype); then the dense SwiGLU MLP (gate / up [I', d], down [d, I']: a shared expert) added in
+// x's dtype. Either part may be absent. `relu2`: ungated experts and MLP instead (Nemotron-H: w_in [E, I, d],
+// no gate, relu(h)^2 by torch's ops: layers/moe.py's relu2). The same products over the same rows, the same float operations in
+// the same order as that code: the same bits (tests/test_cpu_kernels.py). `threads`: each product's thread
+// count, in order (w_in, w_out, gate, up, down: the parts given), from kernels/cpu.py's threads_for. A token
+// choosing an expert twice returns an undefined tensor (None): the caller runs the torch code.
 torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, std::optional<torch::Tensor> ids,
                        std::optional<Operand> w_in, std::optional<Operand> w_out, std::optional<Operand> gate,
                        std::optional<Operand> up, std::optional<Operand> down, std::optional<double> limit,
@@ -3019,14 +3019,13 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
             op[e] = end;
         }
         std::vector<int64_t> row_of(T);  // pair p's row in the grouped products
-        auto src = torch::empty({T}, torch::kInt64);  // the token of each grouped row
-        int64_t* sp = src.data_ptr<int64_t>();
+        std::vector<int64_t> sp(T);  // the token of each grouped row
         for (int64_t p = 0; p < T; ++p) {
             const int64_t e = ip[(p / k) * k + slot[p]];
             row_of[p] = next[e]++;
             sp[row_of[p]] = p / k;
         }
-        auto xs = torch::empty({T, d}, x.options());  // x.index_select(0, src), as a copy of rows
+        auto xs = torch::empty({T, d}, x.options());  // x.index_select(0, sp), as a copy of rows
         for (int64_t p = 0; p < T; ++p)
             std::memcpy(static_cast<char*>(xs.data_ptr()) + p * d * 2, static_cast<const char*>(x.data_ptr()) + sp[p] * d * 2, d * 2);
         auto gu = product(xs, *w_in, offs);
@@ -3086,9 +3085,6 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
 #pragma GCC optimize("fp-contract=off")
 #endif
 namespace {
-// x[t] = rnd(sum_j pre[t, j] s[t, j]) (collapse): s [N, n, d] contiguous of type ty, pre [N, n] fp32; with a
-// norm (nw: its fp32 weight [d]), the block's RMSNorm of that row (rms_norm's operations, roundings pre / mid)
-// stored as out_ty, else the row stored as ty.
 // The seconds spent in the weight products inside calls that also do other work (mhc_enter's site product,
 // dsa_gathered_bf16's W_k and W_v), for a benchmark's split of a step into products and the rest (thread
 // seconds: wall seconds on one thread). Counted only while switched on (product_seconds).
@@ -3131,6 +3127,9 @@ void rows_on(int64_t N, int64_t threads, int64_t width, int slot, F body) {
     }
 }
 
+// x[t] = rnd(sum_j pre[t, j] s[t, j]) (collapse): s [N, n, d] contiguous of type ty, pre [N, n] fp32; with a
+// norm (nw: its fp32 weight [d]), the block's RMSNorm of that row (rms_norm's operations, roundings pre / mid)
+// stored as out_ty, else the row stored as ty.
 void mhc_collapse(int ty, const char* s, const float* pre, char* x, int64_t N, int64_t n, int64_t d,
                   int64_t threads, const float* nw, float eps, int npre, int nmid, int out_ty, int64_t lanes) {
     const int64_t es = ty == F32 ? 4 : 2, xs = (nw ? out_ty : ty) == F32 ? 4 : 2;
@@ -3572,21 +3571,9 @@ bool encode_fp8(torch::Tensor w, int64_t bn, int64_t bk, bool ue8m0, torch::Tens
 #pragma GCC pop_options
 #endif
 
-// torch's fp32 sum of n contiguous values where n is below its vector width (its reduction's scalar path:
-// four partial sums from 0 over the values in steps of four, the rest added to the first, then the four
-// added in order).
-inline float short_row_sum(const float* v, int64_t n) {
-    float p[4] = {0.f, 0.f, 0.f, 0.f};
-    const int64_t n4 = n / 4 * 4;
-    for (int64_t i = 0; i < n4; i += 4)
-        for (int j = 0; j < 4; ++j) p[j] += v[i + j];
-    for (int64_t i = n4; i < n; ++i) p[0] += v[i];
-    return ((p[0] + p[1]) + p[2]) + p[3];
-}
-
 // route's weights of its chosen experts, `scores.gather(1, chosen)`, normalised (`w / (w.sum(-1) + 1e-20)`)
 // where asked and scaled, as loops with the ops' roundings to the scores' dtype (fp32 or bf16; the sum by
-// short_row_sum, so k below the sum's `lanes`): five small ops that cost ~4 us each in a decode step (their
+// torch_sum's path for rows shorter than its lanes, so k below `lanes`): five small ops that cost ~4 us each in a decode step (their
 // code cold after a weight stream). Undefined where that does not apply (the caller runs the ops).
 torch::Tensor route_weights(const torch::Tensor& scores, const torch::Tensor& chosen, bool normalize, double scale,
                             int64_t lanes) {
@@ -3610,7 +3597,9 @@ torch::Tensor route_weights(const torch::Tensor& scores, const torch::Tensor& ch
                       : scores.data_ptr<float>()[e];
         }
         if (normalize) {
-            const float d = rnd(rnd(short_row_sum(v, k)) + tiny);
+            float sum[1];
+            row_sum<1>(v, k, sum);  // torch_sum's path for rows shorter than its lanes
+            const float d = rnd(rnd(sum[0]) + tiny);
             for (int64_t j = 0; j < k; ++j) v[j] = rnd(v[j] / d);
         }
         for (int64_t j = 0; j < k; ++j) v[j] = rnd(v[j] * sc);
