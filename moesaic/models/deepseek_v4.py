@@ -837,22 +837,29 @@ class Model:
         idx = None if w.index_compressor is None else compressor_inputs(x, w.index_compressor, lin)
         queries = []  # the indexer's queries of every row, made for the first sequence that needs scores
 
-        def index_rows(r):
+        def index_rows():
             if not queries:
                 queries.extend(index_query(w.index, qr, x, c, rope, pos))
-            return queries if r is None else [t[r] for t in queries]
+            return queries
 
-        if len(batch.seqs) == 1:  # one sequence's rows are the batch's: no slices, no copy into out
-            out = self.attend(L, w, kind, batch.seqs[0], q, pos, kv, comp, idx, lambda: index_rows(None))
-        else:
-            out = torch.empty_like(q)
-            for s in batch.seqs:
-                r = slice(s.start, s.start + s.n)
-                comp_r = None if comp is None else [t[r] for t in comp]
-                idx_r = None if idx is None else [t[r] for t in idx]
-                out[r] = self.attend(
-                    L, w, kind, s, q[r], pos[r], kv[r], comp_r, idx_r, lambda r=r: index_rows(r)
-                )
+        out = None if len(batch.seqs) == 1 else torch.empty_like(q)  # one sequence: its rows are all (s.rows)
+        for s in batch.seqs:
+            parts = [None if t is None else [s.rows(r) for r in t] for t in (comp, idx)]
+            o = self.attend(
+                L,
+                w,
+                kind,
+                s,
+                s.rows(q),
+                s.rows(pos),
+                s.rows(kv),
+                *parts,
+                lambda s=s: [s.rows(t) for t in index_rows()],
+            )
+            if out is None:
+                out = o
+            else:
+                out[s.start : s.start + s.n] = o
         return attention_output(w, out, c, rope, pos)
 
     def attend(self, L: int, w: Attention, kind: str, s, q, pos, kv, comp, idx, index_rows) -> Tensor:
