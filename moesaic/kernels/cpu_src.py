@@ -1034,17 +1034,15 @@ bool amx_item(Src& src, int64_t K, int64_t n0, int64_t n1, const uint32_t* xb, i
         if (!src.block(b0, b1, B)) { _tile_release(); return false; }
         const bool sect = B.sect && count % 32 == 0;
         const int64_t S = sect ? count / 32 : 1;  // rows a section; the row stride of a tile
-        // A operand of the tile from row r0 for step s: in place, or through scratch t
-        auto a_ptr = [&](int64_t r0, int64_t s, int t, int64_t& stride) -> const void* {
-            const int64_t nr = std::min<int64_t>(16, (b1 - r0 + S - 1) / S);
-            const uint8_t* row = B.base + (r0 - b0) * B.ws + 64 * s;
-            if (nr == 16 && s < B.full) { stride = B.ws * S; return row; }
+        // A operand of a tile of nr rows from `row` (its first) for step s, through scratch t: zero padded
+        // (steps in place are read without this call: full tiles' steps before B.full)
+        auto padded = [&](const uint8_t* row, int64_t nr, int64_t s, int t) -> const void* {
             const int64_t kk = std::min<int64_t>(32, K - 32 * s);
             std::memset(scratch[t], 0, sizeof(scratch[t]));
-            for (int64_t r = 0; r < nr; ++r) std::memcpy(scratch[t] + 32 * r, row + r * S * B.ws, 2 * kk);
-            stride = 64;
+            for (int64_t r = 0; r < nr; ++r) std::memcpy(scratch[t] + 32 * r, row + 64 * s + r * S * B.ws, 2 * kk);
             return scratch[t];
         };
+        const int64_t stride = B.ws * S;  // a tile's row stride in place
         for (int64_t m0 = 0; m0 < M; m0 += 32) {
             const int64_t ma = std::min<int64_t>(16, M - m0), mb = std::min<int64_t>(16, std::max<int64_t>(0, M - m0 - 16));
             if (shape != ma * 17 + mb) {  // tiles: C00 C01 C10 C11 (row tile x column block), A0 A1, B0 B1
@@ -1064,6 +1062,9 @@ bool amx_item(Src& src, int64_t K, int64_t n0, int64_t n1, const uint32_t* xb, i
                 const int64_t na = std::min<int64_t>(16, (b1 - r0 + S - 1) / S);
                 const int64_t nb = two ? std::min<int64_t>(16, (b1 - r1 + S - 1) / S) : 0;
                 const int64_t cm[4] = {ma, mb, two ? ma : 0, two ? mb : 0};  // columns of each C tile
+                const uint8_t* rowa = B.base + (r0 - b0) * B.ws;
+                const uint8_t* rowb = B.base + (r1 - b0) * B.ws;
+                const int64_t fa = na == 16 ? B.full : 0, fb = nb == 16 ? B.full : 0;  // steps read in place
                 auto zero = [&]() {
                     _tile_zero(0);
                     _tile_zero(2);
@@ -1081,16 +1082,15 @@ bool amx_item(Src& src, int64_t K, int64_t n0, int64_t n1, const uint32_t* xb, i
                 if (src.blocked)
                     for (int t = 0; t < 4; ++t) std::fill(acc[t], acc[t] + 16 * cm[t], 0.f);
                 for (int64_t s = 0; s < steps; ++s) {
-                    int64_t sa, sb = 0;
                     _tile_loadd(6, xa + s * 16 * ma, 4 * ma);
                     if (mb) _tile_loadd(7, xc + s * 16 * mb, 4 * mb);
-                    const void* pa = a_ptr(r0, s, 0, sa);  // (sets sa: not inside the load's arguments)
-                    _tile_loadd(4, pa, sa);
+                    if (s < fa) _tile_loadd(4, rowa + 64 * s, stride);
+                    else _tile_loadd(4, padded(rowa, na, s, 0), 64);
                     _tile_dpbf16ps(0, 4, 6);
                     if (mb) _tile_dpbf16ps(1, 4, 7);
                     if (two) {
-                        const void* pb = a_ptr(r1, s, 1, sb);
-                        _tile_loadd(5, pb, sb);
+                        if (s < fb) _tile_loadd(5, rowb + 64 * s, stride);
+                        else _tile_loadd(5, padded(rowb, nb, s, 1), 64);
                         _tile_dpbf16ps(2, 5, 6);
                         if (mb) _tile_dpbf16ps(3, 5, 7);
                     }
