@@ -1593,60 +1593,72 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     for (int64_t e : active)
         for (int64_t n0 = 0; n0 < N; n0 += rows) items.push_back({e, n0, std::min(N, n0 + rows)});
     const int64_t n_items = (int64_t)items.size();
-    pybind11::gil_scoped_release no_gil;
-#pragma omp parallel num_threads(nt) if (nt > 1 && n_items > 1)
-    {
-        Scratch& sc = thread_scratch();
-        std::vector<uint16_t> dbuf;  // AMX: packed rows decoded to bf16
+    // one item (AMX: packed rows decoded to bf16 in dbuf)
+    auto run = [&](int64_t i, Scratch& sc, std::vector<uint16_t>& dbuf) {
         (void)dbuf;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; ++i) {
-            const int64_t e = items[i][0];
-            const int64_t t0 = e ? ends[e - 1] : 0;
-            const int64_t slot = slot_of[e];
+        const int64_t e = items[i][0];
+        const int64_t t0 = e ? ends[e - 1] : 0;
+        const int64_t slot = slot_of[e];
 #if defined(MOESAIC_AMX)
-            const int64_t M = ends[e] - t0;
-            if (amx && M >= amx_rows) {
-                const uint32_t* xe = xa.data() + t0 * pairs;
-                if (kind == BF16) {
-                    // blocks of at most 1 MB (512 rows of K = 1024): more than 32 activation rows read a
-                    // block again, from L2
-                    AmxBf16 src{W.w + e * W.w_e, W.w_n, K / 32, std::max<int64_t>(32, std::min<int64_t>(512, (1 << 19) / std::max<int64_t>(K, 1) / 32 * 32))};
-                    amx_item(src, K, items[i][1], items[i][2], xe, t0, M, O);
-                    continue;
-                }
-                const int64_t Kp = (K + 31) / 32 * 32, block = std::max<int64_t>(32, std::min<int64_t>(512, (1 << 18) / Kp / 32 * 32));
-                AmxPacked src{C, W, e, slot, Kp, block, kind == FP8 && W.s_f32, W.divides,
-                              kind == NV && W.gsc ? W.gsc[e] : 1.f, dbuf};
-                if (amx_item(src, K, items[i][1], items[i][2], xe, t0, M, O)) continue;
-                // a scale the fold cannot take exactly: this item by vdpbf16ps below
+        const int64_t M = ends[e] - t0;
+        if (amx && M >= amx_rows) {
+            const uint32_t* xe = xa.data() + t0 * pairs;
+            if (kind == BF16) {
+                // blocks of at most 1 MB (512 rows of K = 1024): more than 32 activation rows read a
+                // block again, from L2
+                AmxBf16 src{W.w + e * W.w_e, W.w_n, K / 32, std::max<int64_t>(32, std::min<int64_t>(512, (1 << 19) / std::max<int64_t>(K, 1) / 32 * 32))};
+                amx_item(src, K, items[i][1], items[i][2], xe, t0, M, O);
+                return;
             }
+            const int64_t Kp = (K + 31) / 32 * 32, block = std::max<int64_t>(32, std::min<int64_t>(512, (1 << 18) / Kp / 32 * 32));
+            AmxPacked src{C, W, e, slot, Kp, block, kind == FP8 && W.s_f32, W.divides,
+                          kind == NV && W.gsc ? W.gsc[e] : 1.f, dbuf};
+            if (amx_item(src, K, items[i][1], items[i][2], xe, t0, M, O)) return;
+            // a scale the fold cannot take exactly: this item by vdpbf16ps below
+        }
 #endif
 #if defined(MOESAIC_VNNI512)
-            if (q8 && vnni) {  // (MXQ / NVQ: MX / NV + 2)
-                with_value<MXQ, NVQ>(kind + (MXQ - MX), [&](auto K) {
-                    run_item_dp<decltype(K)::value>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0,
-                                                    ends[e] - t0, O, sc);
-                });
-                continue;
-            }
+        if (q8 && vnni) {  // (MXQ / NVQ: MX / NV + 2)
+            with_value<MXQ, NVQ>(kind + (MXQ - MX), [&](auto K) {
+                run_item_dp<decltype(K)::value>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0,
+                                                ends[e] - t0, O, sc);
+            });
+            return;
+        }
 #endif
 #if defined(MOESAIC_AVX512BF16)
-            if (dp) {
-                if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, sc);
-                else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
-                else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
-                else run_item_dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
-                continue;
-            }
-#endif
-            // the int8 tiles where q8 (MXQ / NVQ: MX / NV + 2; generic is false there)
-            with_value<BF16, FP8, MX, NV, MXQ, NVQ>(q8 ? kind + (MXQ - MX) : kind, [&](auto K) {
-                run_item<decltype(K)::value>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0,
-                                             O, generic, sc);
-            });
+        if (dp) {
+            if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, sc);
+            else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
+            else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
+            else run_item_dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
+            return;
         }
-        if (sc.wbuf.capacity() > (1 << 20)) std::vector<float>().swap(sc.wbuf);  // keep at most 4 MB a thread
+#endif
+        // the int8 tiles where q8 (MXQ / NVQ: MX / NV + 2; generic is false there)
+        with_value<BF16, FP8, MX, NV, MXQ, NVQ>(q8 ? kind + (MXQ - MX) : kind, [&](auto K) {
+            run_item<decltype(K)::value>(C, W, e, slot, items[i][1], items[i][2], xp.data(), Kp, t0, ends[e] - t0,
+                                         O, generic, sc);
+        });
+    };
+    auto trim = [](Scratch& sc) {  // keep at most 4 MB a thread
+        if (sc.wbuf.capacity() > (1 << 20)) std::vector<float>().swap(sc.wbuf);
+    };
+    pybind11::gil_scoped_release no_gil;
+    if (nt > 1 && n_items > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            Scratch& sc = thread_scratch();
+            std::vector<uint16_t> dbuf;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < n_items; ++i) run(i, sc, dbuf);
+            trim(sc);
+        }
+    } else {  // here, without a parallel region (its setup is a measurable part of a one-row call)
+        Scratch& sc = thread_scratch();
+        std::vector<uint16_t> dbuf;
+        for (int64_t i = 0; i < n_items; ++i) run(i, sc, dbuf);
+        trim(sc);
     }
     return out;
 }
@@ -3101,10 +3113,10 @@ struct ProductClock {  // times its scope where the clock is on
     }
 };
 
-// A thread's buffers for the mHC calls, kept between calls (their own: mhc_enter calls gemm, which has its
-// Scratch): four of them, each grown to the largest asked.
-float* mhc_buffer(int i, int64_t n) {
-    thread_local std::array<std::vector<float>, 4> bufs;
+// A thread's buffers for rows_on's bodies, kept between calls (their own: mhc_enter calls gemm, which has its
+// Scratch): mhc_collapse's 0, mhc_mix's 1, mhc_enter's 2 and 3, sink_attend's 4; each grown to the largest asked.
+float* row_buffer(int i, int64_t n) {
+    thread_local std::array<std::vector<float>, 5> bufs;
     if ((int64_t)bufs[i].size() < n) bufs[i].resize(n);
     return bufs[i].data();
 }
@@ -3122,7 +3134,7 @@ void rows_on(int64_t N, int64_t threads, int64_t width, int slot, F body) {
             for (int64_t t = 0; t < N; ++t) body(t, buf.data());
         }
     } else {
-        float* buf = mhc_buffer(slot, width);
+        float* buf = row_buffer(slot, width);
         for (int64_t t = 0; t < N; ++t) body(t, buf);
     }
 }
@@ -3242,9 +3254,9 @@ void f32_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& w,
                 "f32_rows: w [N, K] fp32, its rows contiguous");
     const int64_t N = w.size(0), blocks = (N + 3) / 4;
     const float* wp = w.data_ptr<float>();
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && blocks > 1)
-    for (int64_t b = 0; b < blocks; ++b)
+    rows_on(blocks, nthreads, 0, 0, [&](int64_t b, float*) {
         f32_dot_rows(x, M, K, wp, w.stride(0), 4 * b, std::min<int64_t>(N, 4 * b + 4), out, N);
+    });
 }
 
 // x [M, K] fp32 against fp32 w [N, K]: f32_rows_into's products, into a new [M, N].
@@ -3294,7 +3306,7 @@ std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch:
     const float neps = (float)norm_eps;
     const char* hp = static_cast<const char*>(h.data_ptr());
     const int64_t es = ty == F32 ? 4 : 2;
-    float *scaled = mhc_buffer(2, N * nd), *m = mhc_buffer(3, N * W);
+    float *scaled = row_buffer(2, N * nd), *m = row_buffer(3, N * W);
     rows_on(N, threads, nd, 0, [&](int64_t t, float* sq) {
         float* v = scaled + t * nd;
         load_row(ty, hp + t * nd * es, v, nd);
@@ -3847,8 +3859,7 @@ torch::Tensor sink_attend(torch::Tensor q, torch::Tensor positions, int64_t firs
         const int64_t Wd = L + E + 1;
         auto logits = at::empty({bn, H, Wd}, q.options().dtype(torch::kFloat32));
         float* lg = logits.data_ptr<float>();
-#pragma omp parallel for num_threads(threads) if (threads > 1)
-        for (int64_t ih = 0; ih < bn * H; ++ih) {
+        rows_on(bn * H, threads, 0, 0, [&](int64_t ih, float*) {
             const int64_t i = ih / H, h = ih % H, t = pos[a + i];
             const float* qh = qp + ((a + i) * H + h) * D;
             float* row = lg + ih * Wd;
@@ -3868,32 +3879,28 @@ torch::Tensor sink_attend(torch::Tensor q, torch::Tensor positions, int64_t firs
             float m = row[0];
             for (int64_t x = 1; x < Wd; ++x) m = std::max(m, row[x]);
             for (int64_t x = 0; x < Wd; ++x) row[x] = row[x] - m;
-        }
+        });
         auto p = at::softmax(logits, -1);
         const float* pp = p.data_ptr<float>();
-#pragma omp parallel num_threads(threads) if (threads > 1)
-        {
-            std::vector<float> pr(L + E), acc(D), acc2(D);
-#pragma omp for
-            for (int64_t ih = 0; ih < bn * H; ++ih) {
-                const int64_t i = ih / H;
-                const float* prow = pp + ih * Wd;
-                for (int64_t x = 0; x < L + E; ++x) pr[x] = round_bf16(prow[x]);  // p.to(bf16)
-                std::fill(acc.begin(), acc.end(), 0.f);
-                axpy_bf16_many(pr.data(), wp + (lo - win_start) * ws, ws, L, acc.data(), D);
-                if (csa) {  // matmul(p[.., :L], keys) + matmul(p[.., L:], picked): each rounded, added in bf16
-                    std::fill(acc2.begin(), acc2.end(), 0.f);
-                    for (int64_t e = 0; e < E; ++e)
-                        if (pr[L + e] != 0.f)
-                            axpy_bf16_many(&pr[L + e], cp + sel[(a + i) * E + e] * cs, cs, 1, acc2.data(), D);
-                    for (int64_t j = 0; j < D; ++j) acc[j] = round_bf16(acc[j]) + round_bf16(acc2[j]);
-                } else if (hca) {
-                    axpy_bf16_many(pr.data() + L, cp, cs, E, acc.data(), D);
-                }
-                uint16_t* o = op + ((a + i) * H + ih % H) * D;
-                for (int64_t j = 0; j < D; ++j) o[j] = f32_to_bf16_bits(acc[j]);
+        rows_on(bn * H, threads, L + E + 2 * D, 4, [&](int64_t ih, float* buf) {
+            float *pr = buf, *acc = buf + L + E, *acc2 = acc + D;
+            const int64_t i = ih / H;
+            const float* prow = pp + ih * Wd;
+            for (int64_t x = 0; x < L + E; ++x) pr[x] = round_bf16(prow[x]);  // p.to(bf16)
+            std::fill(acc, acc + D, 0.f);
+            axpy_bf16_many(pr, wp + (lo - win_start) * ws, ws, L, acc, D);
+            if (csa) {  // matmul(p[.., :L], keys) + matmul(p[.., L:], picked): each rounded, added in bf16
+                std::fill(acc2, acc2 + D, 0.f);
+                for (int64_t e = 0; e < E; ++e)
+                    if (pr[L + e] != 0.f)
+                        axpy_bf16_many(&pr[L + e], cp + sel[(a + i) * E + e] * cs, cs, 1, acc2, D);
+                for (int64_t j = 0; j < D; ++j) acc[j] = round_bf16(acc[j]) + round_bf16(acc2[j]);
+            } else if (hca) {
+                axpy_bf16_many(pr + L, cp, cs, E, acc, D);
             }
-        }
+            uint16_t* o = op + ((a + i) * H + ih % H) * D;
+            for (int64_t j = 0; j < D; ++j) o[j] = f32_to_bf16_bits(acc[j]);
+        });
     }
     return out;
 }
