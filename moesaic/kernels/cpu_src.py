@@ -3114,7 +3114,8 @@ struct ProductClock {  // times its scope where the clock is on
 };
 
 // A thread's buffers for rows_on's bodies, kept between calls (their own: mhc_enter calls gemm, which has its
-// Scratch): mhc_collapse's 0, mhc_mix's 1, mhc_enter's 2 and 3, sink_attend's 4; each grown to the largest asked.
+// Scratch): mhc_collapse's 0, mhc_mix's 1, mhc_enter's 2 and 3, the attention calls' 4; each grown to the largest
+// asked.
 float* row_buffer(int i, int64_t n) {
     thread_local std::array<std::vector<float>, 5> bufs;
     if ((int64_t)bufs[i].size() < n) bufs[i].resize(n);
@@ -3718,65 +3719,56 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
     const auto row_of_sel = [&](int64_t i) {
         return [&, i](int64_t e) -> const uint16_t* { const int64_t t = sp[i * W + e]; return t < 0 ? nullptr : row_of(t); };
     };
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        std::vector<float> ql(8 * kvr);
-#pragma omp for
-        for (int64_t it = 0; it < n_items; ++it) {
-            const int64_t i = items[it][0], h0 = items[it][1], g = items[it][2];
-            {
-                ProductClock clock;
-                for (int64_t hh = 0; hh < g; ++hh) {
-                    float* q = ql.data() + hh * kvr;
-                    std::fill(q, q + kvr, 0.f);
-                    axpy_bf16_many(qp + (i * H + h0 + hh) * dn, wp + (h0 + hh) * wr * kvr, kvr, dn, q, kvr);
-                    for (int64_t c = 0; c < kvr; ++c) q[c] = round_bf16(q[c]);  // q_lat in bf16
-                }
-            }
-            float* row = lg + (i * H + h0) * W;  // head h0 + hh's scores at row + hh * W
-            for (int64_t e = 0; e < W; ++e) {
-                const int64_t t = sp[i * W + e];
-                if (t >= 0)
-                    with_value<8, 4, 1>(g, [&](auto G) {
-                        dot_bf16_group_row<decltype(G)::value>(ql.data(), kvr, row_of(t), kvr, row + e, W);
-                    });
-                for (int64_t hh = 0; hh < g; ++hh) row[hh * W + e] = t < 0 ? ninf : round_bf16(row[hh * W + e]) * sc;
-            }
-        }
-    }
-    auto p = at::softmax(logits, -1);
-    const float* pp = p.data_ptr<float>();
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        std::vector<float> ol(8 * kvr), o(dv), pr(8 * W);
-#pragma omp for
-        for (int64_t it = 0; it < n_items; ++it) {
-            const int64_t i = items[it][0], h0 = items[it][1], g = items[it][2];
-            for (int64_t e = 0; e < g * W; ++e) {
-                const float pe = pp[(i * H + h0) * W + e];
-                pr[e] = pe != pe ? 0.f : round_bf16(pe);  // nan_to_num: nothing selected
-            }
-            // o_lat: the selected rows' FMAs in order (a zero probability adds 0, as skipping it would, the rows
-            // being finite), 64 rows at a time so that they stay in L1 while every block of o_lat passes over them
-            std::fill(ol.begin(), ol.begin() + g * kvr, 0.f);
-            const auto sel_row = row_of_sel(i);
-            for (int64_t e0 = 0; e0 < W; e0 += 64) {
-                const auto rows = [&](int64_t e) { return sel_row(e0 + e); };
-                const int64_t me = std::min<int64_t>(64, W - e0);
-                with_value<8, 4, 1>(g, [&](auto G) {
-                    axpy_bf16_group<decltype(G)::value>(pr.data() + e0, W, rows, me, ol.data(), kvr, kvr);
-                });
-            }
+    rows_on(n_items, threads, 8 * kvr, 4, [&](int64_t it, float* ql) {
+        const int64_t i = items[it][0], h0 = items[it][1], g = items[it][2];
+        {
             ProductClock clock;
             for (int64_t hh = 0; hh < g; ++hh) {
-                const int64_t ih = i * H + h0 + hh;
-                float* oh = ol.data() + hh * kvr;
-                for (int64_t c = 0; c < kvr; ++c) oh[c] = round_bf16(oh[c]);  // o_lat in bf16
-                dot_bf16_many(oh, wp + ((h0 + hh) * wr + dn) * kvr, kvr, kvr, dv, o.data());
-                for (int64_t j = 0; j < dv; ++j) op[ih * dv + j] = f32_to_bf16_bits(o[j]);
+                float* q = ql + hh * kvr;
+                std::fill(q, q + kvr, 0.f);
+                axpy_bf16_many(qp + (i * H + h0 + hh) * dn, wp + (h0 + hh) * wr * kvr, kvr, dn, q, kvr);
+                for (int64_t c = 0; c < kvr; ++c) q[c] = round_bf16(q[c]);  // q_lat in bf16
             }
         }
-    }
+        float* row = lg + (i * H + h0) * W;  // head h0 + hh's scores at row + hh * W
+        for (int64_t e = 0; e < W; ++e) {
+            const int64_t t = sp[i * W + e];
+            if (t >= 0)
+                with_value<8, 4, 1>(g, [&](auto G) {
+                    dot_bf16_group_row<decltype(G)::value>(ql, kvr, row_of(t), kvr, row + e, W);
+                });
+            for (int64_t hh = 0; hh < g; ++hh) row[hh * W + e] = t < 0 ? ninf : round_bf16(row[hh * W + e]) * sc;
+        }
+    });
+    auto p = at::softmax(logits, -1);
+    const float* pp = p.data_ptr<float>();
+    rows_on(n_items, threads, 8 * kvr + dv + 8 * W, 4, [&](int64_t it, float* buf) {
+        float *ol = buf, *o = ol + 8 * kvr, *pr = o + dv;
+        const int64_t i = items[it][0], h0 = items[it][1], g = items[it][2];
+        for (int64_t e = 0; e < g * W; ++e) {
+            const float pe = pp[(i * H + h0) * W + e];
+            pr[e] = pe != pe ? 0.f : round_bf16(pe);  // nan_to_num: nothing selected
+        }
+        // o_lat: the selected rows' FMAs in order (a zero probability adds 0, as skipping it would, the rows
+        // being finite), 64 rows at a time so that they stay in L1 while every block of o_lat passes over them
+        std::fill(ol, ol + g * kvr, 0.f);
+        const auto sel_row = row_of_sel(i);
+        for (int64_t e0 = 0; e0 < W; e0 += 64) {
+            const auto rows = [&](int64_t e) { return sel_row(e0 + e); };
+            const int64_t me = std::min<int64_t>(64, W - e0);
+            with_value<8, 4, 1>(g, [&](auto G) {
+                axpy_bf16_group<decltype(G)::value>(pr + e0, W, rows, me, ol, kvr, kvr);
+            });
+        }
+        ProductClock clock;
+        for (int64_t hh = 0; hh < g; ++hh) {
+            const int64_t ih = i * H + h0 + hh;
+            float* oh = ol + hh * kvr;
+            for (int64_t c = 0; c < kvr; ++c) oh[c] = round_bf16(oh[c]);  // o_lat in bf16
+            dot_bf16_many(oh, wp + ((h0 + hh) * wr + dn) * kvr, kvr, kvr, dv, o);
+            for (int64_t j = 0; j < dv; ++j) op[ih * dv + j] = f32_to_bf16_bits(o[j]);
+        }
+    });
     return out;
 }
 
