@@ -239,7 +239,11 @@ def main():
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     bw = cpu.read_bandwidth(threads=threads)
-    print(f"{threads} thread(s); read bandwidth (kernels' streaming read, this run): {bw:.1f} GB/s")
+    mid = cpu.read_bandwidth(threads=threads, median=True)
+    print(
+        f"{threads} thread(s); read bandwidth (kernels' streaming read, this run): {bw:.1f} GB/s "
+        f"(the roof; the same reads' median {mid:.1f})"
+    )
     g = torch.Generator().manual_seed(1)
     head = (
         f"{'model':<12} {'arm':<12} {'MB/step':>8} {'roof tok/s':>10} {'b1 tok/s':>9} {'% roof':>7} "

@@ -45,6 +45,7 @@ one thread: see the oversubscription trap in docs/perf.md), never more than torc
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
 import warnings
 
@@ -1201,12 +1202,17 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def read_bandwidth(
-    nbytes: int = 512 << 20, threads: int = 1, slice_bytes: int = 16 << 20, repeats: int = 64
+    nbytes: int = 512 << 20,
+    threads: int = 1,
+    slice_bytes: int = 16 << 20,
+    repeats: int = 64,
+    median: bool = False,
 ) -> float:
     """GB/s of a streaming read (4 rows at a time, like the kernels): the benchmarks' read-bandwidth
     ceiling, measured in the same run. Timed like a benchmark row: the best of `repeats` reads of
-    `slice_bytes` slices rotating through `nbytes` (more than the last-level cache). Raises if the
-    kernels are unavailable."""
+    `slice_bytes` slices rotating through `nbytes` (more than the last-level cache), or with `median` their
+    median (what a matrix read once a step meets: ~5-10 % below the best on a VM, docs/perf.md). Raises if
+    the kernels are unavailable."""
     mod = load()
     if mod is None:
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
@@ -1216,9 +1222,9 @@ def read_bandwidth(
     buf = memory.empty((max(step, nbytes // step * step),), torch.uint8).fill_(1)
     slices = [buf[i : i + step] for i in range(0, buf.numel(), step)]
     mod.read_bytes(buf, row, threads)
-    best = float("inf")
+    times = []
     for i in range(repeats):
         t0 = time.perf_counter()
         mod.read_bytes(slices[i % len(slices)], row, threads)
-        best = min(best, time.perf_counter() - t0)
-    return step / best / 1e9
+        times.append(time.perf_counter() - t0)
+    return step / (statistics.median(times) if median else min(times)) / 1e9
