@@ -238,8 +238,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    bw = cpu.read_bandwidth(threads=threads)
-    mid = cpu.read_bandwidth(threads=threads, median=True)
+    bw, mid = cpu.read_bandwidths(threads=threads)
     print(
         f"{threads} thread(s); read bandwidth (kernels' streaming read, this run): {bw:.1f} GB/s "
         f"(the roof; the same reads' median {mid:.1f})"

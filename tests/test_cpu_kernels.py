@@ -864,6 +864,13 @@ def test_thread_count_never_above_torch_threads():
         torch.set_num_threads(saved)
 
 
+def test_read_bandwidths_best_and_median_of_the_same_reads(kernel):
+    """The roof (the best read) and the median come from one set of reads, so the best is never below the
+    median (two separate probes gave a median above the roof)."""
+    best, median = cpu.read_bandwidths(nbytes=4 << 20, slice_bytes=1 << 20, repeats=9)
+    assert best >= median > 0
+
+
 # ------------------------------------------------------------------------ whole models
 
 

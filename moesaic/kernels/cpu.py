@@ -1201,24 +1201,19 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     return out.to(x.dtype).view(*x.shape[:-1], n)
 
 
-def read_bandwidth(
-    nbytes: int = 512 << 20,
-    threads: int = 1,
-    slice_bytes: int = 16 << 20,
-    repeats: int = 64,
-    median: bool = False,
-) -> float:
-    """GB/s of a streaming read (4 rows at a time, like the kernels): the benchmarks' read-bandwidth
-    ceiling, measured in the same run. Timed like a benchmark row: the best of `repeats` reads of
-    `slice_bytes` slices rotating through `nbytes` (more than the last-level cache), or with `median` their
-    median (what a matrix read once a step meets: ~5-10 % below the best on a VM, docs/perf.md). Raises if
-    the kernels are unavailable."""
+def read_bandwidths(
+    nbytes: int = 512 << 20, threads: int = 1, slice_bytes: int = 16 << 20, repeats: int = 64
+) -> tuple[float, float]:
+    """(best, median) GB/s of `repeats` streaming reads (4 rows at a time, like the kernels) of `slice_bytes`
+    slices rotating through `nbytes` (more than the last-level cache), in the memory the weights are loaded
+    into. The best is the benchmarks' read-bandwidth ceiling; the median is what a matrix read once a step
+    meets (8-15 % lower on a VM, docs/perf.md). Raises if the kernels are unavailable."""
     mod = load()
     if mod is None:
         raise RuntimeError(f"moesaic CPU kernels unavailable: {_state['error']}")
     row = 16384  # bytes per row, 4 rows read side by side
     step = max(4 * row, slice_bytes // (4 * row) * 4 * row)
-    # in the memory the weights are loaded into (huge pages where the system lends them: kernels/memory.py)
+    # huge pages where the system lends them: kernels/memory.py
     buf = memory.empty((max(step, nbytes // step * step),), torch.uint8).fill_(1)
     slices = [buf[i : i + step] for i in range(0, buf.numel(), step)]
     mod.read_bytes(buf, row, threads)
@@ -1227,4 +1222,11 @@ def read_bandwidth(
         t0 = time.perf_counter()
         mod.read_bytes(slices[i % len(slices)], row, threads)
         times.append(time.perf_counter() - t0)
-    return step / (statistics.median(times) if median else min(times)) / 1e9
+    return step / min(times) / 1e9, step / statistics.median(times) / 1e9
+
+
+def read_bandwidth(
+    nbytes: int = 512 << 20, threads: int = 1, slice_bytes: int = 16 << 20, repeats: int = 64
+) -> float:
+    """The best of read_bandwidths: the benchmarks' read-bandwidth ceiling, measured in the same run."""
+    return read_bandwidths(nbytes, threads, slice_bytes, repeats)[0]
