@@ -618,7 +618,7 @@ def _three_blocks(h0, dims, sites, norm, weight, shift) -> list:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mhc_streams_keep_the_torch_bits(kernels, monkeypatch, order, dtype):
     """mhc.Streams: at each enter after the first, the waiting update, the site's maps and collapse and the
-    block's norm are one call (cpu.mhc_enter, taken at every enter), with the bits of site_input, update and
+    block's norm are one call (cpu.mhc_run, taken at every enter; its plan kept for decode rows), with the bits of site_input, update and
     the norm run in turn (the fused mHC calls off): the inputs of three blocks (each block's output made from
     its input, so a wrong input shows downstream), the streams after them, and a tap's value between; GLM's
     and DeepSeek-V4's norm orders, rows on both sides of the sigmoids' scalar / vector split, an fp32 block
@@ -642,15 +642,14 @@ def test_mhc_streams_keep_the_torch_bits(kernels, monkeypatch, order, dtype):
         shift = torch.randn(N, d, generator=g)
 
         args = (h0, dims, sites, norm, weight, shift)
-        taken, planned = [], []
-        monkeypatch.setattr(cpu, "mhc_enter", _spy(cpu.mhc_enter, taken))
-        monkeypatch.setattr(cpu, "mhc_run", _spy(cpu.mhc_run, planned))
+        planned, taken = [], []
+        monkeypatch.setattr(cpu, "mhc_plan", _spy(cpu.mhc_plan, planned))
+        monkeypatch.setattr(cpu, "mhc_run", _spy(cpu.mhc_run, taken))
         fused = _three_blocks(*args)  # grad mode on: every call checked
         with torch.inference_mode():  # off: decode's rows through the plans kept on the sites (twice: kept)
             kept = [_three_blocks(*args) for _ in range(2)]
-        kept_calls = 6 if N <= cpu.MAX_ROWS else 0  # (more rows: checked at every call)
-        # (mhc_enter runs mhc_run too)
-        assert taken == [True] * (9 - kept_calls) and planned == [True] * 9, (N, taken, planned)
+        kept_calls = 3 if N <= cpu.MAX_ROWS else 0  # the second pass's (more rows: checked at every call)
+        assert planned == [True] * (9 - kept_calls) and taken == [True] * 9, (N, planned, taken)
         monkeypatch.undo()
         monkeypatch.setattr(cpu, "mhc_enter", lambda *a: None)
         monkeypatch.setattr(cpu, "mhc_plan", lambda *a: None)

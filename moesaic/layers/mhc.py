@@ -171,8 +171,9 @@ class Streams:
     `x = s.enter(site, norm, weight, eps)` gives the block's input (its norm applied: `norm` one of
     layers/norms.py's orders), `s.leave(y)` takes its output, `s.value()` the streams after it. The update
     by y waits for the next `enter` or `value`: on the CPU an update, the next site's maps and collapse and
-    the next block's norm are one compiled call (cpu.mhc_enter: update, site_input and the norm's
-    operations, so the same bits); elsewhere those three functions run in turn."""
+    the next block's norm are one compiled call (cpu.mhc_plan's checks, then cpu.mhc_run: cpu.mhc_enter's
+    update, site_input and the norm's operations, so the same bits); elsewhere those three functions run in
+    turn."""
 
     def __init__(self, h: Tensor, dims: MhcDims):
         self.h, self.dims = h, dims
@@ -183,32 +184,32 @@ class Streams:
         h = self.h
         if h.is_cpu and not kernels("mhc", h):
             waiting = None if self.waiting is None else (self.waiting, *self.maps)
-            fused = None
             if torch.is_grad_enabled() or h.shape[0] > cpu.MAX_ROWS:  # checked at every call
-                rounding = norms.roundings(norm, h.dtype, weight.dtype)
-                if rounding is not None:
-                    fused = cpu.mhc_enter(h, waiting, *_site_args(site, self.dims), (weight, eps, *rounding))
-            elif plan := self._plan(site, norm, weight, eps, waiting):
-                fused = cpu.mhc_run(plan, h, waiting)
-            if fused is not None:
-                self.h, x, *maps = fused
+                plan = self._new_plan(site, norm, weight, eps, waiting)
+            else:
+                plan = self._plan(site, norm, weight, eps, waiting)
+            if plan is not None:
+                self.h, x, *maps = cpu.mhc_run(plan, h, waiting)
                 self.maps, self.waiting = tuple(maps), None
                 return x
         x, *maps = site_input(self.value(), site, self.dims)
         self.maps = tuple(maps)
         return norm(x, weight, eps)
 
+    def _new_plan(self, site: MhcSite, norm, weight: Tensor, eps: float, waiting) -> tuple | None:
+        """cpu.mhc_plan for this enter (None: the torch code runs it)."""
+        rounding = norms.roundings(norm, self.h.dtype, weight.dtype)
+        if rounding is None:
+            return None
+        return cpu.mhc_plan(self.h, waiting, *_site_args(site, self.dims), (weight, eps, *rounding))
+
     def _plan(self, site: MhcSite, norm, weight: Tensor, eps: float, waiting) -> tuple | None:
-        """cpu.mhc_plan for this enter, kept on the site for decode's few rows (its checks cost more than the
-        rest of the call's Python)."""
+        """_new_plan kept on the site for decode's few rows (its checks cost more than the rest of the call's
+        Python)."""
         d = self.dims
         key = (cpu.mhc_key(self.h, waiting), d.norm_eps, d.hc_eps, d.sinkhorn_iters, norm, weight, eps)
         if key not in site.plans:
-            rounding = norms.roundings(norm, self.h.dtype, weight.dtype)
-            args = _site_args(site, d)
-            site.plans[key] = (
-                None if rounding is None else cpu.mhc_plan(self.h, waiting, *args, (weight, eps, *rounding))
-            )
+            site.plans[key] = self._new_plan(site, norm, weight, eps, waiting)
         return site.plans[key]
 
     def leave(self, y: Tensor) -> None:
