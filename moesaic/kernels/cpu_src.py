@@ -500,6 +500,7 @@ struct Weights {
     int64_t s_e, s_n;   // byte strides (fp8: per row-block)
     bool s_f32;
     int64_t bn;         // fp8 row block
+    int bn_shift;       // log2(bn) where bn is a power of two (row_of's block without a division), else -1
     const float* stab;  // fp4: one 256-entry table per active expert (nvfp4) or the E8M0 table
     bool stab_per_expert;
     const float* gsc;   // nvfp4: the global scale of each matrix (null: none)
@@ -512,7 +513,7 @@ inline Row row_of(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64
         r.s8 = W.s + e * W.s_e + n * W.s_n;
         r.stab = W.stab_per_expert ? W.stab + 256 * slot : W.stab;
     } else if (C.kind == FP8) {
-        const uint8_t* s = W.s + e * W.s_e + (n / W.bn) * W.s_n;
+        const uint8_t* s = W.s + e * W.s_e + (W.bn_shift >= 0 ? n >> W.bn_shift : n / W.bn) * W.s_n;
         if (W.s_f32) r.sf = reinterpret_cast<const float*>(s);
         else r.s8 = s;
     }
@@ -816,8 +817,10 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
             const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(ha, b, hb), _mm512_and_si512(b, sign));
             const __m512i lo = _mm512_permutex2var_epi8(la, b, lb);
             const __m512i va = _mm512_unpacklo_epi8(lo, hi), vb = _mm512_unpackhi_epi8(lo, hi);
-            const __m512 S = _mm512_insertf32x8(_mm512_set1_ps(fp8_scale(rows[r], C.sub2blk[2 * c])),
-                                                _mm256_set1_ps(fp8_scale(rows[r], C.sub2blk[2 * c + 1])), 1);
+            const int32_t b0 = C.sub2blk[2 * c], b1 = C.sub2blk[2 * c + 1];
+            const float s0 = fp8_scale(rows[r], b0);  // one scale for both halves where one block holds them
+            const __m512 S = b0 == b1 ? _mm512_set1_ps(s0)
+                                      : _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(fp8_scale(rows[r], b1)), 1);
 #pragma GCC unroll 4
             for (int m = 0; m < MB; ++m) {
                 const uint16_t* xm = x + m * xs + c * CH;
@@ -1434,6 +1437,7 @@ void describe(int64_t& kind, const torch::Tensor& w, const std::optional<torch::
             TORCH_CHECK(S.scalar_type() == torch::kFloat32 || S.element_size() == 1, "fp8 scales: fp32 or E8M0 bytes");
             W.s_f32 = S.scalar_type() == torch::kFloat32;
             W.bn = bn;
+            W.bn_shift = (bn & (bn - 1)) == 0 ? __builtin_ctzll((unsigned long long)bn) : -1;
             const int64_t nsub = (K + CH - 1) / CH * 2;
             sub2blk.resize(nsub);
             for (int64_t i = 0; i < nsub; ++i) sub2blk[i] = 32 * i < K ? (int32_t)(32 * i / bk) : -1;
