@@ -618,11 +618,11 @@ def _three_blocks(h0, dims, sites, norm, weight, shift) -> list:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mhc_streams_keep_the_torch_bits(kernels, monkeypatch, order, dtype):
     """mhc.Streams: at each enter after the first, the waiting update, the site's maps and collapse and the
-    block's norm are one call (cpu.mhc_run, taken at every enter; its plan kept for decode rows), with the bits of site_input, update and
-    the norm run in turn (the fused mHC calls off): the inputs of three blocks (each block's output made from
-    its input, so a wrong input shows downstream), the streams after them, and a tap's value between; GLM's
-    and DeepSeek-V4's norm orders, rows on both sides of the sigmoids' scalar / vector split, an fp32 block
-    output for bf16 streams (the update's y.to(dtype))."""
+    block's norm are one call (cpu.mhc_run, taken at every enter; its plan kept for decode rows), with the bits
+    of site_input, update and the norm run in turn (the fused mHC calls off): the inputs of three blocks (each
+    block's output made from its input, so a wrong input shows downstream), the streams after them, and a tap's
+    value between; GLM's and DeepSeek-V4's norm orders, rows on both sides of the sigmoids' scalar / vector
+    split, an fp32 block output for bf16 streams (the update's y.to(dtype))."""
     from moesaic.layers import mhc
 
     g = torch.Generator().manual_seed(11)
