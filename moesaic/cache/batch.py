@@ -29,6 +29,17 @@ class SeqChunk:
         them (a batch of one sequence: no slice made)."""
         return t if self.n == t.shape[0] else t[self.start : self.start + self.n]
 
+    def place(self, out, rows, like):
+        """rows' counterpart: the forward's per-row output with this sequence's rows set to `rows`. `rows` itself
+        where they are all of the forward's (`like` [N, ...]: a batch of one sequence, no copy); else written into
+        out, made like `like` at the first sequence (out None)."""
+        if self.n == like.shape[0]:
+            return rows
+        if out is None:
+            out = torch.empty_like(like)
+        out[self.start : self.start + self.n] = rows
+        return out
+
 
 @dataclass
 class ForwardBatch:

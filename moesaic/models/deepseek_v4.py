@@ -842,7 +842,7 @@ class Model:
                 queries.extend(index_query(w.index, qr, x, c, rope, pos))
             return queries
 
-        out = None if len(batch.seqs) == 1 else torch.empty_like(q)  # one sequence: its rows are all (s.rows)
+        out = None
         for s in batch.seqs:
             parts = [None if t is None else [s.rows(r) for r in t] for t in (comp, idx)]
             o = self.attend(
@@ -856,10 +856,7 @@ class Model:
                 *parts,
                 lambda s=s: [s.rows(t) for t in index_rows()],
             )
-            if out is None:
-                out = o
-            else:
-                out[s.start : s.start + s.n] = o
+            out = s.place(out, o, q)
         return attention_output(w, out, c, rope, pos)
 
     def attend(self, L: int, w: Attention, kind: str, s, q, pos, kv, comp, idx, index_rows) -> Tensor:

@@ -825,7 +825,7 @@ class Model:
             ikv, igate = compressor_inputs(x, a.index_compressor, lin)
         if a.index is not None:  # an index source
             qi, wts = index_query(a.index, qr, x, c, self.rope_compress, pos)
-        out = None if len(batch.seqs) == 1 else torch.empty_like(q)  # one sequence: its rows are all (s.rows)
+        out = None
         for b, s in enumerate(batch.seqs):
             st = s.state.layers[L]
             win_start = s.past - st.window.held
@@ -877,10 +877,7 @@ class Model:
                 sel,
                 r,
             )
-            if out is None:
-                out = o
-            else:
-                out[s.start : s.start + s.n] = o
+            out = s.place(out, o, q)
         return attention_output(a, out, c, rope, pos)
 
     def engram_rows(self, batch: ForwardBatch) -> Tensor:
