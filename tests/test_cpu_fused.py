@@ -1010,12 +1010,14 @@ def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fused_call", ["v4_inputs", "v4_output"])
 @pytest.mark.parametrize("demo", ["demo-deepseek-v4", "demo-deepseek-v41"])
-def test_v4_inputs_keep_the_engine_bits(kernels, monkeypatch, demo):
+def test_v4_inputs_keep_the_engine_bits(kernels, monkeypatch, demo, fused_call):
     """DeepSeek-V4's (and V4.1's, without the head RMS) attention inputs after x's products in one call
-    (cpu.v4_inputs: the two cast-once norms, q_b's product, the head RMS and the two rotations) give the engine
+    (cpu.v4_inputs: the two cast-once norms, q_b's product, the head RMS and the two rotations), and its
+    attention output (cpu.v4_output: the inverse rotation, the grouped o_a product and o_b's) give the engine
     the logits of the code bit for bit, forward by forward, for two sequences decoding together and their
-    prompts (the call taken for every attention layer of every forward of up to MAX_ROWS rows)."""
+    prompts (each call taken for every attention layer of every forward of up to MAX_ROWS rows)."""
     import moesaic
 
     llm = moesaic.LLM(demo, dtype="bfloat16")
@@ -1027,7 +1029,8 @@ def test_v4_inputs_keep_the_engine_bits(kernels, monkeypatch, demo):
         forward = llm.model.forward
         keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
         monkeypatch.setattr(llm.model, "forward", keep)
-        monkeypatch.setattr(cpu, "v4_inputs", _spy(cpu.v4_inputs, taken) if fused else lambda *a: None)
+        real = getattr(cpu, fused_call)
+        monkeypatch.setattr(cpu, fused_call, _spy(real, taken) if fused else lambda *a: None)
         tokens = [r.token_ids for r in llm.generate(prompts, sp)]
         monkeypatch.undo()
         runs.append((tokens, logits, taken))
@@ -1036,6 +1039,33 @@ def test_v4_inputs_keep_the_engine_bits(kernels, monkeypatch, demo):
     assert tokens == want_tokens and len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_v4_output_rows_and_packed_o_b(kernels):
+    """cpu.v4_output (layers/csa.fused_output) equals the code it replaces (the inverse rotation, then
+    csa.grouped_out: each group's rows of o_a through `linear`, o_b's product) bit for bit at 1..MAX_ROWS rows,
+    with o_b dense bf16 and packed (fp8 blocks, MXFP4); and declines what it cannot take: more rows, fp32
+    o, a rotation wider than the head, o_a not dense bf16."""
+    from moesaic.layers import csa
+    from moesaic.weights.contract import pack
+
+    g = torch.Generator().manual_seed(11)
+    H, D, G, r, d, rd = 4, 64, 2, 64, 256, 32
+    rope = csa.RopeTail(torch.rand(rd // 2, generator=g) * 0.5)
+    w = lambda *s: (torch.randn(*s, generator=g) * 0.1).bfloat16()  # noqa: E731
+    wo_a, wo_b = w(G * r, H * D // G), w(d, G * r)
+    for o_b in (wo_b, pack(wo_b, "o_b", "fp8"), pack(wo_b, "o_b", "mxfp4")):
+        for n in (1, 2, 5, cpu.MAX_ROWS):
+            o, pos = w(n, H, D), torch.arange(40, 40 + n)
+            got = csa.fused_output(o, wo_a, o_b, G, rope, pos)
+            want = csa.grouped_out(rope(o, pos, inverse=True).reshape(n, -1), wo_a, o_b, G)
+            assert got is not None and got.dtype == want.dtype and torch.equal(got, want), (type(o_b), n)
+    pos = torch.arange(cpu.MAX_ROWS + 1)
+    assert csa.fused_output(w(cpu.MAX_ROWS + 1, H, D), wo_a, wo_b, G, rope, pos) is None
+    assert csa.fused_output(w(1, H, D).float(), wo_a, wo_b, G, rope, pos[:1]) is None
+    assert csa.fused_output(w(1, H, D), wo_a.float(), wo_b, G, rope, pos[:1]) is None
+    wide = csa.RopeTail(torch.rand(D, generator=g))  # rotates 2 D channels of a D-wide head
+    assert csa.fused_output(w(1, H, D), wo_a, wo_b, G, wide, pos[:1]) is None
 
 
 def test_mla_block_declines_what_it_cannot_take(kernels):

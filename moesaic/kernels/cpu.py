@@ -187,6 +187,7 @@ def load(verbose: bool = False):
                 "mla_project",
                 "mla_block",
                 "v4_inputs",
+                "v4_output",
                 "sink_attend",
                 "dsa_gathered_bf16",
                 "encode_fp4",
@@ -1085,6 +1086,32 @@ def v4_inputs(qa, kv, q_b, q_a_norm, kv_norm, eps: float, heads: int, ones, cos,
     )
     stats["kernel_calls"] += 1
     return tuple(out)
+
+
+def v4_output(o, cos, sin, o_a, o_b):
+    """models/deepseek_v4.py's attention_output in one call for up to MAX_ROWS rows: o [n, H, D] rotated by cos /
+    sin (rope_pairs on the last 2 * cos.shape[1] channels; sin negated for the inverse), each of the G groups of
+    whole heads through its rows of o_a (the dense bf16 stack [G, r, H * D / G]: csa.grouped_out's views), the
+    groups' outputs side by side through o_b (an operand); the same calls, the same bits. [n, d], or None where
+    it does not apply (the caller runs the code)."""
+    if not (o.dim() == 3 and 0 < o.shape[0] <= MAX_ROWS and o.dtype == o_a.dtype == torch.bfloat16):
+        return None
+    n, H, D = o.shape
+    if not (o_a.dim() == 3 and o_a.shape[0] * o_a.shape[2] == H * D and o_a.is_contiguous()):
+        return None
+    if not (o.stride(-1) == 1 and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == n):
+        return None
+    if not 2 * cos.shape[1] <= D:
+        return None
+    a = bf16_operand(o_a)
+    mod = _fused_mod(o, cos, sin) if _operands_fit([a, o_b], o.dtype) else None
+    if mod is None:
+        return None
+    threads = threads_for(o_a.nbytes // o_a.shape[0], n), *_own_threads([o_b], n)
+    turn = cos.contiguous(), sin.contiguous(), _fused_threads(o.numel())
+    out = mod.v4_output(o.contiguous(), *turn, a, threads[0], o_b, threads[1], _path())
+    stats["kernel_calls"] += 2  # o_a's grouped product and o_b's
+    return out
 
 
 def ssd_steps(x, dt, A, B, C, h, keep_states: bool):

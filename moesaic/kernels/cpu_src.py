@@ -2933,6 +2933,29 @@ std::vector<torch::Tensor> v4_inputs(torch::Tensor qa, torch::Tensor kv, Operand
     return {qr, q, k};
 }
 
+// models/deepseek_v4.py's attention_output for a few rows: o [n, H, D] rotated back (rope_pairs: layout 2, the last
+// 2 cos.size(1) channels; sin already negated), its heads split into G groups, group g through o_a's rows
+// [g r, (g + 1) r) (o_a: the dense stack [G, r, H D / G], one grouped product over the groups), the groups' outputs
+// side by side through o_b. The calls layers/rope.py and csa.py's grouped_out make, each output row of gemm its own
+// sum: the same bits. Saves a decode step four calls a layer (~40-60 us of cold Python and dispatch).
+torch::Tensor v4_output(torch::Tensor o, torch::Tensor cos, torch::Tensor sin, int64_t rope_threads, Operand o_a,
+                        int64_t a_threads, Operand o_b, int64_t b_threads, int64_t path) {
+    TORCH_CHECK(o.dim() == 3, "v4_output: o [n, H, D]");
+    const int64_t n = o.size(0), H = o.size(1), D = o.size(2);
+    const auto& wa = std::get<1>(o_a);
+    TORCH_CHECK(wa.dim() == 3 && wa.size(0) > 0 && (H * D) % wa.size(0) == 0 && wa.size(2) == H * D / wa.size(0),
+                "v4_output: o_a [G, r, H D / G]");
+    const int64_t G = wa.size(0), r = wa.size(1), K = H * D / G;
+    const auto x = rope(o, cos, sin, 2, rope_threads, D - 2 * cos.size(1));  // [n, H, D], contiguous
+    // row g n + t: token t's group g (the grouped product's rows by group)
+    const auto xs = n == 1 ? x.view({G, K}) : x.view({n, G, K}).transpose(0, 1).contiguous().view({G * n, K});
+    auto offs = torch::empty({G}, torch::kInt64);
+    for (int64_t g = 0; g < G; ++g) offs.data_ptr<int64_t>()[g] = (g + 1) * n;
+    auto z = operand_gemm(xs, o_a, offs, a_threads, path);  // [G n, r]
+    z = n == 1 ? z.view({1, G * r}) : z.view({G, n, r}).transpose(0, 1).reshape({n, G * r});
+    return operand_gemm(z, o_b, std::nullopt, b_threads, path);
+}
+
 // a = a * b (mul, 0) or a + b (add, 1) in place for bf16 a [R, C] contiguous and bf16 b [R, C] with unit column
 // stride: each result in fp32, rounded once, as torch's bf16 mul_ / add_ (whose dispatch costs more than the
 // work at a decode step's sizes); other dtypes or layouts by those ops.

@@ -109,6 +109,18 @@ def fused_inputs(qa, kv, q_b, q_a_norm, kv_norm, eps: float, heads: int, head_no
     return cpu.v4_inputs(qa, kv, op, q_a_norm, kv_norm, eps, heads, ones, *rope.angles(positions))
 
 
+def fused_output(o: Tensor, wo_a: Tensor, wo_b, groups: int, rope, positions: Tensor) -> Tensor | None:
+    """DeepSeek-V4's attention output (models/deepseek_v4.attention_output: o [N, H, D] rotated back by `rope` at
+    positions, then `grouped_out`) in one compiled call on the CPU, the same bits; None where it does not apply
+    (the caller runs the code)."""
+    if not (o.is_cpu and type(wo_a) is torch.Tensor and wo_a.is_contiguous()):
+        return None
+    if (op := operand(wo_b)) is None:
+        return None
+    stack = wo_a.view(groups, wo_a.shape[0] // groups, -1)  # group g's rows: matrix g of a stack
+    return cpu.v4_output(o, *rope.angles(positions, inverse=True), stack, op)
+
+
 def grouped_out(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:
     """The grouped low-rank output projection: o [N, H·D] split into `groups` contiguous blocks of
     whole heads, block g through wo_a rows [g·r, (g+1)·r), then the concatenation through wo_b."""

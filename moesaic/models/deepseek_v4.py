@@ -94,6 +94,7 @@ from ..layers.csa import (
     compressor_inputs,
     compressor_update,
     fused_inputs,
+    fused_output,
     grouped_out,
     indexer_select,
     layer_compressors,
@@ -760,6 +761,9 @@ def index_query(w: IndexQuery, qr: Tensor, x: Tensor, cfg, rope: RopeTail, posit
 
 def attention_output(w: Attention, o: Tensor, cfg, rope: RopeTail, positions: Tensor) -> Tensor:
     """Wo_b · grouped Wo_a(rope⁻¹(o)) for o [N, H, D]."""
+    fused = fused_output(o, w.o_a, w.o_b, cfg.o_groups, rope, positions)
+    if fused is not None:  # the CPU: the code below in one call
+        return fused
     o = rope(o, positions, inverse=True)
     return grouped_out(o.reshape(o.shape[0], -1), w.o_a, w.o_b, cfg.o_groups)
 
