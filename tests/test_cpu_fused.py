@@ -1010,6 +1010,41 @@ def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("demo", ["demo-glm5-code", "demo-glm5-next-nvfp4"])
+def test_dsa_projections_keep_the_engine_bits(kernels, monkeypatch, demo):
+    """GLM-5.3's DSA layers take their input's products and norms (q_a, its norm, q_b, kv_a, its norm) in one
+    call (layers/mla.project_rows -> cpu.mla_project, which also gives q_b's input for the indexer's queries):
+    the engine's logits are those of the code bit for bit, forward by forward, for two sequences decoding
+    together and their prompts, bf16 and with NVFP4 weights; the call taken for every DSA layer of every
+    forward."""
+    import moesaic
+
+    llm = moesaic.LLM(demo, dtype="bfloat16")
+    prompts = [list(range(5, 14)), list(range(50, 56))]
+    sp = moesaic.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    runs = []
+    for fused in (True, False):
+        logits, taken = [], []
+        forward = llm.model.forward
+        keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
+        monkeypatch.setattr(llm.model, "forward", keep)
+
+        def spy(*a, _real=cpu.mla_project, _taken=taken):
+            out = _real(*a)
+            _taken.append(out is not None and len(out) == 4)  # qr with q, kv and the latent
+            return out
+
+        monkeypatch.setattr(cpu, "mla_project", spy if fused else lambda *a: None)
+        tokens = [r.token_ids for r in llm.generate(prompts, sp)]
+        monkeypatch.undo()
+        runs.append((tokens, logits, taken))
+    (tokens, got, taken), (want_tokens, want, _) = runs
+    assert taken and all(taken)
+    assert tokens == want_tokens and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("fused_call", ["v4_inputs", "v4_output"])
 @pytest.mark.parametrize("demo", ["demo-deepseek-v4", "demo-deepseek-v41"])
 def test_v4_inputs_keep_the_engine_bits(kernels, monkeypatch, demo, fused_call):

@@ -969,8 +969,8 @@ def _norms_fit(norms: list, dtype: torch.dtype) -> bool:
 def mla_project(x, ops: list, norms: list, eps: float, kvr: int):
     """layers/mla.py's mla_project products and norms in one call for up to MAX_ROWS rows: ops (q, kv_a) or (q_a,
     q_b, kv_a) as operands, norms (kv_a_norm,) or (q_a_norm, kv_a_norm) of x's dtype, each product as `linear`
-    computes it and each norm as layers/norms.py's rms_norm, the same bits. (q, kv, latent), or None where it
-    does not apply (the caller runs the torch code)."""
+    computes it and each norm as layers/norms.py's rms_norm, the same bits. (q, kv, latent), with (q_a, q_b, kv_a)
+    also qr (q_a's normed rows, q_b's input), or None where it does not apply (the caller runs the torch code)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
         return None
     if not _norms_fit(norms, x.dtype):

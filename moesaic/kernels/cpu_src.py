@@ -2846,7 +2846,8 @@ std::vector<torch::Tensor> kda_project(torch::Tensor x, std::vector<Operand> ops
 // threads its own `linear` call would take; norms (kv_a_norm) or (q_a_norm, kv_a_norm), each as layers/norms.py's
 // rms_norm with weights of x's dtype (the fused norm: the mean in torch's order, rounded to x's dtype, times the
 // weight): the same bits as the separate calls, one crossing from Python instead of five. Returns {q, kv,
-// latent}: latent the norm of kv's first kvr columns.
+// latent}, and with q_a qr (q_a's normed rows, q_b's input: GLM-5.3's indexer queries take it): latent the norm of
+// kv's first kvr columns.
 std::vector<torch::Tensor> mla_project(torch::Tensor x, std::vector<Operand> ops, std::vector<int64_t> threads,
                                        std::vector<torch::Tensor> norms, double eps, int64_t kvr, int64_t lanes,
                                        int64_t path) {
@@ -2855,10 +2856,13 @@ std::vector<torch::Tensor> mla_project(torch::Tensor x, std::vector<Operand> ops
     const int64_t ty = x.scalar_type() == torch::kBFloat16 ? 1 : x.scalar_type() == torch::kHalf ? 2 : 0;
     auto lin = [&](const torch::Tensor& a, size_t i) { return operand_gemm(a, ops[i], std::nullopt, threads[i], path); };
     auto norm = [&](const torch::Tensor& a, const torch::Tensor& w) { return rms_norm(a, w, eps, 0, ty, ty, lanes, 1, 0); };
-    torch::Tensor q = ops.size() == 2 ? lin(x, 0) : lin(norm(lin(x, 0), norms[0]), 1);
+    const torch::Tensor qr = ops.size() == 2 ? torch::Tensor() : norm(lin(x, 0), norms[0]);
+    const torch::Tensor q = ops.size() == 2 ? lin(x, 0) : lin(qr, 1);
     torch::Tensor kv = lin(x, ops.size() - 1);
     TORCH_CHECK(kvr > 0 && kvr <= kv.size(1), "mla_project: kvr within kv_a's rows");
-    return {q, kv, norm(kv.slice(1, 0, kvr), norms.back())};
+    std::vector<torch::Tensor> out{q, kv, norm(kv.slice(1, 0, kvr), norms.back())};
+    if (qr.defined()) out.push_back(qr);
+    return out;
 }
 
 // layers/mla.py's mla_block: an MLA module for rows whose sequences all take the absorbed path over one pool's

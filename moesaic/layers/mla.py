@@ -105,25 +105,31 @@ def expanded_attention(q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale
     return out.transpose(0, 1)
 
 
+def project_rows(x: torch.Tensor, w: MlaWeights, kvr: int, eps: float):
+    """(q [n, H·qk_head_dim], kv [n, kvr + dr] = x W_kv_a, latent = RMSNorm(kv[:, :kvr]) [n, kvr], qr =
+    RMSNorm(x W_q_a) [n, q_lora_rank], q_b's input, or None without q's LoRA): an MLA module's products of
+    its input and their norms, in one compiled call for decode rows and verify blocks on the CPU."""
+    if x.is_cpu and x.shape[0] <= cpu.MAX_ROWS:  # the code below in one call
+        mats = [w.q, w.kv_a] if w.q is not None else [w.q_a, w.q_b, w.kv_a]
+        norms = [w.kv_a_norm] if w.q is not None else [w.q_a_norm, w.kv_a_norm]
+        fused = cpu.mla_project(x, [operand(m) for m in mats], norms, eps, kvr)
+        if fused is not None:
+            return tuple(fused) if len(fused) == 4 else (*fused, None)
+    if w.q is not None:
+        q, qr = linear(x, w.q), None
+    else:
+        qr = rms_norm(linear(x, w.q_a), w.q_a_norm, eps)
+        q = linear(qr, w.q_b)
+    kv = linear(x, w.kv_a)
+    return q, kv, rms_norm(kv[:, :kvr], w.kv_a_norm, eps), qr
+
+
 def mla_project(x: torch.Tensor, w: MlaWeights, c, eps: float = 1e-6):
     """The token-wise half of an MLA module: the per-head query split [n, H, dn] / [n, H, dr], the
     normalised latent [n, kvr] and the shared key slice [n, dr], both still unrotated. (The q/kv a-norms
     use their class default eps, not the config's.)"""
     n, H = x.shape[0], c.num_attention_heads
-    fused = None
-    if x.is_cpu and x.shape[0] <= cpu.MAX_ROWS:  # decode rows, verify blocks: the code below in one call
-        mats = [w.q, w.kv_a] if w.q is not None else [w.q_a, w.q_b, w.kv_a]
-        norms = [w.kv_a_norm] if w.q is not None else [w.q_a_norm, w.kv_a_norm]
-        fused = cpu.mla_project(x, [operand(m) for m in mats], norms, eps, c.kv_lora_rank)
-    if fused is not None:
-        q, kv, latent = fused
-    else:
-        if w.q is not None:
-            q = linear(x, w.q)
-        else:
-            q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
-        kv = linear(x, w.kv_a)
-        latent = rms_norm(kv[:, : c.kv_lora_rank], w.kv_a_norm, eps)
+    q, kv, latent, _ = project_rows(x, w, c.kv_lora_rank, eps)
     q = q.view(n, H, c.qk_head_dim)
     return q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :], latent, kv[:, c.kv_lora_rank :]
 

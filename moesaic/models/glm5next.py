@@ -48,7 +48,7 @@ from ..errors import CheckpointError, ConfigError
 from ..layers import dsa, kda, mhc
 from ..layers.kda import KdaDims, KdaState, KdaWeights
 from ..layers.linear import embedding, linear
-from ..layers.mla import MlaWeights
+from ..layers.mla import MlaWeights, project_rows
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
@@ -640,9 +640,8 @@ class Model:
         """DSA over every sequence; returns (output, the selections it used, one per sequence)."""
         c, m, ix = self.cfg, w.mla, w.indexer
         N, H, dn, dv = x.shape[0], c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
-        qr = rms_norm(linear(x, m.q_a), m.q_a_norm, c.rms_norm_eps)
-        q = linear(qr, m.q_b).view(N, H, dn)
-        latent = rms_norm(linear(x, m.kv_a), m.kv_a_norm, c.rms_norm_eps)
+        q, _, latent, qr = project_rows(x, m, c.kv_lora_rank, c.rms_norm_eps)
+        q = q.view(N, H, dn)
         if ix is not None:
             k, z = dsa.indexer_keys(x, ix)
             queries = None  # the indexer's queries, computed for the first sequence that needs scores
