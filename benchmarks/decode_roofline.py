@@ -148,8 +148,9 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
     router's product and the routing's few ops), cpu.kda_project (KDA's eight row-wise products, the log-decay
     and beta), cpu.mla_project (MLA's q_a, q_b and kv_a products and two norms), cpu.mla_block (an MLA module's
     decode rows: mla_project's products, o's, and with them the ropes, the page writes and the absorbed
-    attention, ~50 us a layer of Mistral-4's at these lengths) and cpu.v4_inputs (DeepSeek-V4's q_b product with
-    its two norms, head RMS and ropes) are counted as products, and so are the weight products inside
+    attention, ~50 us a layer of Mistral-4's at these lengths), cpu.v4_inputs (DeepSeek-V4's q_b product with
+    its two norms, head RMS and ropes) and cpu.v4_output (its inverse rope, grouped o_a and o_b products) are
+    counted as products, and so are the weight products inside
     cpu.mhc_enter (the mHC site's) and cpu.dsa_gathered (DSA's W_k and W_v), which those calls time themselves
     (cpu.product_seconds)."""
     acc = [0.0]
@@ -173,6 +174,7 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
         "mla_project",
         "mla_block",
         "v4_inputs",
+        "v4_output",
     )
     saved = [getattr(cpu, n) for n in names], torch.bmm, torch.matmul
     for n in names:
