@@ -544,7 +544,8 @@ def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn
 def test_f32_rows_products(kernels):
     """cpu.f32_rows (fp32 x against fp32 rows: the mHC site's product where fn is fp32, as DeepSeek-V4 ships it):
     within fp32 rounding of the fp64 product at odd K and N, a row's bits the same alone, among 16 rows and
-    under 2 threads; other dtypes and more than MAX_ROWS rows declined (None)."""
+    under 2 threads; bf16 rows (GLM-5.3's fn) give the bits of their fp32 values; other dtypes and more than
+    MAX_ROWS rows declined (None)."""
     g = torch.Generator().manual_seed(5)
     for K, N in ((4096, 24), (1000, 7), (13, 5)):
         w = torch.randn(N, K, generator=g)
@@ -554,6 +555,8 @@ def test_f32_rows_products(kernels):
         tol = 4 * K * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().T)
         assert ((got.double() - want).abs() <= tol).all(), (K, N)
         assert torch.equal(cpu.f32_rows(x[3:4], w), got[3:4])
+        wb = w.bfloat16()
+        assert torch.equal(cpu.f32_rows(x, wb), cpu.f32_rows(x, wb.float())), (K, N)
         saved = torch.get_num_threads()
         torch.set_num_threads(2)
         try:
@@ -561,6 +564,7 @@ def test_f32_rows_products(kernels):
         finally:
             torch.set_num_threads(saved)
     assert cpu.f32_rows(x.bfloat16(), w) is None
+    assert cpu.f32_rows(x, w.half()) is None
     assert cpu.f32_rows(torch.randn(cpu.MAX_ROWS + 1, 13), w) is None
 
 

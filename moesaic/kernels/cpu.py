@@ -602,17 +602,17 @@ def mhc_plan(streams, waiting, fn, columns, base, norm_eps: float, hc_eps: float
         return None
     kernel_fn = fn.dtype in (torch.bfloat16, torch.float32) and fn.stride(-1) == 1 and N <= MAX_ROWS
     threads, fn_threads = _fused_threads(streams.numel()), threads_for(fn.nbytes, N)
-    return (fn, columns, base, norm_eps, hc_eps, iters, lanes, kernel_fn, threads, fn_threads, _path(), weight,
+    return (fn, columns, base, norm_eps, hc_eps, iters, lanes, kernel_fn, threads, fn_threads, weight,
             eps, pre, mid, out)  # fmt: skip
 
 
 def mhc_key(streams, waiting) -> tuple:
     """What mhc_plan's answer depends on besides its site and norm: the streams' and the update's shapes,
-    dtypes and layout, torch's thread count and the kernels' switches (with grad mode off)."""
+    dtypes and layout, torch's thread count and whether the kernels are on (with grad mode off)."""
     if waiting is not None:
         y, post, comb = waiting
         waiting = y.shape, y.dtype, y.is_cpu, post.dtype, comb.dtype
-    return streams.shape, streams.dtype, streams.is_contiguous(), waiting, torch.get_num_threads(), enabled(), _path()  # fmt: skip
+    return streams.shape, streams.dtype, streams.is_contiguous(), waiting, torch.get_num_threads(), enabled()
 
 
 def mhc_run(plan: tuple, streams, waiting):
@@ -631,10 +631,13 @@ def product_seconds(on: bool) -> float:
 
 
 def f32_rows(x, w):
-    """x [M, K] fp32 @ w.T for fp32 w [N, K] (rows contiguous), M <= MAX_ROWS: each output the sum of 16 partial
-    sums in k order, its own bits whatever the rows around it (not torch's: for the products that both the
-    fused mHC call and layers/mhc.py's project take). None where it does not apply."""
-    if not (x.dim() == w.dim() == 2 and x.dtype == w.dtype == torch.float32 and 0 < x.shape[0] <= MAX_ROWS):
+    """x [M, K] fp32 @ w.T for fp32 or bf16 w [N, K] (rows contiguous; bf16 read as its fp32 values), M <=
+    MAX_ROWS: each output the sum of 16 partial sums in k order, its own bits whatever the rows around it (not
+    torch's: for the products that both the fused mHC call and layers/mhc.py's project take). None where it does
+    not apply."""
+    if not (x.dim() == w.dim() == 2 and x.dtype == torch.float32 and 0 < x.shape[0] <= MAX_ROWS):
+        return None
+    if w.dtype not in (torch.float32, torch.bfloat16):
         return None
     if not (x.shape[1] == w.shape[1] and w.stride(-1) == 1) or (mod := _fused_mod(x, w)) is None:
         return None

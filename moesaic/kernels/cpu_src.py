@@ -3195,12 +3195,17 @@ void mhc_collapse(int ty, const char* s, const float* pre, char* x, int64_t N, i
     });
 }
 
-// out[m, r] = x[m] . w[r] for fp32 x [M, K] and fp32 w rows [r0, r1) (row stride ws): 16 partial sums (k mod 16)
-// from 0 in k order, added in lane order, then the K % 16 tail from the last; each product rounded, then added
-// (no contraction in this region). The same bits for a row whatever M, the rows around it and the threads.
-// Weight rows 4 at a time, each x chunk loaded once for them.
-void f32_dot_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t ws, int64_t r0, int64_t r1,
-                  float* out, int64_t N) {
+// A weight value as fp32: bf16's exactly (its bits, shifted).
+inline float weight_f32(const float* w, int64_t i) { return w[i]; }
+inline float weight_f32(const uint16_t* w, int64_t i) { return bf16_bits_to_f32(w[i]); }
+
+// out[m, r] = x[m] . w[r] for fp32 x [M, K] and fp32 (or bf16, read as fp32) w rows [r0, r1) (row stride ws): 16
+// partial sums (k mod 16) from 0 in k order, added in lane order, then the K % 16 tail from the last; each product
+// rounded, then added (no contraction in this region). The same bits for a row whatever M, the rows around it and
+// the threads. Weight rows 4 at a time, each x chunk loaded once for them.
+template <typename W>
+void f32_dot_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t ws, int64_t r0, int64_t r1, float* out,
+                  int64_t N) {
     const int64_t K16 = K / 16 * 16;
     for (int64_t m = 0; m < M; ++m) {
         const float* xm = x + m * K;
@@ -3209,14 +3214,14 @@ void f32_dot_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t 
             float acc[4][16] = {};
             for (int64_t k = 0; k < K16; k += 16)
                 for (int64_t i = 0; i < R; ++i) {
-                    const float* wr = w + (r + i) * ws + k;
+                    const W* wr = w + (r + i) * ws + k;
 #pragma GCC unroll 16
-                    for (int l = 0; l < 16; ++l) acc[i][l] = acc[i][l] + xm[k + l] * wr[l];
+                    for (int l = 0; l < 16; ++l) acc[i][l] = acc[i][l] + xm[k + l] * weight_f32(wr, l);
                 }
             for (int64_t i = 0; i < R; ++i) {
                 float sum = 0.f;
                 for (int l = 0; l < 16; ++l) sum = sum + acc[i][l];
-                for (int64_t k = K16; k < K; ++k) sum = sum + xm[k] * w[(r + i) * ws + k];
+                for (int64_t k = K16; k < K; ++k) sum = sum + xm[k] * weight_f32(w, (r + i) * ws + k);
                 out[m * N + r + i] = sum;
             }
         }
@@ -3279,19 +3284,21 @@ torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor p
     return out;
 }
 
-// out [M, N] = x [M, K] against the fp32 rows of w [N, K] (rows contiguous): f32_dot_rows's bits, the weight rows
-// shared out to the threads by fours (the same bits under any threads).
+// out [M, N] = x [M, K] against the fp32 or bf16 rows of w [N, K] (rows contiguous): f32_dot_rows's bits, the weight
+// rows shared out to the threads by fours (the same bits under any threads).
 void f32_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& w, float* out, int64_t nthreads) {
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.size(1) == K && w.stride(1) == 1,
-                "f32_rows: w [N, K] fp32, its rows contiguous");
+    const bool bf = w.scalar_type() == torch::kBFloat16;
+    TORCH_CHECK(w.dim() == 2 && (bf || w.scalar_type() == torch::kFloat32) && w.size(1) == K && w.stride(1) == 1,
+                "f32_rows: w [N, K] fp32 or bf16, its rows contiguous");
     const int64_t N = w.size(0), blocks = (N + 3) / 4;
-    const float* wp = w.data_ptr<float>();
     rows_on(blocks, nthreads, 0, 0, [&](int64_t b, float*) {
-        f32_dot_rows(x, M, K, wp, w.stride(0), 4 * b, std::min<int64_t>(N, 4 * b + 4), out, N);
+        const int64_t r0 = 4 * b, r1 = std::min<int64_t>(N, 4 * b + 4);
+        if (bf) f32_dot_rows(x, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), w.stride(0), r0, r1, out, N);
+        else f32_dot_rows(x, M, K, w.data_ptr<float>(), w.stride(0), r0, r1, out, N);
     });
 }
 
-// x [M, K] fp32 against fp32 w [N, K]: f32_rows_into's products, into a new [M, N].
+// x [M, K] fp32 against fp32 or bf16 w [N, K]: f32_rows_into's products, into a new [M, N].
 torch::Tensor f32_rows(torch::Tensor x, torch::Tensor w, int64_t nthreads) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "f32_rows: x [M, K] fp32");
     x = x.contiguous();
@@ -3304,14 +3311,14 @@ torch::Tensor f32_rows(torch::Tensor x, torch::Tensor w, int64_t nthreads) {
 // layers/mhc.py's Streams.enter in one call: where y is given, the waiting update first (h = update(streams, y,
 // post0, comb0), mhc_update's operations), then the site's input of h (site_maps, collapse) and, where nw is
 // given, the block's RMSNorm of it (rms_norm's operations; pre, mid, out_ty its roundings). streams [N, n, d];
-// fn [(2+n) n, n d]; columns / base [(2+n) n] fp32. kernel_fn: fn through gemm (bf16, few rows) or f32_rows
-// (fp32), else torch's linear on fn in fp32. Returns (h, x [N, d], post [N, n], comb [N, n, n]); x in the
+// fn [(2+n) n, n d]; columns / base [(2+n) n] fp32. kernel_fn: fn (fp32 or bf16, few rows) through f32_rows_into,
+// else torch's linear on fn in fp32. Returns (h, x [N, d], post [N, n], comb [N, n, n]); x in the
 // streams' dtype without a norm, else out_ty.
 std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch::Tensor> y,
                                      std::optional<torch::Tensor> post0, std::optional<torch::Tensor> comb0,
                                      torch::Tensor fn, torch::Tensor columns, torch::Tensor base, double norm_eps,
                                      double hc_eps, int64_t iters, int64_t lanes, bool kernel_fn, int64_t threads,
-                                     int64_t fn_threads, int64_t path, std::optional<torch::Tensor> nw, double eps,
+                                     int64_t fn_threads, std::optional<torch::Tensor> nw, double eps,
                                      int64_t npre, int64_t nmid, int64_t out_ty) {
     TORCH_CHECK(streams.dim() == 3 && streams.is_contiguous(), "mhc_enter: streams [N, n, d], contiguous");
     const int64_t N = streams.size(0), n = streams.size(1), d = streams.size(2), W = (2 + n) * n;
@@ -3345,13 +3352,9 @@ std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch:
         norm_row(v, sq, nullptr, nd, neps, F32, F32, F32, lanes);
     });
     auto f32 = streams.options().dtype(torch::kFloat32);
-    if (kernel_fn && fn.scalar_type() == torch::kFloat32) {
+    if (kernel_fn) {
         ProductClock clock;
         f32_rows_into(scaled, N, nd, fn, m, fn_threads);
-    } else if (kernel_fn) {
-        ProductClock clock;
-        gemm(BF16, torch::from_blob(scaled, {N, nd}, f32), fn, std::nullopt, std::nullopt, false, std::nullopt,
-             torch::from_blob(m, {N, W}, f32), std::nullopt, 0, 1, 1, fn_threads, path);
     } else {
         auto mt = at::linear(torch::from_blob(scaled, {N, nd}, f32), fn.to(torch::kFloat32)).contiguous();
         TORCH_CHECK(mt.scalar_type() == torch::kFloat32, "mhc_enter: the site's product in fp32");

@@ -92,13 +92,11 @@ def project(streams: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
     if scaled is None:
         flat = flat.float()
         scaled = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    if fn.dtype == torch.bfloat16 and cpu.usable(scaled, fn):
-        # the fp32 rows against the bf16 weight in one kernel call (bf16 x fp32 products are exact in
-        # fp32): the same products as F.linear on fn.float() summed in another order, without an fp32
-        # copy of fn made per call (3x fn's bytes moved a site, every step)
-        return cpu.bf16_matmul(scaled, fn)
-    if fn.dtype == torch.float32 and (out := cpu.f32_rows(scaled, fn)) is not None:
-        return out  # the fused site's product (cpu.mhc_enter): its bits, not torch's sum order
+    # the fused site's product (cpu.mhc_enter): its bits, not torch's sum order. A bf16 fn is read as it is
+    # (bf16 x fp32 products are exact in fp32): the products of F.linear on fn.float() without an fp32 copy
+    # of fn made per call (3x fn's bytes moved a site, every step)
+    if (out := cpu.f32_rows(scaled, fn)) is not None:
+        return out
     return F.linear(scaled, fn.float())
 
 
