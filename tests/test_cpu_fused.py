@@ -1014,13 +1014,10 @@ def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("demo", ["demo-glm5-code", "demo-glm5-next-nvfp4"])
-def test_dsa_projections_keep_the_engine_bits(kernels, monkeypatch, demo):
-    """GLM-5.3's DSA layers take their input's products and norms (q_a, its norm, q_b, kv_a, its norm) in one
-    call (layers/mla.project_rows -> cpu.mla_project, which also gives q_b's input for the indexer's queries):
-    the engine's logits are those of the code bit for bit, forward by forward, for two sequences decoding
-    together and their prompts, bf16 and with NVFP4 weights; the call taken for every DSA layer of every
-    forward."""
+def _keeps_the_engine_bits(monkeypatch, demo: str, name: str, took=lambda out: out is not None):
+    """Runs `demo` on two sequences decoding together and their prompts with the fused call cpu.<name> and
+    with it declined (the code): the same tokens and logits bit for bit, forward by forward, and every call
+    taken (`took` of its result)."""
     import moesaic
 
     llm = moesaic.LLM(demo, dtype="bfloat16")
@@ -1032,13 +1029,14 @@ def test_dsa_projections_keep_the_engine_bits(kernels, monkeypatch, demo):
         forward = llm.model.forward
         keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
         monkeypatch.setattr(llm.model, "forward", keep)
+        real = getattr(cpu, name)
 
-        def spy(*a, _real=cpu.mla_project, _taken=taken):
+        def spy(*a, _real=real, _taken=taken):
             out = _real(*a)
-            _taken.append(out is not None and len(out) == 4)  # qr with q, kv and the latent
+            _taken.append(took(out))
             return out
 
-        monkeypatch.setattr(cpu, "mla_project", spy if fused else lambda *a: None)
+        monkeypatch.setattr(cpu, name, spy if fused else lambda *a: None)
         tokens = [r.token_ids for r in llm.generate(prompts, sp)]
         monkeypatch.undo()
         runs.append((tokens, logits, taken))
@@ -1047,6 +1045,15 @@ def test_dsa_projections_keep_the_engine_bits(kernels, monkeypatch, demo):
     assert tokens == want_tokens and len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("demo", ["demo-glm5-code", "demo-glm5-next-nvfp4"])
+def test_dsa_projections_keep_the_engine_bits(kernels, monkeypatch, demo):
+    """GLM-5.3's DSA layers take their input's products and norms (q_a, its norm, q_b, kv_a, its norm) in one
+    call (layers/mla.project_rows -> cpu.mla_project, which also gives q_b's input for the indexer's queries):
+    the engine's logits are those of the code bit for bit, bf16 and with NVFP4 weights; the call taken, with
+    qr, for every DSA layer of every forward."""
+    _keeps_the_engine_bits(monkeypatch, demo, "mla_project", lambda out: out is not None and len(out) == 4)
 
 
 @pytest.mark.parametrize("fused_call", ["v4_inputs", "v4_output"])
@@ -1057,27 +1064,7 @@ def test_v4_inputs_keep_the_engine_bits(kernels, monkeypatch, demo, fused_call):
     attention output (cpu.v4_output: the inverse rotation, the grouped o_a product and o_b's) give the engine
     the logits of the code bit for bit, forward by forward, for two sequences decoding together and their
     prompts (each call taken for every attention layer of every forward of up to MAX_ROWS rows)."""
-    import moesaic
-
-    llm = moesaic.LLM(demo, dtype="bfloat16")
-    prompts = [list(range(5, 14)), list(range(50, 56))]
-    sp = moesaic.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    runs = []
-    for fused in (True, False):
-        logits, taken = [], []
-        forward = llm.model.forward
-        keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
-        monkeypatch.setattr(llm.model, "forward", keep)
-        real = getattr(cpu, fused_call)
-        monkeypatch.setattr(cpu, fused_call, _spy(real, taken) if fused else lambda *a: None)
-        tokens = [r.token_ids for r in llm.generate(prompts, sp)]
-        monkeypatch.undo()
-        runs.append((tokens, logits, taken))
-    (tokens, got, taken), (want_tokens, want, _) = runs
-    assert taken and all(taken)
-    assert tokens == want_tokens and len(got) == len(want)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    _keeps_the_engine_bits(monkeypatch, demo, fused_call)
 
 
 def test_v4_output_rows_and_packed_o_b(kernels):
