@@ -1102,9 +1102,7 @@ def v4_output(o, cos, sin, o_a, o_b):
     n, H, D = o.shape
     if not (o_a.dim() == 3 and o_a.shape[0] * o_a.shape[2] == H * D and o_a.is_contiguous()):
         return None
-    if not (o.stride(-1) == 1 and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == n):
-        return None
-    if not 2 * cos.shape[1] <= D:
+    if not (cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == n and 2 * cos.shape[1] <= D):
         return None
     a = bf16_operand(o_a)
     mod = _fused_mod(o, cos, sin) if _operands_fit([a, o_b], o.dtype) else None
