@@ -3145,9 +3145,9 @@ struct ProductClock {  // times its scope where the clock is on
     }
 };
 
-// A thread's buffers for rows_on's bodies, kept between calls (their own: mhc_enter calls gemm, which has its
-// Scratch): mhc_collapse's 0, mhc_mix's 1, mhc_enter's 2 and 3, the attention calls' 4; each grown to the largest
-// asked.
+// A thread's buffers for rows_on's bodies, kept between calls (apart from gemm's Scratch): mhc_collapse's 0 (and
+// f32_rows_into's, which asks for none), mhc_mix's 1, mhc_enter's 2 and 3, the attention calls' 4; each grown to
+// the largest asked.
 float* row_buffer(int i, int64_t n) {
     thread_local std::array<std::vector<float>, 5> bufs;
     if ((int64_t)bufs[i].size() < n) bufs[i].resize(n);
