@@ -42,14 +42,15 @@ PAGED = {
 REL = 2e-5  # fp32: the kernels sum in other orders than torch; seen ~2e-6 of max |logit| on these demos
 
 
-def _decode_run(model, vocab: int, states=None):
-    """Two sequences: prefill 13 and 4 tokens, then 2 decode steps of both in one batch. -> logits [rows, V].
-    (13: more complete pools than GLM's demo index_topk keeps, so its indexer scores; 4 keeps them all.)"""
+def _decode_run(model, vocab: int, states=None, device="cpu"):
+    """Two sequences: prefill 13 and 4 tokens, then 2 decode steps of both in one batch, their tokens on
+    `device` (the model's). -> logits [rows, V]. (13: more complete pools than GLM's demo index_topk keeps,
+    so its indexer scores; 4 keeps them all.)"""
     a, b = random_ids(13, vocab, seed=3), random_ids(4, vocab, seed=4)
     sa, sb = states or (model.new_state(), model.new_state())
-    outs = [model.forward(ForwardBatch.build([(sa, a), (sb, b)], logits="all"))]
+    outs = [model.forward(ForwardBatch.build([(sa, a), (sb, b)], logits="all", device=device))]
     for step in range(2):
-        outs.append(model.forward(ForwardBatch.build([(sa, [a[step]]), (sb, [b[step]])])))
+        outs.append(model.forward(ForwardBatch.build([(sa, [a[step]]), (sb, [b[step]])], device=device)))
     return torch.cat(outs)
 
 
@@ -241,7 +242,7 @@ def test_demo_on_cuda_equals_cpu(demo):
     gpu = ck.build("float32", "cuda")
     with torch.no_grad():
         ref = _decode_run(model, ck.cfg.vocab_size)
-        got = _decode_run(gpu, ck.cfg.vocab_size).cpu()
+        got = _decode_run(gpu, ck.cfg.vocab_size, device="cuda").cpu()
     assert float((got - ref).abs().max()) <= 1e-3 * float(ref.abs().max())
 
 

@@ -798,7 +798,9 @@ def engram_forward(
         h.dtype if h.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64) else torch.float32
     )
     emb = w.table.gather(rows.to(w.table.weight.device))  # the table lives where its file is mapped
-    emb = emb.reshape(N, cfg.n_hash * w.table.head_dim).to(h.device, cd)
+    emb = emb.reshape(N, cfg.n_hash * w.table.head_dim).to(cd)
+    if emb.device != h.device:  # host rows to the GPU: a pinned, asynchronous copy (a pageable one waits)
+        emb = emb.pin_memory().to(h.device, non_blocking=True)
     kv = linear(emb, w.wkv).float()  # [N, (hc + 1)·d]
     key = kv[:, : hc * d].view(N, hc, d)
     value = kv[:, hc * d :]

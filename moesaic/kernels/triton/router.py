@@ -59,19 +59,23 @@ def _route_kernel(
             choice = choice + tl.load(bias + re, mask=me, other=0.0).to(tl.float32)
         choice = tl.where(me, choice, float("-inf"))
         if N_GROUP > 1:
+            # one group at a time over 1-D vectors (the block-wide reductions the top-k below uses): a
+            # [groups, experts] form of this gave other groups than the reference on an H200 (2026-12-04)
+            # while the interpreter agreed
             rg = tl.arange(0, BG)
-            member = (re[None, :] // gsize == rg[:, None]) & me[None, :]  # [BG, BE]
-            cg = tl.where(member, choice[None, :], float("-inf"))
-            top1 = tl.max(cg, axis=1)
-            first = tl.min(tl.where(cg == top1[:, None], re[None, :], BE), axis=1)
-            top2 = tl.max(tl.where(re[None, :] == first[:, None], float("-inf"), cg), axis=1)
-            gscore = tl.where(rg < N_GROUP, top1 + top2, float("-inf"))
-            # rank of each group (greater score first, then lower index): keep the first TOPK_GROUP
-            better = (gscore[None, :] > gscore[:, None]) | (
-                (gscore[None, :] == gscore[:, None]) & (rg[None, :] < rg[:, None])
-            )
-            keep = tl.sum(better.to(tl.int32), axis=1) < TOPK_GROUP
-            kept = tl.sum(tl.where(member & keep[:, None], 1, 0), axis=0) > 0
+            gscore = tl.full([BG], float("-inf"), tl.float32)
+            for g in tl.static_range(N_GROUP):
+                cg = tl.where(re // gsize == g, choice, float("-inf"))
+                top1 = tl.max(cg, axis=0)
+                first = tl.min(tl.where(cg == top1, re, BE), axis=0)
+                top2 = tl.max(tl.where(re == first, float("-inf"), cg), axis=0)
+                gscore = tl.where(rg == g, top1 + top2, gscore)
+            kept = re < 0
+            for g in tl.static_range(N_GROUP):
+                mine = tl.max(tl.where(rg == g, gscore, float("-inf")), axis=0)
+                # groups ranked ahead of g: a greater sum, or an equal one at a lower index
+                ahead = tl.sum(((gscore > mine) | ((gscore == mine) & (rg < g))).to(tl.int32), axis=0)
+                kept = kept | ((re // gsize == g) & (ahead < TOPK_GROUP))
             choice = tl.where(kept | ~me, choice, FILL)
         bits = choice.to(tl.int32, bitcast=True)
         mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving int view of the floats
