@@ -340,9 +340,14 @@ def case_sinkhorn_and_site_maps(n):
         torch.randn(3, generator=gen),
     )
     for dtype in (torch.float32, torch.bfloat16):
-        h = torch.randn(19, n, d, generator=gen).to(dtype)
-        for got, ref in zip(T["mhc"].site_maps(h, site, dims), mhc.site_maps(h, site, dims)):
-            close(got, ref, 1e-5)
+        for N in (19, 1):
+            h = torch.randn(N, n, d, generator=gen).to(dtype)
+            ref = mhc.site_maps(h, site, dims)
+            # one program per tile of tokens, and n·d cut into slices (3 asked: 2 of 64 and one of 32 at n=4)
+            # whose partial sums a second kernel adds: the GPU's decode form (the interpreter has 1 SM)
+            for splits in (None, 3):
+                for got, want in zip(T["mhc"].site_maps(h, site, dims, splits=splits), ref):
+                    close(got, want, 1e-5)
 
 
 # ------------------------------------------------------------------------------------------ routers
@@ -554,3 +559,22 @@ def test_gpu_check_dry_run(tmp_path):
     } <= checked
     assert all(r["ok"] for r in report["checks"]), [r for r in report["checks"] if not r["ok"]]
     assert report["e2e"]["status"].startswith("skipped:")
+
+
+def test_gpu_gemv_dry_run():
+    """benchmarks/gpu_gemv.py --dry-run: every tile shape of its sweep, every format, through the interpreter,
+    matches the dequantized product (it exits 1 when one does not)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_gemv.py"), "--dry-run", "--rows", "1,3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] and line[0] != " "]
+    for fmt in ("bf16", "fp8_128", "fp8_32_ue8m0", "mxfp4", "nvfp4"):
+        tiles = [r for r in rows if r[0] == fmt and r[2].startswith("(")]
+        assert len(tiles) == 2 * 7, (fmt, run.stdout[-3000:])

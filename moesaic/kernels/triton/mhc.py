@@ -1,9 +1,10 @@
 """mHC mixing maps in Triton (layers/mhc.py `sinkhorn`, `site_maps`), fp32.
 
-`site_maps` is one kernel per block of tokens: it streams the flattened n·d streams once, accumulating
-their sum of squares and the two projections (the 2n pre/post rows, and the n·n comb rows laid out as
-an [NP, NP] tile) with tl.dot, then forms pre = sigmoid(.) + eps, post = 2 sigmoid(.) and the Sinkhorn
-normalisation of comb in registers. The 1/RMS factor is applied to the product instead of the input
+`site_maps` streams the flattened n·d streams once, accumulating their sum of squares and the two
+projections (the 2n pre/post rows, and the n·n comb rows laid out as an [NP, NP] tile) with tl.dot, then
+forms pre = sigmoid(.) + eps, post = 2 sigmoid(.) and the Sinkhorn normalisation of comb in registers.
+A program takes a tile of 16 tokens and a slice of n·d: at decode (one tile) the slices spread fn's read
+over the machine, and a second kernel adds their partial sums in order and forms the maps. The 1/RMS factor is applied to the product instead of the input
 (the same math; the reference's order only changes rounding).
 """
 
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import F32_DOT, check_device, pow2, sigmoid
+from .common import F32_DOT, check_device, num_sms, pow2, sigmoid
 
 
 @triton.jit
@@ -57,32 +58,16 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _site_kernel(
-    h, fn, base, scale, pre, post, comb, M, K, n, s_h, s_fn, norm_eps, hc_eps, iters,
-    BM: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr,
+def _site_maps_out(
+    acc_p, acc_c, ss, rm, mm, base, scale, pre, post, comb, K, n, norm_eps, hc_eps, iters,
+    BM: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr,
 ):  # fmt: skip
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    mm = rm < M
-    rp = tl.arange(0, PP)  # pre | post rows of fn
+    """The maps of BM tokens from their sums over all of K: the two projections and the sum of squares."""
+    rp = tl.arange(0, PP)
     mp = rp < 2 * n
-    rc = tl.arange(0, NP * NP)  # comb rows, as an [NP, NP] tile
+    rc = tl.arange(0, NP * NP)
     ci, cj = rc // NP, rc % NP
     mc = (ci < n) & (cj < n)
-    crow = 2 * n + ci * n + cj
-    acc_p = tl.zeros([BM, PP], dtype=tl.float32)
-    acc_c = tl.zeros([BM, NP * NP], dtype=tl.float32)
-    ss = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < K
-        x = tl.load(h + rm[:, None] * s_h + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0).to(
-            tl.float32
-        )
-        ss += tl.sum(x * x, axis=1)
-        fp = tl.load(fn + rp[:, None] * s_fn + rk[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
-        fc = tl.load(fn + crow[:, None] * s_fn + rk[None, :], mask=mc[:, None] & mk[None, :], other=0.0)
-        acc_p = tl.dot(x, tl.trans(fp.to(tl.float32)), acc_p, input_precision=F32_DOT)
-        acc_c = tl.dot(x, tl.trans(fc.to(tl.float32)), acc_c, input_precision=F32_DOT)
     inv = tl.rsqrt(ss / K + norm_eps)
     s0, s1, s2 = (
         tl.load(scale).to(tl.float32),
@@ -98,7 +83,7 @@ def _site_kernel(
     tl.store(
         post + rm[:, None] * n + (rp - n)[None, :], 2.0 * sig, mask=mm[:, None] & (mp & ~is_pre)[None, :]
     )
-    b_c = tl.load(base + crow, mask=mc, other=0.0).to(tl.float32)
+    b_c = tl.load(base + 2 * n + ci * n + cj, mask=mc, other=0.0).to(tl.float32)
     logits = tl.reshape(acc_c * inv[:, None] * s2 + b_c[None, :], (BM, NP, NP))
     ri = tl.arange(0, NP)
     valid = mm[:, None, None] & (ri < n)[None, :, None] & (ri < n)[None, None, :]
@@ -107,9 +92,85 @@ def _site_kernel(
     tl.store(comb + off, c, mask=valid)
 
 
-def site_maps(streams: torch.Tensor, site, dims):
+@triton.jit
+def _site_kernel(
+    h, fn, base, scale, pre, post, comb, part, M, K, KS, n, s_h, s_fn, norm_eps, hc_eps, iters,
+    BM: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Tokens tile program_id(0), K slice program_id(1) (KS wide): the projections' and the sum of squares'
+    partial sums. One slice (SPLIT False): the maps themselves; else the sums go to `part` [S, M, W]
+    (W = PP + NP·NP + 1) for _site_finish_kernel."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    mm = rm < M
+    sl = tl.program_id(1)
+    rp = tl.arange(0, PP)  # pre | post rows of fn
+    mp = rp < 2 * n
+    rc = tl.arange(0, NP * NP)  # comb rows, as an [NP, NP] tile
+    ci, cj = rc // NP, rc % NP
+    mc = (ci < n) & (cj < n)
+    crow = 2 * n + ci * n + cj
+    acc_p = tl.zeros([BM, PP], dtype=tl.float32)
+    acc_c = tl.zeros([BM, NP * NP], dtype=tl.float32)
+    ss = tl.zeros([BM], dtype=tl.float32)
+    k_end = tl.minimum(sl * KS + KS, K)
+    for k0 in range(sl * KS, k_end, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < k_end
+        x = tl.load(h + rm[:, None] * s_h + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0).to(
+            tl.float32
+        )
+        ss += tl.sum(x * x, axis=1)
+        fp = tl.load(fn + rp[:, None] * s_fn + rk[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
+        fc = tl.load(fn + crow[:, None] * s_fn + rk[None, :], mask=mc[:, None] & mk[None, :], other=0.0)
+        acc_p = tl.dot(x, tl.trans(fp.to(tl.float32)), acc_p, input_precision=F32_DOT)
+        acc_c = tl.dot(x, tl.trans(fc.to(tl.float32)), acc_c, input_precision=F32_DOT)
+    if SPLIT:
+        W: tl.constexpr = PP + NP * NP + 1
+        row = part + (sl * M + rm[:, None]).to(tl.int64) * W
+        tl.store(row + rp[None, :], acc_p, mask=mm[:, None])
+        tl.store(row + PP + rc[None, :], acc_c, mask=mm[:, None])
+        tl.store(part + (sl * M + rm).to(tl.int64) * W + W - 1, ss, mask=mm)
+    else:
+        _site_maps_out(
+            acc_p, acc_c, ss, rm, mm, base, scale, pre, post, comb, K, n, norm_eps, hc_eps, iters, BM, PP, NP
+        )
+
+
+@triton.jit
+def _site_finish_kernel(
+    part, base, scale, pre, post, comb, M, K, S, n, norm_eps, hc_eps, iters,
+    BM: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr,
+):  # fmt: skip
+    """The K slices' partial sums added in slice order (the same bits on every run), then the maps."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    mm = rm < M
+    rp = tl.arange(0, PP)
+    rc = tl.arange(0, NP * NP)
+    W: tl.constexpr = PP + NP * NP + 1
+    acc_p = tl.zeros([BM, PP], dtype=tl.float32)
+    acc_c = tl.zeros([BM, NP * NP], dtype=tl.float32)
+    ss = tl.zeros([BM], dtype=tl.float32)
+    for sl in range(S):
+        row = part + (sl * M + rm).to(tl.int64) * W
+        acc_p += tl.load(row[:, None] + rp[None, :], mask=mm[:, None], other=0.0)
+        acc_c += tl.load(row[:, None] + PP + rc[None, :], mask=mm[:, None], other=0.0)
+        ss += tl.load(row + W - 1, mask=mm, other=0.0)
+    _site_maps_out(
+        acc_p, acc_c, ss, rm, mm, base, scale, pre, post, comb, K, n, norm_eps, hc_eps, iters, BM, PP, NP
+    )
+
+
+def site_splits(tiles: int, K: int, BK: int, sms: int) -> int:
+    """K slices per tile of tokens: enough programs to give every multiprocessor one (a decode step has one
+    tile of tokens, whose single program read fn alone: 7 GB/s on an H200), each slice at least 4 BK
+    steps; 1 (one kernel, no partial sums) when the tiles already fill the machine."""
+    return max(1, min(sms // max(tiles, 1), triton.cdiv(K, 4 * BK)))
+
+
+def site_maps(streams: torch.Tensor, site, dims, splits: int | None = None):
     """(pre [N, n], post [N, n], comb [N, n, n]) in fp32 for streams [N, n, d]; `site` has fn, base,
-    scale (an MhcSite), `dims` hc_mult, sinkhorn_iters, hc_eps, norm_eps (an MhcDims)."""
+    scale (an MhcSite), `dims` hc_mult, sinkhorn_iters, hc_eps, norm_eps (an MhcDims). `splits`: K slices
+    per tile of tokens (default: site_splits from the device's multiprocessors; tests set it)."""
     check_device(streams)
     n = dims.hc_mult
     lead = streams.shape[:-2]
@@ -122,10 +183,19 @@ def site_maps(streams: torch.Tensor, site, dims):
     comb = torch.empty(M, n, n, dtype=torch.float32, device=dev)
     if M:
         fn = site.fn.contiguous()
-        BM = 16
-        _site_kernel[(triton.cdiv(M, BM),)](
-            flat, fn, site.base.contiguous(), site.scale.contiguous(), pre, post, comb, M, K, n,
-            flat.stride(0), fn.stride(0), float(dims.norm_eps), float(dims.hc_eps), int(dims.sinkhorn_iters),
-            BM=BM, BK=32, PP=pow2(2 * n), NP=max(4, pow2(n, 2)), num_warps=4,
+        BM, BK, PP, NP = 16, 32, pow2(2 * n), max(4, pow2(n, 2))
+        tiles = triton.cdiv(M, BM)
+        S = splits or site_splits(tiles, K, BK, num_sms(dev))
+        KS = triton.cdiv(triton.cdiv(K, S), BK) * BK  # each slice whole BK steps
+        S = triton.cdiv(K, KS)
+        # the partial sums [S, M, W]; with one slice the kernel never touches it (pre stands in)
+        part = torch.empty(S, M, PP + NP * NP + 1, dtype=torch.float32, device=dev) if S > 1 else pre
+        args = (site.base.contiguous(), site.scale.contiguous(), pre, post, comb)
+        eps = (float(dims.norm_eps), float(dims.hc_eps), int(dims.sinkhorn_iters))
+        _site_kernel[(tiles, S)](
+            flat, fn, *args, part, M, K, KS, n, flat.stride(0), fn.stride(0), *eps,
+            BM=BM, BK=BK, PP=PP, NP=NP, SPLIT=S > 1, num_warps=4,
         )  # fmt: skip
+        if S > 1:
+            _site_finish_kernel[(tiles,)](part, *args, M, K, S, n, *eps, BM=BM, PP=PP, NP=NP, num_warps=4)
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
