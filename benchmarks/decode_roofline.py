@@ -76,9 +76,10 @@ def layers_of(config: dict, n: int) -> dict:
     return dict(config, num_hidden_layers=n)
 
 
-def step_bytes(folder: Path, precision: str | None) -> int:
-    """Weight bytes one decode token reads under `precision`: all but the embedding table and the routed
-    experts it does not pick (top-k of E in each MoE layer)."""
+def step_bytes(folder: Path, precision: str | None, batch: int = 1) -> int:
+    """Weight bytes one decode step of `batch` tokens reads under `precision`: all but the embedding table and
+    the routed experts no token picks (each token top-k of E in each MoE layer; for a batch, the expected
+    share of experts picked at least once when tokens pick independently and uniformly)."""
     from moesaic.models import Checkpoint
 
     ckpt = Checkpoint.open(folder)
@@ -90,7 +91,7 @@ def step_bytes(folder: Path, precision: str | None) -> int:
     k = text.get("num_experts_per_tok") or text.get("num_experts_per_token") or cfg.num_experts_per_tok
     tied = text.get("tie_word_embeddings", False)
     return sum(
-        b * (k / experts if role == "expert" else 1)
+        b * (1 - (1 - k / experts) ** batch if role == "expert" else 1)
         for role, b in by_role.items()
         if role != "embedding" or tied
     )

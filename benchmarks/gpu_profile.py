@@ -1,0 +1,98 @@
+"""Where an eager CUDA decode step goes: wall time per step against the GPU's busy time, kernel launches
+per step, and the top kernels and host-side ops (torch.profiler), for checkpoints given as folders.
+
+    python benchmarks/gpu_profile.py /tmp/e2e/mistral4 [/tmp/e2e/glm5_next ...] [--batch 1] [--new 9]
+
+One step is the difference between a `new`-token and a 1-token greedy generate over `new - 1` (prefill
+cancels). Busy time is the sum of the kernels' own times over the profiled run, so busy / wall says how
+much of a step the GPU works and how much it waits on the host (Python, dispatch, launches): the share
+CUDA graphs can take back (docs/gpu.md). Runs on CPU too (no kernel rows), to rehearse it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moesaic  # noqa: E402
+
+
+def _gen(llm, prompts, n):
+    sp = moesaic.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, sp)
+
+
+def _device_us(e) -> float:
+    """An event's own device time, us (the attribute's name changed across torch versions)."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(e, name):
+            return float(getattr(e, name))
+    return 0.0
+
+
+def profile_model(folder: str, batch: int, new: int, device: str, top: int) -> None:
+    llm = moesaic.LLM(
+        folder, dtype="bfloat16", device=device, max_num_seqs=max(batch, 1), enable_prefix_caching=False
+    )
+    prompts = [[3 + (i * 7 + j) % 200 for j in range(32)] for i in range(batch)]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    _gen(llm, prompts, new)  # warm: kernels compiled, caches allocated
+    walls = []
+    for n in (1, new):
+        sync()
+        t = time.perf_counter()
+        _gen(llm, prompts, n)
+        sync()
+        walls.append(time.perf_counter() - t)
+    step_ms = (walls[1] - walls[0]) / (new - 1) * 1e3
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    runs = {}
+    for n in (1, new):
+        with profile(activities=acts) as prof:
+            _gen(llm, prompts, n)
+            sync()
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        runs[n] = (len(kernels), sum(e.device_time for e in kernels) / 1e3, prof)
+    launches = (runs[new][0] - runs[1][0]) / (new - 1)
+    busy_ms = (runs[new][1] - runs[1][1]) / (new - 1)
+    print(f"\n== {folder} on {device}, batch {batch}: {step_ms:.2f} ms a decode step (unprofiled)")
+    print(
+        f"   {launches:.0f} kernel launches a step, GPU busy {busy_ms:.3f} ms a step ({100 * busy_ms / step_ms:.0f} %)"
+    )
+    avg = runs[new][2].key_averages()
+    if device == "cuda":
+        print(f"   top kernels by own device time over {new} tokens (prefill included):")
+        rows = sorted((e for e in avg if _device_us(e) > 0), key=_device_us, reverse=True)[:top]
+        for e in rows:
+            print(f"   {_device_us(e) / 1e3:9.3f} ms {e.count:6d} x  {e.key[:90]}")
+    print(f"   top host ops by own CPU time over {new} tokens:")
+    for e in sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]:
+        print(f"   {e.self_cpu_time_total / 1e3:9.3f} ms {e.count:6d} x  {e.key[:90]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--new", type=int, default=9)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    for folder in args.folders:
+        try:
+            profile_model(folder, args.batch, args.new, args.device, args.top)
+        except Exception as e:  # one model's failure must not hide the next one's profile
+            print(f"\n== {folder}: {type(e).__name__}: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
