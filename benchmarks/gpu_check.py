@@ -746,6 +746,7 @@ def report(c: Check, e2e: dict) -> str:
         lines += ["", f"sm_90 builds (shared memory limit {SM90_SHARED} B; stack > 0: register spills)"]
         for r in c.compiled:
             res = r.get("error") or f"regs {r['regs']} stack {r['stack']} shared {r['shared']}"
+            res += " SPILLS" if r.get("stack") else ""
             cx = " ".join(f"{k}={v}" for k, v in r["constexprs"].items())
             lines.append(f"  {'ok' if r['ok'] else 'FAIL'} {r['kernel']} {cx} {r['options']}: {res}")
     lines += ["", f"end-to-end decode: {e2e['status']}"]

@@ -32,15 +32,22 @@ from moesaic.kernels.triton.common import native_dot  # noqa: E402
 from moesaic.weights import quant as Q  # noqa: E402
 
 N, K = 8192, 5120  # a 5120 -> 8192 projection: 84 MB in bf16, 42 MB in fp8, 22 MB in 4 bits
-# (BM, BN, BK, warps, stages); the first is what quant._grouped picks for a few rows per expert
+# (BM, BN, BK, warps, stages, K slices); the first is what quant._grouped ships for a few rows per expert.
+# Compiled for sm_90 with the device's triton 3.6 (2026-12-04), the fp8 fp32-scale tile of the first spills
+# (255 registers + 16 B of stack; 177 and none with triton 3.9) and every mxfp4 / fp8 tile here but
+# (16, 64, 64) and (16, 32, *) needs >= 150 registers: one program per SM. Hence narrower K steps, and K
+# in slices (quant's `splits`).
 TILES = [
-    (16, 64, 128, 8, 3),
-    (16, 32, 128, 4, 3),
-    (16, 64, 128, 4, 4),
-    (16, 64, 256, 4, 3),
-    (16, 128, 128, 8, 3),
-    (16, 32, 256, 4, 4),
-    (16, 16, 512, 4, 3),
+    (16, 64, 128, 8, 3, 1),
+    (16, 64, 128, 8, 3, 4),
+    (16, 64, 64, 8, 3, 1),
+    (16, 64, 64, 8, 3, 4),
+    (16, 32, 128, 4, 3, 1),
+    (16, 32, 128, 4, 3, 4),
+    (16, 32, 64, 4, 3, 1),
+    (16, 32, 64, 4, 3, 4),
+    (16, 16, 512, 4, 3, 1),
+    (32, 128, 64, 8, 3, 1),
 ]
 
 
@@ -56,15 +63,21 @@ def packed(fmt: str, w: torch.Tensor):
     return Q.from_suffix_dict(Q.quantize_nvfp4(w))
 
 
-def launch(op, x, out, tiles, BM, BN, BK, warps, stages):
+def launch(op, x, out, tiles, BM, BN, BK, warps, stages, S=1, part=None):
+    """One product at these tiles: K in S slices (part: their fp32 partial sums [S, M, N]), then added."""
     tile_e, r0, r1, T = tiles
-    tq._gemm_kernel[(T, math.ceil(op["N"] / BN))](
-        x, out, op["codes"], op["scale"], op["gscale"], tile_e, r0, r1, op["N"], op["K"], x.stride(0),
-        out.stride(0), *tq._strides(op), op["block"][0], op["block"][1],
+    M, K = x.shape[0], op["K"]
+    KS = math.ceil(math.ceil(K / S) / BK) * BK
+    dst = out if S == 1 else part
+    tq._gemm_kernel[(T, math.ceil(op["N"] / BN), math.ceil(K / KS))](
+        x, dst, op["codes"], op["scale"], op["gscale"], tile_e, r0, r1, op["N"], K, KS, x.stride(0),
+        dst.stride(-2), M * op["N"] if S > 1 else 0, *tq._strides(op), op["block"][0], op["block"][1],
         FMT=op["fmt"], E8M0=op["e8m0"], GDIV=op["gdiv"], GROUP=op["group"], NKB=tq._scale_blocks(op, BK),
         BM=BM, BN=BN, BK=BK, NATIVE=native_dot(x.dtype), TY=tq._TL[x.dtype], num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
+    if S > 1:
+        out.copy_(part[: math.ceil(K / KS)].sum(0))
 
 
 def nbytes(qt) -> int:
@@ -113,7 +126,7 @@ def main() -> int:
     w = torch.randn(n, k, device=dev) * 0.02
     print(f"measured copy {copy_gbs:.0f} GB/s; W [{n}, {k}]")
     print(
-        f"{'format':<14} {'M':>2} {'tiles (BM,BN,BK,warps,stages)':<30} {'us':>8} {'GB/s':>6} {'%copy':>6} {'err':>8}"
+        f"{'format':<14} {'M':>2} {'tiles (BM,BN,BK,warps,stages,S)':<30} {'us':>8} {'GB/s':>6} {'%copy':>6} {'err':>8}"
     )
     bad = []  # tiles whose output misses the reference (bf16 output: ~4e-3 relative)
     for fmt in ("bf16", "fp8_128", "fp8_32_ue8m0", "mxfp4", "nvfp4"):
@@ -127,16 +140,17 @@ def main() -> int:
             offsets = torch.full((1,), M, dtype=torch.int32, device=dev)
             if fmt == "bf16":
                 row(fmt, M, "cuBLAS (F.linear)", bench(lambda x=x: F.linear(x, qt)), nb, copy_gbs)
-            for BM, BN, BK, warps, stages in TILES[:1] if args.ncu else TILES:
+            for BM, BN, BK, warps, stages, S in TILES[:1] if args.ncu else TILES:
                 tiles = tq._tiles(offsets, M, 1, BM)
                 out = torch.full((M, n), float("nan"), device=dev, dtype=torch.bfloat16)
-                what = str((BM, BN, BK, warps, stages))
+                part = torch.empty(S, M, n, device=dev)
+                what = str((BM, BN, BK, warps, stages, S))
                 try:
-                    launch(op, x, out, tiles, BM, BN, BK, warps, stages)
+                    launch(op, x, out, tiles, BM, BN, BK, warps, stages, S, part)
                     err = float((out.float() - ref).abs().max() / ref.abs().max())
                     if args.ncu:
                         continue
-                    us = bench(lambda: launch(op, x, out, tiles, BM, BN, BK, warps, stages))
+                    us = bench(lambda: launch(op, x, out, tiles, BM, BN, BK, warps, stages, S, part))
                 except Exception as e:  # a tile shape that does not build: a row, not a lost table
                     print(f"{fmt:<14} {M:>2} {what:<30} {type(e).__name__}: {str(e)[:80]}")
                     continue

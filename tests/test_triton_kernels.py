@@ -409,14 +409,17 @@ def _fp8_block(w, block):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def case_packed_dequantize_is_exact_and_matmul_close(fmt):
     gen = torch.Generator().manual_seed(18)
-    K = 160 if not fmt.startswith("fp8") else 100  # fp8: K not a multiple of the block or the tile
+    # fp8: K not a multiple of the block or the tile; both > 128 (the decode tile's K step), so 2 slices
+    K = 160 if not fmt.startswith("fp8") else 228
     qt = FORMATS[fmt](torch.randn(70, K, generator=gen))
     assert torch.equal(T["quant"].dequantize(qt, torch.float32), qt.dequantize(torch.float32))
     for m, dtype, rel in ((1, torch.float32, 2e-6), (5, torch.float32, 2e-6), (3, torch.bfloat16, 2e-2)):
         x = torch.randn(m, K, generator=gen).to(dtype)
-        got = T["quant"].matmul(qt, x)
-        assert got.dtype == dtype
-        close(got, qt.matmul(x), rel)
+        # whole K, and K in slices whose partial sums are added after (the GPU's form when few tiles)
+        for splits in (None, 2):
+            got = T["quant"].matmul(qt, x, splits)
+            assert got.dtype == dtype
+            close(got, qt.matmul(x), rel)
 
 
 def case_mxfp4_dequantizes_exactly_in_bf16():
@@ -435,17 +438,19 @@ def case_grouped_matmul_matches_per_expert_loop(fmt):
     """Uneven groups: an empty expert, one row, more rows than a tile (20 > 16)."""
     gen = torch.Generator().manual_seed(20)
     counts = [3, 0, 20, 1]
-    w = _stack(fmt, 4, 48, 64, gen)
-    xs = torch.randn(sum(counts), 64, generator=gen)
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-    got = T["quant"].grouped_matmul(xs, offsets, w)
-    start = 0
-    for e, c in enumerate(counts):
-        ref = moe.linear(xs[start : start + c], w[e])
-        close(got[start : start + c], ref)
-        start += c
+    # K whole, and K = 288 in 3 slices of the 128-wide K step (the last one partial)
+    for K, splits in ((64, None), (288, 3)):
+        w = _stack(fmt, 4, 48, K, gen)
+        xs = torch.randn(sum(counts), K, generator=gen)
+        got = T["quant"].grouped_matmul(xs, offsets, w, splits)
+        start = 0
+        for e, c in enumerate(counts):
+            ref = moe.linear(xs[start : start + c], w[e])
+            close(got[start : start + c], ref)
+            start += c
     close(
-        T["quant"].matmul(w, xs[:8].view(4, 2, 64)),
+        T["quant"].matmul(w, xs[:8].view(4, 2, K)),
         torch.stack([moe.linear(xs[2 * e : 2 * e + 2], w[e]) for e in range(4)]),
     )
 
@@ -577,4 +582,4 @@ def test_gpu_gemv_dry_run():
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] and line[0] != " "]
     for fmt in ("bf16", "fp8_128", "fp8_32_ue8m0", "mxfp4", "nvfp4"):
         tiles = [r for r in rows if r[0] == fmt and r[2].startswith("(")]
-        assert len(tiles) == 2 * 7, (fmt, run.stdout[-3000:])
+        assert len(tiles) == 2 * 10, (fmt, run.stdout[-3000:])

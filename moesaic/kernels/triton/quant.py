@@ -120,11 +120,14 @@ def _weight_tile(
 
 @triton.jit
 def _gemm_kernel(
-    x, out, w, scale, gscale, tile_e, tile_r0, tile_r1, N, K, s_xm, s_om, s_we, s_wn, s_se, s_sn, bn, bk,
+    x, out, w, scale, gscale, tile_e, tile_r0, tile_r1, N, K, KS, s_xm, s_om, s_op, s_we, s_wn, s_se, s_sn,
+    bn, bk,
     FMT: tl.constexpr, E8M0: tl.constexpr, GDIV: tl.constexpr, GROUP: tl.constexpr, NKB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE: tl.constexpr, TY: tl.constexpr,
 ):  # fmt: skip
-    tile, nb = tl.program_id(0), tl.program_id(1)
+    """Tile program_id(0) of rows, columns block program_id(1), K slice program_id(2) (KS wide, whole BK
+    steps): its partial sum goes to out + slice · s_op (one slice: the output itself)."""
+    tile, nb, sl = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(tile_e + tile)
     if e < 0:
         return
@@ -134,7 +137,7 @@ def _gemm_kernel(
     mm = rm < r1
     rn = nb * BN + tl.arange(0, BN)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(sl * KS, tl.minimum(sl * KS + KS, K), BK):
         rk = k0 + tl.arange(0, BK)
         xt = tl.load(
             x + rm[:, None].to(tl.int64) * s_xm + rk[None, :], mask=mm[:, None] & (rk < K)[None, :], other=0.0
@@ -163,7 +166,7 @@ def _gemm_kernel(
             BK,
         )
         acc = mma(xt, tl.trans(wt), acc, NATIVE, TY)
-    optr = out + rm[:, None].to(tl.int64) * s_om + rn[None, :]
+    optr = out + sl.to(tl.int64) * s_op + rm[:, None].to(tl.int64) * s_om + rn[None, :]
     tl.store(optr, acc.to(out.dtype.element_ty), mask=mm[:, None] & (rn < N)[None, :])
 
 
@@ -283,7 +286,7 @@ def _tiles(offsets: torch.Tensor, M: int, E: int, BM: int):
     return tile_e, r0.to(torch.int32), ends[ec].to(torch.int32), T
 
 
-def _grouped(xs: torch.Tensor, offsets: torch.Tensor, op: dict, out_dtype) -> torch.Tensor:
+def _grouped(xs: torch.Tensor, offsets: torch.Tensor, op: dict, out_dtype, splits=None) -> torch.Tensor:
     check_device(xs, op["codes"])
     M, K = xs.shape
     N, E = op["N"], op["codes"].shape[0]
@@ -293,40 +296,48 @@ def _grouped(xs: torch.Tensor, offsets: torch.Tensor, op: dict, out_dtype) -> to
     if M == 0:
         return out
     xs = xs if xs.stride(-1) == 1 else xs.contiguous()
-    # tiles by rows per expert (sm_90, checked free of register spills): decode streams K in wide steps
+    # tiles by rows per expert: decode streams K in wide steps. Free of register spills on sm_90 with
+    # triton 3.9; with 3.6 (a device's image) the fp8 fp32-scale decode tile spills (docs/perf.md, GPU)
     per_expert = M / max(1, min(E, M))
     BM, BN, BK, warps = (16, 64, 128, 8) if per_expert <= 16 else (32, 128, 64, 8)
     if per_expert > 32:
         BM = 64
     tile_e, r0, r1, T = _tiles(offsets.to(xs.device), M, E, BM)
-    _gemm_kernel[(T, triton.cdiv(N, BN))](
-        xs, out, op["codes"], op["scale"], op["gscale"], tile_e, r0, r1, N, K, xs.stride(0), out.stride(0),
-        *_strides(op), op["block"][0], op["block"][1],
+    # K in `splits` slices: more programs when the output tiles alone are fewer than the multiprocessors
+    # (a one-row product of one matrix). Not a default until measured on a GPU (benchmarks/gpu_gemv.py):
+    # at 150-255 registers a program, one fits on an SM, and then slices only queue behind each other
+    KS = triton.cdiv(triton.cdiv(K, splits or 1), BK) * BK
+    S = triton.cdiv(K, KS)
+    dst = out if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=xs.device)  # partial sums
+    _gemm_kernel[(T, triton.cdiv(N, BN), S)](
+        xs, dst, op["codes"], op["scale"], op["gscale"], tile_e, r0, r1, N, K, KS, xs.stride(0),
+        dst.stride(-2), M * N if S > 1 else 0, *_strides(op), op["block"][0], op["block"][1],
         FMT=op["fmt"], E8M0=op["e8m0"], GDIV=op["gdiv"], GROUP=op["group"], NKB=_scale_blocks(op, BK),
         BM=BM, BN=BN, BK=BK,
         NATIVE=native_dot(xs.dtype), TY=_TL[xs.dtype], num_warps=warps, num_stages=3,
     )  # fmt: skip
-    return out
+    return out if S == 1 else out.copy_(dst.sum(0))  # the slices added in order: the same bits every run
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
-def grouped_matmul(xs: torch.Tensor, offsets: torch.Tensor, w) -> torch.Tensor:
+def grouped_matmul(xs: torch.Tensor, offsets: torch.Tensor, w, splits: int | None = None) -> torch.Tensor:
     """Rows xs [M, K] grouped by expert (expert e owns rows offsets[e-1]:offsets[e], offsets int [E]
-    cumulative, as F.grouped_mm's `offs`) times their expert of the stack w [E, N, K] -> [M, N]."""
+    cumulative, as F.grouped_mm's `offs`) times their expert of the stack w [E, N, K] -> [M, N]. `splits`:
+    K slices per output tile, their partial sums added after (default 1: the whole K)."""
     cd = _compute_dtype(xs)
     if hasattr(w, "parts"):  # ConcatRows: the fused gate|up of separately quantized halves
-        return torch.cat([grouped_matmul(xs, offsets, p) for p in w.parts], dim=-1)
-    return _grouped(xs.to(cd), offsets, _operands(w), cd)
+        return torch.cat([grouped_matmul(xs, offsets, p, splits) for p in w.parts], dim=-1)
+    return _grouped(xs.to(cd), offsets, _operands(w), cd, splits)
 
 
-def matmul(w, x: torch.Tensor) -> torch.Tensor:
+def matmul(w, x: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """QuantizedTensor.matmul: x @ W.T for W [N, K] with x [..., K] -> [..., N] in x's dtype; for a stack
-    W [E, N, K], x [E, ..., K] and expert e on x[e]."""
+    W [E, N, K], x [E, ..., K] and expert e on x[e]. `splits` as grouped_matmul's."""
     if hasattr(w, "parts"):
-        return torch.cat([matmul(p, x) for p in w.parts], dim=-1)
+        return torch.cat([matmul(p, x, splits) for p in w.parts], dim=-1)
     op = _operands(w)
     cd = _compute_dtype(x)
     E, N, K = op["codes"].shape[0], op["N"], op["K"]
@@ -334,10 +345,10 @@ def matmul(w, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(E, -1, K)
         m = rows.shape[1]
         offsets = torch.arange(1, E + 1, device=x.device, dtype=torch.int32) * m
-        return _grouped(rows.reshape(-1, K).to(cd), offsets, op, cd).view(*x.shape[:-1], N)
+        return _grouped(rows.reshape(-1, K).to(cd), offsets, op, cd, splits).view(*x.shape[:-1], N)
     x2 = x.reshape(-1, K).to(cd)
     offsets = torch.full((1,), x2.shape[0], dtype=torch.int32, device=x.device)  # no host copy
-    return _grouped(x2, offsets, op, cd).view(*x.shape[:-1], N)
+    return _grouped(x2, offsets, op, cd, splits).view(*x.shape[:-1], N)
 
 
 def run_experts(x, weights, ids, w_in, w_out, act):
