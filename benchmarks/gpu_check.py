@@ -64,6 +64,7 @@ REAL = dict(
     moe=dict(d=3584, I=3072, E=64, tokens=8, k=16),  # K3's MXFP4 experts (latent 3584 -> 2x3072)
     moe_nv=dict(d=4096, I=2048, E=64, tokens=8, k=8),  # GLM-5.3's NVFP4 experts
     fp8=dict(N=8192, K=5120, rows=(1, 32, 512)),
+    norm=dict(rows=(1, 32, 4096), d=7168, heads=128, rope=64),  # DeepSeek-V4's width; 128 heads of 64 rope
 )
 TINY = dict(
     kda=dict(H=2, D=16, batch=2, prefill=20),
@@ -78,6 +79,7 @@ TINY = dict(
     moe=dict(d=64, I=32, E=4, tokens=2, k=2),
     moe_nv=dict(d=64, I=32, E=4, tokens=2, k=2),
     fp8=dict(N=48, K=64, rows=(1,)),
+    norm=dict(rows=(1, 3), d=40, heads=3, rope=8),
 )
 # --compile-only: the real widths (they set the kernels' tile constexprs), few tokens / experts / sequences
 COMPILE = dict(
@@ -543,6 +545,30 @@ def check_gemms(c: Check, s):
     )
 
 
+def check_norms(c: Check, s):
+    from moesaic.kernels.triton import norm as tn
+    from moesaic.layers import norms, rope
+
+    p = s["norm"]
+    for N in p["rows"]:
+        x, w = c.rand(N, p["d"], dtype=c.half), c.rand(p["d"], dtype=c.half)
+        nb = 2 * x.numel() * x.element_size()
+        r = norms.roundings(norms.rms_norm, x.dtype, w.dtype)
+        tol = 1e-5 if c.dry else 1e-2
+        fn = lambda x=x, w=w, r=r: tn.rms_norm(x, w, 1e-6, *r)  # noqa: E731
+        c.add("rms_norm", f"{N} x {p['d']} {str(x.dtype)[6:]}", fn(), norms.rms_norm(x, w, 1e-6), tol, fn=fn,
+              nbytes=nb, note="read + written")  # fmt: skip
+    half = p["rope"] // 2
+    for N in p["rows"]:
+        x = c.rand(N, p["heads"], p["rope"], dtype=c.half)
+        cos, sin = rope.cos_sin(torch.rand(half, device=c.dev), torch.arange(N, device=c.dev) * 3)
+        for layout, ref in ((0, rope.rope_interleaved), (2, rope.rope_pairs)):
+            fn = lambda x=x, cos=cos, sin=sin, layout=layout: tn.rope(x, cos, sin, layout)  # noqa: E731
+            c.add(f"rope[{'interleaved' if layout == 0 else 'pairs'}]", f"{N} x {p['heads']} heads x {p['rope']}",
+                  fn(), ref(x, cos, sin), 1e-5 if c.dry else 1e-2, fn=fn, nbytes=2 * x.numel() * x.element_size(),
+                  note="read + written")  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------- compile only
 
 
@@ -610,7 +636,7 @@ def compile_instead_of_launch(c: Check) -> None:
                                stack=int(stack[0]) if stack else None, shared=smem))  # fmt: skip
 
     JITFunction.run = run
-    for name in ("kda", "mamba2", "mla", "indexer", "compressor", "mhc", "router", "quant"):
+    for name in ("kda", "mamba2", "mla", "indexer", "compressor", "mhc", "router", "quant", "norm"):
         __import__(f"moesaic.kernels.triton.{name}")
         getattr(kt, name).check_device = lambda *t: None  # CPU tensors stand in for the GPU's
     kt.mhc.num_sms = lambda device: 132  # an H200's: site_maps' sliced (decode) form compiles too
@@ -722,6 +748,7 @@ CHECKS = [
     ("mhc", check_mhc),
     ("router", check_router),
     ("gemm", check_gemms),
+    ("norm", check_norms),
 ]
 
 

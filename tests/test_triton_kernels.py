@@ -28,7 +28,7 @@ from moesaic.layers import csa, dsa, kda, mamba2, mhc, mla, moe  # noqa: E402
 from moesaic.weights import quant as Q  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ("kda", "mamba2", "mla", "indexer", "compressor", "mhc", "router", "quant")
+KERNELS = ("kda", "mamba2", "mla", "indexer", "compressor", "mhc", "router", "quant", "norm")
 CHILD = os.environ.get("MOESAIC_TRITON_CASES") == "1"  # this process runs the cases under the interpreter
 
 if CHILD:
@@ -348,6 +348,54 @@ def case_sinkhorn_and_site_maps(n):
             for splits in (None, 3):
                 for got, want in zip(T["mhc"].site_maps(h, site, dims, splits=splits), ref):
                     close(got, want, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------ norms, ropes
+
+
+def case_rms_norm_orders():
+    """Every order of layers/norms.py (its roundings) and the grouped weight of Mamba-2's gated norm, odd
+    widths, bf16 and fp32: the kernel's norm against the torch reference's."""
+    from moesaic.layers import mamba2, norms
+
+    gen = torch.Generator().manual_seed(31)
+    for d in (48, 129):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(3, 5, d, generator=gen) * 3).to(dtype)
+            rel = 2e-6 if dtype == torch.float32 else 2e-2  # the interpreter rounds to bf16 by truncation
+            for order in (norms.rms_norm, norms.rms_norm_fp32_weight, norms.rms_norm_cast_once):
+                for wd in (dtype, torch.float32):
+                    w = torch.randn(d, generator=gen).to(wd)
+                    got = T["norm"].rms_norm(x, w, 1e-6, *norms.roundings(order, x.dtype, w.dtype))
+                    close(got, order(x, w, 1e-6), rel)
+            got = T["norm"].rms_norm(x, w, 1e-6, None, dtype, dtype, factor=dtype)
+            close(got, x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6).to(dtype) * w, rel)
+    y, z, w = (
+        torch.randn(4, 64, generator=gen),
+        torch.randn(4, 64, generator=gen),
+        torch.randn(64, generator=gen),
+    )
+    g = (y * torch.nn.functional.silu(z)).unflatten(-1, (4, -1))
+    ref = mamba2.gated_rmsnorm(y, z, w, 4, 1e-5)
+    close(T["norm"].rms_norm(g, w.view(4, -1), 1e-5, None, w.dtype, w.dtype).flatten(-2), ref)
+
+
+def case_ropes():
+    """The three layouts of layers/rope.py (interleaved, halves, pairs with kept channels), bf16 and fp32,
+    several heads, an odd pair count."""
+    from moesaic.layers import rope
+
+    gen = torch.Generator().manual_seed(32)
+    for dtype in (torch.float32, torch.bfloat16):
+        rel = 2e-6 if dtype == torch.float32 else 2e-2
+        for half, keep in ((8, 0), (5, 0), (8, 6)):
+            x = torch.randn(4, 3, keep + 2 * half, generator=gen).to(dtype)
+            cos, sin = rope.cos_sin(torch.rand(half, generator=gen), torch.arange(4) * 7)
+            if not keep:
+                close(T["norm"].rope(x, cos, sin, 0), rope.rope_interleaved(x, cos, sin), rel)
+                close(T["norm"].rope(x, cos, sin, 1), rope.rope_half(x, cos, sin), rel)
+            close(T["norm"].rope(x, cos, sin, 2, keep), rope.rope_pairs(x, cos, sin, keep), rel)
+    assert T["norm"].rope(torch.randn(4, 10), cos, sin, 2, 3) is None  # widths that do not add up
 
 
 # ------------------------------------------------------------------------------------------ routers

@@ -37,6 +37,7 @@ from torch import Tensor
 from ..kernels import cpu
 from ..kernels.triton import kernels
 from .linear import RowStack, linear, operand, replacement, stack_rows
+from .norms import fused_rms_norm
 from .recurrent import RecurrentMixer, fold_channels, repeat_sections, unfold_channels
 
 L2NORM_EPS = 1e-6
@@ -170,7 +171,7 @@ def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, head_dim: int, lower_bou
 
 def gated_head_rmsnorm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over each head's Dv values, times the weight, times sigmoid(gate); all fp32."""
-    normed = cpu.rms_norm(o, weight, eps, None, None, torch.float32)  # one CPU kernel call, the same bits
+    normed = fused_rms_norm(o, weight, eps, None, None, torch.float32)  # one call (CPU: the same bits)
     if normed is None:
         o = o.float()
         normed = weight.float() * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps))

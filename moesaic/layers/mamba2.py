@@ -49,6 +49,7 @@ from torch import Tensor
 from ..kernels import cpu
 from ..kernels.triton import kernels
 from .linear import linear
+from .norms import fused_rms_norm
 from .recurrent import RecurrentMixer, fold_channels, repeat_sections, unfold_channels
 
 
@@ -199,8 +200,8 @@ def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, groups: int, eps: float)
     the weight's dtype and scaled by it."""
     g = y.float() * F.silu(z.float())
     g = g.unflatten(-1, (groups, -1))
-    # the norm in one CPU call: each group's rows with its slice of the weight (the same bits)
-    normed = cpu.rms_norm(g, weight.view(groups, -1), eps, None, weight.dtype, weight.dtype)
+    # the norm in one call (CPU: the same bits): each group's rows with its slice of the weight
+    normed = fused_rms_norm(g, weight.view(groups, -1), eps, None, weight.dtype, weight.dtype)
     if normed is not None:
         return normed.flatten(-2)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)

@@ -35,7 +35,7 @@ from torch import Tensor
 from ..kernels import cpu
 from ..kernels.triton import kernels
 from . import norms
-from .norms import unit_weight
+from .norms import fused_rms_norm, unit_weight
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,9 @@ def project(streams: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
     (the same math as scaling the product; this order matches its rounding)."""
     flat = streams.reshape(*streams.shape[:-2], -1)
     # one kernel call on the CPU (a weight of ones: x * 1 is exact, the same bits as the torch lines)
-    scaled = cpu.rms_norm(flat, unit_weight(flat.shape[-1], flat.device), norm_eps, None, None, torch.float32)
+    scaled = fused_rms_norm(
+        flat, unit_weight(flat.shape[-1], flat.device), norm_eps, None, None, torch.float32
+    )
     if scaled is None:
         flat = flat.float()
         scaled = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)

@@ -1,11 +1,21 @@
 """RMSNorm in the orders the released references use. On the CPU, for inference, each is one call of the
 compiled kernels (kernels/cpu.py `rms_norm`: the same float operations, roundings and sum order, so the
-same bits) instead of eight small torch ops; the torch code below is the reference and what runs
-elsewhere, under autograd and with MOESAIC_CPU_KERNELS=0."""
+same bits) instead of eight small torch ops; on a GPU one Triton launch (kernels/triton/norm.py: the same
+roundings, its own sum order). The torch code below is the reference and what runs elsewhere, under autograd
+and with MOESAIC_CPU_KERNELS=0 / MOESAIC_TRITON=off."""
 
 import torch
 
 from ..kernels import cpu
+from ..kernels.triton import kernels
+
+
+def fused_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, pre, mid, out, factor=None):
+    """cpu.rms_norm's contract in one call where one serves x: the Triton kernel on a GPU, the compiled
+    kernel on the CPU; None: the caller runs its torch code."""
+    if tk := kernels("norm", x):
+        return tk.rms_norm(x, w, eps, pre, mid, out, factor)
+    return cpu.rms_norm(x, w, eps, pre, mid, out, factor)
 
 
 def _rms_norm_roundings(x: torch.dtype, w: torch.dtype) -> tuple:
@@ -30,7 +40,7 @@ def roundings(order, x: torch.dtype, w: torch.dtype) -> tuple | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`w * (x / rms(x))`: normalise in fp32, round to the input dtype, then scale by the weight
     (the order of the Llama/DeepSeek/Mistral references; the weight is never `1 + w`)."""
-    y = cpu.rms_norm(x, weight, eps, *_rms_norm_roundings(x.dtype, weight.dtype))
+    y = fused_rms_norm(x, weight, eps, *_rms_norm_roundings(x.dtype, weight.dtype))
     if y is not None:
         return y
     dtype = x.dtype
@@ -42,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Nemotron-H's order: cast to the weight dtype, normalise and multiply by the weight in fp32,
     then cast back."""
-    y = cpu.rms_norm(x, weight, eps, *_fp32_weight_roundings(x.dtype, weight.dtype))
+    y = fused_rms_norm(x, weight, eps, *_fp32_weight_roundings(x.dtype, weight.dtype))
     if y is not None:
         return y
     dtype = weight.dtype
@@ -54,7 +64,7 @@ def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 def rms_norm_cast_once(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeepSeek-V4's order: normalise in fp32, multiply by the (fp32) weight in fp32, cast to the
     input dtype once."""
-    y = cpu.rms_norm(x, weight, eps, *_cast_once_roundings(x.dtype, weight.dtype))
+    y = fused_rms_norm(x, weight, eps, *_cast_once_roundings(x.dtype, weight.dtype))
     if y is not None:
         return y
     xf = x.float()
@@ -72,7 +82,7 @@ _ROUNDINGS = {
 def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """The unweighted RMS norm over the last dim with its factor rounded to x's dtype first: `x * rsqrt(mean(x²)
     + eps).to(x.dtype)` (DeepSeek-V4's second query norm, per head)."""
-    y = cpu.rms_norm(x, unit_weight(x.shape[-1], x.device), eps, None, x.dtype, x.dtype, factor=x.dtype)
+    y = fused_rms_norm(x, unit_weight(x.shape[-1], x.device), eps, None, x.dtype, x.dtype, factor=x.dtype)
     if y is not None:  # the weight of ones: 1 * v is exact
         return y
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

@@ -9,6 +9,7 @@ import torch
 
 from ..config import declared, positive
 from ..kernels import cpu
+from ..kernels.triton import kernels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,14 @@ def cos_sin_attention_factor(rope: RopeConfig) -> float:
     return yarn_mscale(rope.factor)
 
 
+def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: int, keep: int = 0):
+    """cpu.rope's contract in one call where one serves x: the Triton kernel on a GPU (kernels/triton/norm.py),
+    the compiled kernel on the CPU; None: the caller runs its torch code."""
+    if tk := kernels("norm", x):
+        return tk.rope(x, cos, sin, layout, keep)
+    return cpu.rope(x, cos, sin, layout, keep)
+
+
 def cos_sin(
     freqs: torch.Tensor, positions: torch.Tensor, factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +96,7 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """Rotates pairs (x[2i], x[2i+1]) by the pair's angle and writes the result de-interleaved
     as [rotated evens | rotated odds]. x: [n, ..., dim]; cos/sin: [n, dim/2]. The three rotations are one
     compiled call each on the CPU for inference (kernels/cpu.py `rope`, the same roundings)."""
-    y = cpu.rope(x, cos, sin, 0)
+    y = fused_rope(x, cos, sin, 0)
     if y is not None:
         return y
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
@@ -99,7 +108,7 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The GPT-NeoX layout: rotates (x[i], x[i + dim/2]) pairs."""
-    y = cpu.rope(x, cos, sin, 1)
+    y = fused_rope(x, cos, sin, 1)
     if y is not None:
         return y
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
@@ -116,7 +125,7 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep: int 
     to x's dtype first (as transformers does), returned in x's dtype. x: [n, ..., keep + dim]; cos/sin:
     [n, dim/2]; the first `keep` channels are returned unrotated (V4's [nope | rope] heads). Pass -sin for
     the inverse rotation."""
-    y = cpu.rope(x, cos, sin, 2, keep)
+    y = fused_rope(x, cos, sin, 2, keep)
     if y is not None:
         return y
     if keep:

@@ -1,0 +1,147 @@
+"""RMS norm and the rotary embeddings in Triton (layers/norms.py, layers/rope.py): one launch each where the
+torch references take 5-8 small kernels (a decode step's norms and ropes were ~40 % of its ~930 launches on
+an H200, 2026-12-04: docs/perf.md).
+
+Same contracts as kernels/cpu.py `rms_norm` and `rope`, which the references call first on the CPU:
+
+  rms_norm(x, w, eps, pre, mid, out, factor)  rnd_out(w · rnd_mid(x' · rnd_factor(rsqrt(mean(x'²) + eps))))
+      with x' = rnd_pre(x); each rnd a rounding to that dtype (None / fp32: none); w [d], or [G, d] for
+      x [..., G, d] (row r of the groups takes w[r % G]); every product in fp32, as torch computes a
+      product of 16-bit tensors (exact in fp32, then rounded).
+  rope(x, cos, sin, layout, keep)  layout 0 interleaved pairs written [evens | odds] (rope_interleaved),
+      1 halves (rope_half), both in x's dtype op by op; 2 pairs kept in place (rope_pairs), in fp32 and
+      rounded once; cos / sin [n, dim/2] rounded to x's dtype first; the first `keep` channels copied.
+
+The mean's sum runs in the tree order of tl.sum, not torch's: the same math, not the same bits (the CPU
+kernels keep torch's order; a GPU reduction has its own). None where a shape is not served.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check_device
+
+_CODE = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_WIDTH = 16384
+
+
+@triton.jit
+def _round(v, TO: tl.constexpr):
+    """v (fp32) rounded to bf16 (1) or fp16 (2) and widened back; 0: as it is."""
+    if TO == 1:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif TO == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _rms_kernel(
+    x, w, y, d, G, s_x, eps,
+    PRE: tl.constexpr, MID: tl.constexpr, FACTOR: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    rd = tl.arange(0, BD)
+    m = rd < d
+    v = _round(tl.load(x + r.to(tl.int64) * s_x + rd, mask=m, other=0.0).to(tl.float32), PRE)
+    f = _round(tl.rsqrt(tl.sum(v * v, axis=0) / d + eps), FACTOR)
+    v = _round(v * f, MID)
+    wt = tl.load(w + (r % G) * d + rd, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + r.to(tl.int64) * d + rd, (wt * v).to(y.dtype.element_ty), mask=m)
+
+
+def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
+    """kernels/cpu.py `rms_norm`'s contract on CUDA tensors (or CPU ones under the interpreter)."""
+    d = x.shape[-1] if x.dim() else 0
+    grouped = w.dim() == 2 and x.dim() >= 2 and w.shape == x.shape[-2:]
+    if not (0 < d <= MAX_WIDTH and (w.shape == (d,) or grouped)) or any(
+        t not in _CODE for t in (pre, mid, factor)
+    ):
+        return None
+    check_device(x, w)
+    x2 = x.reshape(-1, d)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    y = torch.empty(x2.shape, dtype=out, device=x.device)
+    if x2.shape[0]:
+        G = w.shape[0] if grouped else 1
+        _rms_kernel[(x2.shape[0],)](
+            x2, w.contiguous(), y, d, G, x2.stride(0), float(eps),
+            PRE=_CODE[pre], MID=_CODE[mid], FACTOR=_CODE[factor], BD=triton.next_power_of_2(d),
+            num_warps=4 if d <= 4096 else 8,
+        )  # fmt: skip
+    return y.view(x.shape)
+
+
+@triton.jit
+def _rope_kernel(
+    x, cos, sin, y, heads, half, keep, s_xt, s_xh, s_c,
+    LAYOUT: tl.constexpr, RND: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+):  # fmt: skip
+    t, hb = tl.program_id(0), tl.program_id(1)
+    rh = hb * BH + tl.arange(0, BH)
+    mh = rh < heads
+    rp = tl.arange(0, BP)
+    mp = rp < half
+    width = keep + 2 * half
+    xrow = x + t.to(tl.int64) * s_xt + rh[:, None].to(tl.int64) * s_xh
+    yrow = y + (t.to(tl.int64) * heads + rh[:, None]) * width
+    if keep > 0:  # the unrotated channels, copied
+        rk = tl.arange(0, BK)
+        mk = mh[:, None] & (rk < keep)[None, :]
+        tl.store(yrow + rk[None, :], tl.load(xrow + rk[None, :], mask=mk, other=0.0), mask=mk)
+    c = _round(tl.load(cos + t * s_c + rp, mask=mp, other=0.0).to(tl.float32), RND)[None, :]
+    s = _round(tl.load(sin + t * s_c + rp, mask=mp, other=0.0).to(tl.float32), RND)[None, :]
+    m2 = mh[:, None] & mp[None, :]
+    if LAYOUT == 1:  # halves (x[i], x[i + half])
+        a_off, b_off = keep + rp, keep + half + rp
+    else:  # pairs (x[2i], x[2i + 1])
+        a_off, b_off = keep + 2 * rp, keep + 2 * rp + 1
+    a = tl.load(xrow + a_off[None, :], mask=m2, other=0.0).to(tl.float32)
+    b = tl.load(xrow + b_off[None, :], mask=m2, other=0.0).to(tl.float32)
+    if LAYOUT == 2:  # fp32, rounded once, each pair in place
+        ya, yb = a * c - b * s, b * c + a * s
+    else:  # x's dtype, op by op: each product rounded, then their difference / sum
+        ya = _round(_round(a * c, RND) - _round(b * s, RND), RND)
+        yb = _round(_round(b * c, RND) + _round(a * s, RND), RND)
+    ty = y.dtype.element_ty
+    if LAYOUT == 0:  # [rotated evens | rotated odds]
+        tl.store(yrow + (keep + rp)[None, :], ya.to(ty), mask=m2)
+        tl.store(yrow + (keep + half + rp)[None, :], yb.to(ty), mask=m2)
+    else:
+        tl.store(yrow + a_off[None, :], ya.to(ty), mask=m2)
+        tl.store(yrow + b_off[None, :], yb.to(ty), mask=m2)
+
+
+def rope(x, cos, sin, layout: int, keep: int = 0):
+    """kernels/cpu.py `rope`'s contract: x [n, ..., keep + dim] (last dim contiguous), cos / sin [n, dim/2];
+    a new tensor in x's dtype. None where it does not apply."""
+    if not (
+        x.dim() >= 2
+        and cos.dim() == 2
+        and cos.shape == sin.shape
+        and cos.shape[0] == x.shape[0]
+        and x.shape[-1] == keep + 2 * cos.shape[1]
+        and x.dtype in _CODE
+    ):
+        return None
+    check_device(x, cos, sin)
+    n, W, half = x.shape[0], x.shape[-1], cos.shape[1]
+    x3 = x.reshape(n, -1, W)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    heads = x3.shape[1]
+    y = torch.empty(n, heads, W, dtype=x.dtype, device=x.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if n and heads and half:
+        BH = min(16, triton.next_power_of_2(heads))
+        _rope_kernel[(n, triton.cdiv(heads, BH))](
+            x3, cos, sin, y, heads, half, keep, x3.stride(0), x3.stride(1), cos.stride(0),
+            LAYOUT=layout, RND=_CODE[x.dtype], BH=BH, BK=triton.next_power_of_2(max(keep, 1)),
+            BP=triton.next_power_of_2(half), num_warps=4,
+        )  # fmt: skip
+    elif n and heads:
+        y.copy_(x3)
+    return y.view(x.shape)
