@@ -439,6 +439,15 @@ def check_mhc(c: Check, s):
             fn=lambda h=h, splits=splits: tm.site_maps(h, site, dims, splits),
             nbytes=h.numel() * h.element_size() + site.fn.numel() * 4,
         )
+    for N in (1, *s["mhc"]["tokens"]):
+        h, y = c.rand(N, n, d, dtype=c.half), c.rand(N, d, dtype=c.half)
+        pre, post, comb = torch.rand(N, n, device=c.dev), 2 * torch.rand(N, n, device=c.dev), c.rand(N, n, n)
+        tol = 1e-5 if c.dry else 1e-2
+        nb = h.numel() * h.element_size()
+        c.add("mhc", f"collapse N={N} n={n} d={d}", tm.collapse(h, pre), mhc.collapse(h, pre), tol,
+              fn=lambda h=h, pre=pre: tm.collapse(h, pre), nbytes=nb + nb // n)  # fmt: skip
+        c.add("mhc", f"update N={N} n={n} d={d}", tm.update(h, y, post, comb), mhc.update(h, y, post, comb), tol,
+              fn=lambda h=h, y=y, post=post, comb=comb: tm.update(h, y, post, comb), nbytes=2 * nb + nb // n)  # fmt: skip
     logits = c.rand(4 if c.dry else 2048, n, n, scale=3)
     c.add(
         "mhc",

@@ -350,6 +350,20 @@ def case_sinkhorn_and_site_maps(n):
                     close(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("n", [4, 3])
+def case_mhc_collapse_and_update(n):
+    """The streams' weighted sum and their update by a block's output, odd widths, bf16 and fp32, streams
+    given as a non-contiguous view."""
+    gen = torch.Generator().manual_seed(33 + n)
+    for dtype, rel in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
+        for d in (40, 1100):
+            h = torch.randn(5, d, n, generator=gen).to(dtype).transpose(1, 2)  # [5, n, d], strided
+            pre, post = torch.rand(5, n, generator=gen), torch.rand(5, n, generator=gen) * 2
+            comb, y = torch.rand(5, n, n, generator=gen), torch.randn(5, d, generator=gen).to(dtype)
+            close(T["mhc"].collapse(h, pre), mhc.collapse(h, pre), rel)
+            close(T["mhc"].update(h, y, post, comb), mhc.update(h, y, post, comb), rel)
+
+
 # ------------------------------------------------------------------------------------------ norms, ropes
 
 

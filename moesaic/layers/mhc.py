@@ -132,6 +132,8 @@ def site_maps(streams: Tensor, site: MhcSite, dims: MhcDims) -> tuple[Tensor, Te
 
 def collapse(streams: Tensor, pre: Tensor) -> Tensor:
     """Σ_j pre[j] h[j]: [N, n, d] -> [N, d], computed in fp32, returned in the streams' dtype."""
+    if tk := kernels("mhc", streams):
+        return tk.collapse(streams, pre)
     return (pre.float().unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
 
 
@@ -141,7 +143,9 @@ def update(streams: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     order, and is rounded once (as collapse's): written as that sum rather than a matmul, so that the
     compiled call can do the same float operations by hand."""
     dt = streams.dtype
-    if streams.is_cpu and not kernels("mhc", streams):  # the same float operations in one compiled call
+    if tk := kernels("mhc", streams):
+        return tk.update(streams, y, post, comb)
+    if streams.is_cpu:  # the same float operations in one compiled call
         h = cpu.mhc_update(streams, y, post, comb)
         if h is not None:
             return h

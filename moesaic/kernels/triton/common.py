@@ -57,6 +57,19 @@ def mma(a, b, acc, NATIVE: tl.constexpr, TY: tl.constexpr):
 
 # Elementwise math always runs in fp32 (loads are widened first): the interpreter has no bf16 arithmetic.
 
+ROUND = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # round_to's codes by dtype
+
+
+@triton.jit
+def round_to(v, TO: tl.constexpr):
+    """v (fp32) rounded to bf16 (TO 1) or fp16 (2) and widened back, as a torch op in that dtype rounds its
+    fp32 result; 0: as it is."""
+    if TO == 1:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif TO == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
 
 @triton.jit
 def softplus(u):

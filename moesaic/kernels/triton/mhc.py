@@ -1,5 +1,9 @@
 """mHC mixing maps in Triton (layers/mhc.py `sinkhorn`, `site_maps`), fp32.
 
+`collapse` (Σ_j pre[j] h[j]) and `update` (h'[k] = post[k] y + Σ_j comb[j, k] h[j]) are one launch each, the
+references' float operations in their order (fp32 sums from 0, j in order; the update's product by post and
+the sum rounded to the streams' dtype as its torch ops round them), where those take ~10 and ~20 kernels.
+
 `site_maps` streams the flattened n·d streams once, accumulating their sum of squares and the two
 projections (the 2n pre/post rows, and the n·n comb rows laid out as an [NP, NP] tile) with tl.dot, then
 forms pre = sigmoid(.) + eps, post = 2 sigmoid(.) and the Sinkhorn normalisation of comb in registers.
@@ -14,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import F32_DOT, check_device, num_sms, pow2, sigmoid
+from .common import F32_DOT, ROUND, check_device, num_sms, pow2, round_to, sigmoid
 
 
 @triton.jit
@@ -199,3 +203,75 @@ def site_maps(streams: torch.Tensor, site, dims, splits: int | None = None):
         if S > 1:
             _site_finish_kernel[(tiles,)](part, *args, M, K, S, n, *eps, BM=BM, PP=PP, NP=NP, num_warps=4)
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+@triton.jit
+def _collapse_kernel(h, pre, out, n, d, s_ht, NS: tl.constexpr, BD: tl.constexpr):
+    t, db = tl.program_id(0), tl.program_id(1)
+    rd = db * BD + tl.arange(0, BD)
+    md = rd < d
+    row = h + t.to(tl.int64) * s_ht
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(NS):
+        p = tl.load(pre + t * n + j).to(tl.float32)
+        acc += p * tl.load(row + j * d + rd, mask=md, other=0.0).to(tl.float32)
+    tl.store(out + t.to(tl.int64) * d + rd, acc.to(out.dtype.element_ty), mask=md)
+
+
+def _streams(streams: torch.Tensor) -> torch.Tensor:
+    """[N, n, d] with each token's n·d values contiguous (the kernels' layout)."""
+    ok = streams.stride(-1) == 1 and streams.stride(-2) == streams.shape[-1]
+    return streams if ok else streams.contiguous()
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """layers/mhc.py `collapse`: Σ_j pre[j] h[j] in fp32, [N, n, d] -> [N, d] in the streams' dtype."""
+    check_device(streams, pre)
+    N, n, d = streams.shape
+    h, pre = _streams(streams), pre.contiguous()
+    out = torch.empty(N, d, dtype=streams.dtype, device=streams.device)
+    if N and d:
+        BD = min(1024, triton.next_power_of_2(d))
+        _collapse_kernel[(N, triton.cdiv(d, BD))](h, pre, out, n, d, h.stride(0), NS=n, BD=BD, num_warps=4)
+    return out
+
+
+@triton.jit
+def _update_kernel(
+    h, y, post, comb, out, n, d, s_ht, s_yt,
+    RND: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    t, db = tl.program_id(0), tl.program_id(1)
+    rd = db * BD + tl.arange(0, BD)
+    md = rd < d
+    rk = tl.arange(0, NP)
+    mk = rk < n
+    row = h + t.to(tl.int64) * s_ht
+    mixed = tl.zeros([NP, BD], dtype=tl.float32)
+    for j in tl.static_range(NS):  # Σ_j comb[j, k] h[j], comb rounded to the streams' dtype first
+        c = round_to(tl.load(comb + (t * n + j) * n + rk, mask=mk, other=0.0).to(tl.float32), RND)
+        mixed += c[:, None] * tl.load(row + j * d + rd, mask=md, other=0.0).to(tl.float32)[None, :]
+    p = round_to(tl.load(post + t * n + rk, mask=mk, other=0.0).to(tl.float32), RND)
+    yv = round_to(tl.load(y + t.to(tl.int64) * s_yt + rd, mask=md, other=0.0).to(tl.float32), RND)
+    o = round_to(round_to(p[:, None] * yv[None, :], RND) + round_to(mixed, RND), RND)
+    optr = out + (t.to(tl.int64) * n + rk[:, None]) * d + rd[None, :]
+    tl.store(optr, o.to(out.dtype.element_ty), mask=mk[:, None] & md[None, :])
+
+
+def update(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """layers/mhc.py `update`: h'[k] = post[k] · y + Σ_j comb[j, k] h[j] in the streams' dtype. streams
+    [N, n, d], y [N, d], post [N, n], comb [N, n, n] -> [N, n, d]."""
+    check_device(streams, y, post, comb)
+    N, n, d = streams.shape
+    if streams.dtype not in ROUND:
+        raise ValueError(f"mhc update: streams of {streams.dtype}, not a float dtype the kernel rounds to")
+    h, post, comb = _streams(streams), post.contiguous(), comb.contiguous()
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    out = torch.empty(N, n, d, dtype=streams.dtype, device=streams.device)
+    if N and d:
+        BD = min(512, triton.next_power_of_2(d))
+        _update_kernel[(N, triton.cdiv(d, BD))](
+            h, y, post, comb, out, n, d, h.stride(0), y.stride(0),
+            RND=ROUND[streams.dtype], NS=n, NP=pow2(n, 2), BD=BD, num_warps=4,
+        )  # fmt: skip
+    return out

@@ -22,20 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import ROUND as _CODE
 from .common import check_device
+from .common import round_to as _round
 
-_CODE = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_WIDTH = 16384
-
-
-@triton.jit
-def _round(v, TO: tl.constexpr):
-    """v (fp32) rounded to bf16 (1) or fp16 (2) and widened back; 0: as it is."""
-    if TO == 1:
-        v = v.to(tl.bfloat16).to(tl.float32)
-    elif TO == 2:
-        v = v.to(tl.float16).to(tl.float32)
-    return v
 
 
 @triton.jit
