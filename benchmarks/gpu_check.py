@@ -211,6 +211,10 @@ def check_kda(c: Check, s):
             1e-4,
             fn=lambda: tk.delta_rule_chunked(q, k, v, g, beta, S, 64),
         )
+    for n_rows in (1, n):  # the short conv + SiLU of q | k | v from a state's tail (K = 4)
+        x, tail, wc = c.rand(n_rows, 3 * H * D, dtype=c.half), c.rand(3, 3 * H * D), c.rand(3 * H * D, 4)
+        c.add("kda_short_conv", f"n={n_rows} C={3 * H * D}", tk.short_conv(x, tail, wc)[0],
+              kda.short_conv(x, tail, wc)[0], 1e-5, fn=lambda x=x, tail=tail, wc=wc: tk.short_conv(x, tail, wc))  # fmt: skip
     # decode: a batch of B sequences, one token each: the state is read and written once
     q = kda.l2norm(c.rand(B, H, 1, D)) * D**-0.5
     k, v = kda.l2norm(c.rand(B, H, 1, D)), c.rand(B, H, 1, D)

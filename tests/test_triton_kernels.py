@@ -364,6 +364,17 @@ def case_mhc_collapse_and_update(n):
             close(T["mhc"].update(h, y, post, comb), mhc.update(h, y, post, comb), rel)
 
 
+def case_kda_short_conv():
+    """KDA's causal conv + SiLU from a state's tail, one row and a prompt's rows, bf16 and fp32 inputs."""
+    gen = torch.Generator().manual_seed(34)
+    for n, dtype in ((1, torch.bfloat16), (37, torch.float32)):
+        x, tail = torch.randn(n, 300, generator=gen).to(dtype), torch.randn(3, 300, generator=gen)
+        w = torch.randn(300, 4, generator=gen)
+        (y, full), (ry, rfull) = T["kda"].short_conv(x, tail, w), kda.short_conv(x, tail, w)
+        close(y, ry)
+        assert torch.equal(full, rfull)
+
+
 # ------------------------------------------------------------------------------------------ norms, ropes
 
 

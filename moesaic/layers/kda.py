@@ -146,6 +146,8 @@ def l2norm(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
 def short_conv(x: Tensor, tail: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """Causal depthwise conv + SiLU over x [n, C] continuing from tail [K-1, C]; fp32.
     weight [C, K] (last tap = current token). Returns (y [n, C] fp32, the padded input [K-1+n, C])."""
+    if tk := kernels("kda", x):
+        return tk.short_conv(x, tail, weight)
     n, K = x.shape[0], weight.shape[-1]
     full = torch.cat([tail.float(), x.float()])
     w = weight.float()

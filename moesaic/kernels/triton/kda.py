@@ -79,6 +79,39 @@ def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, head_d
 
 
 @triton.jit
+def _conv_kernel(full, w, y, n, C, K, s_f, BN: tl.constexpr, BC: tl.constexpr):
+    ri = tl.program_id(0) * BN + tl.arange(0, BN)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mi, mc = ri < n, rc < C
+    m2 = mi[:, None] & mc[None, :]
+    acc = tl.zeros([BN, BC], dtype=tl.float32)
+    for j in range(0, K):  # tap j reads row i + j of the padded input, taps in order (the reference's sum)
+        wj = tl.load(w + rc * K + j, mask=mc, other=0.0).to(tl.float32)
+        acc += (
+            tl.load(full + (ri + j)[:, None].to(tl.int64) * s_f + rc[None, :], mask=m2, other=0.0)
+            * wj[None, :]
+        )
+    tl.store(y + ri[:, None].to(tl.int64) * C + rc[None, :], acc * sigmoid(acc), mask=m2)
+
+
+def short_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor):
+    """layers/kda.py `short_conv`: the causal depthwise conv + SiLU of x [n, C] continuing from tail [K-1, C],
+    weight [C, K], in fp32 -> (y [n, C], the padded input [K-1+n, C]); the taps in one launch."""
+    check_device(x, tail, weight)
+    n, C = x.shape
+    K = weight.shape[-1]
+    full = torch.cat([tail.float(), x.float()])
+    w = weight.float().contiguous()
+    y = torch.empty(n, C, dtype=torch.float32, device=x.device)
+    if n and C:
+        BN, BC = min(16, pow2(n, 1)), 256
+        _conv_kernel[(triton.cdiv(n, BN), triton.cdiv(C, BC))](
+            full, w, y, n, C, K, full.stride(0), BN=BN, BC=BC
+        )
+    return y, full
+
+
+@triton.jit
 def _recurrent_kernel(
     q, k, v, g, beta, s_in, s_out, o, states, n, Dk, Dv,
     KEEP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
