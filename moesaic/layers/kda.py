@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import RowStack, linear, operand, replacement, stack_rows
+from .linear import RowStack, linear, operand, products, replacement, stack_rows
 from .norms import fused_rms_norm
 from .recurrent import RecurrentMixer, fold_channels, repeat_sections, unfold_channels
 
@@ -332,12 +332,13 @@ def kda_project(x: Tensor, w: KdaWeights, dims: KdaDims) -> tuple[Tensor, ...]:
         fused = cpu.kda_project(x, ops, w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound, stacked)
         if fused is not None:
             return fused
-    qkv = torch.cat([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], dim=-1)
-    g = kda_gate(
-        linear(linear(x, w.f_a_proj), w.f_b_proj), w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound
-    )
-    beta = torch.sigmoid(linear(x, w.b_proj).float())
-    gate = linear(x, w.g_proj) if w.g_proj is not None else linear(linear(x, w.g_a_proj), w.g_b_proj)
+    # on a GPU the stacked six in one product (on the CPU each its own, as before: their bits at prefill)
+    stacks = (w.x_stack,) if w.x_stack is not None and kernels("quant", x) else ()
+    lin = products(x, stacks)
+    qkv = torch.cat([lin(w.q_proj), lin(w.k_proj), lin(w.v_proj)], dim=-1)
+    g = kda_gate(linear(lin(w.f_a_proj), w.f_b_proj), w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound)
+    beta = torch.sigmoid(lin(w.b_proj).float())
+    gate = lin(w.g_proj) if w.g_proj is not None else linear(lin(w.g_a_proj), w.g_b_proj)
     return qkv, g, beta, gate
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu, memory
+from ..kernels.triton import kernels
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,11 +88,14 @@ class RowStack:
     of: tuple  # id() of the weights each part replaces
 
     def products(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """[x @ w_i.T for each part] in one call, column views of one output, where the compiled kernels take
-        x (each of their output rows is its own sum: the bits of the separate products); else None (the
-        caller runs them one by one)."""
+        """[x @ w_i.T for each part] in one call, column views of one output, where the compiled CPU kernels
+        take x (each of their output rows is its own sum: the bits of the separate products) or the Triton
+        kernels serve x (a GPU, where no product promises those bits); else None (the caller runs them one
+        by one)."""
         w = self.weight
-        if type(w) is torch.Tensor:
+        if kernels("quant", x):  # a GPU: one product for the stack (cuBLAS, or the packed Triton GEMM)
+            y = F.linear(x, w) if type(w) is torch.Tensor else w.matmul(x)
+        elif type(w) is torch.Tensor:
             y = cpu.linear(x, w) if cpu.serves_dense(x, w) else None
         else:
             y = w.kernel_matmul(x)
