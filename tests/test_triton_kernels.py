@@ -375,6 +375,25 @@ def case_kda_short_conv():
         assert torch.equal(full, rfull)
 
 
+def case_row_stack_in_one_product(monkeypatch):
+    """Where the Triton kernels serve x, a RowStack's weights (dense bf16, or packed) are one product whose
+    column views equal the separate products (layers/linear.py)."""
+    from moesaic.layers.linear import linear, stack_rows
+
+    gen = torch.Generator().manual_seed(35)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    for make in (lambda w: w.bfloat16(), FORMATS["mxfp4"]):
+        ws = [make(torch.randn(rows, 64, generator=gen)) for rows in (48, 16, 32)]
+        (stack,) = stack_rows(ws)
+        monkeypatch.setenv("MOESAIC_TRITON", "off")
+        refs = [linear(x, p) for p in stack.parts]
+        monkeypatch.setenv("MOESAIC_TRITON", "interpret")
+        ys = stack.products(x)
+        assert ys is not None and len(ys) == 3
+        for y, ref in zip(ys, refs):
+            close(y, ref, 2e-2)
+
+
 # ------------------------------------------------------------------------------------------ norms, ropes
 
 
