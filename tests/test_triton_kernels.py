@@ -362,6 +362,14 @@ def case_mhc_collapse_and_update(n):
             comb, y = torch.rand(5, n, n, generator=gen), torch.randn(5, d, generator=gen).to(dtype)
             close(T["mhc"].collapse(h, pre), mhc.collapse(h, pre), rel)
             close(T["mhc"].update(h, y, post, comb), mhc.update(h, y, post, comb), rel)
+        lead = (
+            h.reshape(5, 1, n, d),
+            y.view(5, 1, d),
+            post.view(5, 1, n),
+            comb.view(5, 1, n, n),
+        )  # [.., n, d]
+        close(T["mhc"].update(*lead), mhc.update(h, y, post, comb).view(5, 1, n, d), rel)
+        close(T["mhc"].collapse(lead[0], pre.view(5, 1, n)), mhc.collapse(h, pre).view(5, 1, d), rel)
 
 
 def case_kda_short_conv():

@@ -225,15 +225,16 @@ def _streams(streams: torch.Tensor) -> torch.Tensor:
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """layers/mhc.py `collapse`: Σ_j pre[j] h[j] in fp32, [N, n, d] -> [N, d] in the streams' dtype."""
+    """layers/mhc.py `collapse`: Σ_j pre[j] h[j] in fp32, [..., n, d] -> [..., d] in the streams' dtype."""
     check_device(streams, pre)
-    N, n, d = streams.shape
-    h, pre = _streams(streams), pre.contiguous()
+    *lead, n, d = streams.shape
+    h, pre = _streams(streams.reshape(-1, n, d)), pre.reshape(-1, n).contiguous()
+    N = h.shape[0]
     out = torch.empty(N, d, dtype=streams.dtype, device=streams.device)
     if N and d:
         BD = min(1024, triton.next_power_of_2(d))
         _collapse_kernel[(N, triton.cdiv(d, BD))](h, pre, out, n, d, h.stride(0), NS=n, BD=BD, num_warps=4)
-    return out
+    return out.view(*lead, d)
 
 
 @triton.jit
@@ -260,14 +261,20 @@ def _update_kernel(
 
 def update(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """layers/mhc.py `update`: h'[k] = post[k] · y + Σ_j comb[j, k] h[j] in the streams' dtype. streams
-    [N, n, d], y [N, d], post [N, n], comb [N, n, n] -> [N, n, d]."""
+    [..., n, d], y [..., d], post [..., n], comb [..., n, n] -> [..., n, d]."""
     check_device(streams, y, post, comb)
-    N, n, d = streams.shape
+    *lead, n, d = streams.shape
     if streams.dtype not in ROUND:
         raise ValueError(f"mhc update: streams of {streams.dtype}, not a float dtype the kernel rounds to")
-    h, post, comb = _streams(streams), post.contiguous(), comb.contiguous()
+    h, post, comb = (
+        _streams(streams.reshape(-1, n, d)),
+        post.reshape(-1, n).contiguous(),
+        comb.reshape(-1, n, n),
+    )
+    comb, y = comb.contiguous(), y.reshape(-1, d)
     y = y if y.stride(-1) == 1 else y.contiguous()
-    out = torch.empty(N, n, d, dtype=streams.dtype, device=streams.device)
+    N = h.shape[0]
+    out = torch.empty(*lead, n, d, dtype=streams.dtype, device=streams.device)
     if N and d:
         BD = min(512, triton.next_power_of_2(d))
         _update_kernel[(N, triton.cdiv(d, BD))](
