@@ -2,6 +2,12 @@
 per step, and the top kernels and host-side ops (torch.profiler), for checkpoints given as folders.
 
     python benchmarks/gpu_profile.py /tmp/e2e/mistral4 [/tmp/e2e/glm5_next ...] [--batch 1] [--new 9]
+    python benchmarks/gpu_profile.py --proxy /tmp/e2e/mistral4    # no GPU: the CUDA path's launches, counted
+
+--proxy runs the CUDA code path on CPU tensors (MOESAIC_TRITON=interpret, the compiled CPU kernels off) and
+counts what a GPU would launch in one decode step: the torch ops that are not views (each a kernel on a GPU)
+and the Triton launches, with the torch ops' top call sites. A launch-bound eager step costs ~23 us a
+launch on the H200 (2026-12-04), so the count is the lever it measures without one.
 
 One step is the difference between a `new`-token and a 1-token greedy generate over `new - 1` (prefill
 cancels). Busy time is the sum of the kernels' own times over the profiled run, so busy / wall says how
@@ -12,13 +18,20 @@ CUDA graphs can take back (docs/gpu.md). Runs on CPU too (no kernel rows), to re
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
-import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+if "--proxy" in sys.argv:  # the CUDA path on CPU tensors: chosen before moesaic or triton is imported
+    os.environ.update(MOESAIC_TRITON="interpret", MOESAIC_CPU_KERNELS="0")
+
+import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -78,6 +91,105 @@ def profile_model(folder: str, batch: int, new: int, device: str, top: int) -> N
         print(f"   {e.self_cpu_time_total / 1e3:9.3f} ms {e.count:6d} x  {e.key[:90]}")
 
 
+VIEWS = {
+    "view",
+    "_unsafe_view",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "permute",
+    "transpose",
+    "t",
+    "as_strided",
+    "alias",
+    "unbind",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "detach",
+    "reshape",
+    "lift_fresh",
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "_reshape_alias",
+    "unflatten",
+    "flatten",
+    "narrow",
+    "diagonal",
+}  # fmt: skip  (ops that launch no kernel on a GPU)
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the torch ops that would launch a kernel on a GPU (not views, not the interpreter's own), by
+    op name and by the moesaic line that made them, and the Triton launches."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.sites, self.triton = (
+            collections.Counter(),
+            collections.Counter(),
+            collections.Counter(),
+        )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        stack = traceback.extract_stack()[:-1]
+        if name not in VIEWS and not any("/triton/" in f.filename for f in stack):
+            own = [f for f in stack if "/moesaic/" in f.filename]
+            self.ops[name] += 1
+            self.sites[f"{own[-1].filename.split('/moesaic/')[1]}:{own[-1].lineno}" if own else "?"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def proxy(folder: str, batch: int, new: int, top: int) -> None:
+    """--proxy: one decode step's would-be launches on the CUDA code path, counted on the CPU."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    llm = moesaic.LLM(
+        folder, dtype="bfloat16", device="cpu", max_num_seqs=max(batch, 1), enable_prefix_caching=False
+    )
+    prompts = [[3 + (i * 7 + j) % 200 for j in range(12)] for i in range(batch)]
+    _gen(llm, prompts, 2)
+    counters = []
+    run = InterpretedFunction.run
+    for n in (2, new):
+        c = LaunchCounter()
+
+        def counted(self, *args, c=c, **kwargs):
+            c.triton[self.fn.__name__] += 1
+            return run(self, *args, **kwargs)
+
+        InterpretedFunction.run = counted
+        try:
+            with c:
+                _gen(llm, prompts, n)
+        finally:
+            InterpretedFunction.run = run
+        counters.append(c)
+    a, b = counters
+
+    def step(x, y):
+        return {k: (y[k] - x.get(k, 0)) / (new - 2) for k in y if y[k] - x.get(k, 0)}
+
+    ops, sites, kernels = step(a.ops, b.ops), step(a.sites, b.sites), step(a.triton, b.triton)
+    print(f"\n== {folder}, batch {batch}, the CUDA path on CPU tensors (a decode step):")
+    print(f"   {sum(ops.values()):.0f} torch ops that launch + {sum(kernels.values()):.0f} Triton launches")
+    print(
+        "   torch ops: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:top])
+    )
+    print(
+        "   Triton: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]))
+    )
+    for site, v in sorted(sites.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"   {v:6.1f}  {site}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+")
@@ -85,9 +197,13 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=9)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--proxy", action="store_true", help="no GPU: count the CUDA path's launches on CPU")
     args = ap.parse_args()
     for folder in args.folders:
         try:
+            if args.proxy:
+                proxy(folder, args.batch, max(args.new, 4), args.top)
+                continue
             profile_model(folder, args.batch, args.new, args.device, args.top)
         except Exception as e:  # one model's failure must not hide the next one's profile
             print(f"\n== {folder}: {type(e).__name__}: {e}")
