@@ -211,6 +211,9 @@ def check_kda(c: Check, s):
             1e-4,
             fn=lambda: tk.delta_rule_chunked(q, k, v, g, beta, S, 64),
         )
+    qk = c.rand(n, H, D)
+    c.add("kda_l2norm", f"n={n} H={H} D={D}", tk.l2norm(qk, 1e-6), kda.l2norm(qk, 1e-6), 1e-5,
+          fn=lambda: tk.l2norm(qk, 1e-6), nbytes=2 * qk.numel() * 4, note="read + written")  # fmt: skip
     for n_rows in (1, n):  # the short conv + SiLU of q | k | v from a state's tail (K = 4)
         x, tail, wc = c.rand(n_rows, 3 * H * D, dtype=c.half), c.rand(3, 3 * H * D), c.rand(3 * H * D, 4)
         c.add("kda_short_conv", f"n={n_rows} C={3 * H * D}", tk.short_conv(x, tail, wc)[0],

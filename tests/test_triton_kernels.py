@@ -372,6 +372,13 @@ def case_mhc_collapse_and_update(n):
         close(T["mhc"].collapse(lead[0], pre.view(5, 1, n)), mhc.collapse(h, pre).view(5, 1, d), rel)
 
 
+def case_kda_l2norm():
+    """KDA's q / k normalisation: rows of 128 and of an odd width, contiguous and strided."""
+    gen = torch.Generator().manual_seed(36)
+    for x in (torch.randn(5, 3, 128, generator=gen), torch.randn(4, 70, generator=gen).t()[:33]):
+        close(T["kda"].l2norm(x, 1e-6), kda.l2norm(x, 1e-6))
+
+
 def case_kda_short_conv():
     """KDA's causal conv + SiLU from a state's tail, one row and a prompt's rows, bf16 and fp32 inputs."""
     gen = torch.Generator().manual_seed(34)

@@ -140,6 +140,8 @@ class KdaWeights:
 
 def l2norm(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last axis (FLA's form: eps inside the sqrt)."""
+    if x.dtype == torch.float32 and (tk := kernels("kda", x)):  # one launch on a GPU
+        return tk.l2norm(x, eps)
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 

@@ -79,6 +79,26 @@ def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, head_d
 
 
 @triton.jit
+def _l2norm_kernel(x, y, d, s_x, eps, BD: tl.constexpr):
+    r = tl.program_id(0)
+    rd = tl.arange(0, BD)
+    v = tl.load(x + r.to(tl.int64) * s_x + rd, mask=rd < d, other=0.0).to(tl.float32)
+    tl.store(y + r.to(tl.int64) * d + rd, v / tl.sqrt(tl.sum(v * v, axis=0) + eps), mask=rd < d)
+
+
+def l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers/kda.py `l2norm` of x in fp32: x / sqrt(sum(x^2) + eps) over the last axis, one launch."""
+    check_device(x)
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    if x2.shape[0] and d:
+        _l2norm_kernel[(x2.shape[0],)](x2, y, d, x2.stride(0), float(eps), BD=pow2(d), num_warps=1)
+    return y.view(x.shape)
+
+
+@triton.jit
 def _conv_kernel(full, w, y, n, C, K, s_f, BN: tl.constexpr, BC: tl.constexpr):
     ri = tl.program_id(0) * BN + tl.arange(0, BN)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
