@@ -14,7 +14,6 @@ checked against the dequantized weight's product (relative max error; exit 1 whe
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -28,7 +27,6 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moesaic.kernels.triton import quant as tq  # noqa: E402
-from moesaic.kernels.triton.common import native_dot  # noqa: E402
 from moesaic.weights import quant as Q  # noqa: E402
 
 N, K = 8192, 5120  # a 5120 -> 8192 projection: 84 MB in bf16, 42 MB in fp8, 22 MB in 4 bits
@@ -61,23 +59,6 @@ def packed(fmt: str, w: torch.Tensor):
     if fmt == "mxfp4":
         return Q.from_suffix_dict(Q.quantize_mxfp4(w))
     return Q.from_suffix_dict(Q.quantize_nvfp4(w))
-
-
-def launch(op, x, out, tiles, BM, BN, BK, warps, stages, S=1, part=None):
-    """One product at these tiles: K in S slices (part: their fp32 partial sums [S, M, N]), then added."""
-    tile_e, r0, r1, T = tiles
-    M, K = x.shape[0], op["K"]
-    KS = math.ceil(math.ceil(K / S) / BK) * BK
-    dst = out if S == 1 else part
-    tq._gemm_kernel[(T, math.ceil(op["N"] / BN), math.ceil(K / KS))](
-        x, dst, op["codes"], op["scale"], op["gscale"], tile_e, r0, r1, op["N"], K, KS, x.stride(0),
-        dst.stride(-2), M * op["N"] if S > 1 else 0, *tq._strides(op), op["block"][0], op["block"][1],
-        FMT=op["fmt"], E8M0=op["e8m0"], GDIV=op["gdiv"], GROUP=op["group"], NKB=tq._scale_blocks(op, BK),
-        BM=BM, BN=BN, BK=BK, NATIVE=native_dot(x.dtype), TY=tq._TL[x.dtype], num_warps=warps,
-        num_stages=stages,
-    )  # fmt: skip
-    if S > 1:
-        out.copy_(part[: math.ceil(K / KS)].sum(0))
 
 
 def nbytes(qt) -> int:
@@ -146,11 +127,11 @@ def main() -> int:
                 part = torch.empty(S, M, n, device=dev)
                 what = str((BM, BN, BK, warps, stages, S))
                 try:
-                    launch(op, x, out, tiles, BM, BN, BK, warps, stages, S, part)
+                    tq._run(x, op, tiles, out, BM, BN, BK, warps, stages, S, part)
                     err = float((out.float() - ref).abs().max() / ref.abs().max())
                     if args.ncu:
                         continue
-                    us = bench(lambda: launch(op, x, out, tiles, BM, BN, BK, warps, stages, S, part))
+                    us = bench(lambda: tq._run(x, op, tiles, out, BM, BN, BK, warps, stages, S, part))
                 except Exception as e:  # a tile shape that does not build: a row, not a lost table
                     print(f"{fmt:<14} {M:>2} {what:<30} {type(e).__name__}: {str(e)[:80]}")
                     continue

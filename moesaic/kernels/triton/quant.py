@@ -302,21 +302,33 @@ def _grouped(xs: torch.Tensor, offsets: torch.Tensor, op: dict, out_dtype, split
     BM, BN, BK, warps = (16, 64, 128, 8) if per_expert <= 16 else (32, 128, 64, 8)
     if per_expert > 32:
         BM = 64
-    tile_e, r0, r1, T = _tiles(offsets.to(xs.device), M, E, BM)
-    # K in `splits` slices: more programs when the output tiles alone are fewer than the multiprocessors
-    # (a one-row product of one matrix). Not a default until measured on a GPU (benchmarks/gpu_gemv.py):
-    # at 150-255 registers a program, one fits on an SM, and then slices only queue behind each other
+    layout = _tiles(offsets.to(xs.device), M, E, BM)
+    return _run(xs, op, layout, out, BM, BN, BK, warps, 3, splits)
+
+
+def _run(
+    xs, op: dict, layout, out, BM: int, BN: int, BK: int, warps: int, stages: int, splits=None, part=None
+):
+    """The product into out [M, N] at these tiles over `layout` (_tiles'), K in `splits` slices whose fp32
+    partial sums (part [>= S, M, N], made here when not given) are added after, in order: the same bits every
+    run. Slices give more programs when the output tiles alone are fewer than the multiprocessors (a one-row
+    product of one matrix); not a default until measured on a GPU (benchmarks/gpu_gemv.py): at 150-255
+    registers a program, one fits on an SM, and then slices only queue behind each other."""
+    tile_e, r0, r1, T = layout
+    M, N, K = xs.shape[0], op["N"], op["K"]
     KS = triton.cdiv(triton.cdiv(K, splits or 1), BK) * BK
     S = triton.cdiv(K, KS)
-    dst = out if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=xs.device)  # partial sums
+    if S > 1 and part is None:
+        part = torch.empty(S, M, N, dtype=torch.float32, device=xs.device)
+    dst = out if S == 1 else part
     _gemm_kernel[(T, triton.cdiv(N, BN), S)](
         xs, dst, op["codes"], op["scale"], op["gscale"], tile_e, r0, r1, N, K, KS, xs.stride(0),
         dst.stride(-2), M * N if S > 1 else 0, *_strides(op), op["block"][0], op["block"][1],
         FMT=op["fmt"], E8M0=op["e8m0"], GDIV=op["gdiv"], GROUP=op["group"], NKB=_scale_blocks(op, BK),
         BM=BM, BN=BN, BK=BK,
-        NATIVE=native_dot(xs.dtype), TY=_TL[xs.dtype], num_warps=warps, num_stages=3,
+        NATIVE=native_dot(xs.dtype), TY=_TL[xs.dtype], num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return out if S == 1 else out.copy_(dst.sum(0))  # the slices added in order: the same bits every run
+    return out if S == 1 else out.copy_(part[:S].sum(0))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
