@@ -22,9 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ROUND as _CODE
-from .common import check_device
-from .common import round_to as _round
+from .common import ROUND, check_device, round_to
 
 MAX_WIDTH = 16384
 
@@ -37,9 +35,9 @@ def _rms_kernel(
     r = tl.program_id(0)
     rd = tl.arange(0, BD)
     m = rd < d
-    v = _round(tl.load(x + r.to(tl.int64) * s_x + rd, mask=m, other=0.0).to(tl.float32), PRE)
-    f = _round(tl.rsqrt(tl.sum(v * v, axis=0) / d + eps), FACTOR)
-    v = _round(v * f, MID)
+    v = round_to(tl.load(x + r.to(tl.int64) * s_x + rd, mask=m, other=0.0).to(tl.float32), PRE)
+    f = round_to(tl.rsqrt(tl.sum(v * v, axis=0) / d + eps), FACTOR)
+    v = round_to(v * f, MID)
     wt = tl.load(w + (r % G) * d + rd, mask=m, other=0.0).to(tl.float32)
     tl.store(y + r.to(tl.int64) * d + rd, (wt * v).to(y.dtype.element_ty), mask=m)
 
@@ -49,7 +47,7 @@ def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
     d = x.shape[-1] if x.dim() else 0
     grouped = w.dim() == 2 and x.dim() >= 2 and w.shape == x.shape[-2:]
     if not (0 < d <= MAX_WIDTH and (w.shape == (d,) or grouped)) or any(
-        t not in _CODE for t in (pre, mid, factor)
+        t not in ROUND for t in (pre, mid, factor)
     ):
         return None
     check_device(x, w)
@@ -60,7 +58,7 @@ def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
         G = w.shape[0] if grouped else 1
         _rms_kernel[(x2.shape[0],)](
             x2, w.contiguous(), y, d, G, x2.stride(0), float(eps),
-            PRE=_CODE[pre], MID=_CODE[mid], FACTOR=_CODE[factor], BD=triton.next_power_of_2(d),
+            PRE=ROUND[pre], MID=ROUND[mid], FACTOR=ROUND[factor], BD=triton.next_power_of_2(d),
             num_warps=4 if d <= 4096 else 8,
         )  # fmt: skip
     return y.view(x.shape)
@@ -83,8 +81,8 @@ def _rope_kernel(
         rk = tl.arange(0, BK)
         mk = mh[:, None] & (rk < keep)[None, :]
         tl.store(yrow + rk[None, :], tl.load(xrow + rk[None, :], mask=mk, other=0.0), mask=mk)
-    c = _round(tl.load(cos + t * s_c + rp, mask=mp, other=0.0).to(tl.float32), RND)[None, :]
-    s = _round(tl.load(sin + t * s_c + rp, mask=mp, other=0.0).to(tl.float32), RND)[None, :]
+    c = round_to(tl.load(cos + t * s_c + rp, mask=mp, other=0.0).to(tl.float32), RND)[None, :]
+    s = round_to(tl.load(sin + t * s_c + rp, mask=mp, other=0.0).to(tl.float32), RND)[None, :]
     m2 = mh[:, None] & mp[None, :]
     if LAYOUT == 1:  # halves (x[i], x[i + half])
         a_off, b_off = keep + rp, keep + half + rp
@@ -95,8 +93,8 @@ def _rope_kernel(
     if LAYOUT == 2:  # fp32, rounded once, each pair in place
         ya, yb = a * c - b * s, b * c + a * s
     else:  # x's dtype, op by op: each product rounded, then their difference / sum
-        ya = _round(_round(a * c, RND) - _round(b * s, RND), RND)
-        yb = _round(_round(b * c, RND) + _round(a * s, RND), RND)
+        ya = round_to(round_to(a * c, RND) - round_to(b * s, RND), RND)
+        yb = round_to(round_to(b * c, RND) + round_to(a * s, RND), RND)
     ty = y.dtype.element_ty
     if LAYOUT == 0:  # [rotated evens | rotated odds]
         tl.store(yrow + (keep + rp)[None, :], ya.to(ty), mask=m2)
@@ -115,7 +113,7 @@ def rope(x, cos, sin, layout: int, keep: int = 0):
         and cos.shape == sin.shape
         and cos.shape[0] == x.shape[0]
         and x.shape[-1] == keep + 2 * cos.shape[1]
-        and x.dtype in _CODE
+        and x.dtype in ROUND
     ):
         return None
     check_device(x, cos, sin)
@@ -130,7 +128,7 @@ def rope(x, cos, sin, layout: int, keep: int = 0):
         BH = min(16, triton.next_power_of_2(heads))
         _rope_kernel[(n, triton.cdiv(heads, BH))](
             x3, cos, sin, y, heads, half, keep, x3.stride(0), x3.stride(1), cos.stride(0),
-            LAYOUT=layout, RND=_CODE[x.dtype], BH=BH, BK=triton.next_power_of_2(max(keep, 1)),
+            LAYOUT=layout, RND=ROUND[x.dtype], BH=BH, BK=triton.next_power_of_2(max(keep, 1)),
             BP=triton.next_power_of_2(half), num_warps=4,
         )  # fmt: skip
     elif n and heads:
