@@ -110,6 +110,11 @@ def model_flags(p) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         '(methods: ngram, mtp, dspark, dflash with "model": a drafter folder)',
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay decode steps as CUDA graphs where the model allows (Mistral Small 4; docs/gpu.md)",
+    )
     parallel_flags(p)
 
 
@@ -127,6 +132,7 @@ def load_model(args, **engine):
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel,
+        cuda_graphs=args.cuda_graphs,
     )
 
 

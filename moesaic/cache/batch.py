@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .paged import BLOCK_SIZE, PagePool
 from .state import SequenceState
 
 FINAL = -1  # the tap of the hidden state the final norm reads (what MTP heads take)
@@ -42,6 +43,39 @@ class SeqChunk:
 
 
 @dataclass
+class PagedStep:
+    """A decode step whose every row is one sequence's next token over the engine's pages, addressed by device
+    tensors only (a CUDA graph's inputs, engine/graphs.py): the row's page (`blocks`, `offsets` [B] int64),
+    the block tables [B, W] (padded; any int dtype), the lengths after this token [B] and query_start
+    [B + 1] (arange: one row a sequence). A forward given one reads no sequence state and no host value of
+    the batch, so the same launches serve every step of this shape."""
+
+    pool: PagePool
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    starts: torch.Tensor
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence this step's tables can address."""
+        return self.tables.shape[1] * BLOCK_SIZE
+
+    def layer(self, L: int) -> tuple[dict[str, torch.Tensor], int]:
+        """Paged layer L's pool fields ({field: [blocks, layers, BLOCK_SIZE, width]}) and its index in them."""
+        fmt, index = self.pool.layers[L]
+        return self.pool.pools[fmt], index
+
+    def write(self, L: int, **rows: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
+        """Writes each row's new entries of layer L into its page; returns layer(L)."""
+        fields, index = self.layer(L)
+        for k, r in rows.items():
+            fields[k][self.blocks, index, self.offsets] = r.to(fields[k].dtype)
+        return fields, index
+
+
+@dataclass
 class ForwardBatch:
     token_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64, absolute positions
@@ -55,6 +89,7 @@ class ForwardBatch:
     host_token_ids: torch.Tensor | None = (
         None  # token_ids on the host (what host-side lookups read, unsynced)
     )
+    paged: PagedStep | None = None  # a static decode step (then `seqs` is empty: engine/graphs.py)
 
     @staticmethod
     def build(

@@ -102,6 +102,11 @@ class BlockManager:
         self.blocks[b].ref = 1
         return b
 
+    def reserve(self) -> int:
+        """A block taken for good (never freed or indexed): e.g. the scratch page static decode steps' padding
+        rows write into."""
+        return self._take()
+
     def _unindex(self, block: Block) -> None:
         if block.hash is not None:
             del self.index[block.hash]

@@ -46,6 +46,7 @@ from ..spec.adaptive import DraftGate, DraftLength
 from ..spec.base import Draft, DraftProposer
 from ..spec.verify import accept_greedy, accept_sampled
 from .block_manager import BlockManager, SnapshotStore
+from .graphs import DecodeGraphs, why_not
 from .output import CompletionOutput, Detokenizer, RequestOutput
 from .sampler import SamplingParams, adjusted, distribution, make_generator, sample, top_logprobs, uniform
 from .scheduler import Scheduler
@@ -177,13 +178,15 @@ class Engine:
         proposer: DraftProposer | None = None,
         spec: SpecConfig | None = None,
         spmd=None,
+        decode_graphs: bool = False,
     ):
         """state_bytes: the family planner's (bytes per token, fixed bytes per sequence) of a state with the
         rollback window the engine uses (spec.k + 1 with a proposer, else 0). max_batch_tokens is the old
         name of max_num_batched_tokens. proposer / spec: speculative decoding (spec/__init__.py). spmd: the
         hooks of a tensor-parallel run (moesaic/parallel/workers.py `Lockstep`): the same engine runs on
         every rank, rank 0 sends each step's new requests and aborts and the tokens it samples, the others
-        never sample."""
+        never sample. decode_graphs: decode steps through static shapes, captured as CUDA graphs on a GPU
+        (engine/graphs.py), where the model allows it (else logged, and steps run eager)."""
         if spmd is not None and proposer is not None:
             raise ConfigError(
                 "speculative decoding does not run tensor-parallel yet: use tensor_parallel_size=1 with a "
@@ -220,6 +223,18 @@ class Engine:
         self._gate_measured = False  # the last step decoded: the next one is measured for the gate
         self.keep_in_step = False  # whole_batch(): drafts keep decoding sequences in step
         self._plan_memory(state_bytes)
+        self.graphs = None
+        if decode_graphs:
+            why = why_not(model, self.hybrid or self.rest_per_token > 0)
+            why = why or ("speculative decoding verifies several rows a sequence" if proposer else None)
+            why = why or ("tensor-parallel steps run in lockstep eagerly" if spmd is not None else None)
+            if why:
+                log.warning("moesaic: no CUDA graphs for this model: %s; decode steps run eager", why)
+            else:
+                context = self.max_context or 1 << 20
+                self.graphs = DecodeGraphs(
+                    model, self.pool, self.max_num_seqs, context, self.blocks.reserve(), True
+                )
         self.counters = dict(
             requests=0, finished=0, aborted=0, failed=0, prompt_tokens=0, generated_tokens=0, steps=0
         )
@@ -465,6 +480,11 @@ class Engine:
     ) -> tuple[list[torch.Tensor], list[dict], torch.Tensor]:
         """Per sequence: its logits rows (every row of a verify round, else the last) and its taps; and all
         the rows as one tensor."""
+        if self.graphs is not None and all(n == 1 == s.num_pending for s, n in items):
+            logits = self.graphs.forward([s.state for s, _ in items], [s.pending()[0] for s, _ in items])
+            if logits is not None:
+                self.spec_counters["target_forwards"] += 1
+                return list(logits.split_with_sizes([1] * len(items))), [{} for _ in items], logits
         batch = ForwardBatch.build(
             [(s.state, self._tokens(s, n)) for s, n in items], logits="all", device=self.model.device
         )
@@ -949,6 +969,7 @@ class Engine:
                 cache_bytes=self.cache_bytes,
                 prefix_caching=self.limits.enable_prefix_caching,
                 speculative=self.spec_stats(),
+                decode_graphs=None if self.graphs is None else self.graphs.stats(),
             )
 
     def spec_stats(self) -> dict | None:

@@ -140,6 +140,8 @@ def mla_batch(
     """MLA for every sequence of a ForwardBatch: appends each one's new latent rows to its layer-L
     cache, then attends. Sequences with few new tokens take the absorbed path, whose two folds run
     once over all their packed tokens; the others expand their cache. -> [N, H, dv]."""
+    if batch.paged is not None:
+        return paged_step_attention(L, batch.paged, q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim, scale)
     N, H, dn = q_nope.shape
     kvr, dr = latent.shape[1], k_rope.shape[1]
     layers = [s.state.layers[L] for s in batch.seqs]
@@ -227,6 +229,35 @@ def mla_batch(
                 at += n
         out[rows] = absorb_output(o_lat, w_uv)
     return out
+
+
+def paged_step_attention(
+    L: int, step, q_nope, q_rope, latent, k_rope, w_kv_b, v_head_dim: int, scale: float
+) -> torch.Tensor:
+    """mla_batch for a static decode step (cache/batch.py PagedStep): each row's latent and rope key written
+    to its page, then the absorbed attention over each row's pages through the block tables, every shape
+    fixed by the step's (rows, table width). -> [B, H, dv]."""
+    B, H, dn = q_nope.shape
+    dr = k_rope.shape[1]
+    fields, index = step.write(L, latent=latent, k_rope=k_rope)
+    w_uk, w_uv = split_kv_b(w_kv_b, H, dn, v_head_dim)
+    q_lat = absorb_queries(q_nope, w_uk)  # [H, B, kvr]
+    if tk := kernels("mla", q_lat):
+        o_lat = tk.paged_latent_attention(
+            q_lat, q_rope if dr else None, fields["latent"], fields["k_rope"] if dr else None, index,
+            step.tables, step.lens, step.starts, scale,
+        )  # fmt: skip
+    else:  # the reference: every row's W pages gathered, the keys past its length masked
+        lat = fields["latent"][step.tables, index].flatten(1, 2)  # [B, W * BLOCK_SIZE, kvr]
+        scores = matmul(q_lat.transpose(0, 1), lat.transpose(1, 2))  # [B, H, T]
+        if dr:
+            rope = fields["k_rope"][step.tables, index].flatten(1, 2)
+            scores = scores + matmul(q_rope, rope.transpose(1, 2))
+        scores = scores.float() * scale
+        held = torch.arange(lat.shape[1], device=lat.device) < step.lens[:, None]
+        scores = scores.masked_fill(~held[:, None, :], float("-inf"))
+        o_lat = matmul(torch.softmax(scores, dim=-1).to(lat.dtype), lat).transpose(0, 1)
+    return absorb_output(o_lat, w_uv)
 
 
 def all_absorbed(batch, N: int, kvr: int, dr: int, dn: int, dv: int) -> bool:

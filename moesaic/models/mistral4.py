@@ -395,6 +395,9 @@ class Layer:
 class Model:
     """The Mistral Small 4 decoder over a ForwardBatch."""
 
+    # its state is MLA's paged rows only: a static decode step serves it (engine/graphs.py)
+    graph_decode = True
+
     def __init__(self, cfg: Mistral4Config, t: Tensors, dtype: torch.dtype, device):
         self.cfg = cfg
         self.dtype = dtype
@@ -438,7 +441,7 @@ class Model:
         self, L: int, w: MlaWeights, x: torch.Tensor, batch: ForwardBatch, cos, sin, qscale
     ) -> torch.Tensor:
         c = self.cfg
-        if qscale is None:
+        if qscale is None and batch.paged is None:
             rope = (cos, sin, 0 if self.rope_fn is rope_interleaved else 1)
             if (y := mla_block(L, batch, x, w, c, rope)) is not None:
                 return y

@@ -1,0 +1,199 @@
+"""Decode steps as CUDA graphs: one captured forward per (batch bucket, table width), replayed with new inputs.
+
+An eager decode step on CUDA is bound by the host: ~700-1100 kernel launches a step from Python, the GPU busy
+4-13 % of it (docs/perf.md, "GPU"). A graph replays a whole step's launches in one call. What a graph needs
+of the step, and what this file does about it (the design is vLLM's and SGLang's cuda-graph runners; the
+details are docs/gpu.md's):
+
+- Every input in a buffer that outlives the graph. A step's token ids, positions, the page of each new row
+  and the padded block tables are written into one pinned host buffer and copied to its device twin before
+  the replay: one upload, no host value baked into the launches (`ForwardBatch.paged`, cache/batch.py).
+- Fixed shapes. B rows (the smallest bucket >= the batch: padding rows decode token 0 at position 0 into a
+  scratch block no sequence holds) and tables W blocks wide, W a power of two >= what the longest sequence
+  needs, so the attention's splits fit the context instead of the model's whole window.
+- No per-sequence state outside the pages. Only models whose whole state is paged rows qualify (a family
+  says so with `graph_decode = True` on its model: Mistral Small 4's MLA); recurrent and windowed states
+  are still fresh tensors a step (docs/gpu.md lists what they need).
+- The host's bookkeeping outside the graph: capacity checked before, every paged layer's length and the
+  token count advanced after.
+
+On a CPU (or with capture off) the same static step runs eagerly, which is how the tests check it: the
+forward a graph would hold, fed only by the buffers, gives the eager engine's tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..cache.batch import ForwardBatch, PagedStep
+from ..cache.paged import BLOCK_SIZE, PagedRows, PagePool
+
+log = logging.getLogger("moesaic")
+
+MIN_WIDTH = 4  # blocks: the narrowest table a graph is captured for (256 tokens)
+
+
+def buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes graphs are captured for: 1, 2, 4, 8, then steps of 8 up to 32 and of 32 past it, and
+    max_num_seqs itself."""
+    sizes = [1, 2, 4, 8, 16, 24, 32]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] + 32)
+    return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
+
+
+def why_not(model, hybrid: bool) -> str | None:
+    """Why this model's decode steps cannot be graphs (None: they can)."""
+    if hybrid:
+        return "its state is not all paged rows (recurrent or windowed layers are fresh tensors a step)"
+    if not getattr(model, "graph_decode", False):
+        return f"{type(model).__module__} does not read a static decode step (graph_decode)"
+    return None
+
+
+class StaticStep:
+    """The buffers, the batch and (on CUDA) the graph of one shape: B rows, tables W blocks wide."""
+
+    def __init__(self, model, pool: PagePool, B: int, W: int, scratch: int):
+        device = torch.device(pool.device)
+        self.model, self.B, self.W, self.scratch = model, B, W, scratch
+        cuda = device.type == "cuda"
+        # [ids | positions | blocks | offsets | lengths | tables] as int64, host and device
+        self.host = torch.empty(B * (5 + W), dtype=torch.long, pin_memory=cuda)
+        self.fill = self.host.numpy()
+        self.buf = torch.zeros(B * (5 + W), dtype=torch.long, device=device)
+        part = [self.buf[i * B : (i + 1) * B] for i in range(5)]
+        step = PagedStep(
+            pool, part[2], part[3], self.buf[5 * B :].view(B, W), part[4],
+            torch.arange(B + 1, dtype=torch.int32, device=device),
+        )  # fmt: skip
+        # max_position: the largest this shape can hold, so that a position-dependent branch of the
+        # model (Mistral's llama-4 query scale) takes the same side for every step the graph replays
+        self.batch = ForwardBatch(
+            part[0], part[1], [], torch.arange(B, device=device), W * BLOCK_SIZE - 1, paged=step
+        )
+        self.graph = None
+        self.out = None
+        # the last upload: done before the host buffer is written again
+        self.copied = torch.cuda.Event() if cuda else None
+        self._pad()
+        self.buf.copy_(self.host)
+
+    def _pad(self) -> None:
+        B, f = self.B, self.fill
+        f[: 2 * B] = 0  # token 0 at position 0
+        f[2 * B : 3 * B] = self.scratch
+        f[3 * B : 4 * B] = 0
+        f[4 * B : 5 * B] = 1
+        f[5 * B :] = self.scratch
+
+    def capture(self, pool_handle) -> None:
+        """Warms the step up on a side stream (kernel builds, cuBLAS workspaces), then captures it. The buffers
+        hold padding rows meanwhile: every write goes to the scratch block."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.model.forward(self.batch)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool_handle):
+            self.out = self.model.forward(self.batch)
+        self.graph = graph
+
+    def run(self, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """rows: (token, position, block ids) per sequence, at most B. -> logits [len(rows), V] (a copy when
+        they are the graph's output, which the next replay overwrites)."""
+        B, W, f = self.B, self.W, self.fill
+        if self.copied is not None:
+            self.copied.synchronize()
+        self._pad()
+        for i, (tok, pos, ids) in enumerate(rows):
+            f[i], f[B + i] = tok, pos
+            f[2 * B + i], f[3 * B + i] = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            f[4 * B + i] = pos + 1
+            at = 5 * B + i * W
+            f[at : at + len(ids)] = ids
+        self.buf.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        if self.graph is None:
+            return self.model.forward(self.batch)[: len(rows)]
+        self.graph.replay()
+        return self.out[: len(rows)].clone()
+
+
+class DecodeGraphs:
+    """The engine's static decode steps: `forward(states, tokens)` runs a step of one new token per sequence
+    through the smallest fitting shape, capturing its graph on first use (CUDA, `capture=True`)."""
+
+    def __init__(
+        self, model, pool: PagePool, max_num_seqs: int, max_context: int, scratch: int, capture: bool
+    ):
+        self.model, self.pool, self.scratch = model, pool, scratch
+        self.buckets = buckets(max_num_seqs)
+        self.max_width = -(-max_context // BLOCK_SIZE)
+        self.capture = capture and torch.device(pool.device).type == "cuda"
+        self.steps: dict[tuple[int, int], StaticStep] = {}
+        self.pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
+        self.replays = 0  # steps run through a static shape (counted in stats)
+        self.error = None  # why capturing failed, if it did (then the static steps run eagerly)
+
+    def stats(self) -> dict:
+        return dict(
+            shapes=sorted(self.steps),
+            steps=self.replays,
+            captured=sum(s.graph is not None for s in self.steps.values()),
+            error=self.error,
+        )
+
+    def width(self, blocks: int) -> int:
+        w = MIN_WIDTH
+        while w < blocks:
+            w *= 2
+        return min(w, self.max_width)
+
+    def forward(self, states: list, tokens: list[int]) -> torch.Tensor | None:
+        """Logits [len(states), V] of one new token per sequence, or None where no static shape fits (the
+        caller runs the step eagerly)."""
+        n = len(states)
+        if n > self.buckets[-1]:
+            return None
+        rows, widest = [], 0
+        for state, tok in zip(states, tokens):
+            first = state.layers[0] if state.layers else None
+            if type(first) is not PagedRows or first.fields is not self.pool.pools[self.pool.layers[0][0]]:
+                return None
+            pos = state.num_tokens
+            first._check(pos + 1)  # capacity: the model's window, the blocks the scheduler gave
+            rows.append((tok, pos, first.table.ids))
+            widest = max(widest, -(-(pos + 1) // BLOCK_SIZE))
+        if widest > self.max_width:
+            return None
+        B = next(b for b in self.buckets if b >= n)
+        key = (B, self.width(widest))
+        step = self.steps.get(key)
+        if step is None:
+            step = StaticStep(self.model, self.pool, *key, self.scratch)
+            if self.capture:
+                try:
+                    step.capture(self.pool_handle)
+                except Exception as e:  # the static step still runs, eagerly; the reason is kept for stats
+                    self.capture, self.error = False, f"{type(e).__name__}: {e}"[:500]
+                    log.warning(
+                        "moesaic: capturing a CUDA graph failed (%s); decode steps run eager", self.error
+                    )
+                else:
+                    log.info(
+                        "moesaic: captured a CUDA graph of decode steps: %d rows, tables %d blocks wide", *key
+                    )
+            self.steps[key] = step
+        logits = step.run(rows)
+        for state in states:  # what the pages' writes did, on the host's side
+            end = state.num_tokens + 1
+            for layer in state.layers:
+                layer.length = end
+            state.num_tokens = end
+        self.replays += 1
+        return logits
