@@ -1,7 +1,7 @@
-"""Where an eager CUDA decode step goes: wall time per step against the GPU's busy time, kernel launches
+"""Where a CUDA decode step goes (eager, or with --graphs replayed as CUDA graphs): wall time per step against the GPU's busy time, kernel launches
 per step, and the top kernels and host-side ops (torch.profiler), for checkpoints given as folders.
 
-    python benchmarks/gpu_profile.py /tmp/e2e/mistral4 [/tmp/e2e/glm5_next ...] [--batch 1] [--new 9]
+    python benchmarks/gpu_profile.py /tmp/e2e/mistral4 [/tmp/e2e/glm5_next ...] [--batch 1] [--new 9] [--graphs]
     python benchmarks/gpu_profile.py --proxy /tmp/e2e/mistral4    # no GPU: the CUDA path's launches, counted
 
 --proxy runs the CUDA code path on CPU tensors (MOESAIC_TRITON=interpret, the compiled CPU kernels off) and
@@ -51,9 +51,14 @@ def _device_us(e) -> float:
     return 0.0
 
 
-def profile_model(folder: str, batch: int, new: int, device: str, top: int) -> None:
+def profile_model(folder: str, batch: int, new: int, device: str, top: int, graphs: bool = False) -> None:
     llm = moesaic.LLM(
-        folder, dtype="bfloat16", device=device, max_num_seqs=max(batch, 1), enable_prefix_caching=False
+        folder,
+        dtype="bfloat16",
+        device=device,
+        max_num_seqs=max(batch, 1),
+        enable_prefix_caching=False,
+        cuda_graphs=graphs,
     )
     prompts = [[3 + (i * 7 + j) % 200 for j in range(32)] for i in range(batch)]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -76,7 +81,8 @@ def profile_model(folder: str, batch: int, new: int, device: str, top: int) -> N
         runs[n] = (len(kernels), sum(e.device_time for e in kernels) / 1e3, prof)
     launches = (runs[new][0] - runs[1][0]) / (new - 1)
     busy_ms = (runs[new][1] - runs[1][1]) / (new - 1)
-    print(f"\n== {folder} on {device}, batch {batch}: {step_ms:.2f} ms a decode step (unprofiled)")
+    how = "CUDA graphs" if graphs and llm.engine.graphs is not None else "eager"
+    print(f"\n== {folder} on {device} ({how}), batch {batch}: {step_ms:.2f} ms a decode step (unprofiled)")
     print(
         f"   {launches:.0f} kernel launches a step, GPU busy {busy_ms:.3f} ms a step ({100 * busy_ms / step_ms:.0f} %)"
     )
@@ -198,13 +204,16 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--proxy", action="store_true", help="no GPU: count the CUDA path's launches on CPU")
+    ap.add_argument(
+        "--graphs", action="store_true", help="decode steps as CUDA graphs (where the model allows)"
+    )
     args = ap.parse_args()
     for folder in args.folders:
         try:
             if args.proxy:
                 proxy(folder, args.batch, max(args.new, 4), args.top)
                 continue
-            profile_model(folder, args.batch, args.new, args.device, args.top)
+            profile_model(folder, args.batch, args.new, args.device, args.top, args.graphs)
         except Exception as e:  # one model's failure must not hide the next one's profile
             print(f"\n== {folder}: {type(e).__name__}: {e}")
     return 0

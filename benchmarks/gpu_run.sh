@@ -20,7 +20,7 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 if has test; then
   timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -k "on_cuda" \
-    tests/test_triton_models.py tests/test_no_host_sync.py > "$OUT/pytest.log" 2>&1
+    tests/test_triton_models.py tests/test_no_host_sync.py tests/test_decode_graphs.py > "$OUT/pytest.log" 2>&1
   echo "pytest exit $?" >> "$OUT/pytest.log"
 fi
 
@@ -40,7 +40,7 @@ fi
 
 if has check; then
   MOESAIC_E2E_MODELS=$models timeout "${CHECK_TIMEOUT:-260}" python3 benchmarks/gpu_check.py \
-    --budget "${BUDGET:-120}" ${ONLY:+--only "$ONLY"} > "$OUT/gpu_check.log" 2>&1
+    --budget "${BUDGET:-120}" ${ONLY:+--only "$ONLY"} ${DEMOS:+--demos "$DEMOS"} > "$OUT/gpu_check.log" 2>&1
   echo "gpu_check exit $?" >> "$OUT/gpu_check.log"
 fi
 
@@ -61,7 +61,7 @@ if has ncu; then
 fi
 
 if has profile; then
-  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/gpu_profile.py ${models//,/ } > "$OUT/gpu_profile.log" 2>&1
+  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/gpu_profile.py ${models//,/ } ${PROFILE_ARGS:-} > "$OUT/gpu_profile.log" 2>&1
   echo "gpu_profile exit $?" >> "$OUT/gpu_profile.log"
   grep "^==\|^   [0-9]* kernel" "$OUT/gpu_profile.log"
 fi

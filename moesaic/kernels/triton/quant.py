@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, mma, native_dot
+from .common import check_device, mma, native_dot, num_sms
 
 DENSE, MXFP4, NVFP4, FP8_BLOCK, FP8_TENSOR = 0, 1, 2, 3, 4
 _FMT = {"mxfp4": MXFP4, "nvfp4": NVFP4, "fp8_block": FP8_BLOCK, "fp8_tensor": FP8_TENSOR}
@@ -303,7 +303,21 @@ def _grouped(xs: torch.Tensor, offsets: torch.Tensor, op: dict, out_dtype, split
     if per_expert > 32:
         BM = 64
     layout = _tiles(offsets.to(xs.device), M, E, BM)
+    if splits is None:
+        splits = _auto_splits(
+            triton.cdiv(M, BM) if E == 1 else layout[3], triton.cdiv(N, BN), K, BK, xs.device
+        )
     return _run(xs, op, layout, out, BM, BN, BK, warps, 3, splits)
+
+
+def _auto_splits(row_tiles: int, col_tiles: int, K: int, BK: int, device) -> int:
+    """K slices for a product whose output tiles are fewer than two per multiprocessor (a decode GEMV of one
+    matrix): 4, where each slice still spans two BK steps. On an H200 (benchmarks/gpu_gemv.py, 2026-12-04,
+    W [8192, 5120], 1 and 8 rows) 4 slices took fp8 62 -> 37 us, MXFP4 51 -> 33, NVFP4 63 -> 37, bf16 31 -> 29;
+    a grouped MoE step has programs enough without."""
+    if row_tiles * col_tiles >= 2 * num_sms(device) or K < 8 * BK:
+        return 1
+    return 4
 
 
 def _run(
@@ -312,8 +326,7 @@ def _run(
     """The product into out [M, N] at these tiles over `layout` (_tiles'), K in `splits` slices whose fp32
     partial sums (part [>= S, M, N], made here when not given) are added after, in order: the same bits every
     run. Slices give more programs when the output tiles alone are fewer than the multiprocessors (a one-row
-    product of one matrix); not a default until measured on a GPU (benchmarks/gpu_gemv.py): at 150-255
-    registers a program, one fits on an SM, and then slices only queue behind each other."""
+    product of one matrix): `_auto_splits` says when."""
     tile_e, r0, r1, T = layout
     M, N, K = xs.shape[0], op["N"], op["K"]
     KS = triton.cdiv(triton.cdiv(K, splits or 1), BK) * BK
@@ -338,7 +351,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def grouped_matmul(xs: torch.Tensor, offsets: torch.Tensor, w, splits: int | None = None) -> torch.Tensor:
     """Rows xs [M, K] grouped by expert (expert e owns rows offsets[e-1]:offsets[e], offsets int [E]
     cumulative, as F.grouped_mm's `offs`) times their expert of the stack w [E, N, K] -> [M, N]. `splits`:
-    K slices per output tile, their partial sums added after (default 1: the whole K)."""
+    K slices per output tile, their partial sums added after (default: `_auto_splits`)."""
     cd = _compute_dtype(xs)
     if hasattr(w, "parts"):  # ConcatRows: the fused gate|up of separately quantized halves
         return torch.cat([grouped_matmul(xs, offsets, p, splits) for p in w.parts], dim=-1)
