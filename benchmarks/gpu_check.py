@@ -583,6 +583,11 @@ def check_norms(c: Check, s):
             c.add(f"rope[{'interleaved' if layout == 0 else 'pairs'}]", f"{N} x {p['heads']} heads x {p['rope']}",
                   fn(), ref(x, cos, sin), 1e-5 if c.dry else 1e-2, fn=fn, nbytes=2 * x.numel() * x.element_size(),
                   note="read + written")  # fmt: skip
+    for N in p["rows"]:  # SwiGLU's product over the halves of gate|up rows
+        gate, up = c.rand(N, 2 * p["d"], dtype=c.half).chunk(2, dim=-1)
+        fn = lambda gate=gate, up=up: tn.silu_mul(gate, up)  # noqa: E731
+        c.add("silu_mul", f"{N} x {p['d']} {str(gate.dtype)[6:]}", fn(), F.silu(gate) * up, 1e-5 if c.dry else 1e-2,
+              fn=fn, nbytes=3 * gate.numel() * gate.element_size(), note="gate, up read, product written")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- compile only
@@ -656,6 +661,10 @@ def compile_instead_of_launch(c: Check) -> None:
         __import__(f"moesaic.kernels.triton.{name}")
         getattr(kt, name).check_device = lambda *t: None  # CPU tensors stand in for the GPU's
     kt.mhc.num_sms = lambda device: 132  # an H200's: site_maps' sliced (decode) form compiles too
+    # no kernel runs, so a kernel's outputs stay as allocated: zeros in this process, so that torch code
+    # indexing by them (run_experts' rows from _align_kernel) stays in bounds
+    empty = torch.empty
+    torch.empty = lambda *a, **kw: empty(*a, **kw).zero_()
 
 
 # ----------------------------------------------------------------------------------------- end to end

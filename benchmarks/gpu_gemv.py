@@ -122,7 +122,7 @@ def main() -> int:
             if fmt == "bf16":
                 row(fmt, M, "cuBLAS (F.linear)", bench(lambda x=x: F.linear(x, qt)), nb, copy_gbs)
             for BM, BN, BK, warps, stages, S in TILES[:1] if args.ncu else TILES:
-                tiles = tq._tiles(offsets, M, 1, BM)
+                tiles = tq._layout(offsets, M, 1, BM)
                 out = torch.full((M, n), float("nan"), device=dev, dtype=torch.bfloat16)
                 part = torch.empty(S, M, n, device=dev)
                 what = str((BM, BN, BK, warps, stages, S))

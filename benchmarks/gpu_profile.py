@@ -130,6 +130,18 @@ VIEWS = {
 }  # fmt: skip  (ops that launch no kernel on a GPU)
 
 
+def _triton_dir() -> str:
+    try:
+        import triton
+
+        return os.path.dirname(triton.__file__) + os.sep
+    except ImportError:
+        return "//no triton//"
+
+
+TRITON_DIR = _triton_dir() if "--proxy" in sys.argv else "//no triton//"
+
+
 class LaunchCounter(TorchDispatchMode):
     """Counts the torch ops that would launch a kernel on a GPU (not views, not the interpreter's own), by
     op name and by the moesaic line that made them, and the Triton launches."""
@@ -144,20 +156,32 @@ class LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
+        if name in VIEWS or (
+            name == "to" and args and out is args[0]
+        ):  # a `to` that changes nothing: no kernel
+            return out
         stack = traceback.extract_stack()[:-1]
-        if name not in VIEWS and not any("/triton/" in f.filename for f in stack):
+        # the interpreter's own torch calls are not launches; moesaic's kernels/triton glue is
+        if not any(f.filename.startswith(TRITON_DIR) for f in stack):
             own = [f for f in stack if "/moesaic/" in f.filename]
             self.ops[name] += 1
             self.sites[f"{own[-1].filename.split('/moesaic/')[1]}:{own[-1].lineno}" if own else "?"] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
-def proxy(folder: str, batch: int, new: int, top: int) -> None:
-    """--proxy: one decode step's would-be launches on the CUDA code path, counted on the CPU."""
+def proxy(folder: str, batch: int, new: int, top: int, graphs: bool = False) -> None:
+    """--proxy: one decode step's would-be launches on the CUDA code path, counted on the CPU (with --graphs
+    the static step a graph holds, run eagerly)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     llm = moesaic.LLM(
-        folder, dtype="bfloat16", device="cpu", max_num_seqs=max(batch, 1), enable_prefix_caching=False
+        folder,
+        dtype="bfloat16",
+        device="cpu",
+        max_num_seqs=max(batch, 1),
+        enable_prefix_caching=False,
+        cuda_graphs=graphs,
     )
     prompts = [[3 + (i * 7 + j) % 200 for j in range(12)] for i in range(batch)]
     _gen(llm, prompts, 2)
@@ -183,7 +207,8 @@ def proxy(folder: str, batch: int, new: int, top: int) -> None:
         return {k: (y[k] - x.get(k, 0)) / (new - 2) for k in y if y[k] - x.get(k, 0)}
 
     ops, sites, kernels = step(a.ops, b.ops), step(a.sites, b.sites), step(a.triton, b.triton)
-    print(f"\n== {folder}, batch {batch}, the CUDA path on CPU tensors (a decode step):")
+    how = "a static decode step" if graphs and llm.engine.graphs is not None else "an eager decode step"
+    print(f"\n== {folder}, batch {batch}, the CUDA path on CPU tensors ({how}):")
     print(f"   {sum(ops.values()):.0f} torch ops that launch + {sum(kernels.values()):.0f} Triton launches")
     print(
         "   torch ops: "
@@ -211,7 +236,7 @@ def main() -> int:
     for folder in args.folders:
         try:
             if args.proxy:
-                proxy(folder, args.batch, max(args.new, 4), args.top)
+                proxy(folder, args.batch, max(args.new, 4), args.top, args.graphs)
                 continue
             profile_model(folder, args.batch, args.new, args.device, args.top, args.graphs)
         except Exception as e:  # one model's failure must not hide the next one's profile

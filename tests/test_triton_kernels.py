@@ -457,6 +457,18 @@ def case_ropes():
     assert T["norm"].rope(torch.randn(4, 10), cos, sin, 2, 3) is None  # widths that do not add up
 
 
+def case_silu_mul():
+    """SwiGLU's SiLU(gate) · up over the halves of gate|up rows (strided views), odd width, bf16 and fp32."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(33)
+    for dtype, rel in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
+        gu = (torch.randn(5, 2 * 37, generator=gen) * 3).to(dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        close(T["norm"].silu_mul(gate, up), F.silu(gate) * up, rel)
+    assert T["norm"].silu_mul(gate, up[:, :5]) is None  # shapes that differ
+
+
 # ------------------------------------------------------------------------------------------ routers
 
 
@@ -542,13 +554,14 @@ def _stack(fmt, E, N, K, gen):
 
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4", "nvfp4_ct", "fp8_32_ue8m0"])
 def case_grouped_matmul_matches_per_expert_loop(fmt):
-    """Uneven groups: an empty expert, one row, more rows than a tile (20 > 16)."""
+    """Uneven groups: an empty expert, one row, more rows than a tile (20 > 16); and 20 experts (more than the
+    kernel's 16-wide layout block) with leading, inner and trailing empty ones."""
     gen = torch.Generator().manual_seed(20)
-    counts = [3, 0, 20, 1]
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
     # K whole, and K = 288 in 3 slices of the 128-wide K step (the last one partial)
-    for K, splits in ((64, None), (288, 3)):
-        w = _stack(fmt, 4, 48, K, gen)
+    sparse = [0, 0, 2] + [0] * 12 + [17, 0, 1, 0, 0]
+    for counts, K, splits in (([3, 0, 20, 1], 64, None), ([3, 0, 20, 1], 288, 3), (sparse, 64, None)):
+        offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+        w = _stack(fmt, len(counts), 48, K, gen)
         xs = torch.randn(sum(counts), K, generator=gen)
         got = T["quant"].grouped_matmul(xs, offsets, w, splits)
         start = 0
@@ -556,6 +569,7 @@ def case_grouped_matmul_matches_per_expert_loop(fmt):
             ref = moe.linear(xs[start : start + c], w[e])
             close(got[start : start + c], ref)
             start += c
+    w = w[:4]
     close(
         T["quant"].matmul(w, xs[:8].view(4, 2, K)),
         torch.stack([moe.linear(xs[2 * e : 2 * e + 2], w[e]) for e in range(4)]),
@@ -575,6 +589,24 @@ def case_run_experts_matches_reference(fmt):
         moe.run_experts(x, weights, ids, w_in, w_out, act),
         1e-5,
     )
+
+
+def case_run_experts_slot_layouts(monkeypatch):
+    """A decode step's slots laid out by one program (70 experts: more than one block of the counts; 120
+    slots: more than one block of the ranks) and a batch's by torch's sorts (300 slots) match the reference,
+    and the two layouts give the same bits."""
+    gen = torch.Generator().manual_seed(22)
+    for N, k, E in ((30, 4, 70), (100, 3, 9)):
+        d, I = 32, 16
+        w_in, w_out = torch.randn(E, 2 * I, d, generator=gen) * 0.2, torch.randn(E, d, I, generator=gen) * 0.2
+        x = torch.randn(N, d, generator=gen)
+        weights, ids = moe.route_softmax(torch.randn(N, E, generator=gen), k)
+        got = T["quant"].run_experts(x, weights, ids, w_in, w_out, moe.swiglu)
+        close(got, moe.run_experts(x, weights, ids, w_in, w_out, moe.swiglu), 1e-5)
+        limit = T["quant"].ALIGN_MAX
+        monkeypatch.setattr(T["quant"], "ALIGN_MAX", 0 if N * k <= limit else 10**6)
+        assert torch.equal(got, T["quant"].run_experts(x, weights, ids, w_in, w_out, moe.swiglu))
+        monkeypatch.setattr(T["quant"], "ALIGN_MAX", limit)
 
 
 def case_run_experts_with_separately_quantized_gate_and_up():

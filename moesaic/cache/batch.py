@@ -46,9 +46,9 @@ class SeqChunk:
 class PagedStep:
     """A decode step whose every row is one sequence's next token over the engine's pages, addressed by device
     tensors only (a CUDA graph's inputs, engine/graphs.py): the row's page (`blocks`, `offsets` [B] int64),
-    the block tables [B, W] (padded; any int dtype), the lengths after this token [B] and query_start
-    [B + 1] (arange: one row a sequence). A forward given one reads no sequence state and no host value of
-    the batch, so the same launches serve every step of this shape."""
+    the block tables [B, W] (int32, padded), the lengths after this token [B] (int32), query_start [B + 1]
+    and each row's sequence [B] (int32 aranges: one row a sequence). A forward given one reads no sequence
+    state and no host value of the batch, so the same launches serve every step of this shape."""
 
     pool: PagePool
     blocks: torch.Tensor
@@ -56,6 +56,7 @@ class PagedStep:
     tables: torch.Tensor
     lens: torch.Tensor
     starts: torch.Tensor
+    row_seq: torch.Tensor
 
     @property
     def max_tokens(self) -> int:

@@ -59,15 +59,19 @@ class StaticStep:
         device = torch.device(pool.device)
         self.model, self.B, self.W, self.scratch = model, B, W, scratch
         cuda = device.type == "cuda"
-        # [ids | positions | blocks | offsets | lengths | tables] as int64, host and device
-        self.host = torch.empty(B * (5 + W), dtype=torch.long, pin_memory=cuda)
-        self.fill = self.host.numpy()
-        self.buf = torch.zeros(B * (5 + W), dtype=torch.long, device=device)
-        part = [self.buf[i * B : (i + 1) * B] for i in range(5)]
+        # [ids | positions | blocks | offsets] int64 and [lengths | tables] int32 (what the paged kernels
+        # read: no cast a layer), each a pinned host buffer and its device twin
+        self.host = [
+            torch.empty(n, dtype=t, pin_memory=cuda)
+            for n, t in ((4 * B, torch.long), (B * (1 + W), torch.int32))
+        ]
+        self.buf = [torch.zeros_like(h, device=device) for h in self.host]
+        self.wide, self.narrow = (h.numpy() for h in self.host)
+        part = [self.buf[0][i * B : (i + 1) * B] for i in range(4)]
+        arange = torch.arange(B + 1, dtype=torch.int32, device=device)
         step = PagedStep(
-            pool, part[2], part[3], self.buf[5 * B :].view(B, W), part[4],
-            torch.arange(B + 1, dtype=torch.int32, device=device),
-        )  # fmt: skip
+            pool, part[2], part[3], self.buf[1][B:].view(B, W), self.buf[1][:B], arange, arange[:B]
+        )
         # max_position: the largest this shape can hold, so that a position-dependent branch of the
         # model (Mistral's llama-4 query scale) takes the same side for every step the graph replays
         self.batch = ForwardBatch(
@@ -75,18 +79,24 @@ class StaticStep:
         )
         self.graph = None
         self.out = None
-        # the last upload: done before the host buffer is written again
+        # the last upload: done before the host buffers are written again
         self.copied = torch.cuda.Event() if cuda else None
         self._pad()
-        self.buf.copy_(self.host)
+        self._upload()
 
     def _pad(self) -> None:
-        B, f = self.B, self.fill
-        f[: 2 * B] = 0  # token 0 at position 0
-        f[2 * B : 3 * B] = self.scratch
-        f[3 * B : 4 * B] = 0
-        f[4 * B : 5 * B] = 1
-        f[5 * B :] = self.scratch
+        B, wide, narrow = self.B, self.wide, self.narrow
+        wide[: 2 * B] = 0  # token 0 at position 0
+        wide[2 * B : 3 * B] = self.scratch
+        wide[3 * B :] = 0
+        narrow[:B] = 1
+        narrow[B:] = self.scratch
+
+    def _upload(self) -> None:
+        for h, d in zip(self.host, self.buf):
+            d.copy_(h, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
     def capture(self, pool_handle) -> None:
         """Warms the step up on a side stream (kernel builds, cuBLAS workspaces), then captures it. The buffers
@@ -105,19 +115,17 @@ class StaticStep:
     def run(self, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
         """rows: (token, position, block ids) per sequence, at most B. -> logits [len(rows), V] (a copy when
         they are the graph's output, which the next replay overwrites)."""
-        B, W, f = self.B, self.W, self.fill
+        B, W, wide, narrow = self.B, self.W, self.wide, self.narrow
         if self.copied is not None:
             self.copied.synchronize()
         self._pad()
         for i, (tok, pos, ids) in enumerate(rows):
-            f[i], f[B + i] = tok, pos
-            f[2 * B + i], f[3 * B + i] = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-            f[4 * B + i] = pos + 1
-            at = 5 * B + i * W
-            f[at : at + len(ids)] = ids
-        self.buf.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+            wide[i], wide[B + i] = tok, pos
+            wide[2 * B + i], wide[3 * B + i] = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            narrow[i] = pos + 1
+            at = B + i * W
+            narrow[at : at + len(ids)] = ids
+        self._upload()
         if self.graph is None:
             return self.model.forward(self.batch)[: len(rows)]
         self.graph.replay()

@@ -245,7 +245,7 @@ def paged_step_attention(
     if tk := kernels("mla", q_lat):
         o_lat = tk.paged_latent_attention(
             q_lat, q_rope if dr else None, fields["latent"], fields["k_rope"] if dr else None, index,
-            step.tables, step.lens, step.starts, scale,
+            step.tables, step.lens, step.starts, scale, tok_seq=step.row_seq,
         )  # fmt: skip
     else:  # the reference: every row's W pages gathered, the keys past its length masked
         lat = fields["latent"][step.tables, index].flatten(1, 2)  # [B, W * BLOCK_SIZE, kvr]
@@ -256,6 +256,7 @@ def paged_step_attention(
         scores = scores.float() * scale
         held = torch.arange(lat.shape[1], device=lat.device) < step.lens[:, None]
         scores = scores.masked_fill(~held[:, None, :], float("-inf"))
+        lat = lat.masked_fill(~held[:, :, None], 0)  # rows past the length may be any bits (0 x NaN is NaN)
         o_lat = matmul(torch.softmax(scores, dim=-1).to(lat.dtype), lat).transpose(0, 1)
     return absorb_output(o_lat, w_uv)
 

@@ -141,8 +141,11 @@ def _attend(
     selection,
     max_keys,
     num_splits,
+    tok_seq=None,
 ):
-    """The launch shared by every form. q_lat [H, N, kvr] (any strides, last dim contiguous)."""
+    """The launch shared by every form. q_lat [H, N, kvr] (any strides, last dim contiguous). tok_seq: each
+    query's sequence (int32 [N]), when the caller has it (a decode step's arange); found from query_start
+    otherwise."""
     check_device(q_lat, lat)
     H, N, kvr = q_lat.shape
     dev = q_lat.device
@@ -157,9 +160,9 @@ def _attend(
         num_splits = max(1, min(triton.cdiv(2 * num_sms(dev), N * nhb), triton.cdiv(max_keys, 256), 64))
     split_len = triton.cdiv(triton.cdiv(max(max_keys, 1), num_splits), BN) * BN
     qs = query_start.to(device=dev, dtype=torch.int32)
-    tok_seq = (torch.searchsorted(qs[1:], torch.arange(N, device=dev, dtype=torch.int32), right=True)).to(
-        torch.int32
-    )
+    if tok_seq is None:
+        tok_seq = torch.searchsorted(qs[1:], torch.arange(N, device=dev, dtype=torch.int32), right=True)
+        tok_seq = tok_seq.to(torch.int32)
     part_o = torch.empty(N, num_splits, H, kvr, dtype=torch.float32, device=dev)
     part_ml = torch.empty(N, num_splits, H, 2, dtype=torch.float32, device=dev)
     sel = selection.to(device=dev, dtype=torch.int32).contiguous() if selection is not None else qs
@@ -191,14 +194,16 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def paged_latent_attention(
-    q_lat, q_rope, latent_pool, rope_pool, layer, block_table, seq_lens, query_start, scale, num_splits=None
-):
+    q_lat, q_rope, latent_pool, rope_pool, layer, block_table, seq_lens, query_start, scale, num_splits=None,
+    tok_seq=None,
+):  # fmt: skip
     """Absorbed MLA attention of every decoding sequence in one launch.
 
     q_lat [H, N, kvr] (absorb_queries of the packed queries), q_rope [N, H, dr] (or None), latent_pool
     [blocks, layers, PAGE, kvr], rope_pool [blocks, layers, PAGE, dr] (or None), layer: the pools' layer
-    index, block_table int32 [S, max_blocks], seq_lens [S], query_start [S + 1]. -> o_lat [H, N, kvr] in
-    the pool's dtype (absorb_output turns it into [N, H, dv])."""
+    index, block_table int32 [S, max_blocks], seq_lens [S], query_start [S + 1], tok_seq: each query's
+    sequence (int32 [N]) if known. -> o_lat [H, N, kvr] in the pool's dtype (absorb_output turns it into
+    [N, H, dv])."""
     q_lat, latent_pool = _last_contiguous(q_lat), _last_contiguous(latent_pool)
     if rope_pool is not None:
         q_rope, rope_pool = _last_contiguous(q_rope), _last_contiguous(rope_pool)
@@ -207,7 +212,7 @@ def paged_latent_attention(
     max_keys = block_table.shape[1] * latent_pool.shape[2]
     return _attend(
         q_lat, q_rope, latent_pool, rope_pool, layer, (lat_s, rope_s),
-        block_table, seq_lens, query_start, scale, None, max_keys, num_splits,
+        block_table, seq_lens, query_start, scale, None, max_keys, num_splits, tok_seq,
     )  # fmt: skip
 
 

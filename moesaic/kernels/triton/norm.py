@@ -1,5 +1,5 @@
-"""RMS norm and the rotary embeddings in Triton (layers/norms.py, layers/rope.py): one launch each where the
-torch references take 5-8 small kernels (they were 308 of the 517 torch ops of a Mistral-4-shaped decode step
+"""RMS norm, the rotary embeddings and SwiGLU's product in Triton (layers/norms.py, layers/rope.py,
+layers/moe.py): one launch each where the torch references take 2-8 small kernels (they were 308 of the 517 torch ops of a Mistral-4-shaped decode step
 on the CUDA path, an eager step that is launch-bound on an H200: docs/perf.md, GPU).
 
 Same contracts as kernels/cpu.py `rms_norm` and `rope`, which the references call first on the CPU:
@@ -11,6 +11,8 @@ Same contracts as kernels/cpu.py `rms_norm` and `rope`, which the references cal
   rope(x, cos, sin, layout, keep)  layout 0 interleaved pairs written [evens | odds] (rope_interleaved),
       1 halves (rope_half), both in x's dtype op by op; 2 pairs kept in place (rope_pairs), in fp32 and
       rounded once; cos / sin [n, dim/2] rounded to x's dtype first; the first `keep` channels copied.
+  silu_mul(gate, up)  F.silu(gate) * up: SiLU in fp32 rounded to gate's dtype, then the product rounded
+      (tl.exp is not CUDA's expf: the same math, an ulp apart at times).
 
 The mean's sum runs in the tree order of tl.sum, not torch's: the same math, not the same bits (the CPU
 kernels keep torch's order; a GPU reduction has its own). None where a shape is not served.
@@ -134,3 +136,33 @@ def rope(x, cos, sin, layout: int, keep: int = 0):
     elif n and heads:
         y.copy_(x3)
     return y.view(x.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(g, u, y, d, s_g, s_u, RND: tl.constexpr, BD: tl.constexpr):
+    r, cb = tl.program_id(0), tl.program_id(1)
+    cols = cb * BD + tl.arange(0, BD)
+    m = cols < d
+    gv = tl.load(g + r.to(tl.int64) * s_g + cols, mask=m, other=0.0).to(tl.float32)
+    uv = tl.load(u + r.to(tl.int64) * s_u + cols, mask=m, other=0.0).to(tl.float32)
+    a = round_to(gv / (1.0 + tl.exp(-gv)), RND)
+    tl.store(y + r.to(tl.int64) * d + cols, (a * uv).to(y.dtype.element_ty), mask=m)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor):
+    """layers/moe.py `silu_glu`: gate, up [..., d] (e.g. the halves of a gate|up row, last dim contiguous) ->
+    [..., d]. None where it does not apply."""
+    if not (gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in ROUND and gate.dim() >= 1):
+        return None
+    check_device(gate, up)
+    d = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, d), up.reshape(-1, d)
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+        g2, u2 = g2.contiguous(), u2.contiguous()
+    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    if y.numel():
+        BD = min(1024, triton.next_power_of_2(d))
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(d, BD))](
+            g2, u2, y, d, g2.stride(0), u2.stride(0), RND=ROUND[gate.dtype], BD=BD, num_warps=4
+        )
+    return y.view(gate.shape)

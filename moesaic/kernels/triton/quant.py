@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, mma, native_dot, num_sms
+from .common import check_device, mma, native_dot, num_sms, pow2
 
 DENSE, MXFP4, NVFP4, FP8_BLOCK, FP8_TENSOR = 0, 1, 2, 3, 4
 _FMT = {"mxfp4": MXFP4, "nvfp4": NVFP4, "fp8_block": FP8_BLOCK, "fp8_tensor": FP8_TENSOR}
@@ -120,19 +120,30 @@ def _weight_tile(
 
 @triton.jit
 def _gemm_kernel(
-    x, out, w, scale, gscale, tile_e, tile_r0, tile_r1, N, K, KS, s_xm, s_om, s_op, s_we, s_wn, s_se, s_sn,
+    x, out, w, scale, gscale, offsets, E, N, K, KS, s_xm, s_om, s_op, s_we, s_wn, s_se, s_sn,
     bn, bk,
     FMT: tl.constexpr, E8M0: tl.constexpr, GDIV: tl.constexpr, GROUP: tl.constexpr, NKB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE: tl.constexpr, TY: tl.constexpr,
+    BE: tl.constexpr,
 ):  # fmt: skip
     """Tile program_id(0) of rows, columns block program_id(1), K slice program_id(2) (KS wide, whole BK
-    steps): its partial sum goes to out + slice · s_op (one slice: the output itself)."""
+    steps): its partial sum goes to out + slice · s_op (one slice: the output itself).
+
+    Row tiles are laid out from the experts' cumulative row ends `offsets` [E] here, in each program (BE >= E):
+    expert e's rows take ceil(rows / BM) consecutive tiles, in expert order; a tile past the last exits. The
+    layout costs a program one load of E ints, where computing it apart took ~25 small launches a call."""
     tile, nb, sl = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    e = tl.load(tile_e + tile)
-    if e < 0:
+    re = tl.arange(0, BE)
+    ends = tl.load(offsets + re, mask=re < E, other=0)
+    starts = tl.load(offsets + re - 1, mask=(re >= 1) & (re < E), other=0)
+    tiles = (ends - starts + BM - 1) // BM
+    tile_end = tl.cumsum(tiles, 0)
+    e = tl.sum((tile_end <= tile).to(tl.int32), 0)  # the first expert whose tiles reach past this one
+    if e >= E:
         return
-    r0 = tl.load(tile_r0 + tile)
-    r1 = tl.load(tile_r1 + tile)
+    mine = re == e
+    r0 = tl.sum(tl.where(mine, starts + (tile - tile_end + tiles) * BM, 0), 0)
+    r1 = tl.sum(tl.where(mine, ends, 0), 0)
     rm = r0 + tl.arange(0, BM)
     mm = rm < r1
     rn = nb * BN + tl.arange(0, BN)
@@ -168,6 +179,53 @@ def _gemm_kernel(
         acc = mma(xt, tl.trans(wt), acc, NATIVE, TY)
     optr = out + sl.to(tl.int64) * s_op + rm[:, None].to(tl.int64) * s_om + rn[None, :]
     tl.store(optr, acc.to(out.dtype.element_ty), mask=mm[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _align_kernel(ids, pos, rows, offsets, NK, k, E, BNK: tl.constexpr, BJ: tl.constexpr, BE: tl.constexpr):
+    """One program lays a decode step's routed slots out by expert (run_experts' sort, argsort, counts and
+    cumulative sum in one launch): slot i (token i // k) of expert ids[i] goes to grouped row pos[i] = the
+    slots of lower experts + the earlier slots of its own (a stable sort by expert, tokens in order);
+    rows[pos[i]] = i // k, and offsets[e] = the slots of experts <= e."""
+    i = tl.arange(0, BNK)
+    mi = i < NK
+    ei = tl.load(ids + i, mask=mi, other=0).to(tl.int32)
+    rank = tl.zeros([BNK], dtype=tl.int32)
+    for j0 in range(0, NK, BJ):
+        j = j0 + tl.arange(0, BJ)
+        ej = tl.load(ids + j, mask=j < NK, other=0).to(tl.int32)
+        before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((before & (j < NK)[None, :]).to(tl.int32), 1)
+    tl.store(pos + i, rank, mask=mi)
+    tl.store(rows + rank, i // k, mask=mi)
+    for e0 in range(0, E, BE):
+        e = e0 + tl.arange(0, BE)
+        held = ((ei[None, :] <= e[:, None]) & mi[None, :]).to(tl.int32)
+        tl.store(offsets + e, tl.sum(held, 1), mask=e < E)
+
+
+@triton.jit
+def _combine_kernel(y, pos, ids, w, out, d, k, s_in, s_wn, s_on, ACC: tl.constexpr, KP: tl.constexpr,
+                    BD: tl.constexpr):  # fmt: skip
+    """Token program_id(0), columns block program_id(1): Σ y[pos[token, j]] · w[token, j] over its k slots in
+    ascending expert id (ids [N, k]), each product and sum rounded to ACC as torch's `out += y_j * w_j` in
+    ACC rounds them."""
+    n, cb = tl.program_id(0), tl.program_id(1)
+    cols = cb * BD + tl.arange(0, BD)
+    m = cols < d
+    slots = tl.arange(0, KP)
+    mine = tl.load(ids + n.to(tl.int64) * s_in + slots, mask=slots < k, other=2**31 - 1).to(tl.int64)
+    acc = tl.zeros([BD], dtype=tl.float32)
+    last = tl.full([], -1, tl.int64)
+    for _ in range(k):
+        cur = tl.min(tl.where(mine > last, mine, 2**31 - 1), 0)  # the next expert id up
+        j = tl.sum(tl.where(mine == cur, slots, 0), 0)
+        row = tl.load(pos + n * k + j).to(tl.int64)
+        yj = tl.load(y + row * d + cols, mask=m, other=0.0).to(tl.float32)
+        wj = tl.load(w + n.to(tl.int64) * s_wn + j).to(tl.float32)
+        acc = (acc + (yj * wj).to(ACC).to(tl.float32)).to(ACC).to(tl.float32)
+        last = cur
+    tl.store(out + n.to(tl.int64) * s_on + cols, acc.to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -270,20 +328,10 @@ def dequantize(w, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return out.view(*op["lead"], N, K)
 
 
-def _tiles(offsets: torch.Tensor, M: int, E: int, BM: int):
-    """Per program: (expert or -1, first row, end row) of the row tiles of each expert's group."""
-    dev = offsets.device
-    ends = offsets.to(torch.int64)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    tiles = (counts + BM - 1) // BM
-    tile_end = torch.cumsum(tiles, 0)
-    T = triton.cdiv(M, BM) + min(E, M)
-    t = torch.arange(T, device=dev)
-    e = torch.searchsorted(tile_end, t, right=True)
-    ec = e.clamp(max=E - 1)
-    r0 = ends[ec] - counts[ec] + (t - (tile_end[ec] - tiles[ec])) * BM
-    tile_e = torch.where(e < E, ec, -1).to(torch.int32)
-    return tile_e, r0.to(torch.int32), ends[ec].to(torch.int32), T
+def _layout(offsets: torch.Tensor, M: int, E: int, BM: int):
+    """(offsets int32 [E], E, T): what `_gemm_kernel` lays its row tiles out from, and T, the row-tile programs
+    to launch: an upper bound (each expert's last tile may be partial), the spare ones exit."""
+    return offsets.to(torch.int32), E, triton.cdiv(M, BM) + min(E, M)
 
 
 def _grouped(xs: torch.Tensor, offsets: torch.Tensor, op: dict, out_dtype, splits=None) -> torch.Tensor:
@@ -302,10 +350,10 @@ def _grouped(xs: torch.Tensor, offsets: torch.Tensor, op: dict, out_dtype, split
     BM, BN, BK, warps = (16, 64, 128, 8) if per_expert <= 16 else (32, 128, 64, 8)
     if per_expert > 32:
         BM = 64
-    layout = _tiles(offsets.to(xs.device), M, E, BM)
+    layout = _layout(offsets.to(xs.device), M, E, BM)
     if splits is None:
         splits = _auto_splits(
-            triton.cdiv(M, BM) if E == 1 else layout[3], triton.cdiv(N, BN), K, BK, xs.device
+            triton.cdiv(M, BM) if E == 1 else layout[2], triton.cdiv(N, BN), K, BK, xs.device
         )
     return _run(xs, op, layout, out, BM, BN, BK, warps, 3, splits)
 
@@ -323,11 +371,11 @@ def _auto_splits(row_tiles: int, col_tiles: int, K: int, BK: int, device) -> int
 def _run(
     xs, op: dict, layout, out, BM: int, BN: int, BK: int, warps: int, stages: int, splits=None, part=None
 ):
-    """The product into out [M, N] at these tiles over `layout` (_tiles'), K in `splits` slices whose fp32
+    """The product into out [M, N] at these tiles over `layout` (_layout's), K in `splits` slices whose fp32
     partial sums (part [>= S, M, N], made here when not given) are added after, in order: the same bits every
     run. Slices give more programs when the output tiles alone are fewer than the multiprocessors (a one-row
     product of one matrix): `_auto_splits` says when."""
-    tile_e, r0, r1, T = layout
+    offsets, E, T = layout
     M, N, K = xs.shape[0], op["N"], op["K"]
     KS = triton.cdiv(triton.cdiv(K, splits or 1), BK) * BK
     S = triton.cdiv(K, KS)
@@ -335,11 +383,11 @@ def _run(
         part = torch.empty(S, M, N, dtype=torch.float32, device=xs.device)
     dst = out if S == 1 else part
     _gemm_kernel[(T, triton.cdiv(N, BN), S)](
-        xs, dst, op["codes"], op["scale"], op["gscale"], tile_e, r0, r1, N, K, KS, xs.stride(0),
+        xs, dst, op["codes"], op["scale"], op["gscale"], offsets, E, N, K, KS, xs.stride(0),
         dst.stride(-2), M * N if S > 1 else 0, *_strides(op), op["block"][0], op["block"][1],
         FMT=op["fmt"], E8M0=op["e8m0"], GDIV=op["gdiv"], GROUP=op["group"], NKB=_scale_blocks(op, BK),
         BM=BM, BN=BN, BK=BK,
-        NATIVE=native_dot(xs.dtype), TY=_TL[xs.dtype], num_warps=warps, num_stages=stages,
+        NATIVE=native_dot(xs.dtype), TY=_TL[xs.dtype], BE=pow2(E), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out if S == 1 else out.copy_(part[:S].sum(0))
 
@@ -376,25 +424,60 @@ def matmul(w, x: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     return _grouped(x2, offsets, op, cd, splits).view(*x.shape[:-1], N)
 
 
+ALIGN_MAX = 256  # routed slots (tokens x k) up to which one program lays them out (_align_kernel)
+
+
 def run_experts(x, weights, ids, w_in, w_out, act):
     """layers/moe.py `run_experts`: Σ over each token's experts (ascending id) of weight ·
-    w_out[e](act(w_in[e] x)), both projections as one grouped launch each, no host sync."""
-    ids, perm = ids.sort(dim=1)
-    weights = weights.gather(1, perm)
+    w_out[e](act(w_in[e] x)), both projections as one grouped launch each, no host sync. A decode step's
+    slots are laid out by one launch; larger batches by torch's sorts."""
     N, k = ids.shape
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
     E = w_in.shape[0]
-    counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
-    offsets = torch.cumsum(counts, 0).to(torch.int32)  # (bincount would sync with the host on CUDA)
-    xs = x[order // k]
+    ids = ids.contiguous()
+    if N * k <= ALIGN_MAX:
+        pos, rows, offsets = _align(ids, E)
+        xs = x[rows]
+    else:
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # slots grouped by expert, tokens in order within one
+        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        offsets = torch.cumsum(counts, 0).to(torch.int32)  # (bincount would sync with the host on CUDA)
+        pos = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=flat.device))
+        xs = x[order // k]
     ys = grouped_matmul(act(grouped_matmul(xs, offsets, w_in)), offsets, w_out)
-    y = torch.empty_like(ys)
-    y[order] = ys
-    y = y.view(N, k, -1)
-    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, weights.dtype))
-    for j in range(k):
-        out += y[:, j] * weights[:, j, None]
-    return out.to(x.dtype)
+    return _combine(ys, pos, ids, weights, x.dtype)
+
+
+def _align(ids: torch.Tensor, E: int):
+    """(pos [N·k], rows [N·k], offsets [E]) int32 of _align_kernel for ids [N, k] (contiguous)."""
+    NK = ids.numel()
+    pos = torch.empty(NK, dtype=torch.int32, device=ids.device)
+    rows = torch.empty(NK, dtype=torch.int32, device=ids.device)
+    offsets = torch.empty(E, dtype=torch.int32, device=ids.device)
+    BNK = pow2(NK)
+    _align_kernel[(1,)](
+        ids, pos, rows, offsets, NK, ids.shape[1], E, BNK=BNK, BJ=min(BNK, 64), BE=64, num_warps=4
+    )
+    return pos, rows, offsets
+
+
+def _combine(ys: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dtype):
+    """Per token, its slots' rows of ys [N·k, d] (grouped: slot (n, j) at row pos[n·k + j]) weighted by
+    weights [N, k] and summed in ascending expert id (ids [N, k]), in the dtype torch promotes ys and the
+    weights to, then cast to `dtype`: one launch for the 2k + 2 elementwise ops (and the un-permuting copy)
+    of the reference."""
+    N, k = weights.shape
+    d = ys.shape[1]
+    acc = torch.promote_types(ys.dtype, weights.dtype)
+    out = torch.empty(N, d, dtype=dtype, device=ys.device)
+    if N == 0:
+        return out
+    weights = weights.contiguous()
+    BD = min(1024, pow2(d))
+    _combine_kernel[(N, triton.cdiv(d, BD))](
+        ys, pos, ids, weights, out, d, k, ids.stride(0), weights.stride(0), out.stride(0), ACC=_TL[acc],
+        KP=pow2(k, 2), BD=BD, num_warps=4,
+    )  # fmt: skip
+    return out
