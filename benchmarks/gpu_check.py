@@ -16,8 +16,8 @@ Sized for <= 8 minutes on one H200 (a --budget in seconds stops starting new che
 (c) end to end, the engine's CUDA path (LLM(device="cuda"): every layer on its Triton kernel): first every
     family's built-in demo, whose greedy tokens on CUDA must equal the CPU references' (fp32), then decode
     tok/s at batch 1/8/32 of the checkpoints in MOESAIC_E2E_MODELS (two ~1B models of two families; the
-    demos otherwise) against the roofline of the weight bytes one step reads, with CUDA graphs too once
-    LLM takes `cuda_graphs` (not built yet: docs/gpu.md).
+    demos otherwise) against the roofline of the weight bytes one step reads, eager and with CUDA graphs
+    (`cuda_graphs=`, docs/gpu.md; parity runs LLM's default, graphs where the family allows).
 
 It prints one report and, when $OUT is set, writes $OUT/gpu_check.json with every number. It exits 1
 when a check fails.

@@ -111,9 +111,9 @@ def model_flags(p) -> None:
         '(methods: ngram, mtp, dspark, dflash with "model": a drafter folder)',
     )
     p.add_argument(
-        "--cuda-graphs",
+        "--enforce-eager",
         action="store_true",
-        help="replay decode steps as CUDA graphs where the model allows (Mistral Small 4; docs/gpu.md)",
+        help="no CUDA graphs: on CUDA, decode steps are replayed as graphs where the model allows (docs/gpu.md)",
     )
     parallel_flags(p)
 
@@ -132,7 +132,7 @@ def load_model(args, **engine):
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=False if args.enforce_eager else None,
     )
 
 

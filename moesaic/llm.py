@@ -210,7 +210,7 @@ class LLM:
         speculative_config: dict | str | None = None,
         tensor_parallel_size: int = 1,
         expert_parallel: bool = False,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         _rank=None,
     ):
         """precision: a precision schedule, e.g. "router=bf16,expert=fp8" (see moesaic/weights/precision.py).
@@ -226,7 +226,8 @@ class LLM:
         tensor_parallel_size: the ranks the model is split over (worker processes spawned here, or
         torchrun's; docs/parallel.md); expert_parallel: routed experts split by expert (E/N a rank)
         instead of by width. cuda_graphs: decode steps replayed as CUDA graphs, one per batch bucket and
-        context width, where the family allows (engine/graphs.py; on a CPU the same static steps run eagerly). `_rank` is a worker's place in such a run (moesaic/parallel)."""
+        context width, where the family allows (engine/graphs.py); None (default): on CUDA, False: never
+        (vLLM's enforce_eager), True: also asks on a CPU, where the same static steps run eagerly. `_rank` is a worker's place in such a run (moesaic/parallel)."""
         # everything a caller can get wrong is checked before the checkpoint is read
         EngineLimits.checked(
             max_num_seqs,
@@ -257,7 +258,7 @@ class LLM:
             max_snapshot_bytes=max_snapshot_bytes,
             enable_prefix_caching=enable_prefix_caching,
         )
-        self.cuda_graphs = bool(cuda_graphs)
+        self.cuda_graphs = None if cuda_graphs is None else bool(cuda_graphs)
         self.rank = _rank
         if self.rank is None and tensor_parallel_size > 1:  # checks the split before any process starts
             self.rank = parallel.start(ckpt, tensor_parallel_size, expert_parallel, device)

@@ -175,3 +175,21 @@ def test_graph_decode_on_cuda_equals_cpu():
     stats = gpu.engine.stats()["decode_graphs"]
     assert stats["captured"] == len(stats["shapes"]) and stats["steps"] >= 44, stats
     assert got == want
+
+
+@pytest.mark.parametrize("flags, want", [([], None), (["--enforce-eager"], False)])
+def test_generate_asks_for_graphs_unless_eager(flags, want, monkeypatch):
+    """`generate` (and `serve`) leave graphs to LLM's default (on CUDA where the family allows); --enforce-eager
+    turns them off."""
+    from moesaic import cli, llm
+
+    seen = {}
+
+    def fake(*args, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(llm, "LLM", fake)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", DEMO, *flags])
+    assert seen["cuda_graphs"] is want

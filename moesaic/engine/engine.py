@@ -178,7 +178,7 @@ class Engine:
         proposer: DraftProposer | None = None,
         spec: SpecConfig | None = None,
         spmd=None,
-        decode_graphs: bool = False,
+        decode_graphs: bool | None = False,
     ):
         """state_bytes: the family planner's (bytes per token, fixed bytes per sequence) of a state with the
         rollback window the engine uses (spec.k + 1 with a proposer, else 0). max_batch_tokens is the old
@@ -186,7 +186,8 @@ class Engine:
         hooks of a tensor-parallel run (moesaic/parallel/workers.py `Lockstep`): the same engine runs on
         every rank, rank 0 sends each step's new requests and aborts and the tokens it samples, the others
         never sample. decode_graphs: decode steps through static shapes, captured as CUDA graphs on a GPU
-        (engine/graphs.py), where the model allows it (else logged, and steps run eager)."""
+        (engine/graphs.py), where the model allows it (else logged, and steps run eager); None: on CUDA where
+        the model allows it, quietly eager elsewhere."""
         if spmd is not None and proposer is not None:
             raise ConfigError(
                 "speculative decoding does not run tensor-parallel yet: use tensor_parallel_size=1 with a "
@@ -224,12 +225,17 @@ class Engine:
         self.keep_in_step = False  # whole_batch(): drafts keep decoding sequences in step
         self._plan_memory(state_bytes)
         self.graphs = None
+        asked = decode_graphs is True
+        if decode_graphs is None:
+            decode_graphs = torch.device(model.device).type == "cuda"
         if decode_graphs:
             why = why_not(model, self.hybrid or self.rest_per_token > 0)
             why = why or ("speculative decoding verifies several rows a sequence" if proposer else None)
             why = why or ("tensor-parallel steps run in lockstep eagerly" if spmd is not None else None)
             if why:
-                log.warning("moesaic: no CUDA graphs for this model: %s; decode steps run eager", why)
+                (log.warning if asked else log.info)(
+                    "moesaic: no CUDA graphs for this model: %s; decode steps run eager", why
+                )
             else:
                 context = self.max_context or 1 << 20
                 self.graphs = DecodeGraphs(

@@ -108,7 +108,8 @@ class StaticStep:
                 self.model.forward(self.batch)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool_handle):
+        # thread_local: a CUDA call another thread makes meanwhile (a server's) does not spoil the capture
+        with torch.cuda.graph(graph, pool=pool_handle, capture_error_mode="thread_local"):
             self.out = self.model.forward(self.batch)
         self.graph = graph
 
