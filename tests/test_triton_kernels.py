@@ -457,6 +457,23 @@ def case_ropes():
     assert T["norm"].rope(torch.randn(4, 10), cos, sin, 2, 3) is None  # widths that do not add up
 
 
+def case_add_rms_norm():
+    """A residual add and the norm after it in one launch: the sum in x's dtype, and the norm of that sum."""
+    from moesaic.layers import norms
+
+    gen = torch.Generator().manual_seed(34)
+    for dtype, rel in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
+        x, delta = (
+            (torch.randn(2, 3, 40, generator=gen) * 2).to(dtype),
+            torch.randn(2, 3, 40, generator=gen).to(dtype),
+        )
+        w = torch.rand(40, generator=gen).to(dtype)
+        h, y = T["norm"].add_rms_norm(x, delta, w, 1e-6, *norms.roundings(norms.rms_norm, dtype, dtype))
+        close(h, x + delta, 0 if dtype == torch.float32 else rel)
+        close(y, norms.rms_norm(x + delta, w, 1e-6), rel)
+    assert T["norm"].add_rms_norm(x, delta[:, :2], w, 1e-6, None, dtype, dtype) is None  # shapes that differ
+
+
 def case_silu_mul():
     """SwiGLU's SiLU(gate) · up over the halves of gate|up rows (strided views), odd width, bf16 and fp32."""
     import torch.nn.functional as F

@@ -49,6 +49,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h + delta, rms_norm(h + delta, weight, eps)): a residual add and the norm after it, one launch on a
+    GPU (vLLM's fused_add_rms_norm), the two ops elsewhere."""
+    if tk := kernels("norm", h):
+        got = tk.add_rms_norm(h, delta, weight, eps, *_rms_norm_roundings(h.dtype, weight.dtype))
+        if got is not None:
+            return got
+    h = h + delta
+    return h, rms_norm(h, weight, eps)
+
+
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Nemotron-H's order: cast to the weight dtype, normalise and multiply by the weight in fp32,
     then cast back."""

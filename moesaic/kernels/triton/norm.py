@@ -31,13 +31,20 @@ MAX_WIDTH = 16384
 
 @triton.jit
 def _rms_kernel(
-    x, w, y, d, G, s_x, eps,
-    PRE: tl.constexpr, MID: tl.constexpr, FACTOR: tl.constexpr, BD: tl.constexpr,
+    x, w, y, d, G, s_x, eps, res, s_r, h,
+    PRE: tl.constexpr, MID: tl.constexpr, FACTOR: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr,
+    XR: tl.constexpr,
 ):  # fmt: skip
+    """Row program_id(0). ADD: x + res, rounded to x's dtype (round_to's code XR), is written to h first and
+    normalised (a residual add and the norm after it)."""
     r = tl.program_id(0)
     rd = tl.arange(0, BD)
     m = rd < d
-    v = round_to(tl.load(x + r.to(tl.int64) * s_x + rd, mask=m, other=0.0).to(tl.float32), PRE)
+    v = tl.load(x + r.to(tl.int64) * s_x + rd, mask=m, other=0.0).to(tl.float32)
+    if ADD:
+        v = round_to(v + tl.load(res + r.to(tl.int64) * s_r + rd, mask=m, other=0.0).to(tl.float32), XR)
+        tl.store(h + r.to(tl.int64) * d + rd, v.to(h.dtype.element_ty), mask=m)
+    v = round_to(v, PRE)
     f = round_to(tl.rsqrt(tl.sum(v * v, axis=0) / d + eps), FACTOR)
     v = round_to(v * f, MID)
     wt = tl.load(w + (r % G) * d + rd, mask=m, other=0.0).to(tl.float32)
@@ -46,6 +53,18 @@ def _rms_kernel(
 
 def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
     """kernels/cpu.py `rms_norm`'s contract on CUDA tensors (or CPU ones under the interpreter)."""
+    got = _norm(x, None, w, eps, pre, mid, out, factor)
+    return None if got is None else got[1]
+
+
+def add_rms_norm(x, delta, w, eps: float, pre, mid, out, factor=None):
+    """(x + delta in x's dtype, rms_norm of that sum) in one launch; None where it does not apply."""
+    if delta.shape != x.shape or delta.dtype != x.dtype or x.dtype not in ROUND:
+        return None
+    return _norm(x, delta, w, eps, pre, mid, out, factor)
+
+
+def _norm(x, delta, w, eps: float, pre, mid, out, factor):
     d = x.shape[-1] if x.dim() else 0
     grouped = w.dim() == 2 and x.dim() >= 2 and w.shape == x.shape[-2:]
     if not (0 < d <= MAX_WIDTH and (w.shape == (d,) or grouped)) or any(
@@ -56,14 +75,19 @@ def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
     x2 = x.reshape(-1, d)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     y = torch.empty(x2.shape, dtype=out, device=x.device)
+    r2 = h = x2  # no residual: unused pointers
+    if delta is not None:
+        r2 = delta.reshape(-1, d)
+        r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+        h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         G = w.shape[0] if grouped else 1
         _rms_kernel[(x2.shape[0],)](
-            x2, w.contiguous(), y, d, G, x2.stride(0), float(eps),
+            x2, w.contiguous(), y, d, G, x2.stride(0), float(eps), r2, r2.stride(0), h,
             PRE=ROUND[pre], MID=ROUND[mid], FACTOR=ROUND[factor], BD=triton.next_power_of_2(d),
-            num_warps=4 if d <= 4096 else 8,
+            ADD=delta is not None, XR=ROUND[x.dtype], num_warps=4 if d <= 4096 else 8,
         )  # fmt: skip
-    return y.view(x.shape)
+    return h.view(x.shape), y.view(x.shape)
 
 
 @triton.jit
