@@ -221,6 +221,28 @@ def proxy(folder: str, batch: int, new: int, top: int, graphs: bool = False) -> 
         print(f"   {v:6.1f}  {site}")
 
 
+def launch_cost(device: str, n: int = 300) -> None:
+    """Host time a call of one tiny Triton kernel (the RMS norm of a [1, 1024] row) and of one torch op (an add)
+    costs, dispatch and launch included: what an eager step pays per launch, and graphs take back."""
+    from moesaic.kernels.triton import norm
+
+    x, w = torch.randn(1, 1024, device=device), torch.ones(1024, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    calls = {
+        "Triton rms_norm": lambda: norm.rms_norm(x, w, 1e-6, None, torch.float32, torch.float32),
+        "torch add": lambda: x + x,
+    }
+    for name, fn in calls.items():
+        fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t) / n * 1e6
+        sync()
+        print(f"   host time a call, {name}: {host:.1f} us")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+")
@@ -233,6 +255,9 @@ def main() -> int:
         "--graphs", action="store_true", help="decode steps as CUDA graphs (where the model allows)"
     )
     args = ap.parse_args()
+    if args.device == "cuda" and not args.proxy:
+        print("== launch costs")
+        launch_cost("cuda")
     for folder in args.folders:
         try:
             if args.proxy:

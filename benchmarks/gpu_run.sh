@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole device session in one call (docs/gpu.md): the card's state, the CUDA-only tests, the kernel
 # checks and the engine end to end (gpu_check.py), the decode GEMV's tile sweep (gpu_gemv.py), hardware
-# counters of the slow kernels (ncu), and where an eager decode step goes (gpu_profile.py). Each part has
+# counters of the slow kernels (ncu), and where a decode step goes, eager and graphed (gpu_profile.py). Each part has
 # its own time limit, so one that hangs or fails leaves the others' output; all of it lands in $OUT.
 #   bash benchmarks/gpu_run.sh                      # every part, sized for one <= 8-minute call on an H200
 #   PARTS=test,check BUDGET=60 bash benchmarks/gpu_run.sh   # some parts
@@ -60,10 +60,13 @@ if has ncu; then
   echo "ncu exit $?" >> "$OUT/ncu.log"
 fi
 
-if has profile; then
-  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/gpu_profile.py ${models//,/ } ${PROFILE_ARGS:-} > "$OUT/gpu_profile.log" 2>&1
-  echo "gpu_profile exit $?" >> "$OUT/gpu_profile.log"
-  grep "^==\|^   [0-9]* kernel" "$OUT/gpu_profile.log"
+if has profile; then  # eager, then with CUDA graphs (the families that allow them)
+  for extra in "" --graphs; do
+    timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/gpu_profile.py ${models//,/ } $extra ${PROFILE_ARGS:-} \
+      >> "$OUT/gpu_profile.log" 2>&1
+    echo "gpu_profile $extra exit $?" >> "$OUT/gpu_profile.log"
+  done
+  grep "^==\|^   [0-9]* kernel\|host time" "$OUT/gpu_profile.log"
 fi
 
 for f in pytest gpu_gemv ncu; do [ -f "$OUT/$f.log" ] && tail -3 "$OUT/$f.log"; done
