@@ -583,6 +583,17 @@ def check_norms(c: Check, s):
             c.add(f"rope[{'interleaved' if layout == 0 else 'pairs'}]", f"{N} x {p['heads']} heads x {p['rope']}",
                   fn(), ref(x, cos, sin), 1e-5 if c.dry else 1e-2, fn=fn, nbytes=2 * x.numel() * x.element_size(),
                   note="read + written")  # fmt: skip
+    for N in p["rows"]:  # a residual add and the norm after it
+        x, delta, w = (
+            c.rand(N, p["d"], dtype=c.half),
+            c.rand(N, p["d"], dtype=c.half),
+            c.rand(p["d"], dtype=c.half),
+        )
+        r = norms.roundings(norms.rms_norm, x.dtype, w.dtype)
+        fn = lambda x=x, delta=delta, w=w, r=r: torch.cat(tn.add_rms_norm(x, delta, w, 1e-6, *r))  # noqa: E731
+        ref = torch.cat([x + delta, norms.rms_norm(x + delta, w, 1e-6)])
+        c.add("add_rms_norm", f"{N} x {p['d']} {str(x.dtype)[6:]}", fn(), ref, 1e-5 if c.dry else 1e-2, fn=fn,
+              nbytes=4 * x.numel() * x.element_size(), note="x, delta read; sum, norm written")  # fmt: skip
     for N in p["rows"]:  # SwiGLU's product over the halves of gate|up rows
         gate, up = c.rand(N, 2 * p["d"], dtype=c.half).chunk(2, dim=-1)
         fn = lambda gate=gate, up=up: tn.silu_mul(gate, up)  # noqa: E731
