@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import numbers
 import os
 import resource
@@ -26,6 +27,8 @@ from .models import Checkpoint
 from .spec import build_proposer, parse_speculative_config
 from .tokenizer import load_tokenizer
 from .weights.dtypes import parse_dtype
+
+log = logging.getLogger("moesaic")
 
 __all__ = ["LLM", "AsyncLLM", "Stream", "RequestOutput", "CompletionOutput", "resolve_model_path"]
 
@@ -286,6 +289,13 @@ class LLM:
             spec = spec if drafter is None else dataclasses.replace(spec, model=drafter)
         proposer = None if spec is None else build_proposer(self.family, self.model, self.cfg, spec)
         window = 0 if spec is None else spec.k + 1  # the rows a verify round may roll back, and one more
+        graphs = self.cuda_graphs
+        if self.expert_cache is not None and graphs is not False:  # experts paged in by host decisions
+            if graphs:
+                log.warning(
+                    "moesaic: no CUDA graphs with streamed experts (the host picks each step's reads)"
+                )
+            graphs = False
         self.engine = Engine(
             self.model,
             eos,
@@ -298,7 +308,7 @@ class LLM:
             proposer=proposer,
             spec=spec,
             spmd=spmd,
-            decode_graphs=self.cuda_graphs,
+            decode_graphs=graphs,
         )
 
     # ---- prompts

@@ -193,3 +193,38 @@ def test_generate_asks_for_graphs_unless_eager(flags, want, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--model", DEMO, *flags])
     assert seen["cuda_graphs"] is want
+
+
+def test_static_steps_under_prefix_hits_forks_and_preemption():
+    """Static steps among the engine's other machinery give the eager engine's tokens: a prompt whose first
+    two blocks come from the prefix cache, two seeded samples of one prompt (their blocks forked, then
+    copied on write), and preemption by recompute in a cache too small for all of them at once."""
+    path = str(ensure_demo(DEMO))
+    base = random_ids(130, 200, seed=5)
+    first = [base + [7, 8]]
+    rest = [base + [9], random_ids(90, 200, seed=6), random_ids(100, 200, seed=7)]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=25, temperature=1.0, seed=4, n=2, ignore_eos=True), greedy, greedy]
+    out, stats = {}, {}
+    for graphs in (False, True):
+        roomy = moesaic.LLM(path, dtype="float32", max_num_seqs=4, cuda_graphs=graphs)
+        eng = roomy.engine
+        block = BLOCK_SIZE * (eng.pool.bytes_per_token + eng.rest_per_token)
+        llm = moesaic.LLM(
+            path, dtype="float32", max_num_seqs=4, cuda_graphs=graphs, max_cache_bytes=6 * block
+        )
+        got = [o.token_ids for o in llm.generate(first, greedy)[0].outputs]
+        got += [c.token_ids for o in llm.generate(rest, params) for c in o.outputs]
+        out[graphs], stats[graphs] = got, llm.stats()
+    assert out[True] == out[False] and len(out[True]) == 5
+    s = stats[True]
+    assert s["cached_prompt_tokens"] >= 128 and s["preemptions"] > 0 and s["decode_graphs"]["steps"] > 0
+
+
+def test_streamed_experts_run_eager(caplog):
+    """With experts streamed from disk the host picks each step's reads: no graphs, and the reason logged."""
+    with caplog.at_level(logging.WARNING, logger="moesaic"):
+        llm = moesaic.LLM(str(ensure_demo(DEMO)), dtype="float32", cuda_graphs=True, expert_cache="50%")
+    assert llm.engine.graphs is None and "streamed experts" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3

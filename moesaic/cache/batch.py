@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .paged import BLOCK_SIZE, PagePool
+from .paged import PagePool
 from .state import SequenceState
 
 FINAL = -1  # the tap of the hidden state the final norm reads (what MTP heads take)
@@ -57,11 +57,6 @@ class PagedStep:
     lens: torch.Tensor
     starts: torch.Tensor
     row_seq: torch.Tensor
-
-    @property
-    def max_tokens(self) -> int:
-        """The longest sequence this step's tables can address."""
-        return self.tables.shape[1] * BLOCK_SIZE
 
     def layer(self, L: int) -> tuple[dict[str, torch.Tensor], int]:
         """Paged layer L's pool fields ({field: [blocks, layers, BLOCK_SIZE, width]}) and its index in them."""

@@ -5,9 +5,10 @@ An eager decode step on CUDA is bound by the host: ~700-1100 kernel launches a s
 of the step, and what this file does about it (the design is vLLM's and SGLang's cuda-graph runners; the
 details are docs/gpu.md's):
 
-- Every input in a buffer that outlives the graph. A step's token ids, positions, the page of each new row
-  and the padded block tables are written into one pinned host buffer and copied to its device twin before
-  the replay: one upload, no host value baked into the launches (`ForwardBatch.paged`, cache/batch.py).
+- Every input in a buffer that outlives the graph. A step's token ids, positions and the page of each new
+  row (int64), its length and the padded block tables (int32, as the paged kernels read them) are written
+  into two pinned host buffers and copied to their device twins before the replay: no host value is baked
+  into the launches (`ForwardBatch.paged`, cache/batch.py).
 - Fixed shapes. B rows (the smallest bucket >= the batch: padding rows decode token 0 at position 0 into a
   scratch block no sequence holds) and tables W blocks wide, W a power of two >= what the longest sequence
   needs, so the attention's splits fit the context instead of the model's whole window.
@@ -171,9 +172,9 @@ class DecodeGraphs:
             return None
         rows, widest = [], 0
         for state, tok in zip(states, tokens):
-            first = state.layers[0] if state.layers else None
+            first = state.layers[0] if state.layers else None  # every layer's rows: the same table, length
             if type(first) is not PagedRows or first.fields is not self.pool.pools[self.pool.layers[0][0]]:
-                return None
+                return None  # not paged in this engine's pool
             pos = state.num_tokens
             first._check(pos + 1)  # capacity: the model's window, the blocks the scheduler gave
             rows.append((tok, pos, first.table.ids))

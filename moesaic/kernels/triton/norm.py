@@ -1,6 +1,7 @@
-"""RMS norm, the rotary embeddings and SwiGLU's product in Triton (layers/norms.py, layers/rope.py,
-layers/moe.py): one launch each where the torch references take 2-8 small kernels (they were 308 of the 517 torch ops of a Mistral-4-shaped decode step
-on the CUDA path, an eager step that is launch-bound on an H200: docs/perf.md, GPU).
+"""RMS norm (alone or after a residual add), the rotary embeddings and SwiGLU's product in Triton
+(layers/norms.py, layers/rope.py, layers/moe.py): one launch each where the torch references take 2-8 small
+kernels (the norms and ropes were 308 of the 517 torch ops of a Mistral-4-shaped decode step on the CUDA path,
+an eager step that is launch-bound on an H200: docs/perf.md, GPU).
 
 Same contracts as kernels/cpu.py `rms_norm` and `rope`, which the references call first on the CPU:
 
@@ -11,6 +12,8 @@ Same contracts as kernels/cpu.py `rms_norm` and `rope`, which the references cal
   rope(x, cos, sin, layout, keep)  layout 0 interleaved pairs written [evens | odds] (rope_interleaved),
       1 halves (rope_half), both in x's dtype op by op; 2 pairs kept in place (rope_pairs), in fp32 and
       rounded once; cos / sin [n, dim/2] rounded to x's dtype first; the first `keep` channels copied.
+  add_rms_norm(x, delta, w, ...)  (x + delta rounded to x's dtype, rms_norm of that sum): vLLM's
+      fused_add_rms_norm.
   silu_mul(gate, up)  F.silu(gate) * up: SiLU in fp32 rounded to gate's dtype, then the product rounded
       (tl.exp is not CUDA's expf: the same math, an ulp apart at times).
 
@@ -85,7 +88,7 @@ def _norm(x, delta, w, eps: float, pre, mid, out, factor):
         _rms_kernel[(x2.shape[0],)](
             x2, w.contiguous(), y, d, G, x2.stride(0), float(eps), r2, r2.stride(0), h,
             PRE=ROUND[pre], MID=ROUND[mid], FACTOR=ROUND[factor], BD=triton.next_power_of_2(d),
-            ADD=delta is not None, XR=ROUND[x.dtype], num_warps=4 if d <= 4096 else 8,
+            ADD=delta is not None, XR=ROUND.get(x.dtype, 0), num_warps=4 if d <= 4096 else 8,
         )  # fmt: skip
     return h.view(x.shape), y.view(x.shape)
 
