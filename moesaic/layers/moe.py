@@ -472,7 +472,8 @@ def moe(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, token_ids: torch.Tensor |
     then = None
     if w.next_moe is not None and x.shape[0] <= PREFETCH_MAX_TOKENS:  # a prefill chunk reads, not guesses
         then = lambda: prefetch(x, w.next_moe, spec.router, token_ids)  # noqa: E731
-    y = run_experts(h, weights, ids - w.first_expert, w.experts_in, w.experts_out, act, then, every)
+    local = ids if w.first_expert == 0 else ids - w.first_expert  # this rank's expert numbers
+    y = run_experts(h, weights, local, w.experts_in, w.experts_out, act, then, every)
     reduce = w.reduce  # split over ranks: y (and the shared expert's output) are this rank's part
     if w.latent_norm is not None:
         if reduce is not None:  # the norm needs the whole sum

@@ -89,7 +89,7 @@ def _route_kernel(
     w = tl.where(mk, _score(xs, SCORE, mx, denom), 0.0)
     if NORMALIZE:
         w = w / (tl.sum(w, axis=0) + 1e-20)
-    tl.store(w_out + t * k + rk, w * scale, mask=mk)
+    tl.store(w_out + t * k + rk, (w * scale).to(w_out.dtype.element_ty), mask=mk)
     tl.store(ids_out + t * k + rk, ids.to(tl.int64), mask=mk)
 
 
@@ -110,7 +110,7 @@ def _route(
     N, E = logits.shape
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     dev = logits.device
-    w = torch.empty(N, top_k, dtype=torch.float32, device=dev)
+    w = torch.empty(N, top_k, dtype=out_dtype or torch.float32, device=dev)  # the store rounds to it
     out_ids = torch.empty(N, top_k, dtype=torch.long, device=dev)
     if N:
         ids_t = ids.to(dev).contiguous() if ids is not None else out_ids
@@ -121,7 +121,7 @@ def _route(
             N_GROUP=int(n_group), TOPK_GROUP=int(topk_group), FILL=float(fill),
             BE=pow2(E), BG=pow2(n_group, 2), BK=pow2(top_k, 1), num_warps=4,
         )  # fmt: skip
-    return w.to(out_dtype or torch.float32), (ids.to(dev).long() if ids is not None else out_ids)
+    return w, (ids.to(dev).long() if ids is not None else out_ids)
 
 
 def route_softmax(logits, top_k, n_group=1, topk_group=1, normalize=True, scale=1.0):
