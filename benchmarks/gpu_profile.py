@@ -1,5 +1,6 @@
-"""Where a CUDA decode step goes (eager, or with --graphs replayed as CUDA graphs): wall time per step against the GPU's busy time, kernel launches
-per step, and the top kernels and host-side ops (torch.profiler), for checkpoints given as folders.
+"""Where a CUDA decode step goes (eager, or with --graphs replayed as CUDA graphs): wall time per step against
+the GPU's busy time, kernel launches per step, and the top kernels and host-side ops (torch.profiler), for
+checkpoints given as folders; first the host cost of one launch.
 
     python benchmarks/gpu_profile.py /tmp/e2e/mistral4 [/tmp/e2e/glm5_next ...] [--batch 1] [--new 9] [--graphs]
     python benchmarks/gpu_profile.py --proxy /tmp/e2e/mistral4    # no GPU: the CUDA path's launches, counted
@@ -157,9 +158,7 @@ class LaunchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         out = func(*args, **(kwargs or {}))
-        if name in VIEWS or (
-            name == "to" and args and out is args[0]
-        ):  # a `to` that changes nothing: no kernel
+        if name in VIEWS or (name == "to" and args and out is args[0]):  # (a `to` that changes nothing)
             return out
         stack = traceback.extract_stack()[:-1]
         # the interpreter's own torch calls are not launches; moesaic's kernels/triton glue is
