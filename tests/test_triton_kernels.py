@@ -739,3 +739,15 @@ def test_gpu_gemv_dry_run():
     for fmt in ("bf16", "fp8_128", "fp8_32_ue8m0", "mxfp4", "nvfp4"):
         tiles = [r for r in rows if r[0] == fmt and r[2].startswith("(")]
         assert len(tiles) == 2 * 10, (fmt, run.stdout[-3000:])
+
+
+def test_auto_splits_only_where_the_output_tiles_leave_the_machine_idle(monkeypatch):
+    """K in 4 slices for one matrix's decode on a 132-SM GPU (128 output tiles), not for a grouped MoE step's
+    thousands of tiles, nor for a K too short to give each slice two steps (the H200's sweep: docs/perf.md)."""
+    from moesaic.kernels.triton import quant as tq
+
+    monkeypatch.setattr(tq, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # only passed through to num_sms
+    assert tq._auto_splits(1, 128, 5120, 128, cuda) == 4
+    assert tq._auto_splits(34, 64, 4096, 128, cuda) == 1
+    assert tq._auto_splits(1, 128, 512, 128, cuda) == 1
