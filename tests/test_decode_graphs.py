@@ -53,7 +53,7 @@ def _static_vs_eager(steps: int = 2):
     with torch.no_grad():
         pool_a, eager = _prefilled(model, V, blocks, lengths, 6)
         pool_b, static = _prefilled(model, V, blocks, lengths, 6)
-        graphs = DecodeGraphs(model, pool_b, max_num_seqs=4, max_context=4096, scratch=0, capture=False)
+        graphs = DecodeGraphs(model, pool_b, max_num_seqs=4, max_context=4096, scratch=0)
         ref, got = [], []
         for step in range(steps):
             toks = [7 + step, 8 + step, 9 + step]
@@ -109,7 +109,7 @@ def test_a_step_past_the_window_is_refused():
     ck, model = demo_model(DEMO, "float32")
     with torch.no_grad():
         pool, states = _prefilled(model, ck.cfg.vocab_size, [[1]], [BLOCK_SIZE], 3)
-        graphs = DecodeGraphs(model, pool, max_num_seqs=2, max_context=4096, scratch=0, capture=False)
+        graphs = DecodeGraphs(model, pool, max_num_seqs=2, max_context=4096, scratch=0)
         with pytest.raises(RuntimeError, match="blocks"):
             graphs.forward(states, [3])
     assert states[0].num_tokens == BLOCK_SIZE and graphs.replays == 0
@@ -131,7 +131,7 @@ def case_static_step_through_the_kernels(monkeypatch):
         pool_a, eager = _prefilled(model, ck.cfg.vocab_size, [[3, 5], [1]], [70, 5], 6)
         pool_b, static = _prefilled(model, ck.cfg.vocab_size, [[3, 5], [1]], [70, 5], 6)
         ref = model.forward(ForwardBatch.build([(s, [t]) for s, t in zip(eager, [7, 8])]))
-        graphs = DecodeGraphs(model, pool_b, max_num_seqs=4, max_context=4096, scratch=0, capture=False)
+        graphs = DecodeGraphs(model, pool_b, max_num_seqs=4, max_context=4096, scratch=0)
         monkeypatch.setenv("MOESAIC_TRITON", "interpret")
         monkeypatch.setattr(kt, "_modules", {})
         reads, forward = HostReads(), model.forward

@@ -239,7 +239,7 @@ class Engine:
             else:
                 context = self.max_context or 1 << 20
                 self.graphs = DecodeGraphs(
-                    model, self.pool, self.max_num_seqs, context, self.blocks.reserve(), True
+                    model, self.pool, self.max_num_seqs, context, self.blocks.reserve()
                 )
         self.counters = dict(
             requests=0, finished=0, aborted=0, failed=0, prompt_tokens=0, generated_tokens=0, steps=0

@@ -18,7 +18,7 @@ details are docs/gpu.md's):
 - The host's bookkeeping outside the graph: capacity checked before, every paged layer's length and the
   token count advanced after.
 
-On a CPU (or with capture off) the same static step runs eagerly, which is how the tests check it: the
+On a CPU (or after a capture failed) the same static step runs eagerly, which is how the tests check it: the
 forward a graph would hold, fed only by the buffers, gives the eager engine's tokens."""
 
 from __future__ import annotations
@@ -136,15 +136,13 @@ class StaticStep:
 
 class DecodeGraphs:
     """The engine's static decode steps: `forward(states, tokens)` runs a step of one new token per sequence
-    through the smallest fitting shape, capturing its graph on first use (CUDA, `capture=True`)."""
+    through the smallest fitting shape, capturing its graph on first use where the pool is on CUDA."""
 
-    def __init__(
-        self, model, pool: PagePool, max_num_seqs: int, max_context: int, scratch: int, capture: bool
-    ):
+    def __init__(self, model, pool: PagePool, max_num_seqs: int, max_context: int, scratch: int):
         self.model, self.pool, self.scratch = model, pool, scratch
         self.buckets = buckets(max_num_seqs)
         self.max_width = -(-max_context // BLOCK_SIZE)
-        self.capture = capture and torch.device(pool.device).type == "cuda"
+        self.capture = torch.device(pool.device).type == "cuda"  # False after a capture failed
         self.steps: dict[tuple[int, int], StaticStep] = {}
         self.pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0  # steps run through a static shape (counted in stats)
