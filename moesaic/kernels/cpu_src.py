@@ -2089,6 +2089,74 @@ void over_heads(int64_t H, int64_t nthreads, F&& heads) {
     }
 }
 
+// One token of one head of the delta rule below: s [Dk, Dv] = from * e[:, None] (from may be s), u = b (v - kᵀs),
+// s += k uᵀ, out = qᵀs; u and acc [Dv] scratch. Two passes over the state, the sums over Dk in index order, each
+// product added by a fused multiply-add where the compiler contracts (the vector form always does).
+#if defined(__AVX512F__)
+// delta_token's operations for 16 NV columns of the state at a time, kᵀs and qᵀs kept in registers across the
+// rows (the plain loops below store and reload them every row: 2-3x the time of a decode row's 16 heads)
+template <int NV>
+inline void delta_columns(const float* from, float* s, const float* q, const float* k, const float* e, const float* v,
+                          float b, float* out, int64_t Dk, int64_t Dv) {
+    for (int64_t jb = 0; jb < Dv; jb += 16 * NV) {  // the columns of one block depend on no other column
+        __m512 u[NV], a[NV];
+        for (int c = 0; c < NV; ++c) u[c] = a[c] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < Dk; ++i) {
+            const __m512 ei = _mm512_set1_ps(e[i]), ki = _mm512_set1_ps(k[i]);
+            for (int c = 0; c < NV; ++c) {
+                const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(from + i * Dv + jb + 16 * c), ei);
+                _mm512_storeu_ps(s + i * Dv + jb + 16 * c, r);
+                u[c] = _mm512_fmadd_ps(ki, r, u[c]);
+            }
+        }
+        const __m512 bb = _mm512_set1_ps(b);
+        for (int c = 0; c < NV; ++c) u[c] = _mm512_mul_ps(bb, _mm512_sub_ps(_mm512_loadu_ps(v + jb + 16 * c), u[c]));
+        for (int64_t i = 0; i < Dk; ++i) {
+            const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+            for (int c = 0; c < NV; ++c) {
+                float* p = s + i * Dv + jb + 16 * c;
+                const __m512 r = _mm512_fmadd_ps(ki, u[c], _mm512_loadu_ps(p));
+                _mm512_storeu_ps(p, r);
+                a[c] = _mm512_fmadd_ps(qi, r, a[c]);
+            }
+        }
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + jb + 16 * c, a[c]);
+    }
+}
+#endif
+
+inline void delta_token(const float* from, float* __restrict s, const float* q, const float* k, const float* e,
+                        const float* v, float b, float* __restrict u, float* __restrict acc, float* out, int64_t Dk,
+                        int64_t Dv) {
+#if defined(__AVX512F__)
+    if (Dv % 64 == 0) return delta_columns<4>(from, s, q, k, e, v, b, out, Dk, Dv);
+    if (Dv % 16 == 0) return delta_columns<1>(from, s, q, k, e, v, b, out, Dk, Dv);
+#endif
+    for (int64_t j = 0; j < Dv; ++j) u[j] = 0.f;
+    for (int64_t i = 0; i < Dk; ++i) {
+        const float ei = e[i], ki = k[i];
+        float* row = s + i * Dv;
+        const float* old = from + i * Dv;
+        for (int64_t j = 0; j < Dv; ++j) {
+            row[j] = old[j] * ei;
+            u[j] += ki * row[j];
+        }
+    }
+    for (int64_t j = 0; j < Dv; ++j) {
+        u[j] = b * (v[j] - u[j]);
+        acc[j] = 0.f;
+    }
+    for (int64_t i = 0; i < Dk; ++i) {
+        const float ki = k[i], qi = q[i];
+        float* __restrict row = s + i * Dv;
+        for (int64_t j = 0; j < Dv; ++j) {
+            row[j] += ki * u[j];
+            acc[j] += qi * row[j];
+        }
+    }
+    for (int64_t j = 0; j < Dv; ++j) out[j] = acc[j];
+}
+
 // KDA's delta rule, token by token, for H independent heads (layers/kda.py's delta_rule_recurrent):
 //     S = S * E_t[:, None];  u = beta_t (v_t - k_tᵀ S);  S = S + k_t u_tᵀ;  o_t = q_tᵀ S
 // with E = exp(g) computed by torch beforehand. q, k, E [H, n, Dk], v [H, n, Dv], beta [H, n] (any strides,
@@ -2118,38 +2186,15 @@ std::vector<torch::Tensor> delta_rule(torch::Tensor q, torch::Tensor k, torch::T
     float* op = o.data_ptr<float>();
     float* stp = keep ? states.data_ptr<float>() : nullptr;
     auto heads = [&](int64_t h0, int64_t h1) {
-        std::vector<float> ub(Dv), accb(Dv);
-        float* __restrict u = ub.data();
-        float* __restrict acc = accb.data();
+        std::vector<float> ub(Dv), accb(Dv), qb(Dk), kb(Dk), eb(Dk), vb(Dv);
         for (int64_t h = h0; h < h1; ++h) {
             float* __restrict s = sp + h * Dk * Dv;
             for (int64_t t = 0; t < n; ++t) {
-                const float* from = t ? s : s0p + h * Dk * Dv;  // the state the decay reads (s itself after row 0)
-                for (int64_t j = 0; j < Dv; ++j) u[j] = 0.f;
-                for (int64_t i = 0; i < Dk; ++i) {
-                    const float e = ea[h][t][i], ki = ka[h][t][i];
-                    float* row = s + i * Dv;
-                    const float* old = from + i * Dv;
-                    for (int64_t j = 0; j < Dv; ++j) {
-                        row[j] = old[j] * e;
-                        u[j] += ki * row[j];
-                    }
-                }
-                const float b = ba[h][t];
-                for (int64_t j = 0; j < Dv; ++j) {
-                    u[j] = b * (va[h][t][j] - u[j]);
-                    acc[j] = 0.f;
-                }
-                for (int64_t i = 0; i < Dk; ++i) {
-                    const float ki = ka[h][t][i], qi = qa[h][t][i];
-                    float* __restrict row = s + i * Dv;
-                    for (int64_t j = 0; j < Dv; ++j) {
-                        row[j] += ki * u[j];
-                        acc[j] += qi * row[j];
-                    }
-                }
-                float* ot = op + (h * n + t) * Dv;
-                for (int64_t j = 0; j < Dv; ++j) ot[j] = acc[j];
+                for (int64_t i = 0; i < Dk; ++i) qb[i] = qa[h][t][i], kb[i] = ka[h][t][i], eb[i] = ea[h][t][i];
+                for (int64_t j = 0; j < Dv; ++j) vb[j] = va[h][t][j];
+                // the state the decay reads: s itself after row 0
+                delta_token(t ? s : s0p + h * Dk * Dv, s, qb.data(), kb.data(), eb.data(), vb.data(), ba[h][t],
+                            ub.data(), accb.data(), op + (h * n + t) * Dv, Dk, Dv);
                 if (stp) std::copy(s, s + Dk * Dv, stp + (t * H + h) * Dk * Dv);
             }
         }
@@ -2181,6 +2226,68 @@ void conv_taps(const float* x, const float* w, const float* b, float* out, int64
 #pragma GCC pop_options
 #endif
 
+// kda_recur below for one decode row without snapshots: the same operations, the same bits, with three
+// allocations and torch's SiLU, sqrt and exp in place on scratch rows instead of ~25 tensor ops (after a
+// step's weight stream each op's code is cold: ~100 us a call in place against ~40 us hot). The state S0
+// [H, D, D] fp32 contiguous (or none: zeros). Returns {o [1, H, D], the new state, undefined (no snapshots),
+// the conv's padded input [K, C]}.
+std::vector<torch::Tensor> kda_step(const torch::Tensor& qkv, const torch::Tensor& g, const torch::Tensor& beta,
+                                    const torch::Tensor& tail, const torch::Tensor& conv_w,
+                                    const std::optional<torch::Tensor>& state, int64_t H, int64_t D, double eps,
+                                    double qscale, int64_t threads, int64_t lanes) {
+    const auto f32 = torch::kFloat32;
+    const int64_t K = conv_w.size(-1), C = qkv.size(1);
+    auto full = torch::empty({K, C}, qkv.options().dtype(f32));
+    auto S = torch::empty({H, D, D}, full.options());
+    auto o = torch::empty({1, H, D}, full.options());
+    float* fp = full.data_ptr<float>();
+    load_row(ty_of(tail), tail.data_ptr(), fp, (K - 1) * C);
+    load_row(ty_of(qkv), qkv.data_ptr(), fp + (K - 1) * C, C);
+    const auto wc = conv_w.contiguous();
+    // scratch: the conv weights [C, K], y [C], q | k | v [3, H, D], exp(g) [H, D], the norms [2, H]
+    std::vector<float> wf(C * K), y(C), parts(3 * H * D), e(H * D), norms(2 * H), sq(D);
+    load_row(ty_of(wc), wc.data_ptr(), wf.data(), C * K);
+    conv_taps(fp, wf.data(), nullptr, y.data(), 1, C, K);
+    const auto cpu = torch::TensorOptions().dtype(f32);
+    auto yt = torch::from_blob(y.data(), {1, C}, cpu);
+    at::silu_(yt);
+    const int tq = ty_of(qkv);
+    for (int64_t part = 0; part < 3; ++part)
+        for (int64_t h = 0; h < H; ++h) {
+            float* x = parts.data() + (part * H + h) * D;
+            std::copy_n(y.data() + (part * H + h) * D, D, x);
+            round_row(tq, x, D);
+            if (part < 2) norms[part * H + h] = sum_squares(x, sq.data(), D, lanes) + (float)eps;
+        }
+    auto nt = torch::from_blob(norms.data(), {2, H, 1}, cpu);
+    at::sqrt_(nt);
+    const float qs = (float)qscale;
+    for (int64_t part = 0; part < 2; ++part)
+        for (int64_t h = 0; h < H; ++h) {
+            float* x = parts.data() + (part * H + h) * D;
+            const float root = norms[part * H + h];
+            for (int64_t i = 0; i < D; ++i) x[i] = x[i] / root;
+            if (part == 0)
+                for (int64_t i = 0; i < D; ++i) x[i] = x[i] * qs;
+        }
+    std::copy_n(g.data_ptr<float>(), H * D, e.data());
+    auto et = torch::from_blob(e.data(), {H, 1, D}, cpu);
+    at::exp_(et);
+    const float* bp = beta.data_ptr<float>();
+    float* sp = S.data_ptr<float>();
+    float* op = o.data_ptr<float>();
+    if (!state) S.zero_();
+    const float* s0p = state ? state->data_ptr<float>() : sp;
+    const float* pp = parts.data();
+    over_heads(H, threads, [&](int64_t h0, int64_t h1) {
+        std::vector<float> u(D), acc(D);
+        for (int64_t h = h0; h < h1; ++h)
+            delta_token(s0p + h * D * D, sp + h * D * D, pp + h * D, pp + (H + h) * D, e.data() + h * D,
+                        pp + (2 * H + h) * D, bp[h], u.data(), acc.data(), op + h * D, D, D);
+    });
+    return {o, S, torch::Tensor(), full};
+}
+
 // layers/kda.py's kda_recur on the CPU, any rows (decode rows, verify blocks, prompts: token by token): the short
 // conv and SiLU from the tail, q, k and v as the rows' dtype, the l2 norms (q scaled), then delta_rule above
 // (exp(g) by torch), its threads passed for the rows before the snapshots and for the snapshot rows. The Python
@@ -2199,6 +2306,9 @@ std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::
     TORCH_CHECK(qkv.dim() == 2 && C == 3 * H * D && tail.dim() == 2 && tail.size(0) == K - 1 && tail.size(1) == C &&
                     conv_w.numel() == C * K, "kda_recur: qkv [n, 3 H D], tail [K - 1, 3 H D], conv_w [3 H D, (1,) K]");
     TORCH_CHECK(lanes == 8 || lanes == 16, "kda_recur: 8 or 16 lanes");
+    if (n == 1 && snapshot_last == 0 && (!state || (state->dtype() == f32 && state->is_contiguous())) &&
+        g.is_contiguous() && beta.is_contiguous() && tail.is_contiguous() && qkv.is_contiguous())
+        return kda_step(qkv, g, beta, tail, conv_w, state, H, D, eps, qscale, threads_first, lanes);
     // full = cat(tail.float(), qkv.float()); y = the conv's taps over it
     auto full = torch::empty({K - 1 + n, C}, qkv.options().dtype(f32));
     float* fp = full.data_ptr<float>();
@@ -2832,10 +2942,36 @@ std::vector<torch::Tensor> kda_project(torch::Tensor x, std::vector<Operand> ops
     }
     const size_t fb = st ? 1 : 4;  // f_b, then (low-rank gate) g_b
     auto z = lin(fa, fb);
-    auto u = (z.to(f32) + dt_bias.to(f32)).view({z.size(0), -1, head_dim});
-    auto rate = at::exp(A_log.to(f32)).view({1, -1, 1});
-    auto g = lower_bound ? at::sigmoid(rate * u) * *lower_bound : -rate * at::softplus(u, 1.0, 20.0);
-    auto beta = at::sigmoid(bx.to(f32));
+    // the log-decay and beta: the torch code's float operations as loops, its exp, softplus and sigmoid on
+    // scratch rows (a dozen fewer tensor ops, each slow to start after the weight stream)
+    const int64_t n = z.size(0), HD = z.size(1), H = HD / head_dim, nb = bx.size(1);
+    TORCH_CHECK(H * head_dim == HD && A_log.numel() == H && dt_bias.numel() == HD, "kda_project: A_log [H], dt_bias [H Dk]");
+    const auto cpu = torch::TensorOptions().dtype(f32);
+    std::vector<float> u(n * HD), rate(H), db(HD);
+    const auto zc = z.contiguous(), ac = A_log.contiguous(), dc = dt_bias.contiguous();
+    load_row(ty_of(zc), zc.data_ptr(), u.data(), n * HD);
+    load_row(ty_of(ac), ac.data_ptr(), rate.data(), H);
+    load_row(ty_of(dc), dc.data_ptr(), db.data(), HD);
+    auto rt = torch::from_blob(rate.data(), {H}, cpu);
+    at::exp_(rt);
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < HD; ++c) u[r * HD + c] = u[r * HD + c] + db[c];
+    auto g = torch::empty({n, H, head_dim}, cpu);
+    float* gp = g.data_ptr<float>();
+    if (lower_bound) {  // lb * sigmoid(rate * u)
+        for (int64_t i = 0; i < n * HD; ++i) gp[i] = rate[i % HD / head_dim] * u[i];
+        at::sigmoid_(g);
+        const float lb = (float)*lower_bound;
+        for (int64_t i = 0; i < n * HD; ++i) gp[i] = gp[i] * lb;
+    } else {  // -rate * softplus(u)
+        at::softplus_out(g, torch::from_blob(u.data(), {n, H, head_dim}, cpu), 1.0, 20.0);
+        for (int64_t i = 0; i < n * HD; ++i) gp[i] = -rate[i % HD / head_dim] * gp[i];
+    }
+    auto beta = torch::empty({n, nb}, cpu);
+    TORCH_CHECK(bx.stride(1) == 1, "kda_project: b's rows contiguous");
+    for (int64_t r = 0; r < n; ++r)
+        load_row(ty_of(bx), (const char*)bx.data_ptr() + r * bx.stride(0) * bx.element_size(), beta.data_ptr<float>() + r * nb, nb);
+    at::sigmoid_(beta);
     torch::Tensor gate;
     if (st) gate = ops.size() == 2 ? gx.contiguous() : lin(gx.contiguous(), 2);
     else gate = ops.size() == 7 ? lin(x, 6) : lin(lin(x, 6), 7);
