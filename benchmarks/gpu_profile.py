@@ -44,6 +44,56 @@ def _gen(llm, prompts, n):
     llm.generate(prompts, sp)
 
 
+def host_split(llm, prompts, new: int, sync) -> None:
+    """Where the host's time of a decode step goes (us a step, by wall-clock wrappers; the difference of a
+    `new`- and a 1-token run): the scheduler, the forward call (a graph's inputs, upload and replay, or the
+    eager launches), waiting for the GPU before the tokens are read (the draw's device sync, forced first),
+    the draws themselves, and the rest of the engine's step (bookkeeping, outputs, stop checks)."""
+    from moesaic.engine.engine import Engine
+    from moesaic.engine.scheduler import Scheduler
+
+    spent = collections.Counter()
+
+    def timed(cls, name, key, wait=False):
+        f = getattr(cls, name)
+
+        def g(*a, **k):
+            t = time.perf_counter()
+            if wait:
+                sync()
+                spent["GPU wait (before the draws)"] += time.perf_counter() - t
+                t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        setattr(cls, name, g)
+        return f
+
+    saved = [
+        (Engine, "step", timed(Engine, "step", "step")),
+        (Scheduler, "schedule", timed(Scheduler, "schedule", "scheduler")),
+        (Engine, "_forward", timed(Engine, "_forward", "forward call")),
+        (Engine, "_greedy_rows", timed(Engine, "_greedy_rows", "draws", wait=True)),
+        (Engine, "_draw", timed(Engine, "_draw", "draws", wait=True)),
+    ]
+    try:
+        runs = []
+        for n in (1, new):
+            spent.clear()
+            _gen(llm, prompts, n)
+            sync()
+            runs.append(dict(spent))
+    finally:
+        for cls, name, f in saved:
+            setattr(cls, name, f)
+    per = {k: (runs[1].get(k, 0.0) - runs[0].get(k, 0.0)) / (new - 1) * 1e6 for k in runs[1]}
+    rest = per.get("step", 0.0) - sum(v for k, v in per.items() if k != "step")
+    print("   host time of a step (us): " + ", ".join(f"{k} {v:.0f}" for k, v in per.items() if k != "step")
+          + f", the rest of the engine's step {rest:.0f}; the step {per.get('step', 0.0):.0f}")  # fmt: skip
+
+
 def _device_us(e) -> float:
     """An event's own device time, us (the attribute's name changed across torch versions)."""
     for name in ("self_device_time_total", "self_cuda_time_total"):
@@ -87,6 +137,7 @@ def profile_model(folder: str, batch: int, new: int, device: str, top: int, grap
     print(
         f"   {launches:.0f} kernel launches a step, GPU busy {busy_ms:.3f} ms a step ({100 * busy_ms / step_ms:.0f} %)"
     )
+    host_split(llm, prompts, new, sync)
     avg = runs[new][2].key_averages()
     if device == "cuda":
         print(f"   top kernels by own device time over {new} tokens (prefill included):")

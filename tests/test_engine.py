@@ -224,6 +224,28 @@ def test_logprobs_equal_log_softmax_of_score(llm):
         assert abs(lp[tok] - row[tok].item()) < 1e-4 and tok == int(row.argmax())
 
 
+def test_a_batch_of_greedy_samples_is_drawn_by_one_argmax(llm, monkeypatch):
+    """A step whose every draw is plain greedy takes its tokens from one argmax over the rows (one host read,
+    not one a sequence): the tokens of each prompt alone; a batch with a sample that asks for logprobs or has
+    min_tokens left (EOS banned) draws row by row, with the same tokens."""
+    from moesaic.engine.engine import Engine
+
+    prompts = [random_ids(n, VOCAB, seed=40 + n) for n in (5, 17, 30)]
+    alone = [llm.generate([p], greedy(6))[0].token_ids for p in prompts]
+    drawn = []
+    sample = Engine._sample
+    monkeypatch.setattr(Engine, "_sample", lambda self, seq, row: drawn.append(seq.id) or sample(self, seq, row))
+    assert [o.token_ids for o in llm.generate(prompts, greedy(6))] == alone
+    assert not drawn  # every step of the three took the batched argmax
+    mixed = [greedy(6), greedy(6, logprobs=2), greedy(6)]
+    assert [o.token_ids for o in llm.generate(prompts, mixed)] == alone
+    assert len(drawn) == 18  # row by row: 3 sequences x 6 tokens
+    drawn.clear()
+    late = [greedy(6), greedy(6), moesaic.SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3)]
+    assert [o.token_ids for o in llm.generate(prompts, late)] == alone
+    assert len(drawn) == 3 * 3  # while EOS is banned for one; then the batched argmax
+
+
 def test_penalties_follow_vllm():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
     p = SamplingParams(repetition_penalty=2.0)
