@@ -234,7 +234,9 @@ def test_a_batch_of_greedy_samples_is_drawn_by_one_argmax(llm, monkeypatch):
     alone = [llm.generate([p], greedy(6))[0].token_ids for p in prompts]
     drawn = []
     sample = Engine._sample
-    monkeypatch.setattr(Engine, "_sample", lambda self, seq, row: drawn.append(seq.id) or sample(self, seq, row))
+    monkeypatch.setattr(
+        Engine, "_sample", lambda self, seq, row: drawn.append(seq.id) or sample(self, seq, row)
+    )
     assert [o.token_ids for o in llm.generate(prompts, greedy(6))] == alone
     assert not drawn  # every step of the three took the batched argmax
     mixed = [greedy(6), greedy(6, logprobs=2), greedy(6)]
