@@ -83,6 +83,31 @@ def test_fused_rms_norm_keeps_the_torch_bits(kernels, xd, wd):
                     same(f(x, w, 1e-6), torch_path(f, x, w, 1e-6))
 
 
+@pytest.mark.parametrize("xd", DTYPES)
+def test_add_rms_norm_keeps_the_torch_bits(kernels, monkeypatch, xd):
+    """A residual add and the norm after it in one call (norms.add_rms_norm through cpu.add_rms_norm): the
+    torch add's sum and rms_norm's bits, every width, 1-17 rows, 2-D and 3-D; the call is taken; a delta of
+    another shape or dtype, or strided rows, run the two torch ops."""
+    g = torch.Generator().manual_seed(31)
+    with torch.inference_mode():
+        for d in WIDTHS:
+            for shape in ((1, d), (3, d), (17, d), (2, 3, d)):
+                h = (torch.randn(*shape, generator=g) * 4).to(xd)
+                delta = (torch.randn(*shape, generator=g) * torch.rand(*shape[:-1], 1, generator=g)).to(xd)
+                w = (1 + 0.3 * torch.randn(d, generator=g)).to(xd)
+                got, want = fused_and_torch(
+                    monkeypatch, "add_rms_norm", norms.add_rms_norm, h, delta, w, 1e-6
+                )
+                same(got[0], want[0])
+                same(got[1], want[1])
+                same(want[0], h + delta)
+        h = torch.randn(4, 64, generator=g).to(xd)
+        assert cpu.add_rms_norm(h, h[:, :32], torch.ones(64).to(xd), 1e-6, None, xd, xd) is None
+        assert cpu.add_rms_norm(h, h.double(), torch.ones(64).to(xd), 1e-6, None, xd, xd) is None
+        wide = torch.randn(4, 128, generator=g).to(xd)
+        assert cpu.add_rms_norm(wide[:, ::2], h, torch.ones(64).to(xd), 1e-6, None, xd, xd) is None
+
+
 @pytest.mark.parametrize("wd", [torch.bfloat16, torch.float32])
 def test_grouped_gated_norm_keeps_the_torch_bits(kernels, monkeypatch, wd):
     """Mamba-2's gated norm over G groups of each row, each group with its slice of the full-width weight, in

@@ -304,12 +304,15 @@ def test_a_failing_layer_fails_only_its_request(name, monkeypatch):
         llm_.generate([[5, POISON]], greedy(2))
 
 
-def test_an_interrupt_between_forward_and_sampling_keeps_nothing_of_the_step(llm, monkeypatch):
-    # Ctrl-C after the forward, before every sequence has its token: no state is left advanced
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_interrupt_between_forward_and_sampling_keeps_nothing_of_the_step(llm, monkeypatch, batched):
+    # Ctrl-C after the forward, before every sequence has its token (drawn row by row: in the second one's
+    # sample; batched greedy draws: in their one argmax): no state is left advanced
     a, b = random_ids(30, VOCAB, seed=13), random_ids(50, VOCAB, seed=14)
-    want = [o.token_ids for o in llm.generate([a, b], greedy(6))]
+    params = greedy(6) if batched else greedy(6, logprobs=1)  # logprobs: drawn row by row
+    want = [o.token_ids for o in llm.generate([a, b], params)]
     eng = llm.engine
-    seqs = [Sequence(a, greedy(6)), Sequence(b, greedy(6))]
+    seqs = [Sequence(a, params), Sequence(b, params)]
     for s in seqs:
         eng.add(s)
     eng.step(), eng.step()
@@ -319,14 +322,18 @@ def test_an_interrupt_between_forward_and_sampling_keeps_nothing_of_the_step(llm
 
     def interrupted(*args, **kw):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 2 or batched:
             raise KeyboardInterrupt
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine_module, "sample", interrupted)
+    if batched:
+        monkeypatch.setattr(engine_module.Engine, "_greedy_rows", lambda self, draws: interrupted())
+    else:
+        monkeypatch.setattr(engine_module, "sample", interrupted)
     with pytest.raises(KeyboardInterrupt):
         eng.step()
-    monkeypatch.setattr(engine_module, "sample", real)
+    assert calls
+    monkeypatch.undo()
     while not all(s.finished for s in seqs):
         eng.step()
     assert [s.output_ids for s in seqs] == want

@@ -170,6 +170,7 @@ def load(verbose: bool = False):
                 "has_amx",
                 "sinkhorn",
                 "rms_norm",
+                "add_rms_norm",
                 "rope",
                 "delta_rule",
                 "ssd_steps",
@@ -536,6 +537,26 @@ def rms_norm(x, w, eps: float, pre, mid, out, factor=None):
     pre, mid = _TY.get(pre, 0), _TY.get(mid, 0)
     y = mod.rms_norm(x2, w.contiguous(), eps, pre, mid, _TY[out], lanes, threads, _TY.get(factor, 0))
     return y if x.dim() == 2 else y.view(x.shape)
+
+
+def add_rms_norm(x, delta, w, eps: float, pre, mid, out, factor=None):
+    """(x + delta rounded to x's dtype, rms_norm of that sum): a residual add and the norm after it in one call,
+    the same bits as torch's add and `rms_norm` above; None where it does not apply."""
+    d = x.shape[-1] if x.dim() else 0
+    if not (
+        delta.shape == x.shape and delta.dtype == x.dtype and x.is_contiguous() and delta.is_contiguous()
+    ):
+        return None
+    if not (0 < d <= MAX_NORM_WIDTH and w.shape == (d,)):
+        return None
+    mod = _fused_mod(x, delta, w)
+    if mod is None or not (lanes := sum_lanes()):
+        return None
+    x2, d2 = x.reshape(-1, d), delta.reshape(-1, d)
+    pre, mid = _TY.get(pre, 0), _TY.get(mid, 0)
+    h, y = mod.add_rms_norm(x2, d2, w.contiguous(), eps, pre, mid, _TY[out], lanes, _fused_threads(x.numel()),
+                            _TY.get(factor, 0))  # fmt: skip
+    return h.view(x.shape), y.view(x.shape)
 
 
 def rope(x, cos, sin, layout: int, keep: int = 0):

@@ -1949,8 +1949,11 @@ inline void norm_row(float* v, float* sq, const float* w, int64_t D, float eps, 
 // y = rnd_out(w * rnd_mid(x' * rnd_factor(rsqrt(mean(x'^2) + eps)))), x' = rnd_pre(x), per row of x [R, D]
 // (rows strided, values contiguous): layers/norms.py's orders are choices of pre / mid / out / factor. w [G, D]:
 // row r takes w[r % G] (a norm over G groups of each row, as Mamba-2's, with its full-width weight).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t pre, int64_t mid, int64_t out_ty,
-                       int64_t lanes, int64_t nthreads, int64_t factor) {
+// rms_norm and add_rms_norm below: with `delta` [R, D] (x's dtype, contiguous rows), each row is x + delta
+// rounded to x's dtype (torch's add), written to `sum`, then normed.
+torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor* delta, torch::Tensor* sum, const torch::Tensor& w,
+                        double eps_d, int64_t pre, int64_t mid, int64_t out_ty, int64_t lanes, int64_t nthreads,
+                        int64_t factor) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (w.dim() == 1 || w.dim() == 2) && w.is_contiguous() &&
                     w.size(-1) == x.size(1),
                 "rms_norm: x [R, D] with contiguous rows, w [D] or [G, D] (row r takes w[r % G])");
@@ -1961,6 +1964,17 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t p
     const char* xp = reinterpret_cast<const char*>(x.data_ptr());
     char* op = reinterpret_cast<char*>(out.data_ptr());
     const int64_t xe = x.element_size(), oe = out.element_size();
+    const char* dp = nullptr;
+    char* sp = nullptr;
+    int64_t ds = 0;
+    if (delta) {
+        TORCH_CHECK(delta->dim() == 2 && delta->size(0) == R && delta->size(1) == D && delta->stride(1) == 1 &&
+                        delta->scalar_type() == x.scalar_type(), "add_rms_norm: delta [R, D] in x's dtype, rows contiguous");
+        *sum = torch::empty({R, D}, x.options());
+        dp = reinterpret_cast<const char*>(delta->data_ptr());
+        sp = reinterpret_cast<char*>(sum->data_ptr());
+        ds = delta->stride(0);
+    }
     const float eps = (float)eps_d;
     const int64_t G = w.dim() == 2 ? w.size(0) : 1;
     std::vector<float> wf(G * D);
@@ -1970,6 +1984,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t p
         float* v = xv.data();
         for (int64_t r = r0; r < r1; ++r) {
             load_row(tx, xp + r * xs * xe, v, D);
+            if (dp) {
+                load_row(tx, dp + r * ds * xe, sq.data(), D);
+                for (int64_t k = 0; k < D; ++k) v[k] = v[k] + sq[k];
+                round_row(tx, v, D);
+                store_row(tx, v, sp + r * D * xe, D);
+            }
             norm_row(v, sq.data(), wf.data() + (r % G) * D, D, eps, (int)pre, (int)mid, (int)factor, lanes);
             store_row((int)out_ty, v, op + r * D * oe, D);
         }
@@ -1984,6 +2004,17 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps_d, int64_t p
         rows(0, R);
     }
     return out;
+}
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t pre, int64_t mid, int64_t out_ty,
+                       int64_t lanes, int64_t nthreads, int64_t factor) {
+    return norm_rows(x, nullptr, nullptr, w, eps, pre, mid, out_ty, lanes, nthreads, factor);
+}
+// A residual add and the norm after it: {x + delta, rms_norm of it} (vLLM's fused_add_rms_norm), one call.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps, int64_t pre,
+                                        int64_t mid, int64_t out_ty, int64_t lanes, int64_t nthreads, int64_t factor) {
+    torch::Tensor sum;
+    auto out = norm_rows(x, &delta, &sum, w, eps, pre, mid, out_ty, lanes, nthreads, factor);
+    return {sum, out};
 }
 
 // Rotary embedding of x [n, M, dim] (values contiguous) by cos/sin [n, dim/2] (contiguous, rounded to x's

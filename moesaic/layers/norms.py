@@ -50,14 +50,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(h + delta, rms_norm(h + delta, weight, eps)): a residual add and the norm after it, one launch on a
-    GPU (vLLM's fused_add_rms_norm), the two ops elsewhere."""
-    if tk := kernels("norm", h):
-        got = tk.add_rms_norm(h, delta, weight, eps, *_rms_norm_roundings(h.dtype, weight.dtype))
-        if got is not None:
-            return got
+    """(h + delta, rms_norm(h + delta, weight, eps)): a residual add and the norm after it in one call (vLLM's
+    fused_add_rms_norm: the Triton kernel on a GPU, the compiled one on the CPU), else the two ops."""
+    fused = kernels("norm", h) or cpu
+    if (
+        got := fused.add_rms_norm(h, delta, weight, eps, *_rms_norm_roundings(h.dtype, weight.dtype))
+    ) is not None:
+        return got
     h = h + delta
     return h, rms_norm(h, weight, eps)
+
+
+def pre_norm_layers(h: torch.Tensor, layers, eps: float, after=None) -> torch.Tensor:
+    """h through pre-norm residual blocks, layer by layer: layers [[(norm weight, block), ...]], h = h +
+    block(rms_norm(h, weight)) for each block in turn, each residual add and the next block's norm in one call
+    (add_rms_norm). after(L, h) sees h after layer L (a draft head's taps)."""
+    blocks = [(L, *b) for L, layer in enumerate(layers) for b in layer]
+    x = rms_norm(h, blocks[0][1], eps)
+    for i, (L, _, block) in enumerate(blocks):
+        y = block(x)
+        if i + 1 < len(blocks):
+            h, x = add_rms_norm(h, y, blocks[i + 1][1], eps)
+        else:
+            h = h + y
+        if after is not None and (i + 1 == len(blocks) or blocks[i + 1][0] != L):
+            after(L, h)
+    return h
 
 
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -57,7 +57,7 @@ from ..layers.kda import KDA, KdaDims, KdaState, KdaWeights
 from ..layers.linear import embedding, linear
 from ..layers.mla import MlaWeights, mla_batch, mla_block, mla_project
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe, silu_glu
-from ..layers.norms import rms_norm
+from ..layers.norms import pre_norm_layers, rms_norm
 from ..layers.recurrent import run_recurrent
 from ..weights.bind import Tensors
 from ..weights.contract import Naming, Source, TensorSpec, direct, stacked, stacked_pairs
@@ -502,10 +502,14 @@ class Model:
         """Logits (fp32) of `batch.logit_rows`; appends every sequence's new tokens to its state."""
         eps = self.cfg.rms_norm_eps
         h = embedding(batch.token_ids, self.embed)
-        for L, w in enumerate(self.layers):
-            h = h + self.mixer(L, w, rms_norm(h, w.attn_norm, eps), batch)
-            h = h + self.ffn(w, rms_norm(h, w.mlp_norm, eps))
-            batch.tap(L, h)
+        layers = [
+            [
+                (w.attn_norm, lambda x, L=L, w=w: self.mixer(L, w, x, batch)),
+                (w.mlp_norm, lambda x, w=w: self.ffn(w, x)),
+            ]
+            for L, w in enumerate(self.layers)
+        ]
+        h = pre_norm_layers(h, layers, eps, batch.tap)
         batch.finish()
         batch.tap(FINAL, h)
         h = rms_norm(h[batch.logit_rows], self.norm, eps)

@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from ..layers.linear import embedding, linear
 from ..layers.mla import MlaWeights, mla_batch, mla_block, mla_project
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, moe
-from ..layers.norms import add_rms_norm, rms_norm
+from ..layers.norms import pre_norm_layers, rms_norm
 from ..layers.rope import (
     RopeConfig,
     cos_sin,
@@ -467,16 +467,14 @@ class Model:
         if c.llama4_beta and batch.max_position >= c.llama4_original_max:
             s = 1 + c.llama4_beta * torch.log1p(torch.floor(batch.positions.float() / c.llama4_original_max))
             qscale = s.to(h.dtype)[:, None, None]
-        eps, last = c.rms_norm_eps, len(self.layers) - 1
-        x = rms_norm(h, self.layers[0].attn_norm, eps)
-        for L, w in enumerate(self.layers):  # each residual add and the norm after it in one call
-            h, x = add_rms_norm(h, self.attention(L, w.attn, x, batch, cos, sin, qscale), w.mlp_norm, eps)
-            y = self.mlp(w.mlp, x)
-            if L < last:
-                h, x = add_rms_norm(h, y, self.layers[L + 1].attn_norm, eps)
-            else:
-                h = h + y
-            batch.tap(L, h)
+        layers = [
+            [
+                (w.attn_norm, lambda x, L=L, w=w: self.attention(L, w.attn, x, batch, cos, sin, qscale)),
+                (w.mlp_norm, lambda x, w=w: self.mlp(w.mlp, x)),
+            ]
+            for L, w in enumerate(self.layers)
+        ]
+        h = pre_norm_layers(h, layers, c.rms_norm_eps, batch.tap)
         batch.finish()
         batch.tap(FINAL, h)
         h = rms_norm(h[batch.logit_rows], self.norm, c.rms_norm_eps)
