@@ -636,8 +636,11 @@ class Model:
         return SequenceState(layers)
 
     # -- mixers
-    def dsa_block(self, L: int, w: Dsa, x: torch.Tensor, batch: ForwardBatch, shared: list | None):
-        """DSA over every sequence; returns (output, the selections it used, one per sequence)."""
+    def dsa_block(
+        self, L: int, w: Dsa, x: torch.Tensor, batch: ForwardBatch, shared: list | None, causal: dict
+    ):
+        """DSA over every sequence; returns (output, the selections it used, one per sequence). causal: the
+        forward's selections of contexts within index_topk (every pool), which no layer's scores change."""
         c, m, ix = self.cfg, w.mla, w.indexer
         N, H, dn, dv = x.shape[0], c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
         q, _, latent, qr = project_rows(x, m, c.kv_lora_rank, c.rms_norm_eps)
@@ -653,7 +656,8 @@ class Model:
                 P, T, tail = c.index_kpool, held.length, c.index_kpool_always_select_tail
                 pos = s.rows(batch.positions)
                 if dsa.every_pool_fits(T, P, c.index_topk):  # a context within index_topk: all of it
-                    sel = dsa.causal_selection(pos, T, P, c.index_topk, tail, newest=True)
+                    if (sel := causal.get((j, T))) is None:
+                        sel = causal[j, T] = dsa.causal_selection(pos, T, P, c.index_topk, tail, newest=True)
                 else:
                     if queries is None:
                         queries = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
@@ -687,12 +691,13 @@ class Model:
         c, eps = self.cfg, self.cfg.rms_norm_eps
         hs = mhc.Streams(mhc.expand(embedding(batch.token_ids, self.embed), c.hc_mult), self.hc)  # [N, n, d]
         selections = None  # of the most recent full DSA layer, one per sequence
+        causal = {}  # (sequence, keys) -> its selection where every pool fits: the same in every layer
         for L, w in enumerate(self.layers):
             x = hs.enter(w.attn_site, rms_norm, w.attn_norm, eps)
             if isinstance(w.mixer, KdaWeights):
                 y = run_recurrent(kda.KDA, w.mixer, self.kda_dims, L, x, batch)
             else:
-                y, sel = self.dsa_block(L, w.mixer, x, batch, selections)
+                y, sel = self.dsa_block(L, w.mixer, x, batch, selections, causal)
                 if w.mixer.indexer is not None:
                     selections = sel
             hs.leave(y)

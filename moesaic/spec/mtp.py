@@ -76,7 +76,7 @@ class GlmHead:
         m, w, eps = self.model, self.w, self.model.cfg.rms_norm_eps
         e = F.embedding(batch.token_ids, m.embed)
         x = linear(torch.cat([rms_norm(e, w.enorm, eps), rms_norm(h, w.hnorm, eps)], dim=-1), w.eh_proj)
-        x = x + m.dsa_block(0, w.attn, rms_norm(x, w.attn_norm, eps), batch, None)[0]
+        x = x + m.dsa_block(0, w.attn, rms_norm(x, w.attn_norm, eps), batch, None, {})[0]
         return x + m.mlp(w.mlp, rms_norm(x, w.mlp_norm, eps))
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
