@@ -5,6 +5,7 @@ delta rule in one call (`delta_rule`) matches its torch loop to rounding and is 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -995,6 +996,42 @@ def test_kda_project_keeps_the_torch_bits(kernels, monkeypatch, variant):
     ops = [kda.operand(m) for m in (w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj)]
     assert cpu.kda_project(x, ops + [ops[0]], w.A_log, w.dt_bias, D, None) is None
     assert kda.operand(torch.randn(4, 4)) is None  # an fp32 weight: kda_project is not asked
+
+
+@pytest.mark.parametrize("variant", ["kimi_linear", "glm5_next", "kimi_k3"])
+def test_kda_row_keeps_the_phases_bits(kernels, variant):
+    """layers/kda.py's kda_row (cpu.kda_block: kda_project, kda_recur and kda_output for one decode row in one
+    call) gives the three phases' output, state and conv tail bit for bit: the three variants' laws and gates,
+    bf16 and mxfp4 weights, stacked and not, from a fresh state and then from its own state for a few rows; it
+    declines a second row, and an fp32 output weight."""
+    from moesaic.weights.quant import from_suffix_dict, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(37)
+    d, H, D, K = 64, 2, 32, 4
+    dims = kda.KdaDims.for_variant(variant, d, H, D)
+    bf = lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16()  # noqa: E731
+    mx = lambda *s: from_suffix_dict(quantize_mxfp4(torch.randn(*s, generator=g) * 0.2))  # noqa: E731
+    for make in (bf, mx):
+        w = kda.KdaWeights(
+            q_proj=make(H * D, d), k_proj=make(H * D, d), v_proj=make(H * D, d),
+            conv=torch.randn(3 * H * D, K, generator=g), f_a_proj=make(D, d), f_b_proj=make(H * D, D),
+            dt_bias=torch.randn(H * D, generator=g), A_log=torch.rand(H, generator=g), b_proj=make(H, d),
+            o_norm=1 + 0.1 * torch.randn(D, generator=g), o_proj=bf(d, H * D),
+            g_a_proj=None if dims.full_rank_gate else make(D, d),
+            g_b_proj=None if dims.full_rank_gate else make(H * D, D),
+            g_proj=make(H * D, d) if dims.full_rank_gate else None,
+        )  # fmt: skip
+        for weights in (w, kda.stack_inputs(w)):
+            state = ref = kda.KdaState.zeros(dims)
+            for _ in range(3):
+                x = torch.randn(1, d, generator=g).bfloat16()
+                y, state = kda.kda_row(x, weights, dims, state)
+                want, ref, _ = kda.KDA.run(x, weights, dims, ref)
+                assert torch.equal(y, want) and y.dtype == want.dtype, (variant, make)
+                assert torch.equal(state.recurrent, ref.recurrent) and torch.equal(state.conv, ref.conv)
+            assert kda.kda_row(torch.randn(2, d, generator=g).bfloat16(), weights, dims, state) is None
+    w32 = dataclasses.replace(w, o_proj=torch.randn(d, H * D, generator=g))
+    assert kda.kda_row(torch.randn(1, d, generator=g).bfloat16(), w32, dims, state) is None
 
 
 @pytest.mark.parametrize("demo", ["demo-mistral4", "demo-kimi-linear"])

@@ -185,6 +185,7 @@ def load(verbose: bool = False):
                 "dsa_gathered",
                 "mamba2_recur",
                 "kda_project",
+                "kda_block",
                 "mla_project",
                 "mla_block",
                 "v4_inputs",
@@ -982,6 +983,33 @@ def kda_project(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound, stacke
     lb = None if lower_bound is None else float(lower_bound)
     out = mod.kda_project(x, ops, threads, A_log, dt_bias, head_dim, lb, _path(), list(stacked))
     stats["kernel_calls"] += len(ops)
+    return tuple(out)
+
+
+def kda_block(x, ops: list, A_log, dt_bias, head_dim: int, lower_bound, stacked: tuple, tail, conv_w, S, eps: float,
+              o_norm, norm_eps: float, o_op):  # fmt: skip
+    """layers/kda.py's kda_row (kda_project, kda_recur and kda_output for one decode row of one sequence, no
+    snapshots) in one call, with the threads each phase's own call would take: the same bits. (y [1, d], the new
+    state, the conv's padded input [K, C]), or None where it does not apply (the caller runs the phases)."""
+    if not (x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and o_op is not None):
+        return None
+    if not (tail.is_contiguous() and S.dtype == torch.float32 and S.is_contiguous() and S.dim() == 3):
+        return None
+    mod = (
+        _fused_mod(x, A_log, dt_bias, tail, conv_w, S, o_norm)
+        if _operands_fit([*ops, o_op], x.dtype)
+        else None
+    )
+    if mod is None or not (lanes := sum_lanes()):
+        return None
+    H = S.shape[0]
+    lb = None if lower_bound is None else float(lower_bound)
+    out = mod.kda_block(
+        x, ops, _own_threads(ops, 1), A_log, dt_bias, head_dim, lb, _path(), list(stacked), tail, conv_w, S, eps,
+        _delta_threads(1, H, head_dim, head_dim), lanes, o_norm, norm_eps, _fused_threads(H * head_dim), [o_op],
+        _own_threads([o_op], 1)[0],
+    )  # fmt: skip
+    stats["kernel_calls"] += len(ops) + 2
     return tuple(out)
 
 

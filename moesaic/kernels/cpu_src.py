@@ -3009,6 +3009,37 @@ std::vector<torch::Tensor> kda_project(torch::Tensor x, std::vector<Operand> ops
     return {qkv, g, beta, gate};
 }
 
+// layers/kda.py's kda_row: the whole KDA mixer for one decode row of one sequence (no snapshots) in one call,
+// the calls its three phases make in their order: kda_project (its operands and threads), kda_step (the
+// recurrence from the conv tail and state S), the gated head norm (rms_norm of each head's o in fp32 with
+// o_norm, times sigmoid(gate) in fp32, rounded to the gate's dtype) and o's product. The same bits; one
+// crossing from Python instead of ~10. Returns {y [1, d], the new state, the conv's padded input [K, C]}.
+std::vector<torch::Tensor> kda_block(torch::Tensor x, std::vector<Operand> ops, std::vector<int64_t> threads,
+                                     torch::Tensor A_log, torch::Tensor dt_bias, int64_t head_dim,
+                                     std::optional<double> lower_bound, int64_t path, std::vector<int64_t> stacked,
+                                     torch::Tensor tail, torch::Tensor conv_w, torch::Tensor S, double eps,
+                                     int64_t rec_threads, int64_t lanes, torch::Tensor o_norm, double norm_eps,
+                                     int64_t norm_threads, std::vector<Operand> o_op, int64_t o_threads) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && o_op.size() == 1, "kda_block: one row, one output operand");
+    const auto p = kda_project(x, ops, threads, A_log, dt_bias, head_dim, lower_bound, path, stacked);
+    const auto &qkv = p[0], &g = p[1], &beta = p[2], &gate = p[3];
+    const int64_t H = g.size(1), D = head_dim, HD = H * D;
+    TORCH_CHECK(qkv.is_contiguous() && tail.is_contiguous() && S.scalar_type() == torch::kFloat32 && S.is_contiguous() &&
+                    gate.numel() == HD, "kda_block: contiguous rows and an fp32 state");
+    const auto r = kda_step(qkv, g, beta, tail, conv_w, S, H, D, eps, std::pow((double)D, -0.5), rec_threads, lanes);
+    const auto normed = rms_norm(r[0].view({H, D}), o_norm, norm_eps, 0, 0, F32, lanes, norm_threads, 0);
+    std::vector<float> sg(HD);
+    const auto gc = gate.contiguous();
+    load_row(ty_of(gc), gc.data_ptr(), sg.data(), HD);
+    auto sgt = torch::from_blob(sg.data(), {1, H, D}, torch::TensorOptions().dtype(torch::kFloat32));
+    at::sigmoid_(sgt);
+    const float* np_ = normed.data_ptr<float>();
+    for (int64_t i = 0; i < HD; ++i) sg[i] = np_[i] * sg[i];
+    auto o = torch::empty({1, HD}, gate.options());
+    store_row(ty_of(gate), sg.data(), o.data_ptr(), HD);
+    return {operand_gemm(o, o_op[0], std::nullopt, o_threads, path), r[1], r[3]};
+}
+
 // layers/mla.py's mla_project for a few rows: ops (q, kv_a) or (q_a, q_b, kv_a), each through gemm with the
 // threads its own `linear` call would take; norms (kv_a_norm) or (q_a_norm, kv_a_norm), each as layers/norms.py's
 // rms_norm with weights of x's dtype (the fused norm: the mean in torch's order, rounded to x's dtype, times the

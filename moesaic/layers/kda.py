@@ -319,18 +319,41 @@ def stack_inputs(w: KdaWeights) -> KdaWeights:
     return dataclasses.replace(w, x_stack=stacks[0], **{f: swap[id(getattr(w, f))] for f in fields})
 
 
+def _project_operands(w: KdaWeights) -> tuple[list, tuple]:
+    """kda_project's operands as cpu.kda_project takes them: (q, k, v, f_a, f_b, b, then g or g_a, g_b), or the
+    stack of x's six products, then f_b (and g_b); and the stack's part sizes (() without one)."""
+    low_rank = [] if w.g_proj is not None else [w.g_b_proj]
+    if w.x_stack is not None:
+        mats, stacked = [w.x_stack.weight, w.f_b_proj] + low_rank, w.x_stack.sizes
+    else:
+        mats, stacked = [w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj], ()
+        mats += [w.g_proj] if w.g_proj is not None else [w.g_a_proj, w.g_b_proj]
+    return [operand(m) for m in mats], stacked
+
+
+def kda_row(x: Tensor, w: KdaWeights, dims: KdaDims, state: KdaState) -> tuple[Tensor, KdaState] | None:
+    """The mixer for one decode row of one sequence in one compiled call on the CPU (cpu.kda_block:
+    kda_project, kda_recur and kda_output's operations in their order, the same bits, one crossing from Python
+    instead of ~10): (y [1, d], the new state), or None where it does not apply (the three phases run)."""
+    if kernels("kda", x) or x.shape[0] != 1:
+        return None
+    ops, stacked = _project_operands(w)
+    got = cpu.kda_block(
+        x, ops, w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound, stacked, state.conv, w.conv,
+        state.recurrent, L2NORM_EPS, w.o_norm, dims.norm_eps, operand(w.o_proj),
+    )  # fmt: skip
+    if got is None:
+        return None
+    y, S, full = got
+    return y, KdaState(conv=full[1:], recurrent=S)  # the conv tail after the row: as kda_recur keeps it
+
+
 def kda_project(x: Tensor, w: KdaWeights, dims: KdaDims) -> tuple[Tensor, ...]:
     """The row-wise part before the recurrence, for every row of a batch at once (no state): the q|k|v
     projections [N, 3HD] in x's dtype, the log-decay g [N, H, Dk] and beta [N, H] in fp32, the output
     gate's projection [N, H*Dv]."""
     if not kernels("kda", x):  # decode rows and verify blocks on the CPU: the code below in one call
-        low_rank = [] if w.g_proj is not None else [w.g_b_proj]
-        if w.x_stack is not None:
-            mats, stacked = [w.x_stack.weight, w.f_b_proj] + low_rank, w.x_stack.sizes
-        else:
-            mats, stacked = [w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj], ()
-            mats += [w.g_proj] if w.g_proj is not None else [w.g_a_proj, w.g_b_proj]
-        ops = [operand(m) for m in mats]
+        ops, stacked = _project_operands(w)
         fused = cpu.kda_project(x, ops, w.A_log, w.dt_bias, dims.head_dim, dims.lower_bound, stacked)
         if fused is not None:
             return fused
@@ -412,7 +435,7 @@ def kda_stepped(t: Tensor) -> bool:
     return t.is_cpu and not kernels("kda", t)
 
 
-KDA = RecurrentMixer(kda_project, kda_recur, kda_output, kda_fold, kda_unfold, kda_stepped)
+KDA = RecurrentMixer(kda_project, kda_recur, kda_output, kda_fold, kda_unfold, kda_stepped, kda_row)
 
 
 def kda_mixer(

@@ -34,6 +34,9 @@ class RecurrentMixer:
     # (its state's bits then do not depend on where the snapshots begin), so that a forward asks only the
     # snapshots its rollback window keeps; None: a longer forward may take a chunked scan
     stepped: Callable | None = None
+    # row(x [1, d], w, dims, state) -> (y, new state): all three phases for one sequence's one row (a decode
+    # step at batch 1) where one call serves it, else None
+    row: Callable | None = None
 
     def run(self, x, w, dims, state, snapshot_last: int = 0):
         """One sequence's rows x, continuing `state`: (y, new state, snapshots)."""
@@ -52,6 +55,13 @@ def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch
     per sequence, continuing each state and keeping the snapshots its rollback window needs; returns y for
     all rows."""
     w, reduce = _local_output(w)
+    if mixer.row is not None and x.shape[0] == 1 and reduce is None:  # one sequence's decode row
+        layer = batch.seqs[0].state.layers[L]
+        if (done := mixer.row(x, w, dims, layer.value)) is not None:
+            y, new = done
+            # its snapshot, where the rollback window keeps one, is the new state (as below)
+            layer.advance(new, [new] if layer.snapshots_needed(1) else [], 1)
+            return y
     feats = mixer.project(x, w, dims)
     groups: dict[tuple[int, int], list] = {}
     for s in batch.seqs:
