@@ -1826,6 +1826,23 @@ void sinkhorn(torch::Tensor c, int64_t iters, double eps_d) {
 #endif
 
 namespace {
+// The seconds spent in the weight products inside calls that also do other work (mhc_enter's site product,
+// dsa_gathered_bf16's W_k and W_v, kda_block's kda_project and o's product), for a benchmark's split of a step
+// into products and the rest (thread seconds: wall seconds on one thread). Counted only while switched on
+// (product_seconds).
+std::atomic<bool> product_clock_on{false};
+std::atomic<int64_t> product_clock_ns{0};
+struct ProductClock {  // times its scope where the clock is on
+    const bool on = product_clock_on.load(std::memory_order_relaxed);
+    const std::chrono::steady_clock::time_point t0 = on ? std::chrono::steady_clock::now()
+                                                         : std::chrono::steady_clock::time_point{};
+    ~ProductClock() {
+        if (on)
+            product_clock_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::steady_clock::now() - t0).count();
+    }
+};
+
 enum Ty { F32 = 0, BF16T = 1, F16T = 2 };  // a storage / rounding type
 
 // always_inline: GCC does not inline across the optimize attributes of these regions otherwise (mla_absorbed,
@@ -3021,7 +3038,11 @@ std::vector<torch::Tensor> kda_block(torch::Tensor x, std::vector<Operand> ops, 
                                      int64_t rec_threads, int64_t lanes, torch::Tensor o_norm, double norm_eps,
                                      int64_t norm_threads, std::vector<Operand> o_op, int64_t o_threads) {
     TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && o_op.size() == 1, "kda_block: one row, one output operand");
-    const auto p = kda_project(x, ops, threads, A_log, dt_bias, head_dim, lower_bound, path, stacked);
+    std::vector<torch::Tensor> p;
+    {
+        ProductClock clock;
+        p = kda_project(x, ops, threads, A_log, dt_bias, head_dim, lower_bound, path, stacked);
+    }
     const auto &qkv = p[0], &g = p[1], &beta = p[2], &gate = p[3];
     const int64_t H = g.size(1), D = head_dim, HD = H * D;
     TORCH_CHECK(qkv.is_contiguous() && tail.is_contiguous() && S.scalar_type() == torch::kFloat32 && S.is_contiguous() &&
@@ -3037,6 +3058,7 @@ std::vector<torch::Tensor> kda_block(torch::Tensor x, std::vector<Operand> ops, 
     for (int64_t i = 0; i < HD; ++i) sg[i] = np_[i] * sg[i];
     auto o = torch::empty({1, HD}, gate.options());
     store_row(ty_of(gate), sg.data(), o.data_ptr(), HD);
+    ProductClock clock;
     return {operand_gemm(o, o_op[0], std::nullopt, o_threads, path), r[1], r[3]};
 }
 
@@ -3327,21 +3349,6 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
 #pragma GCC optimize("fp-contract=off")
 #endif
 namespace {
-// The seconds spent in the weight products inside calls that also do other work (mhc_enter's site product,
-// dsa_gathered_bf16's W_k and W_v), for a benchmark's split of a step into products and the rest (thread
-// seconds: wall seconds on one thread). Counted only while switched on (product_seconds).
-std::atomic<bool> product_clock_on{false};
-std::atomic<int64_t> product_clock_ns{0};
-struct ProductClock {  // times its scope where the clock is on
-    const bool on = product_clock_on.load(std::memory_order_relaxed);
-    const std::chrono::steady_clock::time_point t0 = on ? std::chrono::steady_clock::now()
-                                                         : std::chrono::steady_clock::time_point{};
-    ~ProductClock() {
-        if (on)
-            product_clock_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                    std::chrono::steady_clock::now() - t0).count();
-    }
-};
 
 // A thread's buffers for rows_on's bodies, kept between calls (apart from gemm's Scratch): mhc_collapse's 0 (and
 // f32_rows_into's, which asks for none), mhc_mix's 1, mhc_enter's 2 and 3, the attention calls' 4; each grown to
