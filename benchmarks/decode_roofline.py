@@ -147,7 +147,8 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
     torch's mm / bmm / matmul are timed (wall clock) around each call; cpu.ffn_rows (a token's whole
     feed-forward block: its products, a silu, a mul and the weighted sum), cpu.moe_rows (the same with the
     router's product and the routing's few ops), cpu.kda_project (KDA's eight row-wise products, the log-decay
-    and beta), cpu.mla_project (MLA's q_a, q_b and kv_a products and two norms), cpu.mla_block (an MLA module's
+    and beta), cpu.mla_project (MLA's q_a, q_b and kv_a products and two norms; cpu.dsa_project: those and the
+    DSA indexer's wk, its LayerNorm and gate), cpu.mla_block (an MLA module's
     decode rows: mla_project's products, o's, and with them the ropes, the page writes and the absorbed
     attention, ~50 us a layer of Mistral-4's at these lengths), cpu.v4_inputs (DeepSeek-V4's q_b product with
     its two norms, head RMS and ropes) and cpu.v4_output (its inverse rope, grouped o_a and o_b products) are
@@ -173,6 +174,7 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
         "moe_rows",
         "kda_project",
         "mla_project",
+        "dsa_project",
         "mla_block",
         "v4_inputs",
         "v4_output",

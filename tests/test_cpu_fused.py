@@ -921,6 +921,40 @@ def test_mamba2_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
     assert cpu.mamba2_recur(*rows[1:], st.conv, w.conv_weight, None, w.A_log, w.D, st.ssm, dims, 4) is None
 
 
+def test_dsa_projections_and_keys_keep_the_torch_bits(kernels, monkeypatch):
+    """layers/dsa.py's project_rows_and_keys in one call (cpu.dsa_project: q_a, its norm, q_b, kv_a, its norm,
+    then the indexer's wk with its LayerNorm and gate) gives the torch code's q, latent, qr, k and z bit for bit
+    at 1 to MAX_ROWS rows, bf16 and mxfp4 weights; the call is taken; without an indexer it is project_rows."""
+    from moesaic.layers import dsa
+    from moesaic.weights.quant import from_suffix_dict, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(41)
+    d, H, dn, kvr, qr, c = 96, 3, 32, 64, 64, 32
+    makes = {
+        "bf16": lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16(),
+        "mxfp4": lambda *s: from_suffix_dict(quantize_mxfp4(torch.randn(*s, generator=g) * 0.2)),
+    }
+    norm = lambda n: (1 + 0.1 * torch.randn(n, generator=g)).bfloat16()  # noqa: E731
+    for name, make in makes.items():
+        w = mla.MlaWeights(
+            kv_a=make(kvr, d), kv_a_norm=norm(kvr), kv_b=None, o=None, q=None,
+            q_a=make(qr, d), q_a_norm=norm(qr), q_b=make(H * dn, qr),
+        )  # fmt: skip
+        ix = dsa.IndexerWeights(
+            wq_b=None, wk=make(c, d), k_norm=norm(c), k_norm_bias=(0.1 * torch.randn(c, generator=g)).bfloat16(),
+            weights_proj=None, ape=None, gate=make(c, d),
+        )  # fmt: skip
+        for n in (1, 3, cpu.MAX_ROWS):
+            x = torch.randn(n, d, generator=g).bfloat16()
+            got, want = fused_and_torch(
+                monkeypatch, "dsa_project", dsa.project_rows_and_keys, x, w, ix, kvr, 1e-6
+            )
+            for a, b in zip([*got[:3], *got[3]], [*want[:3], *want[3]]):
+                assert a.dtype == b.dtype and torch.equal(a, b), (name, n)
+        plain = dsa.project_rows_and_keys(x, w, None, kvr, 1e-6)
+        assert plain[3] is None and torch.equal(plain[0], got[0])
+
+
 def test_mla_project_keeps_the_torch_bits(kernels, monkeypatch):
     """layers/mla.py's mla_project in one call (cpu.mla_project: the two or three products as `linear` computes
     each, the q_a and kv_a norms as layers/norms.py's rms_norm) gives the torch code's q, latent and key slice

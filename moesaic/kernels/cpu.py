@@ -187,6 +187,7 @@ def load(verbose: bool = False):
                 "kda_project",
                 "kda_block",
                 "mla_project",
+                "dsa_project",
                 "mla_block",
                 "v4_inputs",
                 "v4_output",
@@ -1033,6 +1034,24 @@ def mla_project(x, ops: list, norms: list, eps: float, kvr: int):
     threads = _own_threads(ops, x.shape[0])
     norms = [n.contiguous() for n in norms]
     out = mod.mla_project(x, ops, threads, norms, eps, kvr, lanes, _path())
+    stats["kernel_calls"] += len(ops)
+    return tuple(out)
+
+
+def dsa_project(x, ops: list, norms: list, eps: float, kvr: int, k_norm, k_bias, k_eps: float):
+    """mla_project's (ops q_a, q_b, kv_a; norms q_a_norm, kv_a_norm) and the DSA indexer's keys of the same rows
+    (ops wk, gate: k = layer_norm(x wkᵀ) with k_norm and k_bias, z = x gateᵀ) in one call, the same bits as
+    the separate calls: (q, kv, latent, qr, k, z), or None where it does not apply."""
+    if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and len(ops) == 5):
+        return None
+    if not (_norms_fit(norms, x.dtype) and k_norm.dtype == k_bias.dtype == x.dtype):
+        return None
+    mod = _fused_mod(x, *norms, k_norm, k_bias) if _operands_fit(ops, x.dtype) else None
+    if mod is None or not (lanes := sum_lanes()):
+        return None
+    threads = _own_threads(ops, x.shape[0])
+    norms = [n.contiguous() for n in norms]
+    out = mod.dsa_project(x, ops, threads, norms, eps, kvr, lanes, _path(), k_norm, k_bias, k_eps)
     stats["kernel_calls"] += len(ops)
     return tuple(out)
 

@@ -3085,6 +3085,23 @@ std::vector<torch::Tensor> mla_project(torch::Tensor x, std::vector<Operand> ops
     return out;
 }
 
+// GLM-5.3's DSA projections of x for a few rows (layers/dsa.py project_rows_and_keys): mla_project's (ops q_a,
+// q_b, kv_a and their norms), then the indexer's keys of the same rows, k = layer_norm(x W_kᵀ) with its weight
+// and bias (torch's layer_norm) and z = x W_gateᵀ (ops 3 and 4): the same bits as the separate calls. Returns
+// {q, kv, latent, qr, k, z}.
+std::vector<torch::Tensor> dsa_project(torch::Tensor x, std::vector<Operand> ops, std::vector<int64_t> threads,
+                                       std::vector<torch::Tensor> norms, double eps, int64_t kvr, int64_t lanes,
+                                       int64_t path, torch::Tensor k_norm, torch::Tensor k_bias, double k_eps) {
+    TORCH_CHECK(ops.size() == 5 && threads.size() == 5 && norms.size() == 2,
+                "dsa_project: q_a, q_b, kv_a, the indexer's wk and gate; two norms");
+    auto out = mla_project(x, {ops[0], ops[1], ops[2]}, {threads[0], threads[1], threads[2]}, norms, eps, kvr, lanes,
+                           path);
+    const auto k = operand_gemm(x, ops[3], std::nullopt, threads[3], path);
+    out.push_back(at::layer_norm(k, {k.size(-1)}, k_norm, k_bias, k_eps));
+    out.push_back(operand_gemm(x, ops[4], std::nullopt, threads[4], path));
+    return out;
+}
+
 // layers/mla.py's mla_block: an MLA module for rows whose sequences all take the absorbed path over one pool's
 // pages (decode rows, verify blocks), in one call where Python made ~40 small calls and ops a layer (~100 us
 // there from memory, docs/perf.md): mla_project (ops: its operands, then o's), q viewed as [n, H, dn + dr], the

@@ -35,8 +35,8 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, matmul, product_limit
-from .mla import page_tables, shared_pages
+from .linear import linear, matmul, operand, product_limit
+from .mla import page_tables, project_rows, shared_pages
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
 
@@ -69,6 +69,21 @@ def indexer_keys(x: Tensor, w: IndexerWeights) -> tuple[Tensor, Tensor]:
     """The per-token indexer cache rows of x [n, d]: (k [n, c_I], z [n, c_I]) in x's dtype."""
     k = F.layer_norm(linear(x, w.wk), (w.k_norm.shape[0],), w.k_norm, w.k_norm_bias, INDEXER_NORM_EPS)
     return k, linear(x, w.gate)
+
+
+def project_rows_and_keys(x: Tensor, m, ix: IndexerWeights | None, kvr: int, eps: float):
+    """(q, latent, qr, (k, z) or None): mla.project_rows of a DSA layer's input and, with an indexer, its keys
+    (indexer_keys), in one compiled call for decode rows and verify blocks on the CPU (the same bits)."""
+    if ix is not None and x.is_cpu and x.shape[0] <= cpu.MAX_ROWS and m.q is None:
+        ops = [operand(t) for t in (m.q_a, m.q_b, m.kv_a, ix.wk, ix.gate)]
+        fused = cpu.dsa_project(
+            x, ops, [m.q_a_norm, m.kv_a_norm], eps, kvr, ix.k_norm, ix.k_norm_bias, INDEXER_NORM_EPS
+        )
+        if fused is not None:
+            q, _, latent, qr, k, z = fused
+            return q, latent, qr, (k, z)
+    q, _, latent, qr = project_rows(x, m, kvr, eps)
+    return q, latent, qr, None if ix is None else indexer_keys(x, ix)
 
 
 def pool_keys(k: Tensor, z: Tensor, ape: Tensor) -> Tensor:

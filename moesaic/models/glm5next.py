@@ -48,7 +48,7 @@ from ..errors import CheckpointError, ConfigError
 from ..layers import dsa, kda, mhc
 from ..layers.kda import KdaDims, KdaState, KdaWeights
 from ..layers.linear import embedding, linear
-from ..layers.mla import MlaWeights, project_rows
+from ..layers.mla import MlaWeights
 from ..layers.moe import Mlp, MoeSpec, MoeWeights, Router, clamped_silu_glu, moe
 from ..layers.norms import rms_norm
 from ..layers.recurrent import run_recurrent
@@ -643,10 +643,10 @@ class Model:
         forward's selections of contexts within index_topk (every pool), which no layer's scores change."""
         c, m, ix = self.cfg, w.mla, w.indexer
         N, H, dn, dv = x.shape[0], c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
-        q, _, latent, qr = project_rows(x, m, c.kv_lora_rank, c.rms_norm_eps)
+        q, latent, qr, keys = dsa.project_rows_and_keys(x, m, ix, c.kv_lora_rank, c.rms_norm_eps)
         q = q.view(N, H, dn)
         if ix is not None:
-            k, z = dsa.indexer_keys(x, ix)
+            k, z = keys
             queries = None  # the indexer's queries, computed for the first sequence that needs scores
         selections = []
         for j, s in enumerate(batch.seqs):
