@@ -2274,6 +2274,45 @@ void conv_taps(const float* x, const float* w, const float* b, float* out, int64
 #pragma GCC pop_options
 #endif
 
+// kda_recur's inputs of n rows: full [K - 1 + n, C] (fp32, written) = the conv tail's rows, then qkv's; ys [n, C]
+// (written) = the short conv's taps over full, then torch's SiLU in place; pp [3, H, n, D] (written) = q | k | v
+// of each row rounded to qkv's dtype, q and k divided by sqrt(sum(x * x) + eps) (norms [2, H, n]: scratch, the
+// sqrt torch's), q scaled. The Python code's float operations in its order.
+void kda_inputs(const torch::Tensor& tail, const torch::Tensor& qkv, const torch::Tensor& conv_w, int64_t H,
+                int64_t D, double eps, double qscale, int64_t lanes, float* fp, float* ys, float* pp, float* norms) {
+    const int64_t n = qkv.size(0), K = conv_w.size(-1), C = qkv.size(1);
+    const auto tc = tail.contiguous(), xc = qkv.contiguous(), wc = conv_w.contiguous();
+    load_row(ty_of(tc), tc.data_ptr(), fp, (K - 1) * C);
+    load_row(ty_of(xc), xc.data_ptr(), fp + (K - 1) * C, n * C);
+    std::vector<float> wf(C * K), sq(D);
+    load_row(ty_of(wc), wc.data_ptr(), wf.data(), C * K);
+    conv_taps(fp, wf.data(), nullptr, ys, n, C, K);
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    auto yt = torch::from_blob(ys, {n, C}, f32);
+    at::silu_(yt);
+    const int tq = ty_of(qkv);
+    const float epsf = (float)eps, qs = (float)qscale;
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t part = 0; part < 3; ++part)
+            for (int64_t h = 0; h < H; ++h) {
+                float* x = pp + ((part * H + h) * n + t) * D;
+                std::copy_n(ys + t * C + (part * H + h) * D, D, x);
+                round_row(tq, x, D);
+                if (part == 2) continue;
+                norms[(part * H + h) * n + t] = sum_squares(x, sq.data(), D, lanes) + epsf;
+            }
+    auto nt = torch::from_blob(norms, {2, H, n}, f32);
+    at::sqrt_(nt);  // torch's sqrt (MKL's where torch has it: not always the nearest float)
+    for (int64_t part = 0; part < 2; ++part)
+        for (int64_t r = 0; r < H * n; ++r) {
+            float* x = pp + (part * H * n + r) * D;
+            const float root = norms[part * H * n + r];
+            for (int64_t i = 0; i < D; ++i) x[i] = x[i] / root;
+            if (part == 0)
+                for (int64_t i = 0; i < D; ++i) x[i] = x[i] * qs;
+        }
+}
+
 // kda_recur below for one decode row without snapshots: the same operations, the same bits, with three
 // allocations and torch's SiLU, sqrt and exp in place on scratch rows instead of ~25 tensor ops (after a
 // step's weight stream each op's code is cold: ~100 us a call in place against ~40 us hot). The state S0
@@ -2288,38 +2327,12 @@ std::vector<torch::Tensor> kda_step(const torch::Tensor& qkv, const torch::Tenso
     auto full = torch::empty({K, C}, qkv.options().dtype(f32));
     auto S = torch::empty({H, D, D}, full.options());
     auto o = torch::empty({1, H, D}, full.options());
-    float* fp = full.data_ptr<float>();
-    load_row(ty_of(tail), tail.data_ptr(), fp, (K - 1) * C);
-    load_row(ty_of(qkv), qkv.data_ptr(), fp + (K - 1) * C, C);
-    const auto wc = conv_w.contiguous();
-    // scratch: the conv weights [C, K], y [C], q | k | v [3, H, D], exp(g) [H, D], the norms [2, H]
-    std::vector<float> wf(C * K), y(C), parts(3 * H * D), e(H * D), norms(2 * H), sq(D);
-    load_row(ty_of(wc), wc.data_ptr(), wf.data(), C * K);
-    conv_taps(fp, wf.data(), nullptr, y.data(), 1, C, K);
-    const auto cpu = torch::TensorOptions().dtype(f32);
-    auto yt = torch::from_blob(y.data(), {1, C}, cpu);
-    at::silu_(yt);
-    const int tq = ty_of(qkv);
-    for (int64_t part = 0; part < 3; ++part)
-        for (int64_t h = 0; h < H; ++h) {
-            float* x = parts.data() + (part * H + h) * D;
-            std::copy_n(y.data() + (part * H + h) * D, D, x);
-            round_row(tq, x, D);
-            if (part < 2) norms[part * H + h] = sum_squares(x, sq.data(), D, lanes) + (float)eps;
-        }
-    auto nt = torch::from_blob(norms.data(), {2, H, 1}, cpu);
-    at::sqrt_(nt);
-    const float qs = (float)qscale;
-    for (int64_t part = 0; part < 2; ++part)
-        for (int64_t h = 0; h < H; ++h) {
-            float* x = parts.data() + (part * H + h) * D;
-            const float root = norms[part * H + h];
-            for (int64_t i = 0; i < D; ++i) x[i] = x[i] / root;
-            if (part == 0)
-                for (int64_t i = 0; i < D; ++i) x[i] = x[i] * qs;
-        }
+    // scratch: y [C], q | k | v [3, H, D], the norms [2, H], exp(g) [H, D]
+    std::vector<float> y(C), parts(3 * H * D), norms(2 * H), e(H * D);
+    kda_inputs(tail, qkv, conv_w, H, D, eps, qscale, lanes, full.data_ptr<float>(), y.data(), parts.data(),
+               norms.data());
     std::copy_n(g.data_ptr<float>(), H * D, e.data());
-    auto et = torch::from_blob(e.data(), {H, 1, D}, cpu);
+    auto et = torch::from_blob(e.data(), {H, 1, D}, torch::TensorOptions().dtype(f32));
     at::exp_(et);
     const float* bp = beta.data_ptr<float>();
     float* sp = S.data_ptr<float>();
@@ -2337,12 +2350,12 @@ std::vector<torch::Tensor> kda_step(const torch::Tensor& qkv, const torch::Tenso
 }
 
 // layers/kda.py's kda_recur on the CPU, any rows (decode rows, verify blocks, prompts: token by token): the short
-// conv and SiLU from the tail, q, k and v as the rows' dtype, the l2 norms (q scaled), then delta_rule above
-// (exp(g) by torch), its threads passed for the rows before the snapshots and for the snapshot rows. The Python
-// code's float operations in its order: the conv's taps, the roundings, x * x summed in torch's order (`lanes`,
-// torch_sum), the division and the scale are loops here; the SiLU, the sqrt (one call over every row's sum) and
-// the exp stay torch's (their exp and sqrt decide their bits: torch's sqrt is MKL's, not always the nearest
-// float). So the same bits. Returns {o [n, H, Dv], the final state, the snapshots [snapshot_last,
+// conv and SiLU from the tail, q, k and v as the rows' dtype, the l2 norms (q scaled) (kda_inputs), then
+// delta_rule above (exp(g) by torch), its threads passed for the rows before the snapshots and for the snapshot
+// rows. The Python code's float operations in its order: the conv's taps, the roundings, x * x summed in torch's
+// order (`lanes`, torch_sum), the division and the scale are loops here; the SiLU, the sqrt (one call over every
+// row's sum) and the exp stay torch's (their exp and sqrt decide their bits: torch's sqrt is MKL's, not always the
+// nearest float). So the same bits. Returns {o [n, H, Dv], the final state, the snapshots [snapshot_last,
 // H, Dk, Dv], the conv's padded input [K - 1 + n, C]}.
 std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::Tensor beta, torch::Tensor tail,
                                      torch::Tensor conv_w, std::optional<torch::Tensor> state, int64_t H, int64_t D,
@@ -2357,44 +2370,12 @@ std::vector<torch::Tensor> kda_recur(torch::Tensor qkv, torch::Tensor g, torch::
     if (n == 1 && snapshot_last == 0 && (!state || (state->dtype() == f32 && state->is_contiguous())) &&
         g.is_contiguous() && beta.is_contiguous() && tail.is_contiguous() && qkv.is_contiguous())
         return kda_step(qkv, g, beta, tail, conv_w, state, H, D, eps, qscale, threads_first, lanes);
-    // full = cat(tail.float(), qkv.float()); y = the conv's taps over it
     auto full = torch::empty({K - 1 + n, C}, qkv.options().dtype(f32));
-    float* fp = full.data_ptr<float>();
-    const auto tc = tail.contiguous(), xc = qkv.contiguous(), wc = conv_w.contiguous();
-    load_row(ty_of(tc), tc.data_ptr(), fp, (K - 1) * C);
-    load_row(ty_of(xc), xc.data_ptr(), fp + (K - 1) * C, n * C);
-    std::vector<float> wf(C * K);
-    load_row(ty_of(wc), wc.data_ptr(), wf.data(), C * K);
     auto y = torch::empty({n, C}, full.options());
-    conv_taps(fp, wf.data(), nullptr, y.data_ptr<float>(), n, C, K);
-    const auto ys = at::silu(y);
-    // q | k | v [3, H, n, D]: each row rounded to qkv's dtype, q and k divided by sqrt(sum(x * x) + eps), q scaled
-    auto parts = torch::empty({3, H, n, D}, full.options());
-    float* pp = parts.data_ptr<float>();
-    const float* yp = ys.data_ptr<float>();
-    const int tq = ty_of(qkv);
-    const float epsf = (float)eps, qs = (float)qscale;
-    auto norms = torch::empty({2, H, n}, full.options());  // sum(x * x) + eps of each q and k row, then its sqrt
-    float* np_ = norms.data_ptr<float>();
-    std::vector<float> sq(D);
-    for (int64_t t = 0; t < n; ++t)
-        for (int64_t part = 0; part < 3; ++part)
-            for (int64_t h = 0; h < H; ++h) {
-                float* x = pp + ((part * H + h) * n + t) * D;
-                std::copy_n(yp + t * C + (part * H + h) * D, D, x);
-                round_row(tq, x, D);
-                if (part == 2) continue;
-                np_[(part * H + h) * n + t] = sum_squares(x, sq.data(), D, lanes) + epsf;
-            }
-    at::sqrt_(norms);  // torch's sqrt (MKL's where torch has it: not always the nearest float)
-    for (int64_t part = 0; part < 2; ++part)
-        for (int64_t r = 0; r < H * n; ++r) {
-            float* x = pp + (part * H * n + r) * D;
-            const float root = np_[part * H * n + r];
-            for (int64_t i = 0; i < D; ++i) x[i] = x[i] / root;
-            if (part == 0)
-                for (int64_t i = 0; i < D; ++i) x[i] = x[i] * qs;
-        }
+    auto parts = torch::empty({3, H, n, D}, full.options());  // q | k | v
+    std::vector<float> norms(2 * H * n);
+    kda_inputs(tail, qkv, conv_w, H, D, eps, qscale, lanes, full.data_ptr<float>(), y.data_ptr<float>(),
+               parts.data_ptr<float>(), norms.data());
     const auto q = parts.select(0, 0), k = parts.select(0, 1), v = parts.select(0, 2);
     const auto gt = g.to(f32).transpose(0, 1), bt = beta.to(f32).transpose(0, 1);
     auto S = state ? state->to(f32) : torch::zeros({H, D, D}, full.options());
