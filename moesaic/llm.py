@@ -230,7 +230,8 @@ class LLM:
         torchrun's; docs/parallel.md); expert_parallel: routed experts split by expert (E/N a rank)
         instead of by width. cuda_graphs: decode steps replayed as CUDA graphs, one per batch bucket and
         context width, where the family allows (engine/graphs.py); None (default): on CUDA, False: never
-        (vLLM's enforce_eager), True: also asks on a CPU, where the same static steps run eagerly. `_rank` is a worker's place in such a run (moesaic/parallel)."""
+        (vLLM's enforce_eager), True: also asks on a CPU, where the same static steps run eagerly. `_rank` is
+        a worker's place in such a run (moesaic/parallel)."""
         # everything a caller can get wrong is checked before the checkpoint is read
         EngineLimits.checked(
             max_num_seqs,

@@ -1024,33 +1024,36 @@ def mla_project(x, ops: list, norms: list, eps: float, kvr: int):
     q_b, kv_a) as operands, norms (kv_a_norm,) or (q_a_norm, kv_a_norm) of x's dtype, each product as `linear`
     computes it and each norm as layers/norms.py's rms_norm, the same bits. (q, kv, latent), with (q_a, q_b, kv_a)
     also qr (q_a's normed rows, q_b's input), or None where it does not apply (the caller runs the torch code)."""
+    if (args := _project_args(x, ops, norms)) is None:
+        return None
+    mod, threads, norms, lanes = args
+    out = mod.mla_project(x, ops, threads, norms, eps, kvr, lanes, _path())
+    stats["kernel_calls"] += len(ops)
+    return tuple(out)
+
+
+def _project_args(x, ops: list, norms: list, *more):
+    """mla_project's and dsa_project's checks: (the module, each product's threads, the norms contiguous, the
+    sum's lanes), or None where the call does not apply (`more`: further tensors it reads)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16):
         return None
     if not _norms_fit(norms, x.dtype):
         return None
-    mod = _fused_mod(x, *norms) if _operands_fit(ops, x.dtype) else None
+    mod = _fused_mod(x, *norms, *more) if _operands_fit(ops, x.dtype) else None
     if mod is None or not (lanes := sum_lanes()):
         return None
-    threads = _own_threads(ops, x.shape[0])
-    norms = [n.contiguous() for n in norms]
-    out = mod.mla_project(x, ops, threads, norms, eps, kvr, lanes, _path())
-    stats["kernel_calls"] += len(ops)
-    return tuple(out)
+    return mod, _own_threads(ops, x.shape[0]), [n.contiguous() for n in norms], lanes
 
 
 def dsa_project(x, ops: list, norms: list, eps: float, kvr: int, k_norm, k_bias, k_eps: float):
     """mla_project's (ops q_a, q_b, kv_a; norms q_a_norm, kv_a_norm) and the DSA indexer's keys of the same rows
     (ops wk, gate: k = layer_norm(x wkᵀ) with k_norm and k_bias, z = x gateᵀ) in one call, the same bits as
     the separate calls: (q, kv, latent, qr, k, z), or None where it does not apply."""
-    if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and len(ops) == 5):
+    if len(ops) != 5 or not k_norm.dtype == k_bias.dtype == x.dtype:
         return None
-    if not (_norms_fit(norms, x.dtype) and k_norm.dtype == k_bias.dtype == x.dtype):
+    if (args := _project_args(x, ops, norms, k_norm, k_bias)) is None:
         return None
-    mod = _fused_mod(x, *norms, k_norm, k_bias) if _operands_fit(ops, x.dtype) else None
-    if mod is None or not (lanes := sum_lanes()):
-        return None
-    threads = _own_threads(ops, x.shape[0])
-    norms = [n.contiguous() for n in norms]
+    mod, threads, norms, lanes = args
     out = mod.dsa_project(x, ops, threads, norms, eps, kvr, lanes, _path(), k_norm, k_bias, k_eps)
     stats["kernel_calls"] += len(ops)
     return tuple(out)
