@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moesaic.kernels import cpu
 from moesaic.layers import kda, mamba2, mla, norms, rope
+from moesaic.models import glm5next
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -1105,6 +1106,56 @@ def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
         assert rows == [2] * (mla_layers * (len(got) - 1))  # every decode step's MLA layers, both rows
     else:
         assert max(rows) > 1  # blocks of several rows
+    assert tokens == want_tokens and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "demo, prompts, chunk",
+    [
+        ("demo-glm5-code", [list(range(5, 40)), list(range(50, 61))], None),  # index_topk 512: every step fused
+        ("demo-glm5-code", [list(range(5, 40)), list(range(50, 61))], 4),  # blocks of 4 rows over the pages
+        ("demo-glm5-next-nvfp4", [[5, 6, 7], list(range(9, 16))], None),  # index_topk 8: fused while T < 12
+    ],
+)
+def test_dsa_block_keeps_the_engine_bits(kernels, monkeypatch, demo, prompts, chunk):
+    """layers/dsa.py's fused_block (cpu.dsa_block: the projections and indexer keys, the new rows written to their
+    pages, the compact causal selection, the gathered attention over the pages and o's product in one call) gives
+    the engine the logits of the module's code bit for bit, forward by forward, for two sequences of different
+    lengths decoding together (the call taken for every DSA layer, full and shared, of every decode step while
+    the contexts fit index_topk), with prompts chunked to 4 rows a step, and past index_topk (the call declined
+    before the caches advance: the indexer's scores choose)."""
+    import moesaic
+
+    kw = {} if chunk is None else {"max_num_batched_tokens": chunk, "enable_prefix_caching": False}
+    llm = moesaic.LLM(demo, dtype="bfloat16", **kw)
+    sp = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = []
+    for fused in (True, False):
+        logits, rows = [], []
+        forward, real = llm.model.forward, cpu.dsa_block
+
+        def spy(x, *a, _real=real, _rows=rows, **k):
+            y = _real(x, *a, **k)
+            _rows.append(x.shape[0] if y is not None else 0)
+            return y
+
+        keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
+        monkeypatch.setattr(llm.model, "forward", keep)
+        monkeypatch.setattr(cpu, "dsa_block", spy if fused else lambda *a: None)
+        tokens = [r.token_ids for r in llm.generate(prompts, sp)]
+        monkeypatch.undo()
+        runs.append((tokens, logits, rows))
+    (tokens, got, rows), (want_tokens, want, _) = runs
+    dsa_layers = sum(isinstance(w.mixer, glm5next.Dsa) for w in llm.model.layers)
+    assert dsa_layers and 0 not in rows  # every call that reached it was taken
+    if chunk is not None:
+        assert max(rows) > 1  # blocks of several rows
+    elif demo == "demo-glm5-code":
+        assert rows == [2] * (dsa_layers * (len(got) - 1))  # every decode step's DSA layers, both rows
+    else:
+        assert 0 < len(rows) < dsa_layers * (len(got) - 1)  # until a context passes index_topk
     assert tokens == want_tokens and len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

@@ -193,6 +193,7 @@ def load(verbose: bool = False):
                 "v4_output",
                 "sink_attend",
                 "dsa_gathered_bf16",
+                "dsa_block",
                 "encode_fp4",
                 "encode_fp8",
                 "product_seconds",
@@ -1114,6 +1115,49 @@ def mla_block(x, plan: tuple, pools, eps: float, kvr: int, heads: int, dn: int, 
     y = mod.mla_block(
         x, ops, threads, norms, eps, kvr, lanes, _path(), heads, dn, cos, sin, layout, rope_threads,
         latent, k_rope, where, w_uk, w_uv, lens, scale, attn_threads, blocks, lengths,
+    )  # fmt: skip
+    stats["kernel_calls"] += len(ops)
+    return y
+
+
+def dsa_plan(ops: list, norms: list, w_kv_b, k_norm, k_bias, rows: int) -> tuple | None:
+    """dsa_block's weights checked once for a layer at `rows` rows of x: (ops: q_a, q_b, kv_a[, wk, gate], o, each
+    one's threads as its own call would take them, the norms, w_kv_b, the indexer's k_norm and k_bias or None);
+    None where the call does not take them."""
+    if not (0 < rows <= MAX_ROWS and _operands_fit(ops, torch.bfloat16) and _norms_fit(norms, torch.bfloat16)):
+        return None
+    parts = (*norms, w_kv_b, *(() if k_norm is None else (k_norm, k_bias)))
+    if not all(t.is_cpu and t.dtype == torch.bfloat16 and t.is_contiguous() for t in parts):
+        return None
+    return ops, _own_threads(ops, rows), [n.contiguous() for n in norms], w_kv_b, k_norm, k_bias
+
+
+def dsa_block(x, plan: tuple, pools: list, eps: float, kvr: int, k_eps: float, heads: int, dv: int, scale: float,
+              kpool: int, tail: bool, place):  # fmt: skip
+    """layers/dsa.py's fused_block in one call for the weights of `plan` (dsa_plan at x's rows): the projections
+    (and the indexer's keys), the new rows written to their pages (pools: the latent view [blocks, rows, kvr],
+    with an indexer also k's and z's), each sequence's compact causal selection (every cached token; kpool,
+    tail: always_select_tail and kpool > 1), dsa_gathered over its pages, then o's product: the same calls in the
+    same order, the same bits. `place()` -> (a (block, row) per query row flat, rows per sequence, each
+    sequence's block ids, lengths) is called once the call applies, and only then (it advances the caches). o's
+    product [N, d], or None where it does not apply (the caller runs the code)."""
+    if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(-1) == 1):
+        return None
+    if not all(t.dtype == torch.bfloat16 and t.dim() == 3 and t.stride(-1) == 1 for t in pools):
+        return None
+    mod = _fused_mod(x, *pools)
+    if mod is None or not (lanes := sum_lanes()) or pools[0].shape[-1] != kvr:
+        return None
+    ops, threads, norms, w_kv_b, k_norm, k_bias = plan
+    where, lens, blocks, lengths = place()
+    dn = w_kv_b.shape[0] // heads - dv
+    attn_threads = []
+    for n, T in zip(lens, lengths):  # dsa_gathered's threads for each sequence's call
+        width = max(1, T // kpool * kpool + (kpool - 1 if tail else 0))
+        attn_threads.append(_fused_threads(n * heads * kvr * (dn + dv + width), ATTEND_PARALLEL))
+    y = mod.dsa_block(
+        x, ops, threads, norms, eps, kvr, lanes, _path(), k_norm, k_bias, k_eps, heads, dv, w_kv_b, scale,
+        pools, where, lens, blocks, lengths, kpool, tail, attn_threads,
     )  # fmt: skip
     stats["kernel_calls"] += len(ops)
     return y

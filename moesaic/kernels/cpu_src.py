@@ -2560,10 +2560,29 @@ inline void dot_bf16_rows(const float* a, const uint16_t* b, int64_t bs, int64_t
         for (int64_t j = k; j < n; ++j) out[r] += a[j] * bf16_bits_to_f32(b[r * bs + j]);
 }
 
-// out[i] = a . b_i for m rows b_i = b + i * bs: dot_bf16's bits, eight rows at a time.
+// The cache lines of rows b + i * bs, i < m, each n values, asked for ahead of their use: weights read once a
+// step come from memory, and rows of a few lines each are too short for the hardware prefetcher's streams.
+inline void prefetch_rows(const uint16_t* b, int64_t bs, int64_t m, int64_t n) {
+    for (int64_t i = 0; i < m; ++i) {
+        const char* r = reinterpret_cast<const char*>(b + i * bs);
+        for (int64_t o = 0; o < n * 2; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+    }
+}
+
+// bytes [p, p + bytes) asked for into L2 ahead of their use
+inline void prefetch_lines(const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+}
+
+// out[i] = a . b_i for m rows b_i = b + i * bs: dot_bf16's bits, eight rows at a time (the next eight asked for
+// ahead).
 inline void dot_bf16_many(const float* a, const uint16_t* b, int64_t bs, int64_t n, int64_t m, float* out) {
     int64_t i = 0;
-    for (; i + 8 <= m; i += 8) dot_bf16_rows<8>(a, b + i * bs, bs, n, out + i);
+    for (; i + 8 <= m; i += 8) {
+        prefetch_rows(b + (i + 8) * bs, bs, std::min<int64_t>(8, m - i - 8), n);
+        dot_bf16_rows<8>(a, b + i * bs, bs, n, out + i);
+    }
     for (; i < m; ++i) out[i] = dot_bf16(a, b + i * bs, n);
 }
 
@@ -2576,6 +2595,7 @@ inline void axpy_bf16_many(const float* s, const uint16_t* b, int64_t bs, int64_
         __m256 o[8];
         for (int j = 0; j < 8; ++j) o[j] = _mm256_loadu_ps(y + c + 8 * j);
         for (int64_t i = 0; i < m; ++i) {
+            if (c == 0 && i + 4 < m) prefetch_rows(b + (i + 4) * bs, bs, 1, n);  // the first pass: the rows whole
             const __m256 sv = _mm256_set1_ps(s[i]);
             const uint16_t* row = b + i * bs + c;
             for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(sv, widen_bf16(row + 8 * j), o[j]);
@@ -3083,6 +3103,23 @@ std::vector<torch::Tensor> dsa_project(torch::Tensor x, std::vector<Operand> ops
     return out;
 }
 
+// PagedRows.write's copy of bf16 rows [n, width] (unit column stride) to their pages of pool [blocks, rows, width]:
+// row i to block place[2 i], row place[2 i + 1].
+void put_rows(const torch::Tensor& pool, const torch::Tensor& rows, const std::vector<int64_t>& place) {
+    const int64_t n = rows.size(0);
+    TORCH_CHECK(pool.dim() == 3 && pool.scalar_type() == torch::kBFloat16 && pool.stride(2) == 1 &&
+                    rows.scalar_type() == torch::kBFloat16 && rows.dim() == 2 && rows.stride(1) == 1 &&
+                    pool.size(2) == rows.size(1), "put_rows: bf16 rows and pages [blocks, rows, width] of one width");
+    TORCH_CHECK((int64_t)place.size() == 2 * n, "put_rows: a block and a row for each row");
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t b = place[2 * i], r = place[2 * i + 1];
+        TORCH_CHECK(b >= 0 && b < pool.size(0) && r >= 0 && r < pool.size(1), "put_rows: page out of range");
+        auto* dst = reinterpret_cast<uint16_t*>(pool.data_ptr()) + b * pool.stride(0) + r * pool.stride(1);
+        const auto* src = reinterpret_cast<const uint16_t*>(rows.data_ptr()) + i * rows.stride(0);
+        std::memcpy(dst, src, rows.size(1) * sizeof(uint16_t));
+    }
+}
+
 // layers/mla.py's mla_block: an MLA module for rows whose sequences all take the absorbed path over one pool's
 // pages (decode rows, verify blocks), in one call where Python made ~40 small calls and ops a layer (~100 us
 // there from memory, docs/perf.md): mla_project (ops: its operands, then o's), q viewed as [n, H, dn + dr], the
@@ -3111,20 +3148,7 @@ torch::Tensor mla_block(torch::Tensor x, std::vector<Operand> ops, std::vector<i
         q_rope = rope(q_rope, *cos, *sin, layout, rope_threads, 0);
     }
     const auto& latent = proj[2];
-    TORCH_CHECK((int64_t)place.size() == 2 * n, "mla_block: a block and a row for each query row");
-    for (const auto* t : {&latent_pool, &rope_pool})
-        TORCH_CHECK(t->dim() == 3 && t->scalar_type() == torch::kBFloat16 && t->stride(2) == 1,
-                    "mla_block: pages [blocks, rows, width] bf16");
-    TORCH_CHECK(latent.scalar_type() == torch::kBFloat16 && latent_pool.size(2) == kvr &&
-                    rope_pool.size(2) == k_rope.size(1), "mla_block: page widths");
-    auto put = [&](const torch::Tensor& pool, const torch::Tensor& rows, int64_t i) {  // PagedRows.write's copy
-        const int64_t b = place[2 * i], r = place[2 * i + 1];
-        TORCH_CHECK(b >= 0 && b < pool.size(0) && r >= 0 && r < pool.size(1), "mla_block: page out of range");
-        auto* dst = reinterpret_cast<uint16_t*>(pool.data_ptr()) + b * pool.stride(0) + r * pool.stride(1);
-        const auto* src = reinterpret_cast<const uint16_t*>(rows.data_ptr()) + i * rows.stride(0);
-        std::memcpy(dst, src, rows.size(1) * sizeof(uint16_t));
-    };
-    for (int64_t i = 0; i < n; ++i) put(latent_pool, latent, i), put(rope_pool, k_rope, i);
+    put_rows(latent_pool, latent, place), put_rows(rope_pool, k_rope, place);
     const std::vector<torch::Tensor> latents(lens.size(), latent_pool), k_ropes(lens.size(), rope_pool);
     const auto out = mla_absorbed(q.slice(2, 0, dn), q_rope, w_uk, w_uv, latents, k_ropes, lens, scale, attn_threads,
                                   blocks, lengths);
@@ -3962,6 +3986,10 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
         {
             ProductClock clock;
             for (int64_t hh = 0; hh < g; ++hh) {
+                // the next head's W_k rows (W_v's of the first head after the last) on their way while this head's
+                // are used: one head's rows are too few for the hardware prefetcher to reach memory's rate
+                const int64_t nxt = hh + 1 < g ? (h0 + hh + 1) * wr : h0 * wr + dn;
+                prefetch_lines(wp + nxt * kvr, dn * kvr * 2);
                 float* q = ql + hh * kvr;
                 std::fill(q, q + kvr, 0.f);
                 axpy_bf16_many(qp + (i * H + h0 + hh) * dn, wp + (h0 + hh) * wr * kvr, kvr, dn, q, kvr);
@@ -4000,6 +4028,7 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
         }
         ProductClock clock;
         for (int64_t hh = 0; hh < g; ++hh) {
+            if (hh + 1 < g) prefetch_lines(wp + ((h0 + hh + 1) * wr + dn) * kvr, dv * kvr * 2);
             const int64_t ih = i * H + h0 + hh;
             float* oh = ol + hh * kvr;
             for (int64_t c = 0; c < kvr; ++c) oh[c] = round_bf16(oh[c]);  // o_lat in bf16
@@ -4008,6 +4037,61 @@ torch::Tensor dsa_gathered_bf16(torch::Tensor q, torch::Tensor latent, torch::Te
         }
     });
     return out;
+}
+
+// layers/dsa.py's fused_block: a DSA module for rows whose sequences all attend to every cached token (contexts
+// within index_topk: dsa.causal_selection's compact selections, which need no scores) over one pool's pages, in one
+// call where Python made ~30 small calls and ops a layer: dsa_project (ops q_a, q_b, kv_a, the indexer's wk and
+// gate, then o's; k_norm / k_bias given) or mla_project (q_a, q_b, kv_a, then o's: a layer that shares another's
+// selection), the new latent (and indexer k, z) rows written to their pages (pools: latent[, k, z]; place: block
+// and row of each query row), each sequence's selection (lens[s] rows, lengths[s] cached with them, kpool, tail:
+// always_select_tail and kpool > 1), dsa_gathered_bf16 over its pages (attn_threads[s]) and o's product of the
+// [n, H * dv] output. The calls the Python code makes, in its order, with its thread counts: the same bits.
+torch::Tensor dsa_block(torch::Tensor x, std::vector<Operand> ops, std::vector<int64_t> threads,
+                        std::vector<torch::Tensor> norms, double eps, int64_t kvr, int64_t lanes, int64_t path,
+                        std::optional<torch::Tensor> k_norm, std::optional<torch::Tensor> k_bias, double k_eps,
+                        int64_t H, int64_t dv, torch::Tensor w_kv_b, double scale, std::vector<torch::Tensor> pools,
+                        std::vector<int64_t> place, std::vector<int64_t> lens, std::vector<std::vector<int64_t>> blocks,
+                        std::vector<int64_t> lengths, int64_t kpool, bool tail, std::vector<int64_t> attn_threads) {
+    const bool indexed = k_norm.has_value();
+    TORCH_CHECK(ops.size() == (indexed ? 6u : 4u) && threads.size() == ops.size() && pools.size() == (indexed ? 3u : 1u),
+                "dsa_block: (q_a, q_b, kv_a[, wk, gate], o) and the pools of their rows");
+    TORCH_CHECK(lens.size() == blocks.size() && lens.size() == lengths.size() && lens.size() == attn_threads.size() &&
+                    kpool > 0, "dsa_block: rows, blocks, lengths and threads for each sequence");
+    const Operand o = ops.back();
+    const int64_t o_threads = threads.back();
+    ops.pop_back(), threads.pop_back();
+    std::vector<torch::Tensor> proj;
+    {
+        ProductClock clock;  // (the projections and o's product: a benchmark's count of a step's products)
+        proj = indexed ? dsa_project(x, ops, threads, norms, eps, kvr, lanes, path, *k_norm, *k_bias, k_eps)
+                       : mla_project(x, ops, threads, norms, eps, kvr, lanes, path);
+    }
+    const int64_t n = x.size(0);
+    const auto q = proj[0].view({n, H, -1});
+    put_rows(pools[0], proj[2], place);
+    if (indexed) put_rows(pools[1], proj[4], place), put_rows(pools[2], proj[5], place);
+    std::vector<torch::Tensor> outs;
+    int64_t at = 0;
+    for (size_t s = 0; s < lens.size(); ++s) {
+        const int64_t m = lens[s], T = lengths[s], full = T / kpool * kpool;
+        TORCH_CHECK(m > 0 && m <= T && at + m <= n, "dsa_block: a sequence's rows within x and its cache");
+        // causal_selection(newest=True), compact: row i's tokens 0 .. end - 1 in order, -1 after
+        const int64_t width = std::max<int64_t>(1, full + (tail ? kpool - 1 : 0));
+        auto sel = at::empty({m, width}, torch::kInt64);
+        int64_t* sp = sel.data_ptr<int64_t>();
+        for (int64_t i = 0; i < m; ++i) {
+            const int64_t end = tail ? T - m + 1 + i : (T - m + 1 + i) / kpool * kpool;
+            for (int64_t j = 0; j < width; ++j) sp[i * width + j] = j < end ? j : -1;
+        }
+        outs.push_back(dsa_gathered_bf16(q.slice(0, at, at + m), pools[0], w_kv_b, dv, scale, sel, attn_threads[s],
+                                         blocks[s], T));
+        at += m;
+    }
+    TORCH_CHECK(at == n, "dsa_block: every row in a sequence");
+    const auto out = outs.size() == 1 ? outs[0] : at::cat(outs);
+    ProductClock clock;
+    return operand_gemm(out.flatten(1), o, std::nullopt, o_threads, path);
 }
 
 // layers/dsa.py's attend_gathered (each query over its selected latents, W_k absorbed into the query, W_v

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, matmul, operand, product_limit
+from .linear import kept, linear, matmul, operand, product_limit
 from .mla import page_tables, project_rows, shared_pages
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
@@ -282,8 +282,57 @@ def gathered_is_cheaper(q: Tensor, num_keys: int, w_kv_b: Tensor, v_head_dim: in
     """sparse_mla_attend's choice by operation count: the gathered evaluation (each query's selected latents)
     rather than the expanded one (every cached latent turned into keys and values once)."""
     n, H, dn = q.shape
-    kvr, W, dv = w_kv_b.shape[1], selection.shape[1], v_head_dim
-    return n * kvr * (2 * W + dn + dv) < num_keys * (dn + dv) * (kvr + n)
+    return _gathered_cheaper(n, num_keys, w_kv_b.shape[1], dn, v_head_dim, selection.shape[1])
+
+
+def _gathered_cheaper(n: int, num_keys: int, kvr: int, dn: int, dv: int, width: int) -> bool:
+    return n * kvr * (2 * width + dn + dv) < num_keys * (dn + dv) * (kvr + n)
+
+
+def fused_block(L: int, batch, x: Tensor, m, ix: IndexerWeights | None, c) -> Tensor | None:
+    """A DSA module (GLM-5.3's Model.dsa_block, config c) in one compiled call where every sequence of the batch,
+    packed in order, attends to all its cached tokens (every_pool_fits with this step's rows: the compact causal
+    selections, no scores) by the gathered evaluation over the engine's pages (decode rows and verify blocks within
+    index_topk tokens): cpu.dsa_block makes the calls the module's code makes, in its order, so the same bits,
+    without ~30 small calls and ops a layer (~90 us a decode row on the GLM-5.3 benchmark model). -> [N, d]; None
+    where it does not apply (the caller runs the code)."""
+    N = x.shape[0]
+    if not (x.is_cpu and x.dtype == torch.bfloat16 and N <= cpu.MAX_ROWS and m.q is None) or kernels("mla", x):
+        return None
+    layers = [s.state.layers[L] for s in batch.seqs]
+    if not shared_pages(layers):
+        return None
+    H, dn, dv, kvr, P = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank, c.index_kpool
+    tail = c.index_kpool_always_select_tail and P > 1
+    at = 0
+    for s, held in zip(batch.seqs, layers):
+        T = held.length + s.n
+        width = max(1, T // P * P + (P - 1 if tail else 0))  # causal_selection's, compact
+        if s.start != at or not every_pool_fits(T, P, c.index_topk):
+            return None
+        if not _gathered_cheaper(s.n, T, kvr, dn, dv, width):
+            return None
+        at += s.n
+    if at != N:
+        return None
+
+    def make():
+        mats = [m.q_a, m.q_b, m.kv_a, *(() if ix is None else (ix.wk, ix.gate)), m.o]
+        k_norm, k_bias = (None, None) if ix is None else (ix.k_norm, ix.k_norm_bias)
+        return cpu.dsa_plan([operand(t) for t in mats], [m.q_a_norm, m.kv_a_norm], m.kv_b, k_norm, k_bias, N)
+
+    if (plan := kept(m.fused_plans, ("dsa", N, torch.get_num_threads()), make)) is None:
+        return None
+
+    def place():  # the new rows' pages (the caches advanced), rows and blocks per sequence, lengths
+        where = [v for r, s in zip(layers, batch.seqs) for v in r.place(s.n)]
+        blocks = [list(r.pages()[1]) for r in layers]
+        return where, [s.n for s in batch.seqs], blocks, [r.length for r in layers]
+
+    views = layers[0].views
+    pools = [views["latent"]] if ix is None else [views["latent"], views["k"], views["z"]]
+    eps, scale = c.rms_norm_eps, dn**-0.5
+    return cpu.dsa_block(x, plan, pools, eps, kvr, INDEXER_NORM_EPS, H, dv, scale, P, tail, place)
 
 
 def sparse_mla_attend_held(q: Tensor, held, w_kv_b: Tensor, v_head_dim: int, scale: float, selection: Tensor):

@@ -639,9 +639,12 @@ class Model:
     def dsa_block(
         self, L: int, w: Dsa, x: torch.Tensor, batch: ForwardBatch, shared: list | None, causal: dict
     ):
-        """DSA over every sequence; returns (output, the selections it used, one per sequence). causal: the
-        forward's selections of contexts within index_topk (every pool), which no layer's scores change."""
+        """DSA over every sequence; returns (output, the selections it used, one per sequence, or None where the
+        fused call ran: every context within index_topk). causal: the forward's selections of contexts within
+        index_topk (every pool), which no layer's scores change."""
         c, m, ix = self.cfg, w.mla, w.indexer
+        if (y := dsa.fused_block(L, batch, x, m, ix, c)) is not None:
+            return y, None
         N, H, dn, dv = x.shape[0], c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
         q, latent, qr, keys = dsa.project_rows_and_keys(x, m, ix, c.kv_lora_rank, c.rms_norm_eps)
         q = q.view(N, H, dn)
@@ -653,21 +656,21 @@ class Model:
             held = s.state.layers[L]
             if ix is not None:
                 held.write(latent=s.rows(latent), k=s.rows(k), z=s.rows(z))
-                P, T, tail = c.index_kpool, held.length, c.index_kpool_always_select_tail
-                pos = s.rows(batch.positions)
-                if dsa.every_pool_fits(T, P, c.index_topk):  # a context within index_topk: all of it
-                    if (sel := causal.get((j, T))) is None:
-                        sel = causal[j, T] = dsa.causal_selection(pos, T, P, c.index_topk, tail, newest=True)
-                else:
-                    if queries is None:
-                        queries = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
-                    qi, wts = queries
-                    sel = dsa.kpool_select_held(
-                        s.rows(qi), s.rows(wts), held, ix.ape, pos, c.index_topk, tail
-                    )
             else:
                 held.write(latent=s.rows(latent))
-                sel = shared[j]
+            P, T, tail = c.index_kpool, held.length, c.index_kpool_always_select_tail
+            pos = s.rows(batch.positions)
+            if ix is None and shared is not None:
+                sel = shared[j]  # the last full layer's
+            elif dsa.every_pool_fits(T, P, c.index_topk):  # a context within index_topk: all of it (also a
+                # shared layer whose full layer ran the fused call, which returns no selections)
+                if (sel := causal.get((j, T))) is None:
+                    sel = causal[j, T] = dsa.causal_selection(pos, T, P, c.index_topk, tail, newest=True)
+            else:
+                if queries is None:
+                    queries = dsa.indexer_queries(qr, x, ix, c.index_n_heads)
+                qi, wts = queries
+                sel = dsa.kpool_select_held(s.rows(qi), s.rows(wts), held, ix.ape, pos, c.index_topk, tail)
             selections.append(sel)
         paged = [s.state.layers[L] for s in batch.seqs]
         out = dsa.paged_sparse_mla_attend(
