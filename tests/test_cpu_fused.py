@@ -1114,9 +1114,11 @@ def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
 @pytest.mark.parametrize(
     "demo, prompts, chunk",
     [
-        ("demo-glm5-code", [list(range(5, 40)), list(range(50, 61))], None),  # index_topk 512: every step fused
-        ("demo-glm5-code", [list(range(5, 40)), list(range(50, 61))], 4),  # blocks of 4 rows over the pages
-        ("demo-glm5-next-nvfp4", [[5, 6, 7], list(range(9, 16))], None),  # index_topk 8: fused while T < 12
+        # index_topk 512: every decode step fused; then blocks of 4 rows over the pages
+        ("demo-glm5-code", [list(range(5, 40)), list(range(50, 61))], None),
+        ("demo-glm5-code", [list(range(5, 40)), list(range(50, 61))], 4),
+        # index_topk 8: fused while the contexts hold fewer than 12 tokens
+        ("demo-glm5-next-nvfp4", [[5, 6, 7], list(range(9, 16))], None),
     ],
 )
 def test_dsa_block_keeps_the_engine_bits(kernels, monkeypatch, demo, prompts, chunk):

@@ -1124,7 +1124,9 @@ def dsa_plan(ops: list, norms: list, w_kv_b, k_norm, k_bias, rows: int) -> tuple
     """dsa_block's weights checked once for a layer at `rows` rows of x: (ops: q_a, q_b, kv_a[, wk, gate], o, each
     one's threads as its own call would take them, the norms, w_kv_b, the indexer's k_norm and k_bias or None);
     None where the call does not take them."""
-    if not (0 < rows <= MAX_ROWS and _operands_fit(ops, torch.bfloat16) and _norms_fit(norms, torch.bfloat16)):
+    if not (0 < rows <= MAX_ROWS and _operands_fit(ops, torch.bfloat16)):
+        return None
+    if not _norms_fit(norms, torch.bfloat16):
         return None
     parts = (*norms, w_kv_b, *(() if k_norm is None else (k_norm, k_bias)))
     if not all(t.is_cpu and t.dtype == torch.bfloat16 and t.is_contiguous() for t in parts):

@@ -297,7 +297,9 @@ def fused_block(L: int, batch, x: Tensor, m, ix: IndexerWeights | None, c) -> Te
     without ~30 small calls and ops a layer (~90 us a decode row on the GLM-5.3 benchmark model). -> [N, d]; None
     where it does not apply (the caller runs the code)."""
     N = x.shape[0]
-    if not (x.is_cpu and x.dtype == torch.bfloat16 and N <= cpu.MAX_ROWS and m.q is None) or kernels("mla", x):
+    if not (x.is_cpu and x.dtype == torch.bfloat16 and N <= cpu.MAX_ROWS and m.q is None):
+        return None
+    if kernels("mla", x):
         return None
     layers = [s.state.layers[L] for s in batch.seqs]
     if not shared_pages(layers):
