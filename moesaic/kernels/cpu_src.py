@@ -3438,22 +3438,27 @@ void f32_dot_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t ws, 
     for (int64_t m = 0; m < M; ++m) {
         const float* xm = x + m * K;
         for (int64_t r = r0; r < r1; r += 4) {
-            const int64_t R = std::min<int64_t>(4, r1 - r);
-            float acc[4][16] = {};
-            for (int64_t k = 0; k < K16; k += 16)
-                for (int64_t i = 0; i < R; ++i) {
-                    const W* wr = w + (r + i) * ws + k;
-                    // 8 lines ahead in each row: the four rows' streams start cold at every call (mHC's sites)
-                    if (m == 0) __builtin_prefetch(reinterpret_cast<const char*>(wr) + 512, 0, 3);
+            // the row count a compile-time constant, so that the partial sums stay in registers (a loop bound
+            // known only at run time left them on the stack: a store and a reload per 16 products)
+            with_value<4, 3, 2, 1>(std::min<int64_t>(4, r1 - r), [&](auto Rc) {
+                constexpr int R = decltype(Rc)::value;
+                float acc[R][16] = {};
+                for (int64_t k = 0; k < K16; k += 16)
+#pragma GCC unroll 4
+                    for (int i = 0; i < R; ++i) {
+                        const W* wr = w + (r + i) * ws + k;
+                        // 8 lines ahead in each row: the rows' streams start cold at every call (mHC's sites)
+                        if (m == 0) __builtin_prefetch(reinterpret_cast<const char*>(wr) + 512, 0, 3);
 #pragma GCC unroll 16
-                    for (int l = 0; l < 16; ++l) acc[i][l] = acc[i][l] + xm[k + l] * weight_f32(wr, l);
+                        for (int l = 0; l < 16; ++l) acc[i][l] = acc[i][l] + xm[k + l] * weight_f32(wr, l);
+                    }
+                for (int i = 0; i < R; ++i) {
+                    float sum = 0.f;
+                    for (int l = 0; l < 16; ++l) sum = sum + acc[i][l];
+                    for (int64_t k = K16; k < K; ++k) sum = sum + xm[k] * weight_f32(w, (r + i) * ws + k);
+                    out[m * N + r + i] = sum;
                 }
-            for (int64_t i = 0; i < R; ++i) {
-                float sum = 0.f;
-                for (int l = 0; l < 16; ++l) sum = sum + acc[i][l];
-                for (int64_t k = K16; k < K; ++k) sum = sum + xm[k] * weight_f32(w, (r + i) * ws + k);
-                out[m * N + r + i] = sum;
-            }
+            });
         }
     }
 }
