@@ -56,7 +56,7 @@ def test_empty_is_aligned_and_advised_up_to_its_last_whole_huge_page():
 
 
 def test_small_tensors_other_devices_and_the_switch_get_torchs_memory(monkeypatch):
-    assert not memory.applies(memory.HUGE - 1)
+    assert not memory.applies(memory.SMALL - 1)
     assert not memory.applies(memory.HUGE, "meta")
     small = memory.empty((16, 16), torch.float32)
     assert mapping(small.data_ptr()) is None or "hg" not in mapping(small.data_ptr())["VmFlags"]
@@ -65,6 +65,31 @@ def test_small_tensors_other_devices_and_the_switch_get_torchs_memory(monkeypatc
     big = memory.empty((1 << 20,), torch.float32)
     assert "hg" not in mapping(big.data_ptr())["VmFlags"]
     assert memory.empty((4, 1 << 20), torch.float32, "meta").device.type == "meta"
+
+
+@needs_thp
+def test_tensors_under_a_huge_page_are_carved_from_shared_advised_regions():
+    """From SMALL bytes up to a huge page, tensors are page-aligned slices of one advised region, one after
+    another, each its own bytes; a tensor that does not fit the rest of the region starts a new one."""
+    a = memory.empty((512, 256), torch.bfloat16)  # 256 KB
+    b = memory.empty((100, 1000), torch.float32)  # 400 KB, not a whole number of pages
+    c = memory.empty((memory.SMALL,), torch.uint8)
+    for t in (a, b, c):
+        assert advised(t) and t.data_ptr() % memory.PAGE == 0 and t.is_contiguous()
+    assert mapping(a.data_ptr()) == mapping(c.data_ptr())  # one region
+    assert b.data_ptr() - a.data_ptr() == a.numel() * 2 and c.data_ptr() - b.data_ptr() >= b.numel() * 4
+    a.fill_(1), b.fill_(2), c.fill_(3)
+    assert int(a.sum()) == a.numel() and int(b.sum()) == 2 * b.numel() and int(c.sum()) == 3 * c.numel()
+    fillers = []
+    while True:  # the region filled to within a huge page of its end
+        region, used = memory._state["arena"]
+        rest = region.numel() - -(-used // memory.PAGE) * memory.PAGE
+        if rest < memory.HUGE - memory.PAGE:
+            break
+        fillers.append(memory.empty((memory.HUGE - memory.PAGE,), torch.uint8))
+    d = memory.empty((max(memory.SMALL, rest + 1),), torch.uint8)  # past the region's end: a new region
+    assert advised(d) and mapping(d.data_ptr()) != mapping(a.data_ptr())
+    assert d.data_ptr() % memory.HUGE == 0  # a new region's first bytes
 
 
 @needs_thp

@@ -13,20 +13,32 @@ instead, aligned to 2 MiB, and advises the whole 2 MiB pages of it (the tail pas
 stays in 4 KiB pages: no memory is added beyond rounding to 4 KiB). The tensor owns the map: it is unmapped
 when the last view of the tensor goes.
 
+Tensors of SMALL bytes up to 2 MiB (a DSA layer's projections, an mHC site's fn, a KDA layer's low-rank gates)
+are carved, page-aligned one after another, out of shared regions of ARENA bytes mapped the same way: alone,
+none of them holds a whole huge page. A region is unmapped when the last view of every tensor carved from it
+goes (and it is no longer the one being filled). On the Zen 4 core of docs/perf.md (thirtieth session) a
+product over 786 KB matrices streamed 24.1 GB/s in 4 KiB pages and 26.1 in huge pages, and GLM-5.3's benchmark
+model decoded 89.5-89.8 tok/s with its small weights in 4 KiB pages, 91.1-93.2 with them carved here.
+
 Used for what the loader keeps (weights/contract.py), the stacks built from it (layers/linear.py
-`stack_rows`) and the expert cache's slots. Tensors under 2 MiB, other devices, `never`, systems without
+`stack_rows`) and the expert cache's slots. Tensors under SMALL bytes, other devices, `never`, systems without
 THP and MOESAIC_HUGE_PAGES=0 get torch's own memory."""
 
 from __future__ import annotations
 
 import mmap
 import sys
+import threading
 
 import torch
 
 from . import env
 
 HUGE = 2 << 20  # bytes in one huge page (x86-64, and arm64 with 4 KiB base pages)
+SMALL = 64 << 10  # bytes from which a tensor under HUGE is carved out of a shared region
+ARENA = 32 << 20  # bytes of one shared region
+PAGE = 4096  # carved tensors start on their own 4 KiB page
+_lock = threading.Lock()  # the region being filled (loads may run on several threads)
 _MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 _state: dict = {}
 
@@ -52,8 +64,9 @@ def enabled() -> bool:
 
 
 def applies(nbytes: int, device=None) -> bool:
-    """`empty` maps huge-page memory for this many bytes on this device."""
-    return nbytes >= HUGE and (device is None or torch.device(device).type == "cpu") and enabled()
+    """`empty` puts this many bytes on this device in huge-page memory (its own map from HUGE bytes, a carved
+    slice of a shared region from SMALL)."""
+    return nbytes >= SMALL and (device is None or torch.device(device).type == "cpu") and enabled()
 
 
 def empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -64,12 +77,31 @@ def empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
         nbytes *= s
     if not applies(nbytes, device):
         return torch.empty(shape, dtype=dtype, device=device)
+    if nbytes < HUGE:
+        return _carve(shape, dtype, nbytes)
+    return _map(shape, dtype, nbytes)
+
+
+def _carve(shape: tuple, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """A tensor of nbytes < HUGE at the next free page of the shared region being filled (a new one when it
+    does not fit)."""
+    with _lock:
+        region, used = _state.get("arena", (None, 0))
+        at = -(-used // PAGE) * PAGE
+        if region is None or at + nbytes > region.numel():
+            region, at = _map((ARENA,), torch.uint8, ARENA), 0
+        _state["arena"] = (region, at + nbytes)
+    return region[at : at + nbytes].view(dtype).view(shape)
+
+
+def _map(shape: tuple, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """A tensor in its own private anonymous map, 2 MiB-aligned, its whole huge pages advised."""
     # map one huge page more than the bytes so that a 2 MiB-aligned start lies inside; the slack before
     # it and after the bytes is never touched, so it costs address space only
     try:
         held = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:  # no address space or map count left: torch's memory (the same tensor, 4 KiB pages)
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(held, dtype=torch.uint8)  # the tensor keeps `held` alive
     start = -raw.data_ptr() % HUGE
     whole = nbytes // HUGE * HUGE
