@@ -1264,3 +1264,32 @@ def test_mla_block_declines_what_it_cannot_take(kernels):
     cos = torch.ones(1, dr // 2 + 1).bfloat16()  # a rotation of another width than the key's rope part
     assert cpu.mla_block(x, plan, pools, 1e-6, kvr, H, dn, (cos, cos, 0), 1.0, place) is None
     assert placed == []
+
+
+def test_the_logits_checks_match_torch(kernels):
+    """cpu.all_finite and cpu.argmax_rows (the engine's non_finite check and greedy draws on the CPU) against
+    torch: isfinite().all() and argmax(-1) over rows of 1 to 100003 values, ties (the first of equal largest
+    values, -0.0 equal to 0.0), NaN (the first NaN), +-inf; and None for what they do not take."""
+    g = torch.Generator().manual_seed(23)
+    for V in (1, 7, 8, 9, 32768, 100003):
+        for case in range(7):
+            x = torch.randn(3, V, generator=g)
+            if case == 1:
+                x[:] = 1.0  # all tied
+            elif case == 2:
+                x[1, V // 2] = float("nan")
+            elif case == 3:
+                x[0, -1], x[2, 0] = float("inf"), float("-inf")
+            elif case == 4:
+                x[1, V // 3], x[1, V // 4] = float("nan"), float("nan")
+            elif case == 5:
+                x[:] = -1.0
+                x[:, V // 2 :] = 0.0
+                x[:, V // 3] = -0.0  # the first zero, whatever its sign
+            elif case == 6:
+                x[2] = float("-inf")
+            assert kernels.argmax_rows(x) == x.argmax(-1).tolist(), (V, case)
+            assert kernels.all_finite(x) == bool(torch.isfinite(x).all()), (V, case)
+    assert kernels.argmax_rows(torch.randn(2, 8).bfloat16()) is None
+    assert kernels.argmax_rows(torch.randn(8, 2).t()) is None  # not contiguous
+    assert kernels.all_finite(torch.randn(4).double()) is None

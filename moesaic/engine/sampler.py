@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..errors import RequestError
+from ..kernels import cpu
 from ..spec.verify import inverse_cdf
 
 GREEDY_BELOW = 1e-5
@@ -221,8 +222,11 @@ def sample(
     """One token from one row of fp32 logits; `banned` ids (EOS before min_tokens) are never drawn. A
     sample is the inverse CDF of the distribution at one uniform of the request's stream."""
     x = adjusted(logits, params, prompt_ids, output_ids, banned)
-    if params.greedy:
-        return int(x.argmax())
+    if (
+        params.greedy
+    ):  # on the CPU one small compiled loop (torch's argmax code is cold after a step's weights)
+        top = cpu.argmax_rows(x.unsqueeze(0)) if x.dim() == 1 else None
+        return int(x.argmax()) if top is None else top[0]
     return inverse_cdf(distribution(x, params), uniform(generator, x.device))
 
 

@@ -197,6 +197,8 @@ def load(verbose: bool = False):
                 "encode_fp4",
                 "encode_fp8",
                 "product_seconds",
+                "all_finite",
+                "argmax_rows",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -644,6 +646,24 @@ def mhc_run(plan: tuple, streams, waiting):
     y, post, comb = (None, None, None) if waiting is None else waiting
     stats["kernel_calls"] += plan[7]
     return tuple(_module().mhc_enter(streams, y, post, comb, *plan))
+
+
+def all_finite(x) -> bool | None:
+    """Whether every value of x is finite, for a CPU fp32 tensor (a step's logits) in one small compiled loop;
+    None elsewhere (the caller uses torch)."""
+    if not (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous()) or _fused_mod(x) is None:
+        return None
+    return _module().all_finite(x)
+
+
+def argmax_rows(x) -> list[int] | None:
+    """torch.argmax(x, -1).tolist() of a CPU fp32 x [n, V] (a step's logits rows) in one small compiled loop: the
+    first of equal largest values, a NaN counted largest, as torch's. None elsewhere (the caller uses torch)."""
+    if not (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and x.is_contiguous()):
+        return None
+    if _fused_mod(x) is None:
+        return None
+    return _module().argmax_rows(x)
 
 
 def product_seconds(on: bool) -> float:

@@ -3937,6 +3937,55 @@ std::vector<torch::Tensor> moe_rows(torch::Tensor x, std::optional<Operand> rout
     return {y};
 }
 
+// Whether every value of fp32 x (contiguous) is finite: the engine's check of a step's logits in one small loop
+// (torch's sum over them, its code cold after the step's weight stream, took ~60 us in place for ~3 us of work).
+// A value is finite unless its exponent bits are all ones; integer ops, so that the loop vectorises.
+bool all_finite(torch::Tensor x) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "all_finite: fp32, contiguous");
+    const uint32_t* b = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+    const int64_t n = x.numel();
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad |= (b[i] & 0x7f800000u) == 0x7f800000u;
+    return bad == 0;
+}
+
+// The index of each row's largest value of fp32 x [n, V] (contiguous), as torch's argmax on the CPU gives it: the
+// first of equal largest values (-0.0 equal to 0.0), a NaN larger than any number (the first NaN). A row's
+// largest value first (its order does not matter), then the first index holding it.
+std::vector<int64_t> argmax_rows(torch::Tensor x) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+                "argmax_rows: fp32 [n, V], contiguous");
+    const int64_t n = x.size(0), V = x.size(1);
+    std::vector<int64_t> out(n);
+    for (int64_t r = 0; r < n; ++r) {
+        const float* p = x.data_ptr<float>() + r * V;
+        const uint32_t* b = reinterpret_cast<const uint32_t*>(p);
+        uint32_t nan = 0;
+        for (int64_t i = 0; i < V; ++i) nan |= (b[i] & 0x7fffffffu) > 0x7f800000u;
+        int64_t best = 0;
+        if (nan) {
+            while ((b[best] & 0x7fffffffu) <= 0x7f800000u) ++best;
+        } else {
+            float m = p[0];
+            int64_t i = 0;
+#if defined(MOESAIC_AVX2)
+            if (V >= 8) {
+                __m256 mv = _mm256_loadu_ps(p);
+                for (i = 8; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + i));
+                float lanes[8];
+                _mm256_storeu_ps(lanes, mv);
+                m = lanes[0];
+                for (int l = 1; l < 8; ++l) m = std::max(m, lanes[l]);
+            }
+#endif
+            for (; i < V; ++i) m = std::max(m, p[i]);
+            while (p[best] != m) ++best;
+        }
+        out[r] = best;
+    }
+    return out;
+}
+
 // layers/dsa.py's attend_gathered for bf16 operands: the torch code's roundings (q_lat rounded to bf16; each
 // score's dot rounded to bf16, then scaled in fp32; torch's own softmax over the selection's order, a row
 // with nothing selected 0; the probabilities and o_lat rounded to bf16; the output rounded once), every
