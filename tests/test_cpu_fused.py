@@ -1069,6 +1069,28 @@ def test_kda_row_keeps_the_phases_bits(kernels, variant):
     assert kda.kda_row(torch.randn(1, d, generator=g).bfloat16(), w32, dims, state) is None
 
 
+def _block_runs(monkeypatch, llm, prompts, sp, name: str) -> list:
+    """llm.generate(prompts, sp) with the compiled block cpu.<name> and with it declined (the module's code):
+    per run (tokens, every forward's logits, the rows of each call that reached the block, 0 where it declined)."""
+    runs = []
+    for fused in (True, False):
+        logits, rows = [], []
+        forward, real = llm.model.forward, getattr(cpu, name)
+
+        def spy(x, *a, _real=real, _rows=rows, **k):
+            y = _real(x, *a, **k)
+            _rows.append(x.shape[0] if y is not None else 0)
+            return y
+
+        keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
+        monkeypatch.setattr(llm.model, "forward", keep)
+        monkeypatch.setattr(cpu, name, spy if fused else lambda *a: None)
+        tokens = [r.token_ids for r in llm.generate(prompts, sp)]
+        monkeypatch.undo()
+        runs.append((tokens, logits, rows))
+    return runs
+
+
 @pytest.mark.parametrize("demo", ["demo-mistral4", "demo-kimi-linear"])
 @pytest.mark.parametrize("chunk", [None, 4])
 def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
@@ -1083,23 +1105,7 @@ def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
     llm = moesaic.LLM(demo, dtype="bfloat16", **kw)
     prompts = [list(range(5, 40)), list(range(50, 61))]
     sp = moesaic.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    runs = []
-    for fused in (True, False):
-        logits, rows = [], []
-        forward, real = llm.model.forward, cpu.mla_block
-
-        def spy(x, *a, _real=real, _rows=rows, **k):
-            y = _real(x, *a, **k)
-            _rows.append(x.shape[0] if y is not None else 0)
-            return y
-
-        keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
-        monkeypatch.setattr(llm.model, "forward", keep)
-        monkeypatch.setattr(cpu, "mla_block", spy if fused else lambda *a: None)
-        tokens = [r.token_ids for r in llm.generate(prompts, sp)]
-        monkeypatch.undo()
-        runs.append((tokens, logits, rows))
-    (tokens, got, rows), (want_tokens, want, _) = runs
+    (tokens, got, rows), (want_tokens, want, _) = _block_runs(monkeypatch, llm, prompts, sp, "mla_block")
     mla_layers = sum(isinstance(getattr(w, "attn", None), mla.MlaWeights) for w in llm.model.layers)
     assert mla_layers and 0 not in rows  # every call that reached it was taken
     if chunk is None:
@@ -1133,23 +1139,7 @@ def test_dsa_block_keeps_the_engine_bits(kernels, monkeypatch, demo, prompts, ch
     kw = {} if chunk is None else {"max_num_batched_tokens": chunk, "enable_prefix_caching": False}
     llm = moesaic.LLM(demo, dtype="bfloat16", **kw)
     sp = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    runs = []
-    for fused in (True, False):
-        logits, rows = [], []
-        forward, real = llm.model.forward, cpu.dsa_block
-
-        def spy(x, *a, _real=real, _rows=rows, **k):
-            y = _real(x, *a, **k)
-            _rows.append(x.shape[0] if y is not None else 0)
-            return y
-
-        keep = lambda b, f=forward, out=logits: (y := f(b), out.append(y.clone()))[0]  # noqa: E731
-        monkeypatch.setattr(llm.model, "forward", keep)
-        monkeypatch.setattr(cpu, "dsa_block", spy if fused else lambda *a: None)
-        tokens = [r.token_ids for r in llm.generate(prompts, sp)]
-        monkeypatch.undo()
-        runs.append((tokens, logits, rows))
-    (tokens, got, rows), (want_tokens, want, _) = runs
+    (tokens, got, rows), (want_tokens, want, _) = _block_runs(monkeypatch, llm, prompts, sp, "dsa_block")
     dsa_layers = sum(isinstance(w.mixer, glm5next.Dsa) for w in llm.model.layers)
     assert dsa_layers and 0 not in rows  # every call that reached it was taken
     if chunk is not None:

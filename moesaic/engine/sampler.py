@@ -222,9 +222,8 @@ def sample(
     """One token from one row of fp32 logits; `banned` ids (EOS before min_tokens) are never drawn. A
     sample is the inverse CDF of the distribution at one uniform of the request's stream."""
     x = adjusted(logits, params, prompt_ids, output_ids, banned)
-    if (
-        params.greedy
-    ):  # on the CPU one small compiled loop (torch's argmax code is cold after a step's weights)
+    if params.greedy:
+        # on the CPU one small compiled loop: torch's argmax code is cold after a step's weight stream
         top = cpu.argmax_rows(x.unsqueeze(0)) if x.dim() == 1 else None
         return int(x.argmax()) if top is None else top[0]
     return inverse_cdf(distribution(x, params), uniform(generator, x.device))

@@ -36,7 +36,7 @@ from torch import Tensor
 from ..kernels import cpu
 from ..kernels.triton import kernels
 from .linear import kept, linear, matmul, operand, product_limit
-from .mla import page_tables, project_rows, shared_pages
+from .mla import page_tables, placer, project_rows, shared_pages
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm (hard-coded in the reference)
 
@@ -326,14 +326,9 @@ def fused_block(L: int, batch, x: Tensor, m, ix: IndexerWeights | None, c) -> Te
     if (plan := kept(m.fused_plans, ("dsa", N, torch.get_num_threads()), make)) is None:
         return None
 
-    def place():  # the new rows' pages (the caches advanced), rows and blocks per sequence, lengths
-        where = [v for r, s in zip(layers, batch.seqs) for v in r.place(s.n)]
-        blocks = [list(r.pages()[1]) for r in layers]
-        return where, [s.n for s in batch.seqs], blocks, [r.length for r in layers]
-
     views = layers[0].views
     pools = [views["latent"]] if ix is None else [views["latent"], views["k"], views["z"]]
-    eps, scale = c.rms_norm_eps, dn**-0.5
+    place, eps, scale = placer(layers, batch), c.rms_norm_eps, dn**-0.5
     return cpu.dsa_block(x, plan, pools, eps, kvr, INDEXER_NORM_EPS, H, dv, scale, P, tail, place)
 
 

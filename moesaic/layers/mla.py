@@ -320,14 +320,21 @@ def mla_block(L: int, batch, x: torch.Tensor, w: MlaWeights, c, rope=None, eps: 
     if (plan := kept(w.fused_plans, (N, torch.get_num_threads()), make)) is None:
         return None
 
-    def place():  # the new rows' pages (the caches advanced), rows and blocks per sequence, lengths
+    views = layers[0].views
+    pools = (views["latent"], views["k_rope"])
+    return cpu.mla_block(x, plan, pools, eps, kvr, H, dn, rope, c.softmax_scale, placer(layers, batch))
+
+
+def placer(layers: list, batch):
+    """The `place` a compiled block calls once it applies: () -> (each new row's block and row flat, the caches
+    advanced; rows per sequence; each sequence's block ids; lengths), for the batch's paged `layers`."""
+
+    def place():
         where = [v for r, s in zip(layers, batch.seqs) for v in r.place(s.n)]
         blocks = [list(r.pages()[1]) for r in layers]
         return where, [s.n for s in batch.seqs], blocks, [r.length for r in layers]
 
-    views = layers[0].views
-    pools = (views["latent"], views["k_rope"])
-    return cpu.mla_block(x, plan, pools, eps, kvr, H, dn, rope, c.softmax_scale, place)
+    return place
 
 
 def shared_pages(rows: list) -> bool:
