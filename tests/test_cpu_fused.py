@@ -1283,3 +1283,14 @@ def test_the_logits_checks_match_torch(kernels):
     assert kernels.argmax_rows(torch.randn(2, 8).bfloat16()) is None
     assert kernels.argmax_rows(torch.randn(8, 2).t()) is None  # not contiguous
     assert kernels.all_finite(torch.randn(4).double()) is None
+
+
+def test_native_bf16_gemm_by_cpu_features():
+    """Prefill takes oneDNN's bf16 GEMM where it beats the fp32 tiles: AMX tiles, or an AMD CPU with
+    avx512_bf16 (Zen 4); an Intel CPU with avx512_bf16 and no AMX, AVX2 alone, or no cpuinfo keep the tiles."""
+    info = lambda vendor, flags: f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu {flags}\n"  # noqa: E731
+    assert cpu._native_bf16_gemm(info("AuthenticAMD", "avx2 avx512f avx512_bf16"))
+    assert cpu._native_bf16_gemm(info("GenuineIntel", "avx512f avx512_bf16 amx_bf16 amx_tile"))
+    assert not cpu._native_bf16_gemm(info("GenuineIntel", "avx2 avx512f avx512_bf16"))
+    assert not cpu._native_bf16_gemm(info("AuthenticAMD", "avx2 avx512f"))
+    assert not cpu._native_bf16_gemm("")
