@@ -49,7 +49,16 @@ from ..spec.verify import accept_greedy, accept_sampled
 from .block_manager import BlockManager, SnapshotStore
 from .graphs import DecodeGraphs, why_not
 from .output import CompletionOutput, Detokenizer, RequestOutput
-from .sampler import SamplingParams, adjusted, distribution, make_generator, sample, top_logprobs, uniform
+from .sampler import (
+    SamplingParams,
+    adjusted,
+    argmax_rows,
+    distribution,
+    make_generator,
+    sample,
+    top_logprobs,
+    uniform,
+)
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -710,9 +719,7 @@ class Engine:
             if self._banned(seq):
                 return None
         try:
-            rows = torch.cat([row[-1:] for _, row, _ in draws])
-            top = cpu.argmax_rows(rows)
-            top = rows.argmax(-1).tolist() if top is None else top
+            top = argmax_rows(torch.cat([row[-1:] for _, row, _ in draws]))
         except Exception:  # drawn row by row, where a failure is that sequence's alone
             return None
         return [[(tok, None)] for tok in top]

@@ -223,10 +223,15 @@ def sample(
     sample is the inverse CDF of the distribution at one uniform of the request's stream."""
     x = adjusted(logits, params, prompt_ids, output_ids, banned)
     if params.greedy:
-        # on the CPU one small compiled loop: torch's argmax code is cold after a step's weight stream
-        top = cpu.argmax_rows(x.unsqueeze(0)) if x.dim() == 1 else None
-        return int(x.argmax()) if top is None else top[0]
+        return argmax_rows(x.unsqueeze(0))[0]
     return inverse_cdf(distribution(x, params), uniform(generator, x.device))
+
+
+def argmax_rows(rows: torch.Tensor) -> list[int]:
+    """The greedy token of each logits row of rows [n, V]: torch's argmax (the first of equal largest values), on
+    the CPU by one small compiled loop (torch's argmax code is cold after a step's weight stream)."""
+    top = cpu.argmax_rows(rows)
+    return rows.argmax(-1).tolist() if top is None else top
 
 
 def top_logprobs(logits: torch.Tensor, k: int, token: int) -> dict[int, float]:

@@ -1156,11 +1156,12 @@ def dsa_plan(ops: list, norms: list, w_kv_b, k_norm, k_bias, rows: int) -> tuple
 
 
 def dsa_block(x, plan: tuple, pools: list, eps: float, kvr: int, k_eps: float, heads: int, dv: int, scale: float,
-              kpool: int, tail: bool, place):  # fmt: skip
+              kpool: int, tail: bool, widths: list, place):  # fmt: skip
     """layers/dsa.py's fused_block in one call for the weights of `plan` (dsa_plan at x's rows): the projections
     (and the indexer's keys), the new rows written to their pages (pools: the latent view [blocks, rows, kvr],
     with an indexer also k's and z's), each sequence's compact causal selection (every cached token; kpool,
-    tail: always_select_tail and kpool > 1), dsa_gathered over its pages, then o's product: the same calls in the
+    tail: always_select_tail and kpool > 1; widths: each one's, dsa.compact_width after this step's rows),
+    dsa_gathered over its pages, then o's product: the same calls in the
     same order, the same bits. `place()` -> (a (block, row) per query row flat, rows per sequence, each
     sequence's block ids, lengths) is called once the call applies, and only then (it advances the caches). o's
     product [N, d], or None where it does not apply (the caller runs the code)."""
@@ -1174,10 +1175,10 @@ def dsa_block(x, plan: tuple, pools: list, eps: float, kvr: int, k_eps: float, h
     ops, threads, norms, w_kv_b, k_norm, k_bias = plan
     where, lens, blocks, lengths = place()
     dn = w_kv_b.shape[0] // heads - dv
-    attn_threads = []
-    for n, T in zip(lens, lengths):  # dsa_gathered's threads for each sequence's call
-        width = max(1, T // kpool * kpool + (kpool - 1 if tail else 0))
-        attn_threads.append(_fused_threads(n * heads * kvr * (dn + dv + width), ATTEND_PARALLEL))
+    # dsa_gathered's threads for each sequence's call
+    attn_threads = [
+        _fused_threads(n * heads * kvr * (dn + dv + w), ATTEND_PARALLEL) for n, w in zip(lens, widths)
+    ]
     y = mod.dsa_block(
         x, ops, threads, norms, eps, kvr, lanes, _path(), k_norm, k_bias, k_eps, heads, dv, w_kv_b, scale,
         pools, where, lens, blocks, lengths, kpool, tail, attn_threads,

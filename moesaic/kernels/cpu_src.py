@@ -3105,15 +3105,15 @@ std::vector<torch::Tensor> dsa_project(torch::Tensor x, std::vector<Operand> ops
 
 // PagedRows.write's copy of bf16 rows [n, width] (unit column stride) to their pages of pool [blocks, rows, width]:
 // row i to block place[2 i], row place[2 i + 1].
-void put_rows(const torch::Tensor& pool, const torch::Tensor& rows, const std::vector<int64_t>& place) {
+void write_pages(const torch::Tensor& pool, const torch::Tensor& rows, const std::vector<int64_t>& place) {
     const int64_t n = rows.size(0);
     TORCH_CHECK(pool.dim() == 3 && pool.scalar_type() == torch::kBFloat16 && pool.stride(2) == 1 &&
                     rows.scalar_type() == torch::kBFloat16 && rows.dim() == 2 && rows.stride(1) == 1 &&
-                    pool.size(2) == rows.size(1), "put_rows: bf16 rows and pages [blocks, rows, width] of one width");
-    TORCH_CHECK((int64_t)place.size() == 2 * n, "put_rows: a block and a row for each row");
+                    pool.size(2) == rows.size(1), "write_pages: bf16 rows and pages [blocks, rows, width] of one width");
+    TORCH_CHECK((int64_t)place.size() == 2 * n, "write_pages: a block and a row for each row");
     for (int64_t i = 0; i < n; ++i) {
         const int64_t b = place[2 * i], r = place[2 * i + 1];
-        TORCH_CHECK(b >= 0 && b < pool.size(0) && r >= 0 && r < pool.size(1), "put_rows: page out of range");
+        TORCH_CHECK(b >= 0 && b < pool.size(0) && r >= 0 && r < pool.size(1), "write_pages: page out of range");
         auto* dst = reinterpret_cast<uint16_t*>(pool.data_ptr()) + b * pool.stride(0) + r * pool.stride(1);
         const auto* src = reinterpret_cast<const uint16_t*>(rows.data_ptr()) + i * rows.stride(0);
         std::memcpy(dst, src, rows.size(1) * sizeof(uint16_t));
@@ -3148,7 +3148,7 @@ torch::Tensor mla_block(torch::Tensor x, std::vector<Operand> ops, std::vector<i
         q_rope = rope(q_rope, *cos, *sin, layout, rope_threads, 0);
     }
     const auto& latent = proj[2];
-    put_rows(latent_pool, latent, place), put_rows(rope_pool, k_rope, place);
+    write_pages(latent_pool, latent, place), write_pages(rope_pool, k_rope, place);
     const std::vector<torch::Tensor> latents(lens.size(), latent_pool), k_ropes(lens.size(), rope_pool);
     const auto out = mla_absorbed(q.slice(2, 0, dn), q_rope, w_uk, w_uv, latents, k_ropes, lens, scale, attn_threads,
                                   blocks, lengths);
@@ -4125,8 +4125,8 @@ torch::Tensor dsa_block(torch::Tensor x, std::vector<Operand> ops, std::vector<i
     }
     const int64_t n = x.size(0);
     const auto q = proj[0].view({n, H, -1});
-    put_rows(pools[0], proj[2], place);
-    if (indexed) put_rows(pools[1], proj[4], place), put_rows(pools[2], proj[5], place);
+    write_pages(pools[0], proj[2], place);
+    if (indexed) write_pages(pools[1], proj[4], place), write_pages(pools[2], proj[5], place);
     std::vector<torch::Tensor> outs;
     int64_t at = 0;
     for (size_t s = 0; s < lens.size(); ++s) {

@@ -144,6 +144,12 @@ def _select_tail(out: Tensor, positions: Tensor, kpool: int, start: int) -> None
     out[:, start : start + kpool - 1] = tail.masked_fill(offs[None, :] >= tail_count[:, None], -1)
 
 
+def compact_width(num_keys: int, kpool: int, tail: bool) -> int:
+    """The width of causal_selection's compact layout over num_keys cached tokens: the complete pools' tokens,
+    then (tail: always_select_tail and kpool > 1) room for the open pool's, at least 1."""
+    return max(1, num_keys // kpool * kpool + (kpool - 1 if tail else 0))
+
+
 def every_pool_fits(num_keys: int, kpool: int, index_topk: int) -> bool:
     """Whether `select` over num_keys cached tokens keeps every complete pool (it keeps index_topk // kpool):
     then the indexer's scores choose nothing, and `causal_selection` gives the selection without them."""
@@ -175,7 +181,7 @@ def causal_selection(
     m = num_keys // kpool * kpool
     tail = always_select_tail and kpool > 1
     compact = not kernels("mla", positions)
-    width = max(1, m + (kpool - 1 if tail else 0)) if compact else selection_width(index_topk, kpool, tail)
+    width = compact_width(num_keys, kpool, tail) if compact else selection_width(index_topk, kpool, tail)
     if newest and compact:
         dev = positions.device
         out = torch.arange(width, device=dev).view(1, width)
@@ -306,13 +312,13 @@ def fused_block(L: int, batch, x: Tensor, m, ix: IndexerWeights | None, c) -> Te
         return None
     H, dn, dv, kvr, P = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank, c.index_kpool
     tail = c.index_kpool_always_select_tail and P > 1
-    at = 0
+    at, widths = 0, []
     for s, held in zip(batch.seqs, layers):
         T = held.length + s.n
-        width = max(1, T // P * P + (P - 1 if tail else 0))  # causal_selection's, compact
+        widths.append(compact_width(T, P, tail))
         if s.start != at or not every_pool_fits(T, P, c.index_topk):
             return None
-        if not _gathered_cheaper(s.n, T, kvr, dn, dv, width):
+        if not _gathered_cheaper(s.n, T, kvr, dn, dv, widths[-1]):
             return None
         at += s.n
     if at != N:
@@ -329,7 +335,7 @@ def fused_block(L: int, batch, x: Tensor, m, ix: IndexerWeights | None, c) -> Te
     views = layers[0].views
     pools = [views["latent"]] if ix is None else [views["latent"], views["k"], views["z"]]
     place, eps, scale = placer(layers, batch), c.rms_norm_eps, dn**-0.5
-    return cpu.dsa_block(x, plan, pools, eps, kvr, INDEXER_NORM_EPS, H, dv, scale, P, tail, place)
+    return cpu.dsa_block(x, plan, pools, eps, kvr, INDEXER_NORM_EPS, H, dv, scale, P, tail, widths, place)
 
 
 def sparse_mla_attend_held(q: Tensor, held, w_kv_b: Tensor, v_head_dim: int, scale: float, selection: Tensor):
