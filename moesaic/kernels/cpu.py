@@ -97,15 +97,11 @@ stats = {"kernel_calls": 0, "fallback_calls": 0}  # counters (tests, benchmarks)
 _state: dict = {"tried": False, "mod": None, "error": None}
 
 
-def enabled() -> bool:
-    """False when MOESAIC_CPU_KERNELS=0 (or 'false'/'off'/'no')."""
-    return env.flag("MOESAIC_CPU_KERNELS")  # read at each call, cheaply
-
-
-def amx_enabled() -> bool:
-    """False when MOESAIC_CPU_AMX=0 (or 'false'/'off'/'no'): bf16 x bf16 products then take vdpbf16ps on
-    CPUs with AMX too (read at each call; for A/B runs and tests)."""
-    return env.flag("MOESAIC_CPU_AMX")
+# enabled(): False when MOESAIC_CPU_KERNELS=0 (or 'false'/'off'/'no'); read at each call in one frame
+enabled = env.switch("MOESAIC_CPU_KERNELS")
+# amx_enabled(): False when MOESAIC_CPU_AMX=0 (or 'false'/'off'/'no'): bf16 x bf16 products then take vdpbf16ps
+# on CPUs with AMX too (read at each call; for A/B runs and tests)
+amx_enabled = env.switch("MOESAIC_CPU_AMX")
 
 
 def _module():
@@ -268,14 +264,13 @@ def _gemm(op: tuple, x, offs, out, bias, threads, generic, nbytes, amx=None):
     return out
 
 
-def int8_activations() -> bool:
-    """True when MOESAIC_CPU_INT8_ACTIVATIONS=1 (read at each call; off when unset): E2M1 weights (mxfp4, nvfp4)
-    multiply int8 activation rows, llama.cpp's Q8_0 rounding of x (each 32 values scaled by max |x| / 127 and
-    rounded to the nearest integer), by integer byte products: ~2x the fp32 tiles' rate from memory on an AVX2
-    core and more by AVX-512 VNNI (docs/perf.md), outputs within x's rounding of the exact ones rather than
-    equal to the plain path's. The portable build keeps exact activations, and so does bf16 x on AVX-512 BF16
-    CPUs without VNNI and VBMI (vdpbf16ps); AMX tiles (12 or more bf16 rows an expert) stay exact."""
-    return env.flag("MOESAIC_CPU_INT8_ACTIVATIONS", default=False)
+# int8_activations(): True when MOESAIC_CPU_INT8_ACTIVATIONS=1 (read at each call; off when unset): E2M1 weights
+# (mxfp4, nvfp4) multiply int8 activation rows, llama.cpp's Q8_0 rounding of x (each 32 values scaled by max |x| /
+# 127 and rounded to the nearest integer), by integer byte products: ~2x the fp32 tiles' rate from memory on an
+# AVX2 core and more by AVX-512 VNNI (docs/perf.md), outputs within x's rounding of the exact ones rather than
+# equal to the plain path's. The portable build keeps exact activations, and so does bf16 x on AVX-512 BF16 CPUs
+# without VNNI and VBMI (vdpbf16ps); AMX tiles (12 or more bf16 rows an expert) stay exact.
+int8_activations = env.switch("MOESAIC_CPU_INT8_ACTIVATIONS", default=False)
 
 
 Q8_PATH = 4  # gemm's path bit: int8 activations against E2M1 weights

@@ -90,6 +90,9 @@ def _switch() -> str:
     return env.get("MOESAIC_TRITON") or ""  # read at every call, cheaply (kernels/env.py)
 
 
+_switch_set = env.is_set("MOESAIC_TRITON")  # _switch() != "", in one frame (kernels' CPU default)
+
+
 def mode() -> str:
     """MOESAIC_TRITON (auto, off or interpret), read now; an unknown value warns and means auto."""
     m = _switch().strip().lower() or "auto"
@@ -122,7 +125,7 @@ def kernels(name: str, t: torch.Tensor):
     """The kernel module `name` (kda, mamba2, mla, indexer, compressor, mhc, router, quant) when its
     kernels should serve tensors like `t` (see MOESAIC_TRITON above), else None: the caller runs its
     torch reference. Cheap on the reference path: an environment read and a device test."""
-    if not t.is_cuda and not _switch():  # the CPU default first
+    if not t.is_cuda and not _switch_set():  # the CPU default first
         return None
     m = mode()
     if m == "off" or not (t.is_cuda if m == "auto" else t.device.type == "cpu"):
