@@ -1294,3 +1294,45 @@ def test_native_bf16_gemm_by_cpu_features():
     assert not cpu._native_bf16_gemm(info("GenuineIntel", "avx2 avx512f avx512_bf16"))
     assert not cpu._native_bf16_gemm(info("AuthenticAMD", "avx2 avx512f"))
     assert not cpu._native_bf16_gemm("")
+
+
+def test_ring_rows_are_written_as_torch_writes_them(kernels, monkeypatch):
+    """cpu.write_rows (TailRows.append's in-place writes) puts each field's rows where the slice assignment puts
+    them, strided sources included, and writes nothing where a pair does not fit (a dtype to convert, a width,
+    rows past the buffer): the caller's torch code then runs. A TailRows fed the same rows with the kernels on
+    and off holds the same rows through compactions and a rollback."""
+    from moesaic.cache.state import TailRows
+
+    g = torch.Generator().manual_seed(5)
+    bufs = [torch.zeros(12, 6).bfloat16(), torch.zeros(12, 10)]
+    src = [torch.randn(3, 8, generator=g).bfloat16()[:, 1:7], torch.randn(3, 10, generator=g)]
+    want = [b.clone() for b in bufs]
+    for w, s in zip(want, src):
+        w[4:7] = s
+    assert kernels.write_rows(bufs, 4, src)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, want))
+    for dsts, at, srcs in (
+        ([bufs[0]], 0, [src[1][:, :6]]),  # fp32 rows into a bf16 buffer
+        ([bufs[1]], 0, [src[0]]),  # a width that differs (and the dtype)
+        ([bufs[1]], 10, [src[1]]),  # past the end
+    ):
+        before = [b.clone() for b in bufs]
+        assert not kernels.write_rows(dsts, at, srcs)
+        assert all(torch.equal(a, b) for a, b in zip(bufs, before))
+
+    def feed(on: bool):
+        monkeypatch.setenv("MOESAIC_CPU_KERNELS", "1" if on else "0")
+        ring, seen = TailRows({"kv": 4, "gate": 6}, torch.bfloat16, "cpu", keep=5, need=3), []
+        r = torch.Generator().manual_seed(9)
+        for n in (1, 2, 1, 1, 3, 1, 1, 1, 2, 1, 1, 1):
+            rows = {
+                "gate": torch.randn(n, 6, generator=r).bfloat16(),
+                "kv": torch.randn(n, 4, generator=r).bfloat16(),
+            }
+            seen.append({k: v.clone() for k, v in ring.append(**rows).items()})
+            if len(seen) == 7:
+                ring.rollback(2)
+        return seen
+
+    on, off = feed(True), feed(False)
+    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(on, off))

@@ -511,7 +511,9 @@ def test_fused_ffn_equals_torch_code(kernel, monkeypatch, fmt):
             bias=torch.randn(e, generator=gen) if trial % 2 else None,
             shared=shared if trial < 4 else None,
         )
-        glu = functools.partial(M.clamped_silu_glu, limit=0.5) if trial >= 3 else M.silu_glu  # clamps
+        glu = (
+            functools.partial(M.clamped_silu_glu, limit=0.3) if trial >= 3 else M.silu_glu
+        )  # clamps (0.3: not a bf16)
         spec = M.MoeSpec(M.Router("sigmoid" if trial % 2 else "softmax", 3, fp32=trial % 3 == 0), glu=glu)
         x = (torch.randn(n, d, generator=gen) * (8 if trial == 2 else 1)).bfloat16()
         before = cpu.stats["kernel_calls"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CapacityError
+from ..kernels import cpu
 
 
 class PoolMemo:
@@ -313,8 +314,10 @@ class TailRows:
         cap = next(iter(self.bufs.values())).shape[0]
         at = self.start + self.held
         if at + n <= cap and at >= self.shared:  # room: write in place, return views
-            for k, r in rows.items():
-                self.bufs[k][at : at + n] = r
+            # one compiled call for every field's rows (a decode step makes ~17 of these appends on DeepSeek-V4)
+            if not cpu.write_rows([self.bufs[k] for k in rows], at, list(rows.values())):
+                for k, r in rows.items():
+                    self.bufs[k][at : at + n] = r
             out = {k: b[self.start : at + n] for k, b in self.bufs.items()}
             self.held += n
         else:

@@ -195,6 +195,7 @@ def load(verbose: bool = False):
                 "product_seconds",
                 "all_finite",
                 "argmax_rows",
+                "write_rows",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -660,6 +661,14 @@ def argmax_rows(x) -> list[int] | None:
     if _fused_mod(x) is None:
         return None
     return _module().argmax_rows(x)
+
+
+def write_rows(dsts: list, at: int, srcs: list) -> bool:
+    """dst[at : at + n] = src for each pair of CPU tensors [.., w] of one dtype, rows of unit stride (a ring's
+    buffers and its new rows: cache/state.py TailRows) in one call; False, nothing written, where a pair does not
+    fit or the kernels are off (the caller writes them by torch)."""
+    mod = _module() if enabled() else None
+    return mod is not None and mod.write_rows(dsts, at, srcs)
 
 
 def product_seconds(on: bool) -> float:

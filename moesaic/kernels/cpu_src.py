@@ -3105,6 +3105,29 @@ std::vector<torch::Tensor> dsa_project(torch::Tensor x, std::vector<Operand> ops
 
 // PagedRows.write's copy of bf16 rows [n, width] (unit column stride) to their pages of pool [blocks, rows, width]:
 // row i to block place[2 i], row place[2 i + 1].
+// cache/state.py TailRows.append's in-place writes: dsts[i][at : at + n] = srcs[i] for each pair (CPU tensors of
+// one dtype, 2-D, unit column stride, one width; no autograd) in one call, where the torch code made a slice and
+// a copy for each. False, nothing written, where a pair does not fit: the caller writes them by torch.
+bool write_rows(std::vector<torch::Tensor> dsts, int64_t at, std::vector<torch::Tensor> srcs) {
+    if (dsts.size() != srcs.size() || srcs.empty()) return false;
+    const int64_t n = srcs[0].dim() == 2 ? srcs[0].size(0) : -1;
+    for (size_t i = 0; i < dsts.size(); ++i) {
+        const auto &d = dsts[i], &s = srcs[i];
+        if (!(d.device().is_cpu() && s.device().is_cpu() && d.scalar_type() == s.scalar_type() && d.dim() == 2 &&
+              s.dim() == 2 && s.size(0) == n && d.size(1) == s.size(1) && d.stride(1) == 1 && s.stride(1) == 1 &&
+              at >= 0 && at + n <= d.size(0) && !s.requires_grad() && !d.requires_grad()))
+            return false;
+    }
+    for (size_t i = 0; i < dsts.size(); ++i) {
+        const auto &d = dsts[i], &s = srcs[i];
+        const int64_t es = d.element_size(), width = d.size(1) * es;
+        char* dp = static_cast<char*>(d.data_ptr()) + at * d.stride(0) * es;
+        const char* sp = static_cast<const char*>(s.data_ptr());
+        for (int64_t r = 0; r < n; ++r) std::memmove(dp + r * d.stride(0) * es, sp + r * s.stride(0) * es, width);
+    }
+    return true;
+}
+
 void write_pages(const torch::Tensor& pool, const torch::Tensor& rows, const std::vector<int64_t>& place) {
     const int64_t n = rows.size(0);
     TORCH_CHECK(pool.dim() == 3 && pool.scalar_type() == torch::kBFloat16 && pool.stride(2) == 1 &&
@@ -3225,6 +3248,41 @@ void bf16_rows_(torch::Tensor& a, const torch::Tensor& b, int op) {
     }
 }
 
+// The clamps of layers/moe.py's clamped_silu_glu on bf16 rows (2-D, unit column stride): torch rounds the limit to
+// bf16 and returns one of each comparison's values, a NaN kept (its min / max keep a NaN input).
+bool clamp_fits(const torch::Tensor& gate, const torch::Tensor& up) {
+    auto rows = [](const torch::Tensor& t) {
+        return t.scalar_type() == torch::kBFloat16 && t.dim() == 2 && t.stride(1) == 1;
+    };
+    return rows(gate) && rows(up) && gate.sizes() == up.sizes();
+}
+inline float clamp_to(float v, float lo, float hi) { return v != v ? v : std::min(std::max(v, lo), hi); }
+
+// gate.clamp(max=limit) as a new contiguous tensor
+torch::Tensor clamped_bf16(const torch::Tensor& gate, double limit) {
+    const int64_t R = gate.size(0), C = gate.size(1), ld = gate.stride(0);
+    const float hi = round_bf16((float)limit), lo = -std::numeric_limits<float>::infinity();
+    auto out = torch::empty({R, C}, gate.options());
+    const uint16_t* g = reinterpret_cast<const uint16_t*>(gate.data_ptr());
+    uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < C; ++c) o[r * C + c] = f32_to_bf16_bits(clamp_to(bf16_bits_to_f32(g[r * ld + c]), lo, hi));
+    return out;
+}
+
+// h *= up.clamp(-limit, limit) for h [R, C] contiguous: each product rounded to bf16 (bf16_rows_'s mul)
+void mul_clamped_bf16(torch::Tensor& h, const torch::Tensor& up, double limit) {
+    const int64_t R = h.size(0), C = h.size(1), ld = up.stride(0);
+    const float hi = round_bf16((float)limit), lo = -hi;
+    uint16_t* hp = reinterpret_cast<uint16_t*>(h.data_ptr());
+    const uint16_t* u = reinterpret_cast<const uint16_t*>(up.data_ptr());
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < C; ++c) {
+            const float b = clamp_to(bf16_bits_to_f32(u[r * ld + c]), lo, hi);
+            hp[r * C + c] = f32_to_bf16_bits(bf16_bits_to_f32(hp[r * C + c]) * b);
+        }
+}
+
 // No FMA contraction in ffn_rows: torch rounds every product of the weighted sum.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -3259,10 +3317,22 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
         return operand_gemm(a, m, offs, threads[call++], path);
     };
     auto out_rows = [](const Operand& m) { return std::get<1>(m).size(-2); };
-    // layers/moe.py's silu_glu, or clamped_silu_glu with `limit`, by torch's ops on the same views
+    // layers/moe.py's silu_glu, or clamped_silu_glu with `limit`, by torch's ops on the same views (its clamps
+    // as loops on bf16 rows: a clamp's value is one of its inputs, so the same bits for two fewer torch ops)
     auto glu = [&](const torch::Tensor& gate, const torch::Tensor& up) {
-        auto h = at::silu(limit ? at::clamp(gate, std::nullopt, *limit) : gate);
-        bf16_rows_(h, limit ? at::clamp(up, -*limit, *limit) : up, 0);
+        if (!limit) {
+            auto h = at::silu(gate);
+            bf16_rows_(h, up, 0);
+            return h;
+        }
+        if (!clamp_fits(gate, up)) {
+            auto h = at::silu(at::clamp(gate, std::nullopt, *limit));
+            bf16_rows_(h, at::clamp(up, -*limit, *limit), 0);
+            return h;
+        }
+        auto h = clamped_bf16(gate, *limit);
+        at::silu_(h);
+        mul_clamped_bf16(h, up, *limit);
         return h;
     };
     auto act = [&](const torch::Tensor& gu, int64_t I) {  // the experts' activation over w_in's rows
