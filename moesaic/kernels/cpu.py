@@ -667,7 +667,7 @@ def write_rows(dsts: list, at: int, srcs: list) -> bool:
     """dst[at : at + n] = src for each pair of CPU tensors [.., w] of one dtype, rows of unit stride (a ring's
     buffers and its new rows: cache/state.py TailRows) in one call; False, nothing written, where a pair does not
     fit or the kernels are off (the caller writes them by torch)."""
-    mod = _module() if enabled() else None
+    mod = _module() if srcs and srcs[0].is_cpu and enabled() else None  # (a GPU's rings: no build, no call)
     return mod is not None and mod.write_rows(dsts, at, srcs)
 
 

@@ -332,9 +332,11 @@ def visible_entries(positions: Tensor, num_entries: int, ratio: int, newest: boo
     order. `newest`: the caller's word that the entries are every one the sequence has closed, its tokens
     compressed up to the last query's: one query (a decode row) then sees them all, one arange (~75 us of
     four small ops inside a DeepSeek-V4 decode step, measured)."""
-    if newest and positions.shape[0] == 1:
-        return _every_entry(num_entries, positions.device)
+    if newest and positions.shape[0] == 1 and positions.is_cpu:
+        return _every_entry(num_entries)
     entry = torch.arange(num_entries, device=positions.device)
+    if newest and positions.shape[0] == 1:
+        return entry.view(1, num_entries)
     visible = (positions + 1) // ratio
     return entry.expand(positions.shape[0], num_entries).masked_fill(entry[None] >= visible[:, None], -1)
 
@@ -342,12 +344,12 @@ def visible_entries(positions: Tensor, num_entries: int, ratio: int, newest: boo
 _EVERY: list = [None]  # the last _every_entry answer: a step's CSA layers ask for the same count
 
 
-def _every_entry(num_entries: int, device) -> Tensor:
-    """arange(num_entries) as [1, num_entries] on `device`, kept for the next call with the same count (read only:
-    the selection it stands for is only read)."""
+def _every_entry(num_entries: int) -> Tensor:
+    """arange(num_entries) as [1, num_entries] on the CPU, kept for the next call with the same count (read only:
+    the selection it stands for is only read; a GPU's selection is made anew, as a CUDA graph may capture it)."""
     kept = _EVERY[0]
-    if kept is None or kept.shape[1] != num_entries or kept.device != device:
-        kept = _EVERY[0] = torch.arange(num_entries, device=device).view(1, num_entries)
+    if kept is None or kept.shape[1] != num_entries:
+        kept = _EVERY[0] = torch.arange(num_entries).view(1, num_entries)
     return kept
 
 
