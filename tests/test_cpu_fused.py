@@ -1153,6 +1153,30 @@ def test_dsa_block_keeps_the_engine_bits(kernels, monkeypatch, demo, prompts, ch
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_v4_attention_keeps_the_engine_bits(kernels, monkeypatch, chunk):
+    """layers/csa.py's fused_attention (cpu.v4_attention: DeepSeek-V4's attention inputs, the window's and the
+    compressors' new rows written into their rings, the sink attention over the window and the entries, and the
+    output's products in one call) gives the engine the logits of the model's code bit for bit, forward by
+    forward, for two sequences decoding together: taken while a CSA layer's entries fit index_topk (3 in the demo:
+    a context past 15 tokens declines there, before any state moves), a compressor that closes a window in the
+    step (every 4 or 8 tokens here) pooling it by the code first; and for prompts chunked to 4 rows a step
+    (blocks of several rows)."""
+    import moesaic
+
+    kw = {} if chunk is None else {"max_num_batched_tokens": chunk, "enable_prefix_caching": False}
+    llm = moesaic.LLM("demo-deepseek-v4", dtype="bfloat16", **kw)
+    prompts = [list(range(5, 10)), list(range(50, 59))]
+    sp = moesaic.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    (tokens, got, rows), (want_tokens, want, _) = _block_runs(monkeypatch, llm, prompts, sp, "v4_attention")
+    layers = len(llm.model.layers)
+    assert 0 not in rows and 0 < len(rows) < layers * len(got)  # taken where it applies, not everywhere
+    assert max(rows) > 1  # more than one row: both sequences' decode rows, or a prompt's block
+    assert tokens == want_tokens and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def _keeps_the_engine_bits(monkeypatch, demo: str, name: str, took=lambda out: out is not None):
     """Runs `demo` on two sequences decoding together and their prompts with the fused call cpu.<name> and
     with it declined (the code): the same tokens and logits bit for bit, forward by forward, and every call

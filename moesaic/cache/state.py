@@ -311,28 +311,39 @@ class TailRows:
 
     def append(self, **rows: torch.Tensor) -> dict[str, torch.Tensor]:
         n = next(iter(rows.values())).shape[0]
-        cap = next(iter(self.bufs.values())).shape[0]
-        at = self.start + self.held
-        if at + n <= cap and at >= self.shared:  # room: write in place, return views
+        if self.room(n):  # write in place, return views
+            first, at = self.claim(n)
             # one compiled call for every field's rows (a decode step makes ~17 of these appends on DeepSeek-V4)
             if not cpu.write_rows([self.bufs[k] for k in rows], at, list(rows.values())):
                 for k, r in rows.items():
                     self.bufs[k][at : at + n] = r
-            out = {k: b[self.start : at + n] for k, b in self.bufs.items()}
-            self.held += n
-        else:
-            out = {k: torch.cat([self.bufs[k][self.start : at], rows[k].to(self.dtype)]) for k in self.bufs}
-            self.held += n
-            keep = min(self.held, self.keep)
-            self.bufs = self._empty()
-            for k, v in out.items():
-                self.bufs[k][:keep] = v[v.shape[0] - keep :]
-            self.start, self.held, self.shared = 0, keep, 0
+            return {k: b[first : at + n] for k, b in self.bufs.items()}
+        at = self.start + self.held
+        out = {k: torch.cat([self.bufs[k][self.start : at], rows[k].to(self.dtype)]) for k in self.bufs}
+        self.held += n
+        keep = min(self.held, self.keep)
+        self.bufs = self._empty()
+        for k, v in out.items():
+            self.bufs[k][:keep] = v[v.shape[0] - keep :]
+        self.start, self.held, self.shared = 0, keep, 0
+        self.length += n
+        return out
+
+    def room(self, n: int) -> bool:
+        """Whether n more rows are written in place (`claim`), not through a fresh buffer."""
+        at = self.start + self.held
+        return at + n <= next(iter(self.bufs.values())).shape[0] and at >= self.shared
+
+    def claim(self, n: int) -> tuple[int, int]:
+        """append's bookkeeping for n rows written in place (`room(n)` first) by the caller, into every buffer's rows
+        at .. at + n - 1: (first, at), where the rows append returns are the buffers' rows first .. at + n - 1."""
+        first, at = self.start, self.start + self.held
+        self.held += n
         self.length += n
         if self.held > self.keep:  # drop the oldest rows; they are overwritten by later appends
             self.start += self.held - self.keep
             self.held = self.keep
-        return out
+        return first, at
 
     def rows(self) -> dict[str, torch.Tensor]:
         """The held rows (positions length - held .. length - 1)."""

@@ -196,6 +196,7 @@ def load(verbose: bool = False):
                 "all_finite",
                 "argmax_rows",
                 "write_rows",
+                "v4_attention",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -775,8 +776,7 @@ def sink_attention(
         return None
     n, H, D = q.shape
     entries = 0 if comp is None else comp_sel.shape[1] if comp_sel is not None else comp.shape[0]
-    work = n * H * (min(win.shape[0], window + n) + entries) * D
-    threads = _fused_threads(work, ATTEND_PARALLEL)
+    threads = sink_threads(n, H, D, win.shape[0], window, entries)
     sel = None if comp_sel is None else comp_sel.contiguous()
     return mod.sink_attend(
         q, positions.contiguous(), first, win, win_start, window, sink, scale, comp, sel, ratio, step, threads
@@ -1256,6 +1256,67 @@ def v4_output(o, cos, sin, o_a, o_b):
     out = mod.v4_output(o.contiguous(), *turn, a, threads[0], o_b, threads[1], _path())
     stats["kernel_calls"] += 2  # o_a's grouped product and o_b's
     return out
+
+
+def v4_plan(q_b, q_a_norm, kv_norm, o_a, o_b, rows: int, heads: int, dim: int) -> tuple | None:
+    """v4_attention's weights checked once for a layer at `rows` rows (o_a: the dense bf16 stack [G, r, heads *
+    dim / G]): (q_b, its threads, the norms, o_a's operand, its threads, o_b, its threads), each product's threads
+    as v4_inputs and v4_output take them; None where the call does not take them."""
+    if not (0 < rows <= MAX_ROWS and _operands_fit([q_b], torch.bfloat16)):
+        return None
+    norms = (q_a_norm, kv_norm)
+    if not (
+        kv_norm.shape == (dim,) and q_a_norm.dim() == 1 and max(dim, q_a_norm.shape[0]) <= MAX_NORM_WIDTH
+    ):
+        return None
+    if not all(t.is_cpu and t.dtype in _TY for t in norms):
+        return None
+    if not (o_a.dtype == torch.bfloat16 and o_a.dim() == 3 and o_a.shape[0] * o_a.shape[2] == heads * dim):
+        return None
+    if not o_a.is_contiguous() or not _operands_fit([a := bf16_operand(o_a), o_b], torch.bfloat16):
+        return None
+    q_threads, b_threads = _own_threads([q_b], rows)[0], _own_threads([o_b], rows)[0]
+    a_threads = threads_for(o_a.nbytes // o_a.shape[0], rows)
+    return q_b, q_threads, *(t.contiguous() for t in norms), a, a_threads, o_b, b_threads
+
+
+def v4_attention(qa, kv, comp_rows: list, plan: tuple, eps: float, heads: int, ones, cos, sin, nsin, place):
+    """models/deepseek_v4.py's attention after the layer input's products in one call for the weights of `plan`
+    (v4_plan at qa's rows): v4_inputs (qa, kv: the products' views; ones: the head RMS's unit weight or None;
+    cos / sin the rotation), the rings' writes (comp_rows: the compressors' kv / gate views), sink_attention per
+    sequence, v4_output (nsin: -sin); the same calls, the same bits. `place()` -> (bufs, srcs, seqs, ats,
+    positions, lens, firsts, wins, win_rows, win_starts, window, sink, scale, entries, counts, mode, ratio, steps,
+    threads) (cpu_src.py's v4_attention) is called once the call applies, and only then (it advances the states).
+    [n, d], or None where it does not apply (nothing moved: the caller runs the code)."""
+    if not (qa.dim() == kv.dim() == 2 and qa.dtype == kv.dtype == torch.bfloat16):
+        return None
+    n, D = kv.shape
+    q_b, q_threads, q_a_norm, kv_norm, a, a_threads, o_b, b_threads = plan
+    if not (
+        qa.shape == (n, q_a_norm.shape[0]) and D == kv_norm.shape[0] and qa.stride(-1) == kv.stride(-1) == 1
+    ):
+        return None
+    if not (
+        cos.dim() == 2
+        and cos.shape == sin.shape == nsin.shape
+        and cos.shape[0] == n
+        and 2 * cos.shape[1] <= D
+    ):
+        return None
+    mod = _fused_mod(qa, kv, cos, sin, nsin)
+    if mod is None or not (lanes := sum_lanes()):
+        return None
+    rope_threads, path = _fused_threads(n * heads * D), _path()
+    stats["kernel_calls"] += 3  # q_b's product, o_a's and o_b's
+    return mod.v4_attention(
+        qa, kv, q_b, q_threads, q_a_norm, kv_norm, eps, _TY[qa.dtype], lanes, path, heads, ones, cos.contiguous(),
+        sin.contiguous(), nsin.contiguous(), rope_threads, comp_rows, *place(), a, a_threads, o_b, b_threads,
+    )  # fmt: skip
+
+
+def sink_threads(n: int, heads: int, dim: int, keys: int, window: int, entries: int) -> int:
+    """sink_attention's threads for n queries over `keys` window rows (at most window + n read) and `entries`."""
+    return _fused_threads(n * heads * (min(keys, window + n) + entries) * dim, ATTEND_PARALLEL)
 
 
 def ssd_steps(x, dt, A, B, C, h, keep_states: bool):

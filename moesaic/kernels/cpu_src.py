@@ -4345,6 +4345,68 @@ torch::Tensor sink_attend(torch::Tensor q, torch::Tensor positions, int64_t firs
     return out;
 }
 
+// models/deepseek_v4.py's attention after the layer input's products, for decode rows and verify blocks, in one
+// call where Python made ~60 small calls and ops a layer: v4_inputs (qa, kv: views of the stacked product),
+// each sequence's new rows written into its rings (writes: buffer, source 0 the roped kv / 1.. comp_rows[i - 1],
+// the sequence, the first row; TailRows.claim made the room), the sink attention of each sequence (lens rows,
+// firsts its past, its window the rows win_rows[2 s] .. win_rows[2 s + 1] - 1 of the buffer wins[s], positions
+// from win_starts[s]; its compressed entries the first counts[s] rows of entries[s]: `mode` 1 CSA with the
+// selection visible_entries makes (every entry e < (t + 1) / ratio), 2 HCA, 0 none; steps and attn_threads as
+// cpu.sink_attention takes them), then v4_output. The calls the Python code makes, in its order:
+// the same bits.
+torch::Tensor v4_attention(torch::Tensor qa, torch::Tensor kv, Operand q_b, int64_t q_b_threads, torch::Tensor q_a_norm,
+                           torch::Tensor kv_norm, double eps, int64_t norm_ty, int64_t lanes, int64_t path, int64_t H,
+                           std::optional<torch::Tensor> ones, torch::Tensor cos, torch::Tensor sin, torch::Tensor nsin,
+                           int64_t rope_threads, std::vector<torch::Tensor> comp_rows, std::vector<torch::Tensor> bufs,
+                           std::vector<int64_t> srcs, std::vector<int64_t> seqs, std::vector<int64_t> ats,
+                           torch::Tensor positions, std::vector<int64_t> lens, std::vector<int64_t> firsts,
+                           std::vector<torch::Tensor> wins, std::vector<int64_t> win_rows, std::vector<int64_t> win_starts,
+                           int64_t window, torch::Tensor sink, double scale, std::vector<torch::Tensor> entries,
+                           std::vector<int64_t> counts, int64_t mode,
+                           int64_t ratio, std::vector<int64_t> steps, std::vector<int64_t> attn_threads, Operand o_a,
+                           int64_t a_threads, Operand o_b, int64_t b_threads) {
+    const size_t S = lens.size();
+    TORCH_CHECK(firsts.size() == S && wins.size() == S && win_rows.size() == 2 * S && win_starts.size() == S &&
+                    steps.size() == S && attn_threads.size() == S &&
+                    (mode == 0 ? entries.empty() : entries.size() == S && counts.size() == S),
+                "v4_attention: one of each per sequence");
+    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous(), "v4_attention: positions int64");
+    TORCH_CHECK(bufs.size() == srcs.size() && srcs.size() == seqs.size() && seqs.size() == ats.size(),
+                "v4_attention: one buffer, source, sequence and row per write");
+    const auto in = v4_inputs(qa, kv, q_b, q_b_threads, q_a_norm, kv_norm, eps, norm_ty, lanes, path, H, ones, cos, sin);
+    const auto &q = in[1], &k = in[2];
+    std::vector<int64_t> row0(S + 1, 0);
+    for (size_t s = 0; s < S; ++s) row0[s + 1] = row0[s] + lens[s];
+    TORCH_CHECK(row0[S] == q.size(0) && positions.numel() == q.size(0), "v4_attention: every row in a sequence");
+    for (size_t i = 0; i < bufs.size(); ++i) {  // TailRows.append's writes, each [at, at + n) of its buffer
+        TORCH_CHECK(srcs[i] >= 0 && srcs[i] <= (int64_t)comp_rows.size() && seqs[i] >= 0 && seqs[i] < (int64_t)S,
+                    "v4_attention: a write's source and sequence");
+        const auto& src = srcs[i] == 0 ? k : comp_rows[srcs[i] - 1];
+        const int64_t s = seqs[i];
+        TORCH_CHECK(write_rows({bufs[i]}, ats[i], {src.slice(0, row0[s], row0[s + 1])}), "v4_attention: a ring's rows");
+    }
+    std::vector<torch::Tensor> outs;
+    for (size_t s = 0; s < S; ++s) {
+        const int64_t n = lens[s];
+        const auto pos = positions.slice(0, row0[s], row0[s + 1]);
+        std::optional<torch::Tensor> comp, sel;
+        if (mode != 0) comp = entries[s].slice(0, 0, counts[s]);
+        if (mode == 1) {  // visible_entries: entry e for query t where e < (t + 1) / ratio, else -1
+            const int64_t E = counts[s];
+            sel = at::empty({n, E}, torch::kInt64);
+            const int64_t* pp = pos.data_ptr<int64_t>();
+            int64_t* sp = sel->data_ptr<int64_t>();
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t e = 0; e < E; ++e) sp[i * E + e] = e < (pp[i] + 1) / ratio ? e : -1;
+        }
+        const auto win = wins[s].slice(0, win_rows[2 * s], win_rows[2 * s + 1]);
+        outs.push_back(sink_attend(q.slice(0, row0[s], row0[s + 1]), pos, firsts[s], win, win_starts[s], window, sink,
+                                   scale, comp, sel, ratio, steps[s], attn_threads[s]));
+    }
+    const auto o = S == 1 ? outs[0] : at::cat(outs);
+    return v4_output(o, cos, nsin, rope_threads, o_a, a_threads, o_b, b_threads, path);
+}
+
 bool has_amx() {
 #if defined(MOESAIC_AMX)
     return amx_permitted();

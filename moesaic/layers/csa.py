@@ -43,7 +43,7 @@ from torch import Tensor
 from ..cache.state import TailRows, TokenRows, can_rollback
 from ..kernels import cpu
 from ..kernels.triton import kernels
-from .linear import linear, matmul, operand, products
+from .linear import kept, linear, matmul, operand, products
 from .norms import rms_norm_cast_once, unit_weight
 from .rope import cos_sin, rope_pairs
 
@@ -356,6 +356,99 @@ def _every_entry(num_entries: int) -> Tensor:
 # ---------------------------------------------------------------- attention with a sink
 
 
+def sink_step(heads: int, dim: int, window: int, entries: int) -> int:
+    """sink_attention's block of queries: b queries score b·H·(window + b + E) logits and gather b·E·D entry
+    values (CSA)."""
+    return max(
+        1,
+        min(128, _SCORE_BUDGET // (heads * (window + 128 + entries)), _SCORE_BUDGET // max(1, entries * dim)),
+    )
+
+
+def fused_attention(layers: list, batch, qa, kv, comp, idx, w, cfg, kind: str, rope):
+    """DeepSeek-V4's attention after the layer input's products (models/deepseek_v4.py: attention_inputs, each
+    sequence's window and compressor appends, its sink attention over the window and the entries a CSA layer's
+    indexer would keep, attention_output) in one compiled call on the CPU (cpu.v4_attention), the same bits, for
+    decode rows and verify blocks while a CSA layer's entries fit index_topk (so the indexer keeps every visible
+    one); a compressor that closes a window in this step pools it by compressor_update first. `layers`: each sequence's AttentionState; comp / idx:
+    (kv, gate) of the compressor and the indexer's compressor or None; w: the layer's weights (q_b, q_a_norm,
+    kv_norm, o_a, o_b, sinks; fused_plans keeps cpu.v4_plan by rows and threads); each head's query RMS-normed
+    (V4's attention_inputs). [N, d], or None where it does not apply (nothing moved: the caller runs the code)."""
+    N, H, D = qa.shape[0], cfg.num_attention_heads, cfg.head_dim
+    if not (qa.is_cpu and N <= cpu.MAX_ROWS and type(w.o_a) is torch.Tensor):
+        return None
+
+    def make():
+        q_b, o_b = operand(w.q_b), operand(w.o_b)
+        if q_b is None or o_b is None:
+            return None
+        groups = cfg.o_groups
+        o_a = w.o_a.view(groups, w.o_a.shape[0] // groups, -1)  # group g's rows: matrix g of a stack
+        return cpu.v4_plan(q_b, w.q_a_norm, w.kv_norm, o_a, o_b, N, H, D)
+
+    if (plan := kept(w.fused_plans, (N, torch.get_num_threads()), make)) is None:
+        return None
+    rows = [t for p in (comp, idx) if p is not None for t in p]  # sources 1, 2 (kv, gate), then 3, 4
+    dt = qa.dtype
+    if any(t.dtype != dt for t in rows):
+        return None
+    at = 0
+    for s, st in zip(batch.seqs, layers):
+        if s.start != at or st.window.dtype != dt or not st.window.room(s.n):
+            return None
+        if st.indexer is not None and not _entries_after(st.indexer, s.n) <= cfg.index_topk:
+            return None  # the indexer's scores choose
+        at += s.n
+    if at != N:
+        return None
+    parts = [(c, p) for c, p in ((w.compressor, comp), (w.index_compressor, idx)) if p is not None]
+    window = cfg.sliding_window
+    mode = 0 if st.compressor is None else 1 if st.indexer is not None else 2
+    ratio = cfg.hca_ratio if kind == HCA else cfg.csa_ratio
+
+    def place():
+        """Each ring's room claimed (the states advance): cpu.v4_attention's `attend` arguments."""
+        bufs, srcs, seqs, ats, firsts, lens, wins, win_rows, win_starts = [], [], [], [], [], [], [], [], []
+        entries, counts, steps, threads = [], [], [], []
+        for i, (s, st) in enumerate(zip(batch.seqs, layers)):
+            win_starts.append(s.past - st.window.held)
+            first, at = st.window.claim(s.n)
+            bufs.append(st.window.bufs["kv"]), srcs.append(0), seqs.append(i), ats.append(at)
+            wins.append(st.window.bufs["kv"]), win_rows.extend((first, at + s.n))
+            for j, (c, (cw, (kv_rows, gate_rows))) in enumerate(zip((st.compressor, st.indexer), parts)):
+                if _closes(c, s.n) or not c.raw.room(s.n):  # pooled here (or its ring compacted): the code
+                    compressor_update(c, s.rows(kv_rows), s.rows(gate_rows), cw, cfg.rms_norm_eps, rope)
+                    continue
+                at_c = c.raw.claim(s.n)[1]
+                for src in (1 + 2 * j, 2 + 2 * j):
+                    bufs.append(c.raw.bufs["kv" if src % 2 else "gate"]), srcs.append(src)
+                    seqs.append(i), ats.append(at_c)
+            E = 0
+            if mode:
+                E = st.compressor.entries.length
+                entries.append(st.compressor.entries.bufs["entry"]), counts.append(E)
+            firsts.append(s.past), lens.append(s.n)
+            steps.append(sink_step(H, D, window, E))
+            threads.append(cpu.sink_threads(s.n, H, D, at + s.n - first, window, E))
+        return (bufs, srcs, seqs, ats, batch.positions, lens, firsts, wins, win_rows, win_starts, window, w.sinks,
+                cfg.head_dim**-0.5, entries, counts, mode, ratio, steps, threads)  # fmt: skip
+
+    cos, sin = rope.angles(batch.positions)
+    nsin = rope.angles(batch.positions, inverse=True)[1]
+    ones = unit_weight(D, kv.device)
+    return cpu.v4_attention(qa, kv, rows, plan, cfg.rms_norm_eps, H, ones, cos, sin, nsin, place)
+
+
+def _entries_after(c: CompressorState, n: int) -> int:
+    """c's entries once n more tokens are in."""
+    return (c.raw.length + n) // c.dims.ratio
+
+
+def _closes(c: CompressorState, n: int) -> bool:
+    """Whether n more tokens close an entry of c (compressor_update then pools it)."""
+    return _entries_after(c, n) > c.raw.length // c.dims.ratio
+
+
 def sink_attention(
     q: Tensor,
     positions: Tensor,
@@ -379,8 +472,7 @@ def sink_attention(
     dt = q.dtype
     p0 = first
     E = 0 if comp is None else (comp_sel.shape[1] if comp_sel is not None else comp.shape[0])
-    # a block of b queries scores b·H·(window + b + E) logits and gathers b·E·D entry values (CSA)
-    step = max(1, min(128, _SCORE_BUDGET // (H * (window + 128 + E)), _SCORE_BUDGET // max(1, E * D)))
+    step = sink_step(H, D, window, E)
     if q.is_cpu and n <= cpu.MAX_ROWS:  # decode rows, verify blocks: the code below in one call (bf16)
         args = (q, positions, first, win, win_start, window, sink, scale, comp, comp_sel, comp_ratio, step)
         if (fused := cpu.sink_attention(*args)) is not None:

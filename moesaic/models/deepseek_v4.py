@@ -93,6 +93,7 @@ from ..layers.csa import (
     attention_state_bytes,
     compressor_inputs,
     compressor_update,
+    fused_attention,
     fused_inputs,
     fused_output,
     grouped_out,
@@ -583,6 +584,8 @@ class Attention:
     index: IndexQuery | None = None
     # q_a, kv and the compressors' kv / gate (all of the layer input), stacked: one product each at decode sizes
     x_stacks: tuple = ()
+    # cpu.v4_plan by (rows, threads), made at the first call (layers/csa.py fused_attention)
+    fused_plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def stack_inputs(a: Attention) -> Attention:
@@ -836,9 +839,17 @@ class Model:
         kind = kind or c.layer_types[L]
         rope, pos = self.rope[kind], batch.positions
         lin = products(x, w.x_stacks)
-        qr, q, kv = attention_inputs(w, x, c, rope, pos, lin=lin)
         comp = None if w.compressor is None else compressor_inputs(x, w.compressor, lin)
         idx = None if w.index_compressor is None else compressor_inputs(x, w.index_compressor, lin)
+        # each product once, whichever path runs (an unstacked weight's lin is a product at each call)
+        qa, kv = lin(w.q_a), lin(w.kv)
+        layers = [s.state.layers[L] for s in batch.seqs]
+        fused = fused_attention(layers, batch, qa, kv, comp, idx, w, c, kind, rope)
+        if fused is not None:  # the CPU: the code below in one call
+            return fused
+        made = {id(w.q_a): qa, id(w.kv): kv}
+        again = lambda m: made[id(m)] if id(m) in made else lin(m)  # noqa: E731
+        qr, q, kv = attention_inputs(w, x, c, rope, pos, lin=again)
         queries = []  # the indexer's queries of every row, made for the first sequence that needs scores
 
         def index_rows():
