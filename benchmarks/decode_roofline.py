@@ -152,7 +152,8 @@ def gemm_share(llm, prompt, new: int, repeats: int) -> tuple[float, float]:
     decode rows: mla_project's products, o's, and with them the ropes, the page writes and the absorbed
     attention, ~50 us a layer of Mistral-4's at these lengths), cpu.v4_inputs (DeepSeek-V4's q_b product with
     its two norms, head RMS and ropes) and cpu.v4_output (its inverse rope, grouped o_a and o_b products) are
-    counted as products, and so are the weight products inside
+    counted as products (inside cpu.v4_attention too, which times them itself), and so are the weight products
+    inside
     cpu.mhc_enter (the mHC site's), cpu.dsa_gathered (DSA's W_k and W_v), cpu.dsa_block (a DSA decode row's
     projections, W_k, W_v and o's product, not its page writes, selection or attention) and cpu.kda_block (a KDA
     decode row's kda_project and o's product, not its recurrence), which those calls time themselves

@@ -211,7 +211,8 @@ class Streams:
         """_new_plan kept on the site for decode's few rows (its checks cost more than the rest of the call's
         Python)."""
         d = self.dims
-        key = (cpu.mhc_key(self.h, waiting), d.norm_eps, d.hc_eps, d.sinkhorn_iters, norm, weight, eps)
+        # the weight by id (a tensor's hash is a Python call): the plan holds it, so the id is not reused
+        key = (cpu.mhc_key(self.h, waiting), d.norm_eps, d.hc_eps, d.sinkhorn_iters, norm, id(weight), eps)
         if key not in site.plans:
             site.plans[key] = self._new_plan(site, norm, weight, eps, waiting)
         return site.plans[key]
