@@ -1363,3 +1363,36 @@ def test_ring_rows_are_written_as_torch_writes_them(kernels, monkeypatch):
 
     on, off = feed(True), feed(False)
     assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(on, off))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_compress_rows_equals_the_compressor_code(kernels, overlap):
+    """cpu.compress_rows (compressor_update's pooling, entry norm and rotation where windows close, in one call)
+    gives the code's bits (pool_windows, rms_norm_cast_once, RopeTail): one window and several, with and without
+    a predecessor window (overlap: CSA), the rope's factor 1 and not, large and small activations; and declines
+    fp32 rows."""
+    from moesaic.layers import csa, norms
+
+    g = torch.Generator().manual_seed(3)
+    m, C, eps = 4, 24, 1e-6
+    d = csa.CompressorDims(m, C, overlap)
+    ape = torch.randn(m, d.proj_width, generator=g)
+    norm = torch.rand(C, generator=g) + 0.5
+    freqs = torch.rand(8, generator=g)  # 16 rotated channels of 24: 8 kept
+    for W, has_prev, factor, E0, scale in [(1, False, 1.0, 0, 1), (2, True, 1.0, 5, 8), (3, False, 1.0, 0, 1),
+                                           (4, True, 0.7, 9, 0.1), (2, False, 1.3, 0, 3)]:  # fmt: skip
+        has_prev = has_prev and overlap
+        kv = (torch.randn(W * m, d.proj_width, generator=g) * scale).bfloat16()
+        gate = (torch.randn(W * m, d.proj_width, generator=g) * scale).bfloat16()
+        latent, turned = kernels.compress_rows(
+            kv, gate, ape, m, C, overlap, has_prev, norm, eps, freqs, factor, E0
+        )
+        want_latent = norms.rms_norm_cast_once(csa.pool_windows(kv, gate, ape, d, has_prev), norm, eps)
+        want = csa.RopeTail(freqs, factor)(want_latent, torch.arange(E0, E0 + want_latent.shape[0]) * m)
+        assert latent.shape == (W - 1 if has_prev else W, C)
+        assert torch.equal(latent.view(torch.int16), want_latent.view(torch.int16)), (W, has_prev)
+        assert torch.equal(turned.view(torch.int16), want.view(torch.int16)), (W, has_prev, factor)
+    assert (
+        kernels.compress_rows(kv.float(), gate.float(), ape, m, C, overlap, False, norm, eps, freqs, 1.0, 0)
+        is None
+    )

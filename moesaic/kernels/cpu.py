@@ -197,6 +197,7 @@ def load(verbose: bool = False):
                 "argmax_rows",
                 "write_rows",
                 "v4_attention",
+                "compress_rows",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -1311,6 +1312,52 @@ def v4_attention(qa, kv, comp_rows: list, plan: tuple, eps: float, heads: int, o
     return mod.v4_attention(
         qa, kv, q_b, q_threads, q_a_norm, kv_norm, eps, _TY[qa.dtype], lanes, path, heads, ones, cos.contiguous(),
         sin.contiguous(), nsin.contiguous(), rope_threads, comp_rows, *place(), a, a_threads, o_b, b_threads,
+    )  # fmt: skip
+
+
+def compress_rows(
+    kv,
+    gate,
+    ape,
+    ratio: int,
+    width: int,
+    overlap: bool,
+    has_prev: bool,
+    norm,
+    eps: float,
+    freqs,
+    factor: float,
+    first: int,
+):
+    """layers/csa.py's compressor_update where windows close, after the raw rows' append, in one call: pool_windows
+    over kv / gate [W ratio, proj_width] (whole windows, bf16 rows of unit stride), rms_norm_cast_once by `norm`,
+    and the rotation of entries first .. first + W' - 1 at their first tokens (RopeTail: freqs, factor): the same
+    ops and kernels, the same bits. (latent, rotated) [W', width], or None where it does not apply (the caller
+    runs the code)."""
+    if not (
+        kv.dim() == 2
+        and kv.dtype == gate.dtype == torch.bfloat16
+        and kv.is_contiguous()
+        and gate.is_contiguous()
+    ):
+        return None
+    if not (norm.shape == (width,) and width <= MAX_NORM_WIDTH and 2 * freqs.shape[0] <= width):
+        return None
+    if not (ape.dtype == freqs.dtype == torch.float32 and kv.shape[0] % ratio == 0 and kv.shape[0]):
+        return None
+    mod = _fused_mod(kv, gate, ape, norm, freqs)
+    if mod is None or not (lanes := sum_lanes()):
+        return None
+    W = kv.shape[0] // ratio
+    work = (
+        W - 1 if overlap and has_prev else W
+    ) * width  # the entries' values: the norm's and the rope's threads
+    threads = _fused_threads(work)
+    return tuple(
+        mod.compress_rows(
+            kv, gate, ape, ratio, width, overlap, has_prev, norm.contiguous(), eps, lanes, threads, freqs, factor,
+            first, threads,
+        )
     )  # fmt: skip
 
 

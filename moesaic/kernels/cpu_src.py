@@ -4412,6 +4412,49 @@ torch::Tensor v4_attention(torch::Tensor qa, torch::Tensor kv, Operand q_b, int6
     return v4_output(o, cos, nsin, rope_threads, o_a, a_threads, o_b, b_threads, path);
 }
 
+// layers/csa.py's compressor_update where windows close, after its raw rows are appended: pool_windows over the
+// whole windows kv / gate [W m, proj_width] (overlap and has_prev as it takes them; ape [m, proj_width] fp32),
+// the entry norm (rms_norm_cast_once: norm [C], eps, norm_threads) and the rotation of entries E0 .. E0 + W' - 1
+// at their first tokens e m (cos_sin of `freqs` times `factor` unless 1, rope_pairs on the last 2 freqs.size(0)
+// channels, rope_threads) by the same torch ops and kernels in the same order: the same bits, without ~25 calls
+// from Python. {latent, the rotated entries}.
+std::vector<torch::Tensor> compress_rows(torch::Tensor kv, torch::Tensor gate, torch::Tensor ape, int64_t m, int64_t C,
+                                         bool overlap, bool has_prev, torch::Tensor norm, double eps, int64_t lanes,
+                                         int64_t norm_threads, torch::Tensor freqs, double factor, int64_t E0,
+                                         int64_t rope_threads) {
+    TORCH_CHECK(m > 0 && kv.dim() == 2 && kv.size(0) % m == 0 && gate.sizes() == kv.sizes() &&
+                    kv.size(1) == (overlap ? 2 : 1) * C, "compress_rows: kv / gate [W m, proj_width]");
+    const int64_t W = kv.size(0) / m;
+    const auto k = kv.view({W, m, -1});
+    const auto g = gate.view({W, m, -1}) + ape;  // fp32 once ape is
+    torch::Tensor pooled;
+    if (!overlap) {
+        pooled = (k * g.softmax(1, torch::kFloat32).to(k.scalar_type())).sum(1);
+    } else {
+        const int64_t G = has_prev ? W - 1 : W;
+        auto sk = at::zeros({G, 2 * m, C}, k.options());
+        auto sg = at::full({G, 2 * m, C}, -std::numeric_limits<double>::infinity(), g.options());  // no predecessor
+        sk.slice(1, m).copy_(k.slice(0, W - G).slice(2, C));
+        sg.slice(1, m).copy_(g.slice(0, W - G).slice(2, C));
+        if (has_prev) {
+            sk.slice(1, 0, m).copy_(k.slice(0, 0, G).slice(2, 0, C));
+            sg.slice(1, 0, m).copy_(g.slice(0, 0, G).slice(2, 0, C));
+        } else if (G > 1) {
+            sk.slice(0, 1).slice(1, 0, m).copy_(k.slice(0, 0, G - 1).slice(2, 0, C));
+            sg.slice(0, 1).slice(1, 0, m).copy_(g.slice(0, 0, G - 1).slice(2, 0, C));
+        }
+        pooled = (sk * sg.softmax(1, torch::kFloat32).to(sk.scalar_type())).sum(1);
+    }
+    const int64_t ty = ty_of(kv);
+    const auto latent = rms_norm(pooled.to(kv.scalar_type()), norm, eps, 0, 0, ty, lanes, norm_threads, 0);
+    const int64_t E = latent.size(0);
+    const auto ang = (at::arange(E0, E0 + E, torch::kInt64) * m).to(torch::kFloat32).unsqueeze(1) * freqs.unsqueeze(0);
+    auto cos = ang.cos(), sin = ang.sin();
+    if (factor != 1.0) cos = cos * factor, sin = sin * factor;
+    const auto turned = rope(latent.view({E, 1, C}), cos, sin, 2, rope_threads, C - 2 * freqs.size(0)).view({E, C});
+    return {latent, turned};
+}
+
 bool has_amx() {
 #if defined(MOESAIC_AMX)
     return amx_permitted();

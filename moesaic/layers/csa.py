@@ -256,9 +256,18 @@ def compressor_update(
     has_prev = d.overlap and E0 > 0
     first = (E0 - 1 if has_prev else E0) * m
     a, b = first - (T0 - held), E1 * m - (T0 - held)
-    pooled = pool_windows(raw["kv"][a:b], raw["gate"][a:b], w.ape, d, has_prev)
-    latent = rms_norm_cast_once(pooled.to(kv.dtype), w.norm, eps)
-    new = rope(latent, torch.arange(E0, E1, device=kv.device) * m)
+    rows = raw["kv"][a:b], raw["gate"][a:b]
+    got = None
+    if kv.is_cpu and not kernels("compressor", kv):  # the code below in one call
+        got = cpu.compress_rows(
+            *rows, w.ape, m, d.width, d.overlap, has_prev, w.norm, eps, rope.freqs, rope.factor, E0
+        )
+    if got is not None:
+        latent, new = got
+    else:
+        pooled = pool_windows(*rows, w.ape, d, has_prev)
+        latent = rms_norm_cast_once(pooled.to(kv.dtype), w.norm, eps)
+        new = rope(latent, torch.arange(E0, E1, device=kv.device) * m)
     return state.entries.append(entry=new)["entry"], latent, E0
 
 
