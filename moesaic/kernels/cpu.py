@@ -1345,14 +1345,13 @@ def compress_rows(
         return None
     if not (ape.dtype == freqs.dtype == torch.float32 and kv.shape[0] % ratio == 0 and kv.shape[0]):
         return None
+    if not (kv.shape == gate.shape and kv.shape[1] == (2 if overlap else 1) * width == ape.shape[-1]):
+        return None
     mod = _fused_mod(kv, gate, ape, norm, freqs)
     if mod is None or not (lanes := sum_lanes()):
         return None
-    W = kv.shape[0] // ratio
-    work = (
-        W - 1 if overlap and has_prev else W
-    ) * width  # the entries' values: the norm's and the rope's threads
-    threads = _fused_threads(work)
+    entries = kv.shape[0] // ratio - (1 if overlap and has_prev else 0)
+    threads = _fused_threads(entries * width)  # the norm's and the rope's, as their own calls take them
     return tuple(
         mod.compress_rows(
             kv, gate, ape, ratio, width, overlap, has_prev, norm.contiguous(), eps, lanes, threads, freqs, factor,

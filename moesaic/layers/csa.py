@@ -258,7 +258,9 @@ def compressor_update(
     a, b = first - (T0 - held), E1 * m - (T0 - held)
     rows = raw["kv"][a:b], raw["gate"][a:b]
     got = None
-    if kv.is_cpu and not kernels("compressor", kv):  # the code below in one call
+    if (
+        kv.is_cpu and kv.dtype == rows[0].dtype and not kernels("compressor", kv)
+    ):  # the code below in one call
         got = cpu.compress_rows(
             *rows, w.ape, m, d.width, d.overlap, has_prev, w.norm, eps, rope.freqs, rope.factor, E0
         )
@@ -379,10 +381,11 @@ def fused_attention(layers: list, batch, qa, kv, comp, idx, w, cfg, kind: str, r
     sequence's window and compressor appends, its sink attention over the window and the entries a CSA layer's
     indexer would keep, attention_output) in one compiled call on the CPU (cpu.v4_attention), the same bits, for
     decode rows and verify blocks while a CSA layer's entries fit index_topk (so the indexer keeps every visible
-    one); a compressor that closes a window in this step pools it by compressor_update first. `layers`: each sequence's AttentionState; comp / idx:
-    (kv, gate) of the compressor and the indexer's compressor or None; w: the layer's weights (q_b, q_a_norm,
-    kv_norm, o_a, o_b, sinks; fused_plans keeps cpu.v4_plan by rows and threads); each head's query RMS-normed
-    (V4's attention_inputs). [N, d], or None where it does not apply (nothing moved: the caller runs the code)."""
+    one); a compressor that closes a window in this step pools it by compressor_update first. `layers`: each
+    sequence's AttentionState; comp / idx: (kv, gate) of the compressor and the indexer's compressor or None; w:
+    the layer's weights (q_b, q_a_norm, kv_norm, o_a, o_b, sinks; fused_plans keeps cpu.v4_plan by rows and
+    threads); each head's query RMS-normed (V4's attention_inputs). [N, d], or None where it does not apply
+    (nothing moved: the caller runs the code)."""
     N, H, D = qa.shape[0], cfg.num_attention_heads, cfg.head_dim
     if not (qa.is_cpu and N <= cpu.MAX_ROWS and type(w.o_a) is torch.Tensor):
         return None
