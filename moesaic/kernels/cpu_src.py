@@ -3116,8 +3116,6 @@ std::vector<torch::Tensor> dsa_project(torch::Tensor x, std::vector<Operand> ops
     return out;
 }
 
-// PagedRows.write's copy of bf16 rows [n, width] (unit column stride) to their pages of pool [blocks, rows, width]:
-// row i to block place[2 i], row place[2 i + 1].
 // cache/state.py TailRows.append's in-place writes: dsts[i][at : at + n] = srcs[i] for each pair (CPU tensors of
 // one dtype, 2-D, unit column stride, one width; no autograd) in one call, where the torch code made a slice and
 // a copy for each. False, nothing written, where a pair does not fit: the caller writes them by torch.
@@ -3141,6 +3139,8 @@ bool write_rows(std::vector<torch::Tensor> dsts, int64_t at, std::vector<torch::
     return true;
 }
 
+// PagedRows.write's copy of bf16 rows [n, width] (unit column stride) to their pages of pool [blocks, rows, width]:
+// row i to block place[2 i], row place[2 i + 1].
 void write_pages(const torch::Tensor& pool, const torch::Tensor& rows, const std::vector<int64_t>& place) {
     const int64_t n = rows.size(0);
     TORCH_CHECK(pool.dim() == 3 && pool.scalar_type() == torch::kBFloat16 && pool.stride(2) == 1 &&

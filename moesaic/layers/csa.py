@@ -258,9 +258,8 @@ def compressor_update(
     a, b = first - (T0 - held), E1 * m - (T0 - held)
     rows = raw["kv"][a:b], raw["gate"][a:b]
     got = None
-    if (
-        kv.is_cpu and kv.dtype == rows[0].dtype and not kernels("compressor", kv)
-    ):  # the code below in one call
+    # the code below in one call
+    if kv.is_cpu and kv.dtype == rows[0].dtype and not kernels("compressor", kv):
         got = cpu.compress_rows(
             *rows, w.ape, m, d.width, d.overlap, has_prev, w.norm, eps, rope.freqs, rope.factor, E0
         )
@@ -415,7 +414,7 @@ def fused_attention(layers: list, batch, qa, kv, comp, idx, w, cfg, kind: str, r
         return None
     parts = [(c, p) for c, p in ((w.compressor, comp), (w.index_compressor, idx)) if p is not None]
     window = cfg.sliding_window
-    mode = 0 if st.compressor is None else 1 if st.indexer is not None else 2
+    mode = 0 if comp is None else 1 if idx is not None else 2  # sink attention: none, CSA's entries, HCA's
     ratio = cfg.hca_ratio if kind == HCA else cfg.csa_ratio
 
     def place():

@@ -734,9 +734,15 @@ def attention_inputs(
     """(qr, q [N, H, D] roped, kv [N, D] roped) of the packed layer input: qr = RMSNorm(x Wq_a),
     q = rope(headRMS(qr Wq_b)) (V4.1: no head RMS), kv = rope(RMSNorm(x Wkv)). `lin`: linear(x, ·) as
     layers/linear.products gives it (the stacked products), else linear."""
-    eps, N, H = cfg.rms_norm_eps, x.shape[0], cfg.num_attention_heads
     lin = lin or products(x, ())
-    qa, kv = lin(w.q_a), lin(w.kv)
+    return inputs_of(w, lin(w.q_a), lin(w.kv), cfg, rope, positions, q_head_norm)
+
+
+def inputs_of(
+    w: Attention, qa: Tensor, kv: Tensor, cfg, rope: RopeTail, positions: Tensor, q_head_norm: bool = True
+):
+    """attention_inputs from x's products qa = x Wq_a, kv = x Wkv."""
+    eps, N, H = cfg.rms_norm_eps, qa.shape[0], cfg.num_attention_heads
     fused = fused_inputs(qa, kv, w.q_b, w.q_a_norm, w.kv_norm, eps, H, q_head_norm, rope, positions)
     if fused is not None:  # the CPU: the code below in one call
         return fused
@@ -847,9 +853,7 @@ class Model:
         fused = fused_attention(layers, batch, qa, kv, comp, idx, w, c, kind, rope)
         if fused is not None:  # the CPU: the code below in one call
             return fused
-        made = {id(w.q_a): qa, id(w.kv): kv}
-        again = lambda m: made[id(m)] if id(m) in made else lin(m)  # noqa: E731
-        qr, q, kv = attention_inputs(w, x, c, rope, pos, lin=again)
+        qr, q, kv = inputs_of(w, qa, kv, c, rope, pos)
         queries = []  # the indexer's queries of every row, made for the first sequence that needs scores
 
         def index_rows():
