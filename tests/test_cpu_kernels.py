@@ -330,7 +330,7 @@ def test_amx_bf16_rows_invariant(amx, monkeypatch, n, k):
     bias = torch.randn(n, generator=gen).bfloat16()
     _assert_bf16_rounding(cpu.linear(x[:20], w, bias), _reference(w, x[:20]) + bias.float())
     monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
-    assert cpu.dense_rows() == cpu.MAX_ROWS
+    assert cpu.dense_rows() == cpu.DP_ROWS  # (an AMX CPU has vdpbf16ps)
     _assert_fp32_close(cpu.bf16_matmul(x[:16], w, out=torch.empty(16, n)), alone[:16])
 
 
@@ -365,6 +365,39 @@ def test_amx_packed(amx, fmt, n, k):
     assert cpu.stats["kernel_calls"] == before + 1
 
 
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "bf16"])
+def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
+    """Packed weights against more than MAX_ROWS bf16 rows on the vdpbf16ps path (AMX off): QuantizedTensor's
+    matmul and grouped_matmul take the decode tiles up to PACKED_DP_ROWS rows, in one call, each output the
+    bits it has alone (x fits 256 KB), the fp32 reference to bf16 rounding; above, the fp32 tiles."""
+    monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
+    if not cpu.has_bf16dp():
+        pytest.skip("no vdpbf16ps path on this CPU")
+    multiple, make = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(17)
+    k = 8 * max(multiple, 16)
+    w = make(48, k, gen)
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    assert cpu.packed_rows(x) == cpu.PACKED_DP_ROWS
+    alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+    before = cpu.stats["kernel_calls"]
+    assert torch.equal(w.matmul(x), alone)
+    assert cpu.stats["kernel_calls"] == before + 1
+    _assert_bf16_rounding(alone, _reference(w, x))
+    if fmt in STACKS:  # one grouped call for experts of 17 and 23 rows
+        stack = STACKS[fmt](2, 48, k, gen)
+        offs = torch.tensor([17, 40], dtype=torch.int32)
+        before = cpu.stats["kernel_calls"]
+        got = stack.grouped_matmul(x, offs)
+        assert cpu.stats["kernel_calls"] == before + 1
+        assert torch.equal(got[:17], stack[0].matmul(x[:17]))
+        assert torch.equal(got[17:], stack[1].matmul(x[17:]))
+    more = torch.randn(cpu.PACKED_DP_ROWS + 1, k, generator=gen).bfloat16()
+    before = cpu.stats["fallback_calls"]
+    w.matmul(more)
+    assert cpu.stats["fallback_calls"] == before + 1
+
+
 # ------------------------------------------------------------------------ dense entry points
 
 
@@ -383,11 +416,27 @@ def test_linear_bf16(kernel, m):
     yf = cpu.linear(xf, w)
     assert yf.dtype == torch.float32
     assert torch.equal(yf, cpu.linear(xf.bfloat16(), w).float())
-    # beyond the rows the kernels serve (16, or 64 by AMX tiles) and for fp32 weights: F.linear itself
+    # beyond the rows the kernels serve (dense_rows()) and for fp32 weights: F.linear itself
     big = torch.randn(cpu.dense_rows() + 1, 200, generator=gen).bfloat16()
     assert torch.equal(cpu.linear(big, w), torch.nn.functional.linear(big, w))
     w32 = w.float()
     assert torch.equal(cpu.linear(xf, w32), torch.nn.functional.linear(xf, w32))
+
+
+def test_linear_bf16_rows_alike_up_to_dense_rows(kernel):
+    """`linear` takes the kernel up to dense_rows() rows of x (64 by AMX tiles, 32 by vdpbf16ps, else 16), in
+    one call, and there each output has the bits it has alone (an x of 32 rows x 1000 fits 256 KB: the weight
+    rows streamed whole), so a prompt's products of up to that many rows equal its decode rows'."""
+    amx = cpu.has_amx() and cpu.amx_enabled()
+    assert cpu.dense_rows() == (cpu.AMX_ROWS if amx else cpu.DP_ROWS if cpu.has_bf16dp() else cpu.MAX_ROWS)
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(130, 1000, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(cpu.dense_rows(), 1000, generator=gen).bfloat16()
+    alone = torch.cat([cpu.linear(x[i : i + 1], w) for i in range(x.shape[0])])
+    before = cpu.stats["kernel_calls"]
+    assert torch.equal(cpu.linear(x, w), alone)
+    assert cpu.stats["kernel_calls"] == before + 1
+    _assert_bf16_rounding(alone, _reference(w, x))
 
 
 # ------------------------------------------------------------------------ grouped
@@ -892,7 +941,9 @@ def test_demo_tokens_kernel_vs_plain(kernel, monkeypatch, name, dtype):
     """Greedy tokens of the quantized demos with the kernels (MOESAIC_CPU_KERNELS=1) and without. In bf16 the
     kernels sum in other orders than the plain path (vdpbf16ps, AMX tiles), so a greedy near-tie one bf16 step
     wide may go either way: there, teacher-forced on the plain tokens (prefill rows above and below MAX_ROWS),
-    every logit agrees to a few bf16 steps and the argmax is the plain one wherever the plain margin is wider."""
+    the logits agree to a few bf16 steps at 9 in 10 positions or more (a router's top-k may flip on a near tie
+    at one: DeepSeek-V4's 20-token score, layer 2, position 12, since its dense products at 17-32 rows take
+    the kernel), and the argmax is the plain one wherever the plain margin is wider."""
     llm = moesaic.LLM(name, dtype=dtype)
     params = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = ["Hello, world", [5, 17, 3, 9]]
@@ -914,7 +965,8 @@ def test_demo_tokens_kernel_vs_plain(kernel, monkeypatch, name, dtype):
         got = llm.score(seq)
         monkeypatch.setenv("MOESAIC_CPU_KERNELS", "0")
         tol = 8 * 2**-8 * max(1.0, plain.abs().max().item())  # 8 bf16 steps at the logits' size
-        assert (got - plain).abs().max().item() <= tol
+        close = (got - plain).abs().amax(-1) <= tol
+        assert close.float().mean().item() >= 0.9
         top = plain.topk(2, dim=-1).values
         clear = top[:, 0] - top[:, 1] > 2 * tol
         assert clear.any() and torch.equal(got.argmax(-1)[clear], plain.argmax(-1)[clear])

@@ -60,9 +60,12 @@ __all__ = [
     "enabled",
     "amx_enabled",
     "has_amx",
+    "has_bf16dp",
     "dense_rows",
     "packed_rows",
     "AMX_ROWS",
+    "DP_ROWS",
+    "PACKED_DP_ROWS",
     "load",
     "available",
     "usable",
@@ -87,6 +90,13 @@ MAX_ROWS = 16  # rows of x per matrix the kernels serve (decode); more rows take
 # rows of x the AMX path serves against dense bf16 weights: up to here it streams the weights at memory
 # speed, where oneDNN's bf16 GEMM (F.linear) read them at ~5 GB/s (17-32 rows) and ~3.7 GB/s (64) here
 AMX_ROWS = 64
+# ... and the vdpbf16ps path (AVX-512 BF16 without AMX tiles): on a Zen 4 core it ran 1.07-1.44x faster than
+# oneDNN's bf16 GEMM at 17-32 rows and 0.85-1.03x at 48-64 (docs/perf.md). Up to 32 rows whose x fits 256 KB
+# it streams each weight row whole, so an output has the bits it has at one row.
+DP_ROWS = 32
+# ... and against packed (fp8 / fp4) weights on that path: its decode tiles ran 1.0-2.4x faster than the fp32
+# tiles (weights dequantized, F.linear) at 17-256 bf16 rows on a Zen 4 core (fp8 level at 256; docs/perf.md)
+PACKED_DP_ROWS = 256
 MIN_THREAD_BYTES = 1 << 18  # weight bytes (per row of x) below which one more thread does not pay
 TILE_ELEMS = 1 << 21  # weight elements converted to fp32 at a time by tiled_linear (8 MB)
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -118,22 +128,36 @@ def has_amx() -> bool:
     return _state["amx"]
 
 
+def has_bf16dp() -> bool:
+    """Whether the built kernels multiply bf16 x bf16 by vdpbf16ps here (AVX-512 BF16 and VBMI)."""
+    if "bf16dp" not in _state:
+        mod = _module()
+        _state["bf16dp"] = mod is not None and bool(mod.has_bf16dp())
+    return _state["bf16dp"]
+
+
 def _amx_rows(amx: bool) -> int:
     """Rows of x against dense bf16 weights with MOESAIC_CPU_AMX read as `amx` (kernels enabled)."""
-    return AMX_ROWS if amx and has_amx() else MAX_ROWS
+    if amx and has_amx():
+        return AMX_ROWS
+    return DP_ROWS if has_bf16dp() else MAX_ROWS
 
 
 def dense_rows() -> int:
     """Rows of x per matrix the kernels serve against dense bf16 weights: AMX_ROWS where AMX tiles run
-    them, else MAX_ROWS."""
+    them, DP_ROWS where vdpbf16ps does, else MAX_ROWS."""
     return _amx_rows(amx_enabled()) if enabled() else MAX_ROWS
 
 
 def packed_rows(x: torch.Tensor) -> int:
     """Rows of x per matrix the kernels serve against packed (fp8 / fp4) weights: MAX_ROWS through their
-    decode paths, and any number for bf16 x where AMX tiles run (above MAX_ROWS the weights are decoded to
-    bf16 a block of rows at a time and multiplied by the tiles: prefill, large batches)."""
-    return 1 << 40 if x.dtype == torch.bfloat16 and dense_rows() == AMX_ROWS else MAX_ROWS
+    decode paths, PACKED_DP_ROWS for bf16 x where vdpbf16ps runs them, and any number for bf16 x where AMX
+    tiles run (above MAX_ROWS the weights are decoded to bf16 a block of rows at a time and multiplied by the
+    tiles: prefill, large batches)."""
+    if x.dtype != torch.bfloat16:
+        return MAX_ROWS
+    rows = dense_rows()
+    return 1 << 40 if rows == AMX_ROWS else PACKED_DP_ROWS if rows == DP_ROWS else MAX_ROWS
 
 
 def _build_name() -> str:
@@ -164,6 +188,7 @@ def load(verbose: bool = False):
                 "has_avx2",
                 "has_vnni512",
                 "has_amx",
+                "has_bf16dp",
                 "sinkhorn",
                 "rms_norm",
                 "add_rms_norm",

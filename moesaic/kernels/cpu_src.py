@@ -4483,6 +4483,14 @@ bool has_amx() {
 #endif
 }
 
+bool has_bf16dp() {  // bf16 products by vdpbf16ps (run_item_dp: AVX-512 BF16 and VBMI)
+#if defined(MOESAIC_AVX512BF16)
+    return true;
+#else
+    return false;
+#endif
+}
+
 bool has_avx2() {
 #if defined(MOESAIC_AVX2)
     return true;

@@ -498,7 +498,7 @@ class QuantizedTensor:
     def matmul(self, x: torch.Tensor, tile_rows: int | None = None) -> torch.Tensor:
         """x @ W.T for W [N, K] with x [..., K] -> [..., N] in x's dtype (fp32 for non-float x).
         For a stacked W [E, N, K], x is [E, ..., K] and the result [E, ..., N] (expert e on x[e]).
-        Up to cpu.MAX_ROWS rows per matrix (any number of bf16 rows where AMX tiles run:
+        Up to cpu.MAX_ROWS rows per matrix (more bf16 rows where vdpbf16ps or AMX tiles run:
         `cpu.packed_rows`) run through the compiled CPU kernels when they are available; otherwise
         (or with an explicit `tile_rows`) W is dequantized tile by tile."""
         n, k = self.shape[-2:]
@@ -535,7 +535,7 @@ class QuantizedTensor:
         """The rows of x [T, K] grouped by expert against this stack [E, N, K] -> [T, N] in x's
         dtype: expert e owns rows offs[e-1]:offs[e] (offs [E]: end rows, as torch's grouped_mm
         takes them). One call of the compiled CPU kernel for every expert with rows when it
-        applies (at most cpu.MAX_ROWS rows for every expert), else expert by expert as `matmul`
+        applies (at most cpu.packed_rows(x) rows for every expert), else expert by expert as `matmul`
         computes each: the same numbers as one `matmul` per expert either way."""
         n = self.shape[-2]
         check_grouped(self, x, offs, f"{self.name}: grouped_matmul")
@@ -571,7 +571,7 @@ class QuantizedTensor:
 
     def _grouped_2d(self, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
         # one kernel call when every expert's rows fit (cpu.rows_fit): what one call per expert gives
-        if cpu.rows_fit(offs) and self._kernel(x, out, offs=offs) is not None:
+        if cpu.rows_fit(offs, cpu.packed_rows(x)) and self._kernel(x, out, offs=offs) is not None:
             return
         start = 0
         for e, end in enumerate(offs.tolist()):
