@@ -154,10 +154,11 @@ def packed_rows(x: torch.Tensor) -> int:
     decode paths, PACKED_DP_ROWS for bf16 x where vdpbf16ps runs them, and any number for bf16 x where AMX
     tiles run (above MAX_ROWS the weights are decoded to bf16 a block of rows at a time and multiplied by the
     tiles: prefill, large batches)."""
-    if x.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16 or not enabled():
         return MAX_ROWS
-    rows = dense_rows()
-    return 1 << 40 if rows == AMX_ROWS else PACKED_DP_ROWS if rows == DP_ROWS else MAX_ROWS
+    if amx_enabled() and has_amx():
+        return 1 << 40
+    return PACKED_DP_ROWS if has_bf16dp() else MAX_ROWS
 
 
 def _build_name() -> str:
