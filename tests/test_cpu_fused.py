@@ -568,6 +568,34 @@ def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn
     assert cpu.mhc_enter(h5, None, site5.fn, site5.columns, site5.base, 1e-6, 1e-6, 20) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fn_dtype", [torch.bfloat16, torch.float32])
+def test_mhc_weighted_head_keeps_the_torch_bits(kernels, monkeypatch, dtype, fn_dtype):
+    """layers/mhc.py's head_weighted (DeepSeek-V4's final collapse) in one call (cpu.mhc_head) gives the torch
+    code's bits: rows 1 to MAX_ROWS (the sigmoids of fewer than 32 values by torch's scalar code, of more by its
+    vector code), 2 and 4 streams, bf16 / fp16 / fp32 streams, bf16 and fp32 fn / base / scale, signed zeros;
+    more than MAX_ROWS rows are declined (the torch code)."""
+    from moesaic.layers import mhc
+
+    g = torch.Generator().manual_seed(11)
+    for n in (2, 4):
+        dims = mhc.MhcDims(n, hc_eps=1e-6, norm_eps=1e-6)
+        for N, d in ((1, 1024), (3, 96), (7, 64), (8, 64), (cpu.MAX_ROWS, 64)):
+            fn = (torch.randn(n, n * d, generator=g) * 0.05).to(fn_dtype)
+            base, scale = (
+                torch.randn(n, generator=g).to(fn_dtype),
+                (torch.rand(1, generator=g) + 0.5).to(fn_dtype),
+            )
+            h = (torch.randn(N, n, d, generator=g) * 3).to(dtype)
+            h[0, :, :3] = -0.0
+            got, want = fused_and_torch(monkeypatch, "mhc_head", mhc.head_weighted, h, fn, base, scale, dims)
+            assert got.dtype == want.dtype == dtype and torch.equal(_bits(got), _bits(want)), (n, N, d)
+    h = torch.randn(cpu.MAX_ROWS + 1, 4, 64, generator=g)
+    assert (
+        cpu.mhc_head(h, torch.randn(4, 256, generator=g), torch.zeros(4), torch.ones(1), 1e-6, 1e-6) is None
+    )
+
+
 def test_f32_rows_products(kernels):
     """cpu.f32_rows (fp32 x against fp32 rows: the mHC site's product where fn is fp32, as DeepSeek-V4 ships it):
     within fp32 rounding of the fp64 product at odd K and N, a row's bits the same alone, among 16 rows and

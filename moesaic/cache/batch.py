@@ -89,10 +89,12 @@ class ForwardBatch:
 
     @staticmethod
     def build(
-        items: list[tuple[SequenceState, list[int]]], logits: str = "last", device="cpu"
+        items: list[tuple[SequenceState, list[int]]], logits: str | list[int] = "last", device="cpu"
     ) -> ForwardBatch:
-        """items: (state, new token ids) per sequence. logits: "last" (one row per sequence) or "all"."""
-        ids, pos, seqs, rows = [], [], [], []
+        """items: (state, new token ids) per sequence. logits: "last" (one row per sequence), "all", or the
+        rows themselves (indexes into the packed batch)."""
+        ids, pos, seqs = [], [], []
+        rows = logits if isinstance(logits, list) else []
         start = 0
         for state, toks in items:
             n = len(toks)
@@ -101,7 +103,10 @@ class ForwardBatch:
             ids.extend(toks)
             pos.extend(range(state.num_tokens, state.num_tokens + n))
             seqs.append(SeqChunk(state, start, n, state.num_tokens))
-            rows.extend(range(start, start + n) if logits == "all" else [start + n - 1])
+            if logits == "all":
+                rows.extend(range(start, start + n))
+            elif logits == "last":
+                rows.append(start + n - 1)
             start += n
         host_ids = torch.tensor(ids, dtype=torch.long)
         return ForwardBatch(

@@ -504,15 +504,15 @@ class Engine:
             if logits is not None:
                 self.spec_counters["target_forwards"] += 1
                 return list(logits.split_with_sizes([1] * len(items))), [{} for _ in items], logits
-        batch = ForwardBatch.build(
-            [(s.state, self._tokens(s, n)) for s, n in items], logits="all", device=self.model.device
-        )
-        rows, counts = [], []
-        for (s, n), c in zip(items, batch.seqs):
+        rows, counts, start = [], [], 0
+        for s, n in items:  # a verify round's every row, else the last
             verify = n > s.num_pending
-            rows.extend(range(c.start, c.start + c.n) if verify else [c.start + c.n - 1])
-            counts.append(c.n if verify else 1)
-        batch.logit_rows = torch.tensor(rows, dtype=torch.long, device=self.model.device)
+            rows.extend(range(start, start + n) if verify else [start + n - 1])
+            counts.append(n if verify else 1)
+            start += n
+        batch = ForwardBatch.build(
+            [(s.state, self._tokens(s, n)) for s, n in items], logits=rows, device=self.model.device
+        )
         if self.proposer is not None:
             batch.taps = tuple(self.proposer.taps)
         logits = self.model.forward(batch)
@@ -709,8 +709,8 @@ class Engine:
         """Every draw's token by one argmax over their rows and one read to the host, where each is a plain
         greedy sample (no drafts, penalties, banned ids, logits processor or logprobs): what `_sample` draws
         row by row, with one device sync a step instead of one a sequence (on a GPU ~60 us of host time a
-        row). None otherwise, or for a single draw."""
-        if len(draws) < 2:
+        row; a lone draw skips `sample`'s Python). None otherwise."""
+        if not draws:
             return None
         for seq, _, draft in draws:
             p = seq.params
@@ -719,7 +719,9 @@ class Engine:
             if self._banned(seq):
                 return None
         try:
-            top = argmax_rows(torch.cat([row[-1:] for _, row, _ in draws]))
+            top = argmax_rows(
+                draws[0][1][-1:] if len(draws) == 1 else torch.cat([row[-1:] for _, row, _ in draws])
+            )
         except Exception:  # drawn row by row, where a failure is that sequence's alone
             return None
         return [[(tok, None)] for tok in top]

@@ -200,6 +200,7 @@ def load(verbose: bool = False):
                 "ffn_rows",
                 "moe_rows",
                 "mhc_enter",
+                "mhc_head",
                 "f32_rows",
                 "mhc_update",
                 "route",
@@ -719,6 +720,24 @@ def f32_rows(x, w):
     if not (x.shape[1] == w.shape[1] and w.stride(-1) == 1) or (mod := _fused_mod(x, w)) is None:
         return None
     return mod.f32_rows(x, w, threads_for(w.nbytes, x.shape[0]))
+
+
+def mhc_head(streams, fn, base, scale, norm_eps: float, hc_eps: float):
+    """layers/mhc.py's head_weighted in one call, the same float operations (mhc_enter's projection and collapse):
+    streams [N, n, d] contiguous, fn [n, n d] fp32 or bf16, base [n], scale [1]. None where it does not apply (the
+    caller runs the torch code)."""
+    if not (streams.dim() == 3 and streams.is_contiguous() and 0 < streams.shape[0] <= MAX_ROWS):
+        return None
+    N, n, d = streams.shape
+    if not (0 < n * d <= MAX_NORM_WIDTH and fn.shape == (n, n * d) and fn.stride(-1) == 1):
+        return None
+    if fn.dtype not in (torch.float32, torch.bfloat16) or base.numel() != n or scale.numel() != 1:
+        return None
+    mod = _fused_mod(streams, fn, base, scale)
+    if mod is None or not (lanes := sum_lanes()):
+        return None
+    return mod.mhc_head(streams, fn, base.contiguous(), scale.contiguous(), norm_eps, hc_eps, lanes,
+                        _fused_threads(streams.numel()), threads_for(fn.nbytes, N))  # fmt: skip
 
 
 def mhc_update(streams, y, post, comb):

@@ -3722,6 +3722,55 @@ std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch:
     return {h, x, post, comb};
 }
 
+// layers/mhc.py's head_weighted in one call (DeepSeek-V4's final collapse): m = the site projection of each row
+// (mhc_enter's: the flattened row scaled by its reciprocal RMS, then fn's rows by f32_rows_into), pre = sigmoid(m
+// * scale + base) + hc_eps (torch's sigmoid of a contiguous [N, n], as mhc_enter's), then collapse. streams [N, n,
+// d] contiguous; fn [n, n d] fp32 or bf16 (unit column stride); base [n] and scale (its first value) of any float
+// type, read as fp32 (the torch code's .float()). Returns x [N, d] in the streams' dtype.
+torch::Tensor mhc_head(torch::Tensor streams, torch::Tensor fn, torch::Tensor base, torch::Tensor scale,
+                       double norm_eps, double hc_eps, int64_t lanes, int64_t threads, int64_t fn_threads) {
+    TORCH_CHECK(streams.dim() == 3 && streams.is_contiguous(), "mhc_head: streams [N, n, d], contiguous");
+    const int64_t N = streams.size(0), n = streams.size(1), d = streams.size(2), nd = n * d;
+    TORCH_CHECK(fn.dim() == 2 && fn.size(0) == n && fn.size(1) == nd, "mhc_head: fn [n, n d]");
+    TORCH_CHECK(base.numel() == n && base.is_contiguous() && scale.numel() >= 1 && scale.is_contiguous(),
+                "mhc_head: base [n], scale [1]");
+    TORCH_CHECK(lanes == 8 || lanes == 16, "mhc_head: 8 or 16 lanes");
+    const int ty = ty_of(streams);
+    const int64_t es = ty == F32 ? 4 : 2;
+    const char* hp = static_cast<const char*>(streams.data_ptr());
+    const float neps = (float)norm_eps;
+    float *scaled = row_buffer(2, N * nd), *m = row_buffer(3, N * n);
+    rows_on(N, threads, nd, 0, [&](int64_t t, float* sq) {
+        float* v = scaled + t * nd;
+        load_row(ty, hp + t * nd * es, v, nd);
+        norm_row(v, sq, nullptr, nd, neps, F32, F32, F32, lanes);
+    });
+    {
+        ProductClock clock;
+        f32_rows_into(scaled, N, nd, fn, m, fn_threads);
+    }
+    std::vector<float> b(n), pre(N * n);
+    float sc;
+    load_row(ty_of(base), base.data_ptr(), b.data(), n);
+    load_row(ty_of(scale), scale.data_ptr(), &sc, 1);
+    for (int64_t t = 0; t < N; ++t)
+        for (int64_t j = 0; j < n; ++j) {
+            float z = m[t * n + j] * sc;
+            pre[t * n + j] = z + b[j];
+        }
+    if (N * n < SCALAR_SIGMOID) scalar_sigmoid(pre.data(), N * n);
+    else {
+        auto pre_t = torch::from_blob(pre.data(), {N, n}, torch::kFloat32);
+        at::sigmoid_(pre_t);
+    }
+    const float heps = (float)hc_eps;
+    for (int64_t i = 0; i < N * n; ++i) pre[i] = pre[i] + heps;
+    auto x = at::empty({N, d}, streams.options());
+    mhc_collapse(ty, hp, pre.data(), static_cast<char*>(x.data_ptr()), N, n, d, threads, nullptr, 0.f, 0, 0, 0,
+                 lanes);
+    return x;
+}
+
 // The seconds ProductClock has counted so far; `on` switches the counting on or off from here.
 double product_seconds(bool on) {
     product_clock_on = on;

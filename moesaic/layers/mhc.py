@@ -183,6 +183,7 @@ class Streams:
         self.h, self.dims = h, dims
         self.maps = None  # (post, comb) of the site last entered
         self.waiting = None  # the block output whose update has not run yet
+        self.key = None  # _plan's key for the streams (cpu.mhc_key's part of them), made at the first enter
 
     def enter(self, site: MhcSite, norm, weight: Tensor, eps: float) -> Tensor:
         h = self.h
@@ -210,9 +211,15 @@ class Streams:
     def _plan(self, site: MhcSite, norm, weight: Tensor, eps: float, waiting) -> tuple | None:
         """_new_plan kept on the site for decode's few rows (its checks cost more than the rest of the call's
         Python)."""
-        d = self.dims
+        if self.key is None:  # once a pass: every later h is an update's, of the same shape, dtype and layout
+            d = self.dims
+            self.key = (cpu.mhc_key(self.h, None), d.norm_eps, d.hc_eps, d.sinkhorn_iters)
+        update = None
+        if waiting is not None:
+            y, post, comb = waiting
+            update = y.shape, y.dtype, y.is_cpu, post.dtype, comb.dtype  # cpu.mhc_key's part of them
         # the weight by id (a tensor's hash is a Python call): the plan holds it, so the id is not reused
-        key = (cpu.mhc_key(self.h, waiting), d.norm_eps, d.hc_eps, d.sinkhorn_iters, norm, id(weight), eps)
+        key = (self.key, update, norm, id(weight), eps)
         if key not in site.plans:
             site.plans[key] = self._new_plan(site, norm, weight, eps, waiting)
         return site.plans[key]
@@ -225,6 +232,7 @@ class Streams:
     def value(self) -> Tensor:
         if self.waiting is not None:
             self.h, self.waiting = update(self.h, self.waiting, *self.maps), None
+            self.key = None  # (the torch code's update: its h is checked again)
         return self.h
 
 
@@ -236,6 +244,10 @@ def head_mean(streams: Tensor) -> Tensor:
 def head_weighted(streams: Tensor, hc_fn: Tensor, hc_base: Tensor, hc_scale: Tensor, dims: MhcDims) -> Tensor:
     """DeepSeek-V4's final hyper head: pre = sigmoid(m · hc_scale + hc_base) + hc_eps with
     m = the site projection through hc_fn [n, n·d]; returns Σ_j pre[j] h[j]."""
+    if streams.is_cpu and not kernels("mhc", streams):  # the same operations in one compiled call
+        x = cpu.mhc_head(streams, hc_fn, hc_base, hc_scale, dims.norm_eps, dims.hc_eps)
+        if x is not None:
+            return x
     m = project(streams, hc_fn, dims.norm_eps)
     pre = torch.sigmoid(m * hc_scale.float().reshape(-1)[0] + hc_base.float()) + dims.hc_eps
     return collapse(streams, pre)

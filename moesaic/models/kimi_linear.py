@@ -459,6 +459,7 @@ class Model:
         lm_head = t.optional("lm_head.weight")
         self.lm_head = self.embed if lm_head is None else lm_head
         self.moe = cfg.moe_spec
+        self.kda_dims = cfg.kda_dims  # a property that builds its dataclass: once, not once a layer a step
         self.layers = [self.bind(t.under(f"model.layers.{L}."), L) for L in range(cfg.num_hidden_layers)]
 
     def bind(self, w: Tensors, L: int) -> Layer:
@@ -472,7 +473,9 @@ class Model:
         c, layers = self.cfg, []
         for kind in c.layer_kinds:
             if kind == "kda":
-                layers.append(RecurrentState(KdaState.zeros(c.kda_dims, device=self.device), rollback_window))
+                layers.append(
+                    RecurrentState(KdaState.zeros(self.kda_dims, device=self.device), rollback_window)
+                )
             else:
                 widths = {"latent": c.kv_lora_rank, "k_rope": c.qk_rope_head_dim}
                 layers.append(TokenRows(widths, self.dtype, self.device, c.max_position_embeddings))
@@ -484,7 +487,7 @@ class Model:
         x))). Appends each sequence's new tokens to its layer-L state."""
         c, a = self.cfg, w.attn
         if isinstance(a, KdaWeights):
-            return run_recurrent(KDA, a, c.kda_dims, L, x, batch)
+            return run_recurrent(KDA, a, self.kda_dims, L, x, batch)
         if a.gate is None and (y := mla_block(L, batch, x, a, c, None, MLA_NORM_EPS)) is not None:
             return y
         q_nope, q_shared, latent, k_shared = mla_project(x, a, c, MLA_NORM_EPS)
