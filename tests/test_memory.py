@@ -248,3 +248,48 @@ def test_stacked_experts_are_copied_once_at_load(tmp_path, monkeypatch, precisio
     assert not [s for s in moved if len(s) == 3], moved  # no [E, N, K] stack copied after it was made
     for n in stacks:
         assert all(torch.equal(a, b) for a, b in zip(codes(got[n]), codes(want[n]))), n
+
+
+class _Libc:
+    """A stand-in for glibc that records mallopt's calls (the process's own malloc is left alone)."""
+
+    def __init__(self, answer: int = 1):
+        self.calls, self.answer = [], answer
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return self.answer
+
+
+def _keep_freed(monkeypatch, libc: _Libc, **env) -> bool:
+    import ctypes
+
+    monkeypatch.setattr(memory, "_state", {})
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: libc)
+    for k in [k for k in __import__("os").environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.delenv("MOESAIC_KEEP_FREED", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return memory.keep_freed_memory()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's malloc: Linux")
+def test_keep_freed_memory_sets_mallocs_thresholds_once_unless_told_not_to(monkeypatch):
+    """memory.keep_freed_memory sets glibc's mmap threshold (HEAP_BLOCKS) and trim threshold (KEEP_FREED) once a
+    process; not with MOESAIC_KEEP_FREED=0 or where the user tunes malloc by its own MALLOC_*_ variables; a
+    refused mallopt reads False; the engine calls it for a CPU model."""
+    libc = _Libc()
+    assert _keep_freed(monkeypatch, libc)
+    assert libc.calls == [(-3, memory.HEAP_BLOCKS), (-1, memory.KEEP_FREED)]
+    assert memory.keep_freed_memory() and len(libc.calls) == 2  # once
+    for env in ({"MOESAIC_KEEP_FREED": "0"}, {"MALLOC_TOP_PAD_": "1048576"}):
+        libc = _Libc()
+        assert not _keep_freed(monkeypatch, libc, **env) and libc.calls == [], env
+    assert not _keep_freed(monkeypatch, _Libc(answer=0))
+    libc = _Libc()
+    _keep_freed(monkeypatch, libc)
+    monkeypatch.setattr(memory, "_state", {})
+    libc.calls.clear()
+    moesaic.LLM(str(moesaic.demo.trained_demo_path()), dtype="float32")
+    assert libc.calls == [(-3, memory.HEAP_BLOCKS), (-1, memory.KEEP_FREED)]

@@ -41,7 +41,7 @@ from ..cache.batch import ForwardBatch
 from ..cache.paged import BLOCK_SIZE, BlockTable, PagePool, free_memory
 from ..cache.state import TokenRows
 from ..errors import CapacityError, ConfigError, RequestError
-from ..kernels import cpu
+from ..kernels import cpu, memory
 from ..spec import SpecConfig
 from ..spec.adaptive import DraftGate, DraftLength
 from ..spec.base import Draft, DraftProposer
@@ -201,6 +201,8 @@ class Engine:
         never sample. decode_graphs: decode steps through static shapes, captured as CUDA graphs on a GPU
         (engine/graphs.py), where the model allows it (else logged, and steps run eager); None: on CUDA where
         the model allows it, quietly eager elsewhere."""
+        if torch.device(model.device).type == "cpu":
+            memory.keep_freed_memory()  # each forward reuses the last one's freed memory (no page faults)
         if spmd is not None and proposer is not None:
             raise ConfigError(
                 "speculative decoding does not run tensor-parallel yet: use tensor_parallel_size=1 with a "

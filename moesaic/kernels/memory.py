@@ -164,3 +164,37 @@ def resident(t: torch.Tensor) -> torch.Tensor:
     """New memory of the caller's (a stack it just built, codes it just packed) moved into huge pages where
     `empty` applies (a copy); elsewhere t itself."""
     return copy_of(t) if applies(t.numel() * t.element_size(), t.device) else t
+
+
+# glibc's malloc: keep freed memory for the next forward. By default it gives a block of more than a dynamic
+# threshold (128 KB, rising with what is freed) back to the system by munmap, and the heap's free top by brk,
+# so every prefill's activations are faulted in page by page again: ~10 % of a 256-token prefill's time in
+# the kernel's page faults on one core (docs/perf.md, thirty-third session).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+KEEP_FREED = 1 << 30  # free bytes at the heap's top that malloc keeps instead of trimming
+HEAP_BLOCKS = 32 << 20  # blocks up to this size come from the heap (glibc's own ceiling for its threshold)
+
+
+def keep_freed_memory() -> bool:
+    """Sets glibc malloc's trim and mmap thresholds (KEEP_FREED, HEAP_BLOCKS) once a process, so that a CPU
+    forward reuses the memory the last one freed instead of faulting fresh pages in. The resident size then stays
+    near the peak of the largest forward (as a GPU caching allocator's does). Not where malloc is not glibc's,
+    where MOESAIC_KEEP_FREED=0, or where the user set any MALLOC_*_ variable (glibc's own tuning wins). True
+    where the thresholds are set now or were before."""
+    if "kept" not in _state:
+        _state["kept"] = False
+        if sys.platform.startswith("linux") and env.flag("MOESAIC_KEEP_FREED"):
+            import ctypes
+            import os
+
+            if not any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+                try:
+                    libc = ctypes.CDLL("libc.so.6")
+                    mallopt = libc.mallopt
+                except (OSError, AttributeError):  # not glibc (musl, say)
+                    mallopt = None
+                if mallopt is not None:
+                    _state["kept"] = bool(
+                        mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCKS) and mallopt(_M_TRIM_THRESHOLD, KEEP_FREED)
+                    )
+    return _state["kept"]
