@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import MODELS, VOCAB, write_checkpoint  # noqa: E402
 
 import moesaic  # noqa: E402
-from moesaic.kernels import cpu  # noqa: E402
+from moesaic.kernels import cpu, memory  # noqa: E402
 from moesaic.weights.precision import PrecisionSchedule  # noqa: E402
 
 # what the releases ship packed (Kimi Linear and Nemotron-H ship bf16)
@@ -248,6 +248,9 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    # malloc's thresholds are the process's: set before anything runs, so that transformers' forwards keep their
+    # freed memory as moesaic's engine makes its own do (else only the models after moesaic's first engine would)
+    memory.keep_freed_memory()
     threads = torch.get_num_threads()
     bw, mid = cpu.read_bandwidths(threads=threads)
     print(

@@ -103,9 +103,11 @@ class ForwardBatch:
             ids.extend(toks)
             pos.extend(range(state.num_tokens, state.num_tokens + n))
             seqs.append(SeqChunk(state, start, n, state.num_tokens))
-            if logits == "all":
+            if isinstance(logits, list):
+                pass
+            elif logits == "all":
                 rows.extend(range(start, start + n))
-            elif logits == "last":
+            else:
                 rows.append(start + n - 1)
             start += n
         host_ids = torch.tensor(ids, dtype=torch.long)

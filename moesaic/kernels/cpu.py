@@ -661,10 +661,22 @@ def mhc_plan(streams, waiting, fn, columns, base, norm_eps: float, hc_eps: float
 def mhc_key(streams, waiting) -> tuple:
     """What mhc_plan's answer depends on besides its site and norm: the streams' and the update's shapes,
     dtypes and layout, torch's thread count and whether the kernels are on (with grad mode off)."""
-    if waiting is not None:
-        y, post, comb = waiting
-        waiting = y.shape, y.dtype, y.is_cpu, post.dtype, comb.dtype
-    return streams.shape, streams.dtype, streams.is_contiguous(), waiting, torch.get_num_threads(), enabled()
+    return (
+        streams.shape,
+        streams.dtype,
+        streams.is_contiguous(),
+        mhc_update_key(waiting),
+        torch.get_num_threads(),
+        enabled(),
+    )
+
+
+def mhc_update_key(waiting) -> tuple | None:
+    """mhc_key's part of the update (y, post, comb), None without one."""
+    if waiting is None:
+        return None
+    y, post, comb = waiting
+    return y.shape, y.dtype, y.is_cpu, post.dtype, comb.dtype
 
 
 def mhc_run(plan: tuple, streams, waiting):

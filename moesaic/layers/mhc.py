@@ -214,12 +214,8 @@ class Streams:
         if self.key is None:  # once a pass: every later h is an update's, of the same shape, dtype and layout
             d = self.dims
             self.key = (cpu.mhc_key(self.h, None), d.norm_eps, d.hc_eps, d.sinkhorn_iters)
-        update = None
-        if waiting is not None:
-            y, post, comb = waiting
-            update = y.shape, y.dtype, y.is_cpu, post.dtype, comb.dtype  # cpu.mhc_key's part of them
         # the weight by id (a tensor's hash is a Python call): the plan holds it, so the id is not reused
-        key = (self.key, update, norm, id(weight), eps)
+        key = (self.key, cpu.mhc_update_key(waiting), norm, id(weight), eps)
         if key not in site.plans:
             site.plans[key] = self._new_plan(site, norm, weight, eps, waiting)
         return site.plans[key]
@@ -232,7 +228,7 @@ class Streams:
     def value(self) -> Tensor:
         if self.waiting is not None:
             self.h, self.waiting = update(self.h, self.waiting, *self.maps), None
-            self.key = None  # (the torch code's update: its h is checked again)
+            self.key = None  # an h not from mhc_run: checked again at the next enter
         return self.h
 
 
