@@ -3576,11 +3576,25 @@ void mhc_mix(int ty, const char* s, const char* y, const float* post, const floa
         std::copy_n(post + t * n, n, p);
         round_row(ty, p, n);  // post.to(dt)
         for (int64_t k = 0; k < n; ++k) {
-            std::fill(acc, acc + d, 0.f);
-            for (int64_t j = 0; j < n; ++j) {
-                const float cj = c[j * n + k];
-                const float* r = rows + j * d;
-                for (int64_t i = 0; i < d; ++i) acc[i] += cj * r[i];
+            if (n <= 4) {  // each sum in a register, j unrolled (the same operations in the same order)
+                with_value<4, 3, 2, 1>(n, [&](auto Nc) {
+                    constexpr int M = decltype(Nc)::value;
+                    float cj[M];
+                    for (int j = 0; j < M; ++j) cj[j] = c[j * M + k];
+                    for (int64_t i = 0; i < d; ++i) {
+                        float a = 0.f;
+#pragma GCC unroll 4
+                        for (int j = 0; j < M; ++j) a += cj[j] * rows[j * d + i];
+                        acc[i] = a;
+                    }
+                });
+            } else {
+                std::fill(acc, acc + d, 0.f);
+                for (int64_t j = 0; j < n; ++j) {
+                    const float cj = c[j * n + k];
+                    const float* r = rows + j * d;
+                    for (int64_t i = 0; i < d; ++i) acc[i] += cj * r[i];
+                }
             }
             round_row(ty, acc, d);
             for (int64_t i = 0; i < d; ++i) spread[i] = p[k] * yrow[i];
