@@ -596,6 +596,24 @@ def test_mhc_weighted_head_keeps_the_torch_bits(kernels, monkeypatch, dtype, fn_
     )
 
 
+def test_mhc_mean_head_keeps_the_torch_bits(kernels, monkeypatch):
+    """layers/mhc.py's head_mean (GLM-5.3's final collapse) in one call (cpu.mhc_mean) gives torch's mean's bits for
+    bf16 and fp32 streams of 1, 2 and 4 streams, 1 to 33 rows, signed zeros; 3 streams (1/3 inexact) and fp16 (a
+    rounded sum divided) are declined."""
+    from moesaic.layers import mhc
+
+    g = torch.Generator().manual_seed(13)
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (1, 2, 4):
+            for N, d in ((1, 1024), (3, 96), (16, 64), (33, 64)):
+                h = (torch.randn(N, n, d, generator=g) * 3).to(dtype)
+                h[0, :, :3] = -0.0
+                got, want = fused_and_torch(monkeypatch, "mhc_mean", mhc.head_mean, h)
+                assert got.dtype == want.dtype == dtype and torch.equal(_bits(got), _bits(want)), (n, N, d)
+    assert cpu.mhc_mean(torch.randn(2, 3, 64, generator=g)) is None
+    assert cpu.mhc_mean(torch.randn(2, 4, 64, generator=g).half()) is None
+
+
 def test_f32_rows_products(kernels):
     """cpu.f32_rows (fp32 x against fp32 rows: the mHC site's product where fn is fp32, as DeepSeek-V4 ships it):
     within fp32 rounding of the fp64 product at odd K and N, a row's bits the same alone, among 16 rows and

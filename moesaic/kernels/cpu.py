@@ -201,6 +201,7 @@ def load(verbose: bool = False):
                 "moe_rows",
                 "mhc_enter",
                 "mhc_head",
+                "mhc_mean",
                 "f32_rows",
                 "mhc_update",
                 "route",
@@ -750,6 +751,20 @@ def mhc_head(streams, fn, base, scale, norm_eps: float, hc_eps: float):
         return None
     return mod.mhc_head(streams, fn, base.contiguous(), scale.contiguous(), norm_eps, hc_eps, lanes,
                         _fused_threads(streams.numel()), threads_for(fn.nbytes, N))  # fmt: skip
+
+
+def mhc_mean(streams):
+    """layers/mhc.py's head_mean (streams.mean(-2)) in one call, the same bits: bf16 or fp32 streams [N, n, d]
+    contiguous with n a power of two (the 1 / n weights exact; bf16's range is fp32's, so scaling by them commutes
+    with the rounding). None where it does not apply (the caller runs torch's mean)."""
+    if not (streams.dim() == 3 and streams.is_contiguous() and streams.numel()):
+        return None
+    if streams.dtype not in (torch.bfloat16, torch.float32):  # fp16: torch rounds the sum, then divides
+        return None
+    n = streams.shape[1]
+    if n & (n - 1) or (mod := _fused_mod(streams)) is None:
+        return None
+    return mod.mhc_mean(streams, _fused_threads(streams.numel()))
 
 
 def mhc_update(streams, y, post, comb):

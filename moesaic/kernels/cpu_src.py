@@ -3785,6 +3785,20 @@ torch::Tensor mhc_head(torch::Tensor streams, torch::Tensor fn, torch::Tensor ba
     return x;
 }
 
+// layers/mhc.py's head_mean (GLM-5.3's final collapse, streams.mean(-2)) as collapse with every pre 1 / n: for n a
+// power of two the scaling is exact, so the fp32 sum, rounded once, is torch's sum divided by n (its mean).
+// streams [N, n, d] contiguous; x [N, d] in the streams' dtype.
+torch::Tensor mhc_mean(torch::Tensor streams, int64_t threads) {
+    TORCH_CHECK(streams.dim() == 3 && streams.is_contiguous(), "mhc_mean: streams [N, n, d], contiguous");
+    const int64_t N = streams.size(0), n = streams.size(1), d = streams.size(2);
+    TORCH_CHECK(n > 0 && (n & (n - 1)) == 0, "mhc_mean: a power-of-two stream count");
+    std::vector<float> pre(N * n, 1.f / (float)n);
+    auto x = at::empty({N, d}, streams.options());
+    mhc_collapse(ty_of(streams), static_cast<const char*>(streams.data_ptr()), pre.data(),
+                 static_cast<char*>(x.data_ptr()), N, n, d, threads, nullptr, 0.f, 0, 0, 0, 8);
+    return x;
+}
+
 // The seconds ProductClock has counted so far; `on` switches the counting on or off from here.
 double product_seconds(bool on) {
     product_clock_on = on;

@@ -234,6 +234,8 @@ class Streams:
 
 def head_mean(streams: Tensor) -> Tensor:
     """GLM-5.3's final collapse: the unweighted mean of the streams."""
+    if streams.is_cpu and not kernels("mhc", streams) and (x := cpu.mhc_mean(streams)) is not None:
+        return x  # one compiled call, torch's bits (its mean's code is cold after a step's weight streams)
     return streams.mean(dim=-2)
 
 
