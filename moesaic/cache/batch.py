@@ -94,7 +94,8 @@ class ForwardBatch:
         """items: (state, new token ids) per sequence. logits: "last" (one row per sequence), "all", or the
         rows themselves (indexes into the packed batch)."""
         ids, pos, seqs = [], [], []
-        rows = logits if isinstance(logits, list) else []
+        given = isinstance(logits, list)
+        rows = logits if given else []
         start = 0
         for state, toks in items:
             n = len(toks)
@@ -103,11 +104,9 @@ class ForwardBatch:
             ids.extend(toks)
             pos.extend(range(state.num_tokens, state.num_tokens + n))
             seqs.append(SeqChunk(state, start, n, state.num_tokens))
-            if isinstance(logits, list):
-                pass
-            elif logits == "all":
+            if logits == "all":
                 rows.extend(range(start, start + n))
-            else:
+            elif not given:
                 rows.append(start + n - 1)
             start += n
         host_ids = torch.tensor(ids, dtype=torch.long)

@@ -3576,26 +3576,20 @@ void mhc_mix(int ty, const char* s, const char* y, const float* post, const floa
         std::copy_n(post + t * n, n, p);
         round_row(ty, p, n);  // post.to(dt)
         for (int64_t k = 0; k < n; ++k) {
-            if (n <= 4) {  // each sum in a register, j unrolled (the same operations in the same order)
-                with_value<4, 3, 2, 1>(n, [&](auto Nc) {
-                    constexpr int M = decltype(Nc)::value;
-                    float cj[M];
-                    for (int j = 0; j < M; ++j) cj[j] = c[j * M + k];
-                    for (int64_t i = 0; i < d; ++i) {
-                        float a = 0.f;
-#pragma GCC unroll 4
-                        for (int j = 0; j < M; ++j) a += cj[j] * rows[j * d + i];
-                        acc[i] = a;
-                    }
-                });
-            } else {
-                std::fill(acc, acc + d, 0.f);
-                for (int64_t j = 0; j < n; ++j) {
-                    const float cj = c[j * n + k];
-                    const float* r = rows + j * d;
-                    for (int64_t i = 0; i < d; ++i) acc[i] += cj * r[i];
+            // each sum in a register from 0, j in order; the stream count a constant (j unrolled) where n <= 4
+            auto mix = [&](auto Nc) {
+                constexpr int NC = decltype(Nc)::value;
+                const int64_t M = NC ? NC : n;
+                float ck[NC ? NC : 1];  // column k of comb in registers (c shares a buffer with acc)
+                for (int j = 0; j < NC; ++j) ck[j] = c[j * NC + k];
+                for (int64_t i = 0; i < d; ++i) {
+                    float a = 0.f;
+                    for (int64_t j = 0; j < M; ++j) a += (NC ? ck[j] : c[j * M + k]) * rows[j * d + i];
+                    acc[i] = a;
                 }
-            }
+            };
+            if (n <= 4) with_value<4, 3, 2, 1>(n, mix);
+            else mix(std::integral_constant<int, 0>{});
             round_row(ty, acc, d);
             for (int64_t i = 0; i < d; ++i) spread[i] = p[k] * yrow[i];
             round_row(ty, spread, d);
@@ -3647,6 +3641,40 @@ torch::Tensor f32_rows(torch::Tensor x, torch::Tensor w, int64_t nthreads) {
     return out;
 }
 
+// The site's product (layers/mhc.py project) of the streams' rows hp [N, nd] of type ty: each flattened row scaled
+// by its reciprocal (unweighted) RMS in fp32, then fn's rows, through f32_rows_into (kernel_fn: fp32 or bf16 fn, few
+// rows) or torch's linear on fn in fp32. m [N, fn rows] in the thread's buffer 3 (the scaled rows in buffer 2).
+const float* site_product(int ty, const char* hp, int64_t N, int64_t nd, const torch::Tensor& fn, double norm_eps,
+                          int64_t lanes, int64_t threads, bool kernel_fn, int64_t fn_threads) {
+    const int64_t W = fn.size(0), es = ty == F32 ? 4 : 2;
+    const float neps = (float)norm_eps;
+    float *scaled = row_buffer(2, N * nd), *m = row_buffer(3, N * W);
+    rows_on(N, threads, nd, 0, [&](int64_t t, float* sq) {
+        float* v = scaled + t * nd;
+        load_row(ty, hp + t * nd * es, v, nd);
+        norm_row(v, sq, nullptr, nd, neps, F32, F32, F32, lanes);
+    });
+    if (kernel_fn) {
+        ProductClock clock;
+        f32_rows_into(scaled, N, nd, fn, m, fn_threads);
+    } else {
+        auto mt = at::linear(torch::from_blob(scaled, {N, nd}, torch::kFloat32), fn.to(torch::kFloat32)).contiguous();
+        TORCH_CHECK(mt.scalar_type() == torch::kFloat32, "mhc: the site's product in fp32");
+        std::copy_n(mt.data_ptr<float>(), N * W, m);
+    }
+    return m;
+}
+
+// torch's sigmoid of a contiguous fp32 [N, n] in place: its scalar code below SCALAR_SIGMOID values, else its own.
+void torch_sigmoid_(float* v, int64_t N, int64_t n) {
+    if (N * n < SCALAR_SIGMOID) {
+        scalar_sigmoid(v, N * n);
+    } else {
+        auto t = torch::from_blob(v, {N, n}, torch::kFloat32);
+        at::sigmoid_(t);
+    }
+}
+
 // layers/mhc.py's Streams.enter in one call: where y is given, the waiting update first (h = update(streams, y,
 // post0, comb0), mhc_update's operations), then the site's input of h (site_maps, collapse) and, where nw is
 // given, the block's RMSNorm of it (rms_norm's operations; pre, mid, out_ty its roundings). streams [N, n, d];
@@ -3679,26 +3707,9 @@ std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch:
         nwf.resize(d);
         load_row(ty_of(*nw), nw->data_ptr(), nwf.data(), d);
     }
-    // the site's product: each flattened row scaled by its reciprocal (unweighted) RMS in fp32, then fn's
-    const int64_t nd = n * d;
-    const float neps = (float)norm_eps;
     const char* hp = static_cast<const char*>(h.data_ptr());
-    const int64_t es = ty == F32 ? 4 : 2;
-    float *scaled = row_buffer(2, N * nd), *m = row_buffer(3, N * W);
-    rows_on(N, threads, nd, 0, [&](int64_t t, float* sq) {
-        float* v = scaled + t * nd;
-        load_row(ty, hp + t * nd * es, v, nd);
-        norm_row(v, sq, nullptr, nd, neps, F32, F32, F32, lanes);
-    });
+    const float* m = site_product(ty, hp, N, n * d, fn, norm_eps, lanes, threads, kernel_fn, fn_threads);
     auto f32 = streams.options().dtype(torch::kFloat32);
-    if (kernel_fn) {
-        ProductClock clock;
-        f32_rows_into(scaled, N, nd, fn, m, fn_threads);
-    } else {
-        auto mt = at::linear(torch::from_blob(scaled, {N, nd}, f32), fn.to(torch::kFloat32)).contiguous();
-        TORCH_CHECK(mt.scalar_type() == torch::kFloat32, "mhc_enter: the site's product in fp32");
-        std::copy_n(mt.data_ptr<float>(), N * W, m);
-    }
     // z = m * columns + base, each part in its own contiguous rows (the layout the torch code gives its
     // sigmoids and softmax)
     auto post = at::empty({N, n}, f32);
@@ -3713,14 +3724,8 @@ std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch:
             else if (c < 2 * n) qp[t * n + c - n] = z;
             else logits[t * n * n + c - 2 * n] = z;
         }
-    if (N * n < SCALAR_SIGMOID) {
-        scalar_sigmoid(pre.data(), N * n);
-        scalar_sigmoid(qp, N * n);
-    } else {
-        auto pre_t = torch::from_blob(pre.data(), {N, n}, f32);
-        at::sigmoid_(pre_t);
-        at::sigmoid_(post);
-    }
+    torch_sigmoid_(pre.data(), N, n);
+    torch_sigmoid_(qp, N, n);
     auto comb = at::softmax(torch::from_blob(logits.data(), {N, n, n}, f32), -1);
     const float heps = (float)hc_eps;
     float* cb = comb.data_ptr<float>();
@@ -3750,19 +3755,8 @@ torch::Tensor mhc_head(torch::Tensor streams, torch::Tensor fn, torch::Tensor ba
                 "mhc_head: base [n], scale [1]");
     TORCH_CHECK(lanes == 8 || lanes == 16, "mhc_head: 8 or 16 lanes");
     const int ty = ty_of(streams);
-    const int64_t es = ty == F32 ? 4 : 2;
     const char* hp = static_cast<const char*>(streams.data_ptr());
-    const float neps = (float)norm_eps;
-    float *scaled = row_buffer(2, N * nd), *m = row_buffer(3, N * n);
-    rows_on(N, threads, nd, 0, [&](int64_t t, float* sq) {
-        float* v = scaled + t * nd;
-        load_row(ty, hp + t * nd * es, v, nd);
-        norm_row(v, sq, nullptr, nd, neps, F32, F32, F32, lanes);
-    });
-    {
-        ProductClock clock;
-        f32_rows_into(scaled, N, nd, fn, m, fn_threads);
-    }
+    const float* m = site_product(ty, hp, N, nd, fn, norm_eps, lanes, threads, true, fn_threads);
     std::vector<float> b(n), pre(N * n);
     float sc;
     load_row(ty_of(base), base.data_ptr(), b.data(), n);
@@ -3772,11 +3766,7 @@ torch::Tensor mhc_head(torch::Tensor streams, torch::Tensor fn, torch::Tensor ba
             float z = m[t * n + j] * sc;
             pre[t * n + j] = z + b[j];
         }
-    if (N * n < SCALAR_SIGMOID) scalar_sigmoid(pre.data(), N * n);
-    else {
-        auto pre_t = torch::from_blob(pre.data(), {N, n}, torch::kFloat32);
-        at::sigmoid_(pre_t);
-    }
+    torch_sigmoid_(pre.data(), N, n);
     const float heps = (float)hc_eps;
     for (int64_t i = 0; i < N * n; ++i) pre[i] = pre[i] + heps;
     auto x = at::empty({N, d}, streams.options());
@@ -3795,7 +3785,7 @@ torch::Tensor mhc_mean(torch::Tensor streams, int64_t threads) {
     std::vector<float> pre(N * n, 1.f / (float)n);
     auto x = at::empty({N, d}, streams.options());
     mhc_collapse(ty_of(streams), static_cast<const char*>(streams.data_ptr()), pre.data(),
-                 static_cast<char*>(x.data_ptr()), N, n, d, threads, nullptr, 0.f, 0, 0, 0, 8);
+                 static_cast<char*>(x.data_ptr()), N, n, d, threads, nullptr, 0.f, 0, 0, 0, 8);  // (no norm: lanes unused)
     return x;
 }
 
