@@ -498,8 +498,8 @@ def test_mla_decode_takes_the_fused_call(kernels, monkeypatch, name):
 def _spy(f, taken: list):
     """f, noting in `taken` whether each call returned a result (None: it did not apply)."""
 
-    def call(*args):
-        out = f(*args)
+    def call(*args, **kw):
+        out = f(*args, **kw)
         taken.append(out is not None)
         return out
 
@@ -1440,5 +1440,107 @@ def test_compress_rows_equals_the_compressor_code(kernels, overlap):
         assert torch.equal(turned.view(torch.int16), want.view(torch.int16)), (W, has_prev, factor)
     assert (
         kernels.compress_rows(kv.float(), gate.float(), ape, m, C, overlap, False, norm, eps, freqs, 1.0, 0)
+        is None
+    )
+
+
+def _attention_paths(monkeypatch, f, *args):
+    """f's result with cpu.causal_attention (asserted to be taken, once) and with the torch code."""
+    taken = []
+    monkeypatch.setattr(cpu, "causal_attention", _spy(cpu.causal_attention, taken))
+    got = f(*args)
+    assert taken == [True]
+    monkeypatch.setattr(cpu, "causal_attention", lambda *a, **k: None)
+    want = f(*args)
+    monkeypatch.undo()
+    return got, want
+
+
+def _close_as_torch(got, want, exact, equal: float):
+    """got as close to the fp32 result as the torch code is (its largest and its mean error within twice the
+    torch code's, plus a bf16 step of the largest output), and equal to the torch code's bits in at least
+    `equal` of the outputs."""
+    err_got, err_want = (got.float() - exact).abs(), (want.float() - exact).abs()
+    step = exact.abs().max() * 2**-8
+    assert err_got.max() <= 2 * err_want.max() + step, (err_got.max().item(), err_want.max().item())
+    assert err_got.mean() <= 2 * err_want.mean() + step / 64, (err_got.mean().item(), err_want.mean().item())
+    assert (got == want).float().mean() >= equal
+
+
+def _exact_attention(q, k, v, scale):  # fp32 causal attention: q [n, H, D], k [T, H, D], v [T, H, Dv]
+    n, T = q.shape[0], k.shape[0]
+    mask = torch.ones(n, T, dtype=torch.bool).tril(T - n)
+    s = torch.einsum("nhd,thd->hnt", q.float(), k.float()) * scale
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("hnt,thd->nhd", p, v.float())
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_causal_attention_matches_the_gqa_code(kernels, monkeypatch, heads, kv_heads):
+    """layers/attention.py's gqa_attend for prompts in one call (cpu.causal_attention, the bf16 logits and the
+    normalized bf16 probabilities of the torch code, sums in another order): as close to the fp32 result as the
+    torch code is, mostly its bits; one query over one key to 70 queries over 200 keys (the 64-key and 4-row
+    passes' edges), value widths off the 32-value vectors, grouped heads; a decode row keeps the torch code."""
+    from moesaic.layers import attention
+
+    if not cpu.has_bf16dp():
+        pytest.skip("no vdpbf16ps here: causal_attention declines")
+    g = torch.Generator().manual_seed(5)
+    for n, T, D, Dv in (
+        (2, 2, 2, 16),
+        (3, 9, 64, 40),
+        (17, 64, 128, 128),
+        (70, 70, 64, 64),
+        (33, 200, 96, 72),
+    ):
+        q = (torch.randn(n, heads, D, generator=g) * 2).bfloat16()
+        k = torch.randn(T, kv_heads, D, generator=g).bfloat16()
+        v = torch.randn(T, kv_heads, Dv, generator=g).bfloat16()
+        got, want = _attention_paths(monkeypatch, attention.gqa_attend, q, k, v, D**-0.5)
+        assert got.shape == want.shape == (n, heads, Dv) and got.dtype == torch.bfloat16
+        r = heads // kv_heads
+        exact = _exact_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), D**-0.5)
+        _close_as_torch(got, want, exact, 0.95)
+    taken = []
+    monkeypatch.setattr(cpu, "causal_attention", _spy(cpu.causal_attention, taken))
+    attention.gqa_attend(q[-1:], k, v, D**-0.5)
+    assert taken == []
+
+
+def test_causal_attention_matches_mla_expanded(kernels, monkeypatch):
+    """layers/mla.py's expanded attention (a prompt against its expanded latent) in one call: SDPA's math (fp32
+    logits, probabilities unnormalized in bf16, the sum divided last), as close to the fp32 result as SDPA is;
+    the rope part's key shared by every head (an expanded view); with and without a rope part, a cache longer
+    than the prompt. Declines odd head dims, more queries than keys and fp32."""
+    if not cpu.has_bf16dp():
+        pytest.skip("no vdpbf16ps here: causal_attention declines")
+    g = torch.Generator().manual_seed(6)
+    H, dn, dv, kvr = 4, 32, 24, 48
+    w_kv_b = (torch.randn(H * (dn + dv), kvr, generator=g) * 0.2).bfloat16()
+    for n, T, dr in ((5, 5, 16), (66, 80, 16), (9, 30, 0)):
+        q_nope = torch.randn(n, H, dn, generator=g).bfloat16()
+        q_rope = torch.randn(n, H, dr, generator=g).bfloat16()
+        latent = torch.randn(T, kvr, generator=g).bfloat16()
+        k_rope = torch.randn(T, dr, generator=g).bfloat16()
+        args = (q_nope, q_rope, latent, k_rope, w_kv_b, dv, 0.2)
+        got, want = _attention_paths(monkeypatch, mla.expanded_attention, *args)
+        assert got.shape == want.shape == (n, H, dv) and got.dtype == torch.bfloat16
+        kv = (latent.float() @ w_kv_b.float().T).bfloat16().view(T, H, dn + dv)
+        k = torch.cat([kv[..., :dn], k_rope[:, None, :].expand(T, H, dr)], -1)
+        exact = _exact_attention(torch.cat([q_nope, q_rope], -1), k, kv[..., dn:], 0.2)
+        _close_as_torch(got, want, exact, 0.5)
+    q, kk, v = (
+        torch.randn(4, 2, 8).bfloat16(),
+        torch.randn(6, 2, 8).bfloat16(),
+        torch.randn(6, 2, 8).bfloat16(),
+    )
+    assert cpu.causal_attention(q, kk, v, 1.0, round_scores=False, normalize_first=False) is not None
+    assert (
+        cpu.causal_attention(q[..., :7], kk[..., :7], v, 1.0, round_scores=False, normalize_first=False)
+        is None
+    )
+    assert cpu.causal_attention(q, kk[:3], v[:3], 1.0, round_scores=False, normalize_first=False) is None
+    assert (
+        cpu.causal_attention(q.float(), kk.float(), v.float(), 1.0, round_scores=False, normalize_first=False)
         is None
     )

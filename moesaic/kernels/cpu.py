@@ -226,6 +226,7 @@ def load(verbose: bool = False):
                 "write_rows",
                 "v4_attention",
                 "compress_rows",
+                "causal_attend",
             ],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -854,6 +855,28 @@ def sink_attention(
     return mod.sink_attend(
         q, positions.contiguous(), first, win, win_start, window, sink, scale, comp, sel, ratio, step, threads
     )
+
+
+def causal_attention(q, k, v, scale: float, q2=None, k2=None, *, round_scores: bool, normalize_first: bool):
+    """Causal attention of one sequence's n new queries q [n, H, D] over its T keys k [T, Hk, D] and values v
+    [T, Hk, Dv] (query i sees keys 0 .. T - n + i; head h reads key head h // (H // Hk)), plus a second part of
+    each logit q2 [n, H, D2] . k2 [T, Hk, D2] (MLA's rope part; k2 may be an expanded view), in one call: fp32
+    logits (first rounded to bf16 where `round_scores`: a bf16 matmul's), fp32 softmax, p rounded to bf16 and
+    normalized before the value sum (`normalize_first`: the torch code of layers/attention.py) or after it
+    (SDPA's CPU kernel) -> [n, H, Dv] bf16, equal to those to rounding. torch's CPU SDPA reads 13-21 GFLOP/s here
+    (docs/perf.md). None where it does not apply (not bf16 by vdpbf16ps, odd head dims): the caller's torch code."""
+    ts = (q, k, v) if q2 is None else (q, k, v, q2, k2)
+    if not all(t.dtype == torch.bfloat16 and t.dim() == 3 and t.stride(-1) == 1 for t in ts):
+        return None
+    dims = (q.shape[2],) if q2 is None else (q.shape[2], q2.shape[2])
+    if any(d % 2 for d in dims) or not 0 < q.shape[0] <= k.shape[0] or q.shape[1] % k.shape[1]:
+        return None
+    mod = _fused_mod(*ts)
+    if mod is None or not has_bf16dp():
+        return None
+    n, H, T = q.shape[0], q.shape[1], k.shape[0]
+    threads = _fused_threads(n * H * T * (sum(dims) + v.shape[2]) // 2, ATTEND_PARALLEL)
+    return mod.causal_attend(q, k, q2, k2, v, scale, round_scores, normalize_first, threads)
 
 
 DELTA_PARALLEL = 1 << 16  # state values x tokens from which the recurrences share their heads out to threads

@@ -2972,6 +2972,207 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
     return out;
 }
 
+#if defined(MOESAIC_AVX512BF16)
+// e^x on 16 lanes x <= 0 (a softmax's shifted logits): 2^n e^r, n = round(x / ln 2), r = x - n ln 2 by two
+// constants, e^r by its degree-7 Taylor sum (|r| <= ln 2 / 2: within ~2 ulp of expf); x below -87.3 (-inf
+// too) gives 0, a NaN stays NaN.
+inline __m512 exp_le0(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.33654f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(lo, x);  // max returns its second operand where one is NaN
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
+}
+
+// 16 fp32 lanes rounded to bf16 (nearest even), as bits and as fp32
+inline __m256i bf16_of(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+inline __m512 f32_of(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
+// One pass of causal_attend: QB query rows (i0..) of one head against its packed keys Kp [P2][Tp] (pairs of
+// dims of 16 keys a vector) and values Vp [Tp / 2][Vc] (pairs of keys of each value), scores S and bf16
+// probabilities Pb [QB][Tp] as scratch.
+template <int QB>
+void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, const uint32_t* Vp, int64_t Tp, int64_t Vc,
+                 int64_t Dv, int64_t lim0, float scale, bool round_scores, bool normalize_first, float* S,
+                 uint16_t* Pb, uint16_t* out, int64_t out_stride) {
+    const int64_t kmax = lim0 + QB - 1;  // keys the last row sees; row r sees lim0 + r
+    for (int64_t c = 0; c < kmax; c += 64) {  // the scores, 64 keys x QB rows a pass
+        __m512 acc[QB][4];
+        for (int r = 0; r < QB; ++r)
+            for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < P2; ++d) {
+            const uint32_t* kr = Kp + d * Tp + c;
+            __m512i kv[4];
+            for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_si512(kr + 16 * j);
+            for (int r = 0; r < QB; ++r) {
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r * P2 + d]);
+                for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qb, (__m512bh)kv[j]);
+            }
+        }
+        for (int r = 0; r < QB; ++r)
+            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(S + r * Tp + c + 16 * j, acc[r][j]);
+    }
+    const int64_t pairs = (kmax + 1) / 2;
+    float inv[QB];
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < QB; ++r) {  // the softmax of each row over the keys it sees
+        float* s = S + r * Tp;
+        uint16_t* p = Pb + r * Tp;
+        const int64_t lim = lim0 + r;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < lim; t += 16) {
+            const __mmask16 m = lim - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim - t)) - 1);
+            __m512 v = _mm512_maskz_loadu_ps(m, s + t);
+            if (round_scores) v = f32_of(bf16_of(v));
+            v = _mm512_mul_ps(v, sc);
+            _mm512_mask_storeu_ps(s + t, m, v);
+            mx = _mm512_mask_max_ps(mx, m, mx, v);
+        }
+        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < lim; t += 16) {
+            const __mmask16 m = lim - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim - t)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mv)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_storeu_ps(s + t, e);
+        }
+        inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+        const __m512 f = _mm512_set1_ps(normalize_first ? inv[r] : 1.f);
+        for (int64_t t = 0; t < 2 * pairs; t += 16) {  // zeros past lim (the pairs' last key too)
+            const __mmask16 m = t >= lim ? 0 : lim - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim - t)) - 1);
+            const __m512 e = _mm512_maskz_loadu_ps(m, s + t);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), bf16_of(_mm512_mul_ps(e, f)));
+        }
+    }
+    for (int64_t g = 0; g < Vc; g += 64) {  // out = p . v, 64 values x QB rows a pass
+        const int nv = (int)std::min<int64_t>(4, (Vc - g) / 16);
+        __m512 acc[QB][4];
+        for (int r = 0; r < QB; ++r)
+            for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < pairs; ++t) {
+            const uint32_t* vr = Vp + t * Vc + g;
+            __m512i vv[4];
+            for (int j = 0; j < 4; ++j) vv[j] = j < nv ? _mm512_loadu_si512(vr + 16 * j) : _mm512_setzero_si512();
+            for (int r = 0; r < QB; ++r) {
+                uint32_t pp;
+                std::memcpy(&pp, Pb + r * Tp + 2 * t, 4);
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp);
+                for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pb, (__m512bh)vv[j]);
+            }
+        }
+        for (int r = 0; r < QB; ++r) {
+            const __m512 f = _mm512_set1_ps(normalize_first ? 1.f : inv[r]);
+            for (int j = 0; j < nv; ++j) {
+                const int64_t at = g + 16 * j;
+                if (at >= Dv) break;
+                const __mmask16 m = Dv - at >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (Dv - at)) - 1);
+                _mm256_mask_storeu_epi16(out + r * out_stride + at, m, bf16_of(_mm512_mul_ps(acc[r][j], f)));
+            }
+        }
+    }
+}
+#endif
+
+// Causal attention of one sequence's n new queries over its T keys (query i sees keys 0 .. T - n + i), bf16:
+// q1 [n, H, D1] against k1 [T, Hk, D1], plus (q2, k2) [n, H, D2] / [T, Hk, D2] (MLA's rope part: a k2 head
+// stride of 0 shares one key between heads), values v [T, Hk, Dv]; head h reads key / value head h / (H / Hk).
+// Logits scale * (q . k) in fp32 (first rounded to bf16 where round_scores: a bf16 matmul's), the softmax in
+// fp32; normalize_first: p = bf16(e / sum), out = p . v (layers/attention.py's order), else p = bf16(e), out =
+// (p . v) / sum (SDPA's CPU kernel). -> [n, H, Dv] bf16, equal to those to rounding (the sums run in another
+// order). By vdpbf16ps on pair-interleaved copies of a head's keys (transposed: 16 keys a vector) and values,
+// 4 query rows a pass; threads over heads. D1, D2 even.
+torch::Tensor causal_attend(torch::Tensor q1, torch::Tensor k1, std::optional<torch::Tensor> q2,
+                            std::optional<torch::Tensor> k2, torch::Tensor v, double scale_d, bool round_scores,
+                            bool normalize_first, int64_t nthreads) {
+#if defined(MOESAIC_AVX512BF16)
+    const bool two = q2.has_value();
+    TORCH_CHECK(two == k2.has_value(), "causal_attend: q2 and k2 together");
+    const auto ok = [](const torch::Tensor& t) {
+        return t.scalar_type() == torch::kBFloat16 && t.device().is_cpu() && t.dim() == 3 && t.stride(-1) == 1;
+    };
+    TORCH_CHECK(ok(q1) && ok(k1) && ok(v) && (!two || (ok(*q2) && ok(*k2))),
+                "causal_attend: bf16 CPU tensors [rows, heads, dim], unit last stride");
+    const int64_t n = q1.size(0), H = q1.size(1), D1 = q1.size(2), T = k1.size(0), Hk = k1.size(1);
+    const int64_t D2 = two ? q2->size(2) : 0, Dv = v.size(2);
+    TORCH_CHECK(k1.size(2) == D1 && v.size(0) == T && v.size(1) == Hk && Hk > 0 && H % Hk == 0 && n >= 1 && n <= T,
+                "causal_attend: shapes");
+    TORCH_CHECK(!two || (q2->size(0) == n && q2->size(1) == H && k2->size(0) == T && k2->size(1) == Hk &&
+                         k2->size(2) == D2), "causal_attend: q2 / k2 shapes");
+    TORCH_CHECK(D1 % 2 == 0 && D2 % 2 == 0 && D1 + D2 > 0 && Dv > 0, "causal_attend: even head dims");
+    TORCH_CHECK(k1.stride(0) < (1 << 25) && (!two || k2->stride(0) < (1 << 25)), "causal_attend: key row stride");
+    const int64_t P2 = (D1 + D2) / 2, Tp = (T + 63) / 64 * 64, Vc = (Dv + 31) / 32 * 32, group = H / Hk;
+    auto out = torch::empty({n, H, Dv}, q1.options());
+    const auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+    const uint16_t *q1p = u16(q1), *k1p = u16(k1), *vp = u16(v);
+    const uint16_t *q2p = two ? u16(*q2) : nullptr, *k2p = two ? u16(*k2) : nullptr;
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const float scale = (float)scale_d;
+    auto heads = [&](int64_t h0, int64_t h1) {
+        std::vector<uint32_t> Kp(P2 * Tp), Vp(Tp / 2 * Vc), qp(4 * P2);
+        std::vector<float> S(4 * Tp);
+        std::vector<uint16_t> Pb(4 * Tp);
+        int64_t packed = -1;
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                                38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+        for (int64_t h = h0; h < h1; ++h) {
+            const int64_t g = h / group;
+            if (g != packed) {  // this key / value head's copies
+                for (int64_t d = 0; d < P2; ++d) {  // Kp[d][t]: dims 2d, 2d + 1 of key t (a gather of 16 keys)
+                    const bool first = 2 * d < D1;
+                    const int64_t rs = first ? k1.stride(0) : k2->stride(0);
+                    const uint16_t* base = first ? k1p + g * k1.stride(1) + 2 * d : k2p + g * k2->stride(1) + 2 * d - D1;
+                    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(2 * rs)));
+                    for (int64_t t = 0; t < Tp; t += 16) {
+                        const __mmask16 m = t >= T ? 0 : T - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (T - t)) - 1);
+                        const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + t * rs, 1);
+                        _mm512_storeu_si512(Kp.data() + d * Tp + t, w);
+                    }
+                }
+                for (int64_t t = 0; t < Tp; t += 2) {  // Vp[t / 2][c]: values c of keys t and t + 1
+                    for (int64_t c = 0; c < Vc; c += 32) {
+                        const __mmask32 m = Dv - c >= 32 ? ~0u : (1u << (Dv - c)) - 1;
+                        const uint16_t* r0 = vp + t * v.stride(0) + g * v.stride(1) + c;
+                        const __m512i a = t < T ? _mm512_maskz_loadu_epi16(m, r0) : _mm512_setzero_si512();
+                        const __m512i b = t + 1 < T ? _mm512_maskz_loadu_epi16(m, r0 + v.stride(0)) : _mm512_setzero_si512();
+                        uint32_t* dst = Vp.data() + t / 2 * Vc + c;
+                        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
+                        _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+                    }
+                }
+                packed = g;
+            }
+            for (int64_t i0 = 0; i0 < n; i0 += 4) {
+                const int qb = (int)std::min<int64_t>(4, n - i0);
+                for (int r = 0; r < qb; ++r)
+                    for (int64_t d = 0; d < P2; ++d) {
+                        const uint16_t* src = 2 * d < D1 ? q1p + (i0 + r) * q1.stride(0) + h * q1.stride(1) + 2 * d
+                                                         : q2p + (i0 + r) * q2->stride(0) + h * q2->stride(1) + 2 * d - D1;
+                        std::memcpy(&qp[r * P2 + d], src, 4);
+                    }
+                with_value<1, 2, 3, 4>(qb, [&](auto QBc) {
+                    attend_rows<decltype(QBc)::value>(qp.data(), P2, Kp.data(), Vp.data(), Tp, Vc, Dv, T - n + i0 + 1,
+                                                      scale, round_scores, normalize_first, S.data(), Pb.data(),
+                                                      op + (i0 * H + h) * Dv, H * Dv);
+                });
+            }
+        }
+    };
+    over_heads(H, nthreads, heads);
+    return out;
+#else
+    TORCH_CHECK(false, "causal_attend: needs AVX-512 BF16 (cpu.has_bf16dp())");
+    return q1;
+#endif
+}
+
 // A weight as kernels/cpu.py's *_operand builders give it: (kind, w or codes, scales, global scale, divides,
 // group, block rows, block cols), gemm's arguments.
 using Operand = std::tuple<int64_t, torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, bool,

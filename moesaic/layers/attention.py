@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import cpu
 from .linear import matmul
 from .mla import causal_mask
 
@@ -24,6 +25,12 @@ def gqa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     T, Hkv, _ = k.shape
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} key/value heads")
+    if (
+        n > 1
+        and (fused := cpu.causal_attention(q, k, v, scale, round_scores=True, normalize_first=True))
+        is not None
+    ):
+        return fused  # the code below in one call on the CPU (prompts; a decode row keeps it)
     qg = q.reshape(n, Hkv, Hq // Hkv, -1).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
     s = matmul(qg, k.permute(1, 2, 0)[:, None]).float() * scale  # [Hkv, g, n, T]
     mask = causal_mask(n, T, q.device)
