@@ -6,7 +6,7 @@ transformers `generate` on the same bf16 weights where transformers runs the fam
 a batch-1 bf16 step's time goes (GEMM vs the rest).
 
     .venv/bin/python benchmarks/decode_roofline.py [--models mistral4,kimi_linear] [--threads N]
-        [--new 16] [--prompt 32] [--prefill 256] [--arms bf16,release,fp8,mxfp4,nvfp4,nvfp4+int8x] [--no-hf]
+        [--new 16] [--prompt 32] [--prefill 256[,2048]] [--arms bf16,release,fp8,mxfp4,nvfp4,nvfp4+int8x] [--no-hf]
         [--alternate R]
 
 Decode time is time(prompt + N new) - time(prompt + 1 new) (prefill cancels), best of `--repeats`. The
@@ -235,7 +235,11 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument(
+        "--prefill",
+        default="256",
+        help="prompt lengths of the prefill columns, comma-separated (e.g. 256,2048: attention grows with the square)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--alternate", type=int, default=0, help="rounds of batch-1 decode, the arms in turn")
@@ -258,9 +262,12 @@ def main():
         f"(the roof; the same reads' median {mid:.1f})"
     )
     g = torch.Generator().manual_seed(1)
+    lengths = [int(n) for n in args.prefill.split(",")]
+    tag = lambda n: "" if len(lengths) == 1 else f" {n}"  # noqa: E731
     head = (
         f"{'model':<12} {'arm':<12} {'MB/step':>8} {'roof tok/s':>10} {'b1 tok/s':>9} {'% roof':>7} "
-        f"{'b8 tok/s':>9} {'prefill tok/s':>13} {'vs hf b1':>9} {'vs hf b8':>9} {'vs hf prefill':>13}"
+        f"{'b8 tok/s':>9} {'vs hf b1':>9} {'vs hf b8':>9}"
+        + "".join(f" {'prefill' + tag(n) + ' tok/s':>18} {'vs hf prefill' + tag(n):>18}" for n in lengths)
     )
     rows, shares, alts = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -273,7 +280,9 @@ def main():
             vocab = VOCAB  # every benchmark model has it
             prompts = torch.randint(3, vocab, (8, args.prompt), generator=g).tolist()
             # a new prompt for every timed prefill (time_prefill): none of them a prefix-cache hit
-            long_prompts = torch.randint(3, vocab, (args.repeats + 1, args.prefill), generator=g).tolist()
+            long_prompts = [
+                torch.randint(3, vocab, (args.repeats + 1, n), generator=g).tolist() for n in lengths
+            ]
             hf = None
             if not args.no_hf:
                 try:
@@ -281,12 +290,13 @@ def main():
                 except Exception as e:  # a family transformers does not run on the CPU here
                     print(f"{name}: transformers n/a ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
             print(f"{name}: {nparams / 1e6:.0f}M parameters")
-            hf_b1 = hf_b8 = hf_pf = None
+            hf_b1 = hf_b8 = None
+            hf_pf = [None] * len(lengths)
             if hf is not None:
                 try:
                     hf_b1 = time_decode(hf_gen(hf), prompts[:1], args.new, args.repeats)
                     hf_b8 = time_decode(hf_gen(hf), prompts, args.new, args.repeats)
-                    hf_pf = time_prefill(hf_gen(hf), long_prompts, args.repeats)
+                    hf_pf = [time_prefill(hf_gen(hf), p, args.repeats) for p in long_prompts]
                 except Exception as e:
                     print(f"{name}: transformers generate failed ({type(e).__name__}: {str(e)[:100]})")
                 del hf
@@ -299,16 +309,15 @@ def main():
                 gen = moesaic_gen(llm)
                 b1 = time_decode(gen, prompts[:1], args.new, args.repeats)
                 b8 = time_decode(gen, prompts, args.new, args.repeats)
-                pf = time_prefill(gen, long_prompts, args.repeats)
+                pf = [time_prefill(gen, p, args.repeats) for p in long_prompts]
                 mb = step_bytes(folder, precision) / 1e6
                 roof = bw * 1e3 / mb
                 ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
-                hfcols = (
-                    (ratio(b1, hf_b1), ratio(b8, hf_b8), ratio(pf, hf_pf)) if arm == "bf16" else ("-",) * 3
-                )
+                bf = arm == "bf16"
                 rows.append(
                     f"{name:<12} {arm:<12} {mb:>8.1f} {roof:>10.1f} {b1:>9.1f} {100 * b1 / roof:>6.0f}% "
-                    f"{b8:>9.1f} {pf:>13.0f} {hfcols[0]:>9} {hfcols[1]:>9} {hfcols[2]:>13}"
+                    f"{b8:>9.1f} {ratio(b1, hf_b1) if bf else '-':>9} {ratio(b8, hf_b8) if bf else '-':>9}"
+                    + "".join(f" {a:>18.0f} {ratio(a, b) if bf else '-':>18}" for a, b in zip(pf, hf_pf))
                 )
                 print(rows[-1], flush=True)
                 if arm == "bf16":
@@ -320,7 +329,8 @@ def main():
                 del llm
                 os.environ.pop("MOESAIC_CPU_INT8_ACTIVATIONS")
             if hf_b1:
-                print(f"{name}: transformers bf16 tok/s b1 {hf_b1:.1f}, b8 {hf_b8:.1f}, prefill {hf_pf:.0f}")
+                pfs = ", ".join(f"prefill{tag(n)} {p:.0f}" for n, p in zip(lengths, hf_pf) if p)
+                print(f"{name}: transformers bf16 tok/s b1 {hf_b1:.1f}, b8 {hf_b8:.1f}, {pfs}")
             if args.alternate:
                 lines = alternate(folder, name, args.arms.split(","), prompts[:1], args.new, args.alternate)
                 print("\n".join(lines), flush=True)

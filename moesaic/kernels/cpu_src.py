@@ -2994,11 +2994,11 @@ inline __m512 exp_le0(__m512 x) {
 inline __m256i bf16_of(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 inline __m512 f32_of(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 
-// One pass of causal_attend: QB query rows (i0..) of one head against its packed keys Kp [P2][Tp] (pairs of
+// One pass of causal_attend: QB query rows (i0..) of one head against its packed keys Kp [P2][Ts] (pairs of
 // dims of 16 keys a vector) and values Vp [Tp / 2][Vc] (pairs of keys of each value), scores S and bf16
 // probabilities Pb [QB][Tp] as scratch.
 template <int QB>
-void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, const uint32_t* Vp, int64_t Tp, int64_t Vc,
+void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, int64_t Ts, const uint32_t* Vp, int64_t Tp, int64_t Vc,
                  int64_t Dv, int64_t lim0, float scale, bool round_scores, bool normalize_first, float* S,
                  uint16_t* Pb, uint16_t* out, int64_t out_stride) {
     const int64_t kmax = lim0 + QB - 1;  // keys the last row sees; row r sees lim0 + r
@@ -3007,7 +3007,7 @@ void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, const uint3
         for (int r = 0; r < QB; ++r)
             for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
         for (int64_t d = 0; d < P2; ++d) {
-            const uint32_t* kr = Kp + d * Tp + c;
+            const uint32_t* kr = Kp + d * Ts + c;
             __m512i kv[4];
             for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_si512(kr + 16 * j);
             for (int r = 0; r < QB; ++r) {
@@ -3106,7 +3106,11 @@ torch::Tensor causal_attend(torch::Tensor q1, torch::Tensor k1, std::optional<to
                          k2->size(2) == D2), "causal_attend: q2 / k2 shapes");
     TORCH_CHECK(D1 % 2 == 0 && D2 % 2 == 0 && D1 + D2 > 0 && Dv > 0, "causal_attend: even head dims");
     TORCH_CHECK(k1.stride(0) < (1 << 25) && (!two || k2->stride(0) < (1 << 25)), "causal_attend: key row stride");
-    const int64_t P2 = (D1 + D2) / 2, Tp = (T + 63) / 64 * 64, Vc = (Dv + 31) / 32 * 32, group = H / Hk;
+    // Ts: Kp's row stride, off a multiple of 1 KB (rows a power of two apart would share a few L1 sets)
+    const int64_t P2 = (D1 + D2) / 2, Tp = (T + 63) / 64 * 64, Ts = Tp + 16, Vc = (Dv + 31) / 32 * 32, group = H / Hk;
+    const int64_t qr1 = q1.stride(0), qs1 = q1.stride(1), kr1 = k1.stride(0), ks1 = k1.stride(1);
+    const int64_t qr2 = two ? q2->stride(0) : 0, qs2 = two ? q2->stride(1) : 0;
+    const int64_t kr2 = two ? k2->stride(0) : 0, ks2 = two ? k2->stride(1) : 0, vr = v.stride(0), vs1 = v.stride(1);
     auto out = torch::empty({n, H, Dv}, q1.options());
     const auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
     const uint16_t *q1p = u16(q1), *k1p = u16(k1), *vp = u16(v);
@@ -3114,34 +3118,38 @@ torch::Tensor causal_attend(torch::Tensor q1, torch::Tensor k1, std::optional<to
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const float scale = (float)scale_d;
     auto heads = [&](int64_t h0, int64_t h1) {
-        std::vector<uint32_t> Kp(P2 * Tp), Vp(Tp / 2 * Vc), qp(4 * P2);
+        std::vector<uint32_t> Kp(P2 * Ts), Vp(Tp / 2 * Vc), qp(4 * P2);
         std::vector<float> S(4 * Tp);
         std::vector<uint16_t> Pb(4 * Tp);
         int64_t packed = -1;
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i idx1 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(2 * kr1)));  // bytes between keys
+        const __m512i idx2 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(2 * kr2)));
         const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
                                                 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
         const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
         for (int64_t h = h0; h < h1; ++h) {
             const int64_t g = h / group;
             if (g != packed) {  // this key / value head's copies
-                for (int64_t d = 0; d < P2; ++d) {  // Kp[d][t]: dims 2d, 2d + 1 of key t (a gather of 16 keys)
-                    const bool first = 2 * d < D1;
-                    const int64_t rs = first ? k1.stride(0) : k2->stride(0);
-                    const uint16_t* base = first ? k1p + g * k1.stride(1) + 2 * d : k2p + g * k2->stride(1) + 2 * d - D1;
-                    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(2 * rs)));
-                    for (int64_t t = 0; t < Tp; t += 16) {
-                        const __mmask16 m = t >= T ? 0 : T - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (T - t)) - 1);
-                        const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + t * rs, 1);
-                        _mm512_storeu_si512(Kp.data() + d * Tp + t, w);
+                // Kp[d][t]: dims 2d, 2d + 1 of key t, gathered 16 keys at a time (each block of 16 keys' rows
+                // read for all its dims while they are in L1)
+                const uint16_t* b1 = k1p + g * ks1;
+                const uint16_t* b2 = two ? k2p + g * ks2 - D1 : nullptr;
+                for (int64_t t = 0; t < Tp; t += 16) {
+                    const __mmask16 m = t >= T ? 0 : T - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (T - t)) - 1);
+                    for (int64_t d = 0; d < P2; ++d) {
+                        const bool first = 2 * d < D1;
+                        const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, first ? idx1 : idx2,
+                                                                      first ? b1 + t * kr1 + 2 * d : b2 + t * kr2 + 2 * d, 1);
+                        _mm512_storeu_si512(Kp.data() + d * Ts + t, w);
                     }
                 }
                 for (int64_t t = 0; t < Tp; t += 2) {  // Vp[t / 2][c]: values c of keys t and t + 1
                     for (int64_t c = 0; c < Vc; c += 32) {
                         const __mmask32 m = Dv - c >= 32 ? ~0u : (1u << (Dv - c)) - 1;
-                        const uint16_t* r0 = vp + t * v.stride(0) + g * v.stride(1) + c;
+                        const uint16_t* r0 = vp + t * vr + g * vs1 + c;
                         const __m512i a = t < T ? _mm512_maskz_loadu_epi16(m, r0) : _mm512_setzero_si512();
-                        const __m512i b = t + 1 < T ? _mm512_maskz_loadu_epi16(m, r0 + v.stride(0)) : _mm512_setzero_si512();
+                        const __m512i b = t + 1 < T ? _mm512_maskz_loadu_epi16(m, r0 + vr) : _mm512_setzero_si512();
                         uint32_t* dst = Vp.data() + t / 2 * Vc + c;
                         _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
                         _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
@@ -3151,14 +3159,12 @@ torch::Tensor causal_attend(torch::Tensor q1, torch::Tensor k1, std::optional<to
             }
             for (int64_t i0 = 0; i0 < n; i0 += 4) {
                 const int qb = (int)std::min<int64_t>(4, n - i0);
-                for (int r = 0; r < qb; ++r)
-                    for (int64_t d = 0; d < P2; ++d) {
-                        const uint16_t* src = 2 * d < D1 ? q1p + (i0 + r) * q1.stride(0) + h * q1.stride(1) + 2 * d
-                                                         : q2p + (i0 + r) * q2->stride(0) + h * q2->stride(1) + 2 * d - D1;
-                        std::memcpy(&qp[r * P2 + d], src, 4);
-                    }
+                for (int r = 0; r < qb; ++r) {  // the rows' dims as pairs (q1's, then q2's)
+                    std::memcpy(&qp[r * P2], q1p + (i0 + r) * qr1 + h * qs1, 2 * D1);
+                    if (two) std::memcpy(&qp[r * P2 + D1 / 2], q2p + (i0 + r) * qr2 + h * qs2, 2 * D2);
+                }
                 with_value<1, 2, 3, 4>(qb, [&](auto QBc) {
-                    attend_rows<decltype(QBc)::value>(qp.data(), P2, Kp.data(), Vp.data(), Tp, Vc, Dv, T - n + i0 + 1,
+                    attend_rows<decltype(QBc)::value>(qp.data(), P2, Kp.data(), Ts, Vp.data(), Tp, Vc, Dv, T - n + i0 + 1,
                                                       scale, round_scores, normalize_first, S.data(), Pb.data(),
                                                       op + (i0 * H + h) * Dv, H * Dv);
                 });
