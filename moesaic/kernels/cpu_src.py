@@ -2708,81 +2708,142 @@ inline void axpy_bf16_queries(const float* s, int64_t ss, int64_t nq, const uint
 }
 
 #if defined(MOESAIC_AVX512BF16)
+// e^x on 16 lanes x <= 0 (a softmax's shifted logits): 2^n e^r, n = round(x / ln 2), r = x - n ln 2 by two
+// constants, e^r by its degree-7 Taylor sum (|r| <= ln 2 / 2: within ~2 ulp of expf); x below -87.3 (-inf
+// too) gives 0, a NaN stays NaN.
+inline __m512 exp_le0(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.33654f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(lo, x);  // max returns its second operand where one is NaN
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
+}
+
+// 16 fp32 lanes rounded to bf16 (nearest even), as bits and as fp32
+inline __m256i bf16_of(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+inline __m512 f32_of(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
+// The 16 lane sums of a[0..15] as one vector (lane r: the sum of a[r]'s lanes), by one fixed tree for every
+// row (within each 128-bit lane (e0 + e2) + (e1 + e3), then (L0 + L1) + (L2 + L3)): 45 operations for 16 sums,
+// where a reduce_add each takes ~8.
+inline __m512 lane_sums16(const __m512 (&a)[16]) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; ++i)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d u = _mm512_castps_pd(b[2 * i]), w = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, w)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)));
+    }
+    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
+}
+
 // vdpbf16ps forms of the two products over the cached rows (a long context's decode is these): q and the rows
 // are bf16 (q_lat and the probabilities are rounded to bf16 where the torch code rounds them), so every
 // product is exact and only the order of the fp32 sums differs from dot_bf16 / axpy_bf16_many (equal to rounding;
 // subnormal bf16 inputs count as zero). qb: q's bf16 bits zero-padded to a multiple of 32.
-// out[t] = q . b_t for the m rows b_t = b + t * bs of n values.
-inline void dp_rows(const uint16_t* qb, const uint16_t* b, int64_t bs, int64_t n, int64_t m, float* out) {
-    const int64_t full = n / 32, rem = n % 32;
-    const __mmask32 tail = (__mmask32)((1ull << rem) - 1);
-    int64_t t = 0;
-    for (; t + 4 <= m; t += 4) {
-        __m512 acc[4];
-        for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
-        for (int64_t j = 0; j <= full; ++j) {
-            if (j == full && !rem) break;
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + 32 * j);
-            for (int r = 0; r < 4; ++r) {
-                const uint16_t* row = b + (t + r) * bs + 32 * j;
-                const __m512i bv = j < full ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(tail, row);
-                acc[r] = _mm512_dpbf16_ps(acc[r], qv, (__m512bh)bv);
+// out[h * os + t] = q_h . b_t for the nh queries q_h = qb + h * qs (n values, zero-padded to whole vectors) and
+// the m rows b_t = b + t * bs: 16 rows a pass (a last pass of fewer repeats its last row) for every query, so
+// each row is read from memory once; each sum by the same operations wherever its row falls. The next 16 rows
+// (past m: the first of `next`, the caller's next block of rows, where given) are fetched to L2 meanwhile: a
+// long context's cache comes from memory, a block of 64 rows at a time (L1 hints: ~25 % slower cold).
+inline void dp_rows(const uint16_t* qb, int64_t qs, int64_t nh, const uint16_t* b, int64_t bs, int64_t n, int64_t m,
+                    float* out, int64_t os, const uint16_t* next = nullptr) {
+    const int64_t nc = (n + 31) / 32;
+    const __mmask32 tail = n % 32 ? (__mmask32)((1ull << (n % 32)) - 1) : ~0u;
+    for (int64_t t = 0; t < m; t += 16) {
+        const int64_t k = std::min<int64_t>(16, m - t);
+        const uint16_t* ahead = t + 16 < m ? b + (t + 16) * bs : next;
+        if (ahead)
+            for (int r = 0; r < 16; ++r)
+                for (int64_t c = 0; c < 2 * n; c += 64)
+                    _mm_prefetch(reinterpret_cast<const char*>(ahead + r * bs) + c, _MM_HINT_T1);
+        const uint16_t* rp[16];
+        for (int r = 0; r < 16; ++r) rp[r] = b + (t + std::min<int64_t>(r, k - 1)) * bs;
+        for (int64_t h = 0; h < nh; ++h) {
+            __m512 acc[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nc; ++j) {
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + h * qs + 32 * j);
+                const __mmask32 mk = j + 1 < nc ? ~0u : tail;
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; ++r)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], qv, (__m512bh)_mm512_maskz_loadu_epi16(mk, rp[r] + 32 * j));
             }
+            _mm512_mask_storeu_ps(out + h * os + t, (__mmask16)((1u << k) - 1), lane_sums16(acc));
         }
-        for (int r = 0; r < 4; ++r) out[t + r] = _mm512_reduce_add_ps(acc[r]);
-    }
-    for (; t < m; ++t) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j * 32 < n; ++j) {
-            const uint16_t* row = b + t * bs + 32 * j;
-            const __m512i bv = j < full ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(tail, row);
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + 32 * j), (__m512bh)bv);
-        }
-        out[t] = _mm512_reduce_add_ps(acc);
     }
 }
 
 // acc += sum_t p[t] * b_t[c] over the m rows b_t = b + t * bs of n <= 32 C values, p as bf16 bits: two rows
 // a step, their values interleaved into pairs (vpunpck*wd: within each 128-bit lane, so accumulator lane
-// 4i + k holds value 8i + k of the low half and 8i + 4 + k of the high half). acc: 2 C x 16 floats (chunk
-// j's low then high lanes), carried between calls, so the rows can come in blocks (of an even count: the
-// same pairs, the same sums); mix_out writes the values. C a constant: the accumulators stay in registers.
-template <int C>
-inline void dp_mix(const uint16_t* p, const uint16_t* b, int64_t bs, int64_t m, int64_t n, float* acc) {
+// 4i + k holds value 8i + k of the low half and 8i + 4 + k of the high half) once for both heads where two
+// are given (p2, acc2: a second head's probabilities and sums). acc: 2 C x 16 floats (chunk j's low then high
+// lanes), carried between calls, so the rows can come in blocks (of an even count: the same pairs, the same
+// sums); mix_out writes the values. C a constant: the accumulators stay in registers.
+template <int C, bool TWO>
+inline void dp_mix(const uint16_t* p, const uint16_t* p2, const uint16_t* b, int64_t bs, int64_t m, int64_t n,
+                   float* acc, float* acc2) {
     const __mmask32 tail = (__mmask32)((n % 32) ? ((1ull << (n % 32)) - 1) : ~0ull);
-    __m512 lo[C], hi[C];
+    __m512 lo[C], hi[C], lo2[C], hi2[C];
     for (int j = 0; j < C; ++j) {
         lo[j] = _mm512_loadu_ps(acc + 32 * j);
         hi[j] = _mm512_loadu_ps(acc + 32 * j + 16);
+        if constexpr (TWO) {
+            lo2[j] = _mm512_loadu_ps(acc2 + 32 * j);
+            hi2[j] = _mm512_loadu_ps(acc2 + 32 * j + 16);
+        }
     }
     auto load = [&](const uint16_t* row, int j) {
         return j + 1 < C ? _mm512_loadu_si512(row + 32 * j) : _mm512_maskz_loadu_epi16(tail, row + 32 * j);
     };
+    auto pair = [](const uint16_t* q, int64_t t, bool two) {
+        return (__m512bh)_mm512_set1_epi32((int)((uint32_t)q[t] | ((uint32_t)(two ? q[t + 1] : 0) << 16)));
+    };
     for (int64_t t = 0; t < m; t += 2) {
         const bool two = t + 1 < m;
-        const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)((uint32_t)p[t] | ((uint32_t)(two ? p[t + 1] : 0) << 16)));
+        const __m512bh pv = pair(p, t, two), pv2 = TWO ? pair(p2, t, two) : pv;
         const uint16_t* r0 = b + t * bs;
         for (int j = 0; j < C; ++j) {  // a lone last row pairs with zeros (not itself times 0: inf * 0)
             const __m512i v0 = load(r0, j), v1 = two ? load(r0 + bs, j) : _mm512_setzero_si512();
-            lo[j] = _mm512_dpbf16_ps(lo[j], (__m512bh)_mm512_unpacklo_epi16(v0, v1), pv);
-            hi[j] = _mm512_dpbf16_ps(hi[j], (__m512bh)_mm512_unpackhi_epi16(v0, v1), pv);
+            const __m512bh u = (__m512bh)_mm512_unpacklo_epi16(v0, v1), w = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+            lo[j] = _mm512_dpbf16_ps(lo[j], u, pv);
+            hi[j] = _mm512_dpbf16_ps(hi[j], w, pv);
+            if constexpr (TWO) {
+                lo2[j] = _mm512_dpbf16_ps(lo2[j], u, pv2);
+                hi2[j] = _mm512_dpbf16_ps(hi2[j], w, pv2);
+            }
         }
     }
     for (int j = 0; j < C; ++j) {
         _mm512_storeu_ps(acc + 32 * j, lo[j]);
         _mm512_storeu_ps(acc + 32 * j + 16, hi[j]);
+        if constexpr (TWO) {
+            _mm512_storeu_ps(acc2 + 32 * j, lo2[j]);
+            _mm512_storeu_ps(acc2 + 32 * j + 16, hi2[j]);
+        }
     }
 }
 
-// dp_mix for n <= 128 values (the latent widths of the MLA models here: 128; DeepSeek's 512 takes axpy)
-inline bool dp_mix_any(const uint16_t* p, const uint16_t* b, int64_t bs, int64_t m, int64_t n, float* acc) {
-    switch ((n + 31) / 32) {
-        case 1: dp_mix<1>(p, b, bs, m, n, acc); return true;
-        case 2: dp_mix<2>(p, b, bs, m, n, acc); return true;
-        case 3: dp_mix<3>(p, b, bs, m, n, acc); return true;
-        case 4: dp_mix<4>(p, b, bs, m, n, acc); return true;
-        default: return false;
-    }
+// dp_mix for the nh heads p + h * ps, acc + h * as, two at a time (the rows read and interleaved once for both),
+// n <= 128 values (the latent widths of the MLA models here: 128; DeepSeek's 512 takes axpy)
+inline void dp_mix_heads(const uint16_t* p, int64_t ps, int64_t nh, const uint16_t* b, int64_t bs, int64_t m,
+                         int64_t n, float* acc, int64_t as) {
+    with_value<1, 2, 3, 4>((n + 31) / 32, [&](auto Cc) {
+        constexpr int C = decltype(Cc)::value;
+        int64_t h = 0;
+        for (; h + 2 <= nh; h += 2)
+            dp_mix<C, true>(p + h * ps, p + (h + 1) * ps, b, bs, m, n, acc + h * as, acc + (h + 1) * as);
+        if (h < nh) dp_mix<C, false>(p + h * ps, nullptr, b, bs, m, n, acc + h * as, nullptr);
+    });
 }
 
 // the n values of dp_mix's accumulators, in order
@@ -2794,6 +2855,39 @@ inline void mix_out(const float* acc, int64_t n, float* y) {
                 if (c < n) y[c] = acc[32 * j + 4 * i + k];
                 if (c + 4 < n) y[c + 4] = acc[32 * j + 16 + 4 * i + k];
             }
+}
+#endif
+
+#if defined(MOESAIC_AVX512BF16)
+// mla_absorbed's softmax of one head's n scores s (plus the rope part's r where given), 16 lanes at a time: each
+// part rounded to bf16 and their sum rounded (the torch code's two bf16 matmuls and their sum), times scale, e^(v -
+// max) (exp_le0), the probabilities rounded to bf16 into s (fp32) and pb (bits).
+inline void softmax_row(float* s, const float* r, int64_t n, float scale, uint16_t* pb) {
+    const auto mask = [n](int64_t t) { return n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1); };
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 m = mask(t);
+        __m512 v = f32_of(bf16_of(_mm512_maskz_loadu_ps(m, s + t)));
+        if (r) v = f32_of(bf16_of(_mm512_add_ps(v, f32_of(bf16_of(_mm512_maskz_loadu_ps(m, r + t))))));
+        v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(s + t, m, v);
+        mx = _mm512_mask_max_ps(mx, m, mx, v);
+    }
+    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 m = mask(t);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mv)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_mask_storeu_ps(s + t, m, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 m = mask(t);
+        const __m256i p = bf16_of(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
+        _mm512_mask_storeu_ps(s + t, m, f32_of(p));
+        _mm256_mask_storeu_epi16(pb + t, m, p);
+    }
 }
 #endif
 
@@ -2906,14 +3000,14 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                         rb[hh * rpad + d] = rp[d];
                     }
                 }
-                for (const Seg& g : segs[s]) {  // the scores, a segment of rows for every head
+                for (size_t gi = 0; gi < segs[s].size(); ++gi) {  // the scores, a segment of rows for every head
+                    const Seg& g = segs[s][gi];
                     if (g.t0 >= seen) break;
                     const int64_t t0 = g.t0, m = std::min(g.rows, seen - t0);
 #if defined(MOESAIC_AVX512BF16)
-                    for (int64_t hh = 0; hh < nh; ++hh) {
-                        dp_rows(qb.data() + hh * kp, g.lat, ls, kvr, m, sc.data() + hh * T + t0);
-                        if (dr) dp_rows(rb.data() + hh * rpad, g.rope, ks, dr, m, sr.data() + hh * T + t0);
-                    }
+                    const Seg* nx = gi + 1 < segs[s].size() && segs[s][gi + 1].t0 < seen ? &segs[s][gi + 1] : nullptr;
+                    dp_rows(qb.data(), kp, nh, g.lat, ls, kvr, m, sc.data() + t0, T, nx ? nx->lat : nullptr);
+                    if (dr) dp_rows(rb.data(), rpad, nh, g.rope, ks, dr, m, sr.data() + t0, T);
 #else
                     dot_bf16_queries(ql.data(), kvr, nh, g.lat, ls, kvr, m, sc.data() + t0, T);
                     if (dr) dot_bf16_queries(rrow.data(), dr, nh, g.rope, ks, dr, m, sr.data() + t0, T);
@@ -2922,6 +3016,10 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                 for (int64_t hh = 0; hh < nh; ++hh) {  // the softmax, head by head
                     float* sh = sc.data() + hh * T;
                     const float* rh = sr.data() + hh * T;
+#if defined(MOESAIC_AVX512BF16)
+                    softmax_row(sh, dr ? rh : nullptr, seen, scale, pb.data() + hh * T);
+                    continue;
+#endif
                     float mx = -INFINITY;
                     for (int64_t t = 0; t < seen; ++t) {
                         float v = round_bf16(sh[t]);
@@ -2947,8 +3045,7 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
                     const int64_t t0 = g.t0, m = std::min(g.rows, seen - t0);
 #if defined(MOESAIC_AVX512BF16)
                     if (mix) {
-                        for (int64_t hh = 0; hh < nh; ++hh)
-                            dp_mix_any(pb.data() + hh * T + t0, g.lat, ls, m, kvr, acc.data() + hh * MIX_ACC);
+                        dp_mix_heads(pb.data() + t0, T, nh, g.lat, ls, m, kvr, acc.data(), MIX_ACC);
                         continue;
                     }
 #endif
@@ -2973,27 +3070,6 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
 }
 
 #if defined(MOESAIC_AVX512BF16)
-// e^x on 16 lanes x <= 0 (a softmax's shifted logits): 2^n e^r, n = round(x / ln 2), r = x - n ln 2 by two
-// constants, e^r by its degree-7 Taylor sum (|r| <= ln 2 / 2: within ~2 ulp of expf); x below -87.3 (-inf
-// too) gives 0, a NaN stays NaN.
-inline __m512 exp_le0(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.33654f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(lo, x);  // max returns its second operand where one is NaN
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
-}
-
-// 16 fp32 lanes rounded to bf16 (nearest even), as bits and as fp32
-inline __m256i bf16_of(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-inline __m512 f32_of(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
-
 // One pass of causal_attend: QB query rows (i0..) of one head against its packed keys Kp [P2][Ts] (pairs of
 // dims of 16 keys a vector) and values Vp [Tp / 2][Vc] (pairs of keys of each value), scores S and bf16
 // probabilities Pb [QB][Tp] as scratch.
