@@ -1163,6 +1163,29 @@ def test_mla_block_keeps_the_engine_bits(kernels, monkeypatch, demo, chunk):
         assert torch.equal(a, b)
 
 
+def test_mla_block_scales_queries_past_the_original_context(kernels, monkeypatch):
+    """Mistral-4's llama-4 query scaling (positions past the original context: qscale [N, 1, 1]) inside the
+    compiled block: the module code's logits bit for bit, the call taken for every decode step's layers (it
+    had declined every step past the original context, 8192 tokens in the release); the scale is applied (the
+    logits differ from those without it)."""
+    import moesaic
+
+    llm = moesaic.LLM("demo-mistral4", dtype="bfloat16", enable_prefix_caching=False)
+    plain = llm.model.cfg
+    llm.model.cfg = dataclasses.replace(plain, llama4_beta=0.5, llama4_original_max=16)
+    prompts = [list(range(5, 40)), list(range(50, 61))]  # past 16 and 32 positions as they decode
+    sp = moesaic.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (tokens, got, rows), (want_tokens, want, _) = _block_runs(monkeypatch, llm, prompts, sp, "mla_block")
+    mla_layers = sum(isinstance(getattr(w, "attn", None), mla.MlaWeights) for w in llm.model.layers)
+    assert rows == [2] * (mla_layers * (len(got) - 1))
+    assert tokens == want_tokens and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    llm.model.cfg = plain
+    (_, unscaled, _), _ = _block_runs(monkeypatch, llm, prompts, sp, "mla_block")
+    assert not torch.equal(unscaled[-1], got[-1])
+
+
 @pytest.mark.parametrize(
     "demo, prompts, chunk",
     [

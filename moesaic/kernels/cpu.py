@@ -1197,11 +1197,14 @@ def mla_plan(ops: list, norms: list, w_uk, w_uv, rows: int) -> tuple | None:
     return ops, _own_threads(ops, rows), [n.contiguous() for n in norms], w_uk, w_uv
 
 
-def mla_block(x, plan: tuple, pools, eps: float, kvr: int, heads: int, dn: int, rope, scale: float, place):
+def mla_block(
+    x, plan: tuple, pools, eps: float, kvr: int, heads: int, dn: int, rope, scale: float, place, qscale=None
+):
     """layers/mla.py's mla_block in one call for the weights of `plan` (mla_plan at x's rows): mla_project, the
     rotation `rope` = (cos, sin, layout as `rope` takes it) of the query's and key's rope parts or None, the new
     rows written to their pages (pools: the pool's latent and key views [blocks, rows, width]), mla_absorbed
-    over them (`scale`), then o's product; the same calls in the same order, the same bits. `place()` -> (a
+    over them (`scale`; the queries first times `qscale` [N, 1, 1] where given), then o's product; the same calls in
+    the same order, the same bits. `place()` -> (a
     (block, row) per query row flat, rows per sequence, each sequence's block ids, lengths) is called once the
     call applies, and only then (it advances the caches). o's product [N, d], or None where it does not apply
     (the caller runs the code)."""
@@ -1235,7 +1238,7 @@ def mla_block(x, plan: tuple, pools, eps: float, kvr: int, heads: int, dn: int, 
     attn_threads = _fused_threads(heads * sum(lengths) * w_uk.shape[-1], ATTEND_PARALLEL)
     y = mod.mla_block(
         x, ops, threads, norms, eps, kvr, lanes, _path(), heads, dn, cos, sin, layout, rope_threads,
-        latent, k_rope, where, w_uk, w_uv, lens, scale, attn_threads, blocks, lengths,
+        latent, k_rope, where, w_uk, w_uv, lens, scale, attn_threads, blocks, lengths, qscale,
     )  # fmt: skip
     stats["kernel_calls"] += len(ops)
     return y

@@ -3459,7 +3459,7 @@ torch::Tensor mla_block(torch::Tensor x, std::vector<Operand> ops, std::vector<i
                         int64_t layout, int64_t rope_threads, torch::Tensor latent_pool, torch::Tensor rope_pool,
                         std::vector<int64_t> place, torch::Tensor w_uk, torch::Tensor w_uv, std::vector<int64_t> lens,
                         double scale, int64_t attn_threads, std::vector<std::vector<int64_t>> blocks,
-                        std::vector<int64_t> lengths) {
+                        std::vector<int64_t> lengths, std::optional<torch::Tensor> qscale) {
     TORCH_CHECK(ops.size() >= 3 && threads.size() == ops.size(), "mla_block: mla_project's operands, then o's");
     TORCH_CHECK(layout < 0 || (cos && sin), "mla_block: cos / sin for the rotation");
     const Operand o = ops.back();
@@ -3473,11 +3473,13 @@ torch::Tensor mla_block(torch::Tensor x, std::vector<Operand> ops, std::vector<i
         k_rope = rope(k_rope.unsqueeze(1), *cos, *sin, layout, rope_threads, 0).select(1, 0);
         q_rope = rope(q_rope, *cos, *sin, layout, rope_threads, 0);
     }
+    torch::Tensor q_nope = q.slice(2, 0, dn);
+    if (qscale) q_nope = q_nope * *qscale, q_rope = q_rope * *qscale;  // a per-row query scale [n, 1, 1] (llama 4's)
     const auto& latent = proj[2];
     write_pages(latent_pool, latent, place), write_pages(rope_pool, k_rope, place);
     const std::vector<torch::Tensor> latents(lens.size(), latent_pool), k_ropes(lens.size(), rope_pool);
-    const auto out = mla_absorbed(q.slice(2, 0, dn), q_rope, w_uk, w_uv, latents, k_ropes, lens, scale, attn_threads,
-                                  blocks, lengths);
+    const auto out = mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale, attn_threads, blocks,
+                                  lengths);
     return operand_gemm(out.flatten(1), o, std::nullopt, o_threads, path);
 }
 

@@ -307,11 +307,12 @@ def _absorbed_in_place(batch, layers: list, q_nope, q_rope, w_kv_b, v_head_dim: 
     )
 
 
-def mla_block(L: int, batch, x: torch.Tensor, w: MlaWeights, c, rope=None, eps: float = 1e-6):
+def mla_block(L: int, batch, x: torch.Tensor, w: MlaWeights, c, rope=None, eps: float = 1e-6, qscale=None):
     """An MLA module in one compiled call where every sequence of the batch takes the absorbed path over the
     engine's pages (decode rows, verify blocks): mla_project, the rotation `rope` = (cos, sin, layout as
     kernels/cpu.py's rope takes it: 0 rope_interleaved, 1 rope_half) of the query's and key's rope parts
-    (None: no rotation), mla_batch and the output product of its [N, H * dv] rows by w.o. cpu.mla_block makes
+    (None: no rotation), the queries times `qscale` [N, 1, 1] where given (Mistral-4's llama-4 scaling past its
+    original context), mla_batch and the output product of its [N, H * dv] rows by w.o. cpu.mla_block makes
     the calls this module's code makes, in its order: the same bits, without ~40 small calls and ops a layer.
     -> [N, d]; None where it does not apply (the caller runs the code)."""
     N = x.shape[0]
@@ -335,7 +336,9 @@ def mla_block(L: int, batch, x: torch.Tensor, w: MlaWeights, c, rope=None, eps: 
 
     views = layers[0].views
     pools = (views["latent"], views["k_rope"])
-    return cpu.mla_block(x, plan, pools, eps, kvr, H, dn, rope, c.softmax_scale, placer(layers, batch))
+    return cpu.mla_block(
+        x, plan, pools, eps, kvr, H, dn, rope, c.softmax_scale, placer(layers, batch), qscale
+    )
 
 
 def placer(layers: list, batch):

@@ -441,9 +441,9 @@ class Model:
         self, L: int, w: MlaWeights, x: torch.Tensor, batch: ForwardBatch, cos, sin, qscale
     ) -> torch.Tensor:
         c = self.cfg
-        if qscale is None and batch.paged is None:
+        if batch.paged is None:
             rope = (cos, sin, 0 if self.rope_fn is rope_interleaved else 1)
-            if (y := mla_block(L, batch, x, w, c, rope)) is not None:
+            if (y := mla_block(L, batch, x, w, c, rope, qscale=qscale)) is not None:
                 return y
         q_nope, q_rope, latent, k_rope = mla_project(x, w, c)
         k_rope = self.rope_fn(k_rope[:, None], cos, sin)[:, 0]
