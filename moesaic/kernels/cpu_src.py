@@ -2728,6 +2728,8 @@ inline __m512 exp_le0(__m512 x) {
 // 16 fp32 lanes rounded to bf16 (nearest even), as bits and as fp32
 inline __m256i bf16_of(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 inline __m512 f32_of(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+// the first min(n, 16) lanes (none for n <= 0)
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
 // The 16 lane sums of a[0..15] as one vector (lane r: the sum of a[r]'s lanes), by one fixed tree for every
 // row (within each 128-bit lane (e0 + e2) + (e1 + e3), then (L0 + L1) + (L2 + L3)): 45 operations for 16 sums,
@@ -2863,10 +2865,9 @@ inline void mix_out(const float* acc, int64_t n, float* y) {
 // part rounded to bf16 and their sum rounded (the torch code's two bf16 matmuls and their sum), times scale, e^(v -
 // max) (exp_le0), the probabilities rounded to bf16 into s (fp32) and pb (bits).
 inline void softmax_row(float* s, const float* r, int64_t n, float scale, uint16_t* pb) {
-    const auto mask = [n](int64_t t) { return n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1); };
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = mask(t);
+        const __mmask16 m = first_lanes(n - t);
         __m512 v = f32_of(bf16_of(_mm512_maskz_loadu_ps(m, s + t)));
         if (r) v = f32_of(bf16_of(_mm512_add_ps(v, f32_of(bf16_of(_mm512_maskz_loadu_ps(m, r + t))))));
         v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
@@ -2876,14 +2877,14 @@ inline void softmax_row(float* s, const float* r, int64_t n, float scale, uint16
     const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = mask(t);
+        const __mmask16 m = first_lanes(n - t);
         const __m512 e = _mm512_maskz_mov_ps(m, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mv)));
         sum = _mm512_add_ps(sum, e);
         _mm512_mask_storeu_ps(s + t, m, e);
     }
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
     for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = mask(t);
+        const __mmask16 m = first_lanes(n - t);
         const __m256i p = bf16_of(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
         _mm512_mask_storeu_ps(s + t, m, f32_of(p));
         _mm256_mask_storeu_epi16(pb + t, m, p);
@@ -3070,27 +3071,35 @@ torch::Tensor mla_absorbed(torch::Tensor q_nope, torch::Tensor q_rope, torch::Te
 }
 
 #if defined(MOESAIC_AVX512BF16)
-// One pass of causal_attend: QB query rows (i0..) of one head against its packed keys Kp [P2][Ts] (pairs of
-// dims of 16 keys a vector) and values Vp [Tp / 2][Vc] (pairs of keys of each value), scores S and bf16
-// probabilities Pb [QB][Tp] as scratch.
+// acc[r][j] += a_r[i] . B_i[16 j .. 16 j + 16) over i < count, a_r[i] = a[r * as + i] a pair of bf16 (broadcast) and
+// B_i = B + i * bs 16 pairs a vector (nv of the 4 vectors; the rest zero): causal_attend's two products, the
+// logits (pairs of dims, 16 keys a vector) and the value sums (pairs of keys, 16 values a vector).
 template <int QB>
-void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, int64_t Ts, const uint32_t* Vp, int64_t Tp, int64_t Vc,
-                 int64_t Dv, int64_t lim0, float scale, bool round_scores, bool normalize_first, float* S,
-                 uint16_t* Pb, uint16_t* out, int64_t out_stride) {
-    const int64_t kmax = lim0 + QB - 1;  // keys the last row sees; row r sees lim0 + r
-    for (int64_t c = 0; c < kmax; c += 64) {  // the scores, 64 keys x QB rows a pass
-        __m512 acc[QB][4];
-        for (int r = 0; r < QB; ++r)
-            for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < P2; ++d) {
-            const uint32_t* kr = Kp + d * Ts + c;
-            __m512i kv[4];
-            for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_si512(kr + 16 * j);
-            for (int r = 0; r < QB; ++r) {
-                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r * P2 + d]);
-                for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qb, (__m512bh)kv[j]);
-            }
+inline void pair_block(const uint32_t* a, int64_t as, const uint32_t* B, int64_t bs, int64_t count, int nv,
+                       __m512 (&acc)[QB][4]) {
+    for (int r = 0; r < QB; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < count; ++i) {
+        __m512i b[4];
+        for (int j = 0; j < 4; ++j) b[j] = j < nv ? _mm512_loadu_si512(B + i * bs + 16 * j) : _mm512_setzero_si512();
+        for (int r = 0; r < QB; ++r) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[r * as + i]);
+            for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, (__m512bh)b[j]);
         }
+    }
+}
+
+// One pass of causal_attend: QB query rows (i0..) of one head against its packed keys Kp [P2][Ts] (pairs of
+// dims of 16 keys a vector) and values Vp [Tp / 2][Vc] (pairs of keys of each value), scores S [QB][Tp] and bf16
+// probabilities Pb [QB][Tp / 2] (pairs) as scratch.
+template <int QB>
+void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, int64_t Ts, const uint32_t* Vp, int64_t Tp,
+                 int64_t Vc, int64_t Dv, int64_t lim0, float scale, bool round_scores, bool normalize_first, float* S,
+                 uint32_t* Pb, uint16_t* out, int64_t out_stride) {
+    const int64_t kmax = lim0 + QB - 1;  // keys the last row sees; row r sees lim0 + r
+    __m512 acc[QB][4];
+    for (int64_t c = 0; c < kmax; c += 64) {  // the scores, 64 keys x QB rows a pass
+        pair_block<QB>(qp, P2, Kp + c, Ts, P2, 4, acc);
         for (int r = 0; r < QB; ++r)
             for (int j = 0; j < 4; ++j) _mm512_storeu_ps(S + r * Tp + c + 16 * j, acc[r][j]);
     }
@@ -3099,11 +3108,11 @@ void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, int64_t Ts,
     const __m512 sc = _mm512_set1_ps(scale);
     for (int r = 0; r < QB; ++r) {  // the softmax of each row over the keys it sees
         float* s = S + r * Tp;
-        uint16_t* p = Pb + r * Tp;
+        uint16_t* p = reinterpret_cast<uint16_t*>(Pb + r * Tp / 2);
         const int64_t lim = lim0 + r;
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t < lim; t += 16) {
-            const __mmask16 m = lim - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim - t)) - 1);
+            const __mmask16 m = first_lanes(lim - t);
             __m512 v = _mm512_maskz_loadu_ps(m, s + t);
             if (round_scores) v = f32_of(bf16_of(v));
             v = _mm512_mul_ps(v, sc);
@@ -3113,7 +3122,7 @@ void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, int64_t Ts,
         const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < lim; t += 16) {
-            const __mmask16 m = lim - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim - t)) - 1);
+            const __mmask16 m = first_lanes(lim - t);
             const __m512 e = _mm512_maskz_mov_ps(m, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mv)));
             sum = _mm512_add_ps(sum, e);
             _mm512_storeu_ps(s + t, e);
@@ -3121,35 +3130,18 @@ void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, int64_t Ts,
         inv[r] = 1.f / _mm512_reduce_add_ps(sum);
         const __m512 f = _mm512_set1_ps(normalize_first ? inv[r] : 1.f);
         for (int64_t t = 0; t < 2 * pairs; t += 16) {  // zeros past lim (the pairs' last key too)
-            const __mmask16 m = t >= lim ? 0 : lim - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim - t)) - 1);
-            const __m512 e = _mm512_maskz_loadu_ps(m, s + t);
+            const __m512 e = _mm512_maskz_loadu_ps(first_lanes(lim - t), s + t);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), bf16_of(_mm512_mul_ps(e, f)));
         }
     }
     for (int64_t g = 0; g < Vc; g += 64) {  // out = p . v, 64 values x QB rows a pass
         const int nv = (int)std::min<int64_t>(4, (Vc - g) / 16);
-        __m512 acc[QB][4];
-        for (int r = 0; r < QB; ++r)
-            for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < pairs; ++t) {
-            const uint32_t* vr = Vp + t * Vc + g;
-            __m512i vv[4];
-            for (int j = 0; j < 4; ++j) vv[j] = j < nv ? _mm512_loadu_si512(vr + 16 * j) : _mm512_setzero_si512();
-            for (int r = 0; r < QB; ++r) {
-                uint32_t pp;
-                std::memcpy(&pp, Pb + r * Tp + 2 * t, 4);
-                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp);
-                for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pb, (__m512bh)vv[j]);
-            }
-        }
+        pair_block<QB>(Pb, Tp / 2, Vp + g, Vc, pairs, nv, acc);
         for (int r = 0; r < QB; ++r) {
             const __m512 f = _mm512_set1_ps(normalize_first ? 1.f : inv[r]);
-            for (int j = 0; j < nv; ++j) {
-                const int64_t at = g + 16 * j;
-                if (at >= Dv) break;
-                const __mmask16 m = Dv - at >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (Dv - at)) - 1);
-                _mm256_mask_storeu_epi16(out + r * out_stride + at, m, bf16_of(_mm512_mul_ps(acc[r][j], f)));
-            }
+            for (int j = 0; j < nv && g + 16 * j < Dv; ++j)
+                _mm256_mask_storeu_epi16(out + r * out_stride + g + 16 * j, first_lanes(Dv - g - 16 * j),
+                                         bf16_of(_mm512_mul_ps(acc[r][j], f)));
         }
     }
 }
@@ -3194,9 +3186,8 @@ torch::Tensor causal_attend(torch::Tensor q1, torch::Tensor k1, std::optional<to
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const float scale = (float)scale_d;
     auto heads = [&](int64_t h0, int64_t h1) {
-        std::vector<uint32_t> Kp(P2 * Ts), Vp(Tp / 2 * Vc), qp(4 * P2);
+        std::vector<uint32_t> Kp(P2 * Ts), Vp(Tp / 2 * Vc), qp(4 * P2), Pb(4 * Tp / 2);
         std::vector<float> S(4 * Tp);
-        std::vector<uint16_t> Pb(4 * Tp);
         int64_t packed = -1;
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         const __m512i idx1 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(2 * kr1)));  // bytes between keys
@@ -3212,7 +3203,7 @@ torch::Tensor causal_attend(torch::Tensor q1, torch::Tensor k1, std::optional<to
                 const uint16_t* b1 = k1p + g * ks1;
                 const uint16_t* b2 = two ? k2p + g * ks2 - D1 : nullptr;
                 for (int64_t t = 0; t < Tp; t += 16) {
-                    const __mmask16 m = t >= T ? 0 : T - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (T - t)) - 1);
+                    const __mmask16 m = first_lanes(T - t);
                     for (int64_t d = 0; d < P2; ++d) {
                         const bool first = 2 * d < D1;
                         const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, first ? idx1 : idx2,
