@@ -3201,13 +3201,13 @@ torch::Tensor causal_attend(torch::Tensor q1, torch::Tensor k1, std::optional<to
                 // Kp[d][t]: dims 2d, 2d + 1 of key t, gathered 16 keys at a time (each block of 16 keys' rows
                 // read for all its dims while they are in L1)
                 const uint16_t* b1 = k1p + g * ks1;
-                const uint16_t* b2 = two ? k2p + g * ks2 - D1 : nullptr;
+                const uint16_t* b2 = two ? k2p + g * ks2 : nullptr;
                 for (int64_t t = 0; t < Tp; t += 16) {
                     const __mmask16 m = first_lanes(T - t);
                     for (int64_t d = 0; d < P2; ++d) {
                         const bool first = 2 * d < D1;
                         const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, first ? idx1 : idx2,
-                                                                      first ? b1 + t * kr1 + 2 * d : b2 + t * kr2 + 2 * d, 1);
+                                                                      first ? b1 + t * kr1 + 2 * d : b2 + t * kr2 + (2 * d - D1), 1);
                         _mm512_storeu_si512(Kp.data() + d * Ts + t, w);
                     }
                 }
