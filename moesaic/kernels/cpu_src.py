@@ -2861,14 +2861,14 @@ inline void mix_out(const float* acc, int64_t n, float* y) {
 #endif
 
 #if defined(MOESAIC_AVX512BF16)
-// mla_absorbed's softmax of one head's n scores s (plus the rope part's r where given), 16 lanes at a time: each
-// part rounded to bf16 and their sum rounded (the torch code's two bf16 matmuls and their sum), times scale, e^(v -
-// max) (exp_le0), the probabilities rounded to bf16 into s (fp32) and pb (bits).
-inline void softmax_row(float* s, const float* r, int64_t n, float scale, uint16_t* pb) {
+// A softmax's numerators over n logits s, in place: each v = s (rounded to bf16 where `round`; plus r's value
+// rounded, the sum rounded again, where r is given) times scale, then e^(v - max v) (exp_le0). Their sum.
+inline float softmax_exps(float* s, const float* r, int64_t n, bool round, float scale) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n; t += 16) {
         const __mmask16 m = first_lanes(n - t);
-        __m512 v = f32_of(bf16_of(_mm512_maskz_loadu_ps(m, s + t)));
+        __m512 v = _mm512_maskz_loadu_ps(m, s + t);
+        if (round) v = f32_of(bf16_of(v));
         if (r) v = f32_of(bf16_of(_mm512_add_ps(v, f32_of(bf16_of(_mm512_maskz_loadu_ps(m, r + t))))));
         v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
         _mm512_mask_storeu_ps(s + t, m, v);
@@ -2882,7 +2882,14 @@ inline void softmax_row(float* s, const float* r, int64_t n, float scale, uint16
         sum = _mm512_add_ps(sum, e);
         _mm512_mask_storeu_ps(s + t, m, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    return _mm512_reduce_add_ps(sum);
+}
+
+// mla_absorbed's softmax of one head's n scores s (plus the rope part's r where given), 16 lanes at a time: each
+// part rounded to bf16 and their sum rounded (the torch code's two bf16 matmuls and their sum), softmax_exps,
+// the probabilities rounded to bf16 into s (fp32) and pb (bits).
+inline void softmax_row(float* s, const float* r, int64_t n, float scale, uint16_t* pb) {
+    const __m512 inv = _mm512_set1_ps(1.f / softmax_exps(s, r, n, true, scale));
     for (int64_t t = 0; t < n; t += 16) {
         const __mmask16 m = first_lanes(n - t);
         const __m256i p = bf16_of(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
@@ -3105,29 +3112,11 @@ void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, int64_t Ts,
     }
     const int64_t pairs = (kmax + 1) / 2;
     float inv[QB];
-    const __m512 sc = _mm512_set1_ps(scale);
     for (int r = 0; r < QB; ++r) {  // the softmax of each row over the keys it sees
         float* s = S + r * Tp;
         uint16_t* p = reinterpret_cast<uint16_t*>(Pb + r * Tp / 2);
         const int64_t lim = lim0 + r;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < lim; t += 16) {
-            const __mmask16 m = first_lanes(lim - t);
-            __m512 v = _mm512_maskz_loadu_ps(m, s + t);
-            if (round_scores) v = f32_of(bf16_of(v));
-            v = _mm512_mul_ps(v, sc);
-            _mm512_mask_storeu_ps(s + t, m, v);
-            mx = _mm512_mask_max_ps(mx, m, mx, v);
-        }
-        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < lim; t += 16) {
-            const __mmask16 m = first_lanes(lim - t);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mv)));
-            sum = _mm512_add_ps(sum, e);
-            _mm512_storeu_ps(s + t, e);
-        }
-        inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+        inv[r] = 1.f / softmax_exps(s, nullptr, lim, round_scores, scale);
         const __m512 f = _mm512_set1_ps(normalize_first ? inv[r] : 1.f);
         for (int64_t t = 0; t < 2 * pairs; t += 16) {  // zeros past lim (the pairs' last key too)
             const __m512 e = _mm512_maskz_loadu_ps(first_lanes(lim - t), s + t);
