@@ -1205,8 +1205,8 @@ def mla_block(
     rows written to their pages (pools: the pool's latent and key views [blocks, rows, width]), mla_absorbed
     over them (`scale`; the queries first times `qscale` [N, 1, 1] where given), then o's product; the same calls
     in the same order, the same bits. `place()` -> (a (block, row) per query row flat, rows per sequence, each
-    sequence's block ids, lengths) is called once the call applies, and only then (it advances the caches). o's product [N, d], or None where it does not apply
-    (the caller runs the code)."""
+    sequence's block ids, lengths) is called once the call applies, and only then (it advances the caches). o's
+    product [N, d], or None where it does not apply (the caller runs the code)."""
     if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(-1) == 1):
         return None
     latent, k_rope = pools

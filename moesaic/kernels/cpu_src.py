@@ -2780,7 +2780,7 @@ inline void dp_rows(const uint16_t* qb, int64_t qs, int64_t nh, const uint16_t* 
                 for (int r = 0; r < 16; ++r)
                     acc[r] = _mm512_dpbf16_ps(acc[r], qv, (__m512bh)_mm512_maskz_loadu_epi16(mk, rp[r] + 32 * j));
             }
-            _mm512_mask_storeu_ps(out + h * os + t, (__mmask16)((1u << k) - 1), lane_sums16(acc));
+            _mm512_mask_storeu_ps(out + h * os + t, first_lanes(k), lane_sums16(acc));
         }
     }
 }
