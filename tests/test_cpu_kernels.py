@@ -424,9 +424,9 @@ def test_linear_bf16(kernel, m):
 
 
 def test_linear_bf16_rows_alike_up_to_dense_rows(kernel):
-    """`linear` takes the kernel up to dense_rows() rows of x (64 by AMX tiles, 32 by vdpbf16ps, else 16), in
-    one call, and there each output has the bits it has alone (an x of 32 rows x 1000 fits 256 KB: the weight
-    rows streamed whole), so a prompt's products of up to that many rows equal its decode rows'."""
+    """`linear` takes the kernel up to dense_rows() rows of x (64 by AMX tiles or by vdpbf16ps, else 16), in
+    one call, and there each output has the bits it has alone, so a prompt's products of up to that many rows
+    equal its decode rows'."""
     amx = cpu.has_amx() and cpu.amx_enabled()
     assert cpu.dense_rows() == (cpu.AMX_ROWS if amx else cpu.DP_ROWS if cpu.has_bf16dp() else cpu.MAX_ROWS)
     gen = torch.Generator().manual_seed(5)
@@ -437,6 +437,30 @@ def test_linear_bf16_rows_alike_up_to_dense_rows(kernel):
     assert torch.equal(cpu.linear(x, w), alone)
     assert cpu.stats["kernel_calls"] == before + 1
     _assert_bf16_rounding(alone, _reference(w, x))
+
+
+@pytest.mark.parametrize("n,k", [(37, 1000), (13, 31), (5, 33), (6, 2049), (1, 64)])
+def test_bf16_prompt_tiles_rows_alike(kernel, n, k):
+    """bf16 x bf16 at prompt sizes (20+ rows of x a matrix: 6 x 4 tiles whose sums are reduced 16 at a time,
+    on AVX-512 BF16 CPUs): every output the bits it has alone (one row takes the decode tiles) whatever M,
+    the weight rows' tail (n not a multiple of 6), the K tail, the x blocks (K = 2049: 44 rows a block), the
+    other experts of a grouped call and the threads; the fp32 reference to rounding; bias and bf16 output."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(130, k, generator=gen).bfloat16()
+    alone = torch.cat(
+        [cpu.bf16_matmul(x[i : i + 1], w, out=torch.empty(1, n), threads=1) for i in range(130)]
+    )
+    _assert_fp32_close(alone, _reference(w, x))
+    for m in (19, 20, 23, 64, 97, 130):
+        for threads in (1, 3) if m == 97 else (1,):
+            got = cpu.bf16_matmul(x[:m], w, out=torch.empty(m, n), threads=threads)
+            assert torch.equal(got, alone[:m]), (m, threads)
+    stack = torch.stack([w.flip(0), w, w])
+    grouped = cpu.bf16_matmul(x[:90], stack, offs=torch.tensor([5, 30, 90]), out=torch.empty(90, n))
+    assert torch.equal(grouped[5:], alone[5:90])
+    bias = torch.randn(n, generator=gen).bfloat16()
+    _assert_bf16_rounding(cpu.bf16_matmul(x[:40], w, bias), _reference(w, x[:40]) + bias.float())
 
 
 # ------------------------------------------------------------------------ grouped

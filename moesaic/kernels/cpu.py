@@ -90,10 +90,10 @@ MAX_ROWS = 16  # rows of x per matrix the kernels serve (decode); more rows take
 # rows of x the AMX path serves against dense bf16 weights: up to here it streams the weights at memory
 # speed, where oneDNN's bf16 GEMM (F.linear) read them at ~5 GB/s (17-32 rows) and ~3.7 GB/s (64) here
 AMX_ROWS = 64
-# ... and the vdpbf16ps path (AVX-512 BF16 without AMX tiles): on a Zen 4 core it ran 1.07-1.44x faster than
-# oneDNN's bf16 GEMM at 17-32 rows and 0.85-1.03x at 48-64 (docs/perf.md). Up to 32 rows whose x fits 256 KB
-# it streams each weight row whole, so an output has the bits it has at one row.
-DP_ROWS = 32
+# ... and the vdpbf16ps path (AVX-512 BF16 without AMX tiles): below 20 rows the decode tiles, from 20 the
+# prompt tiles (6 weight rows x 4 x rows), each output the bits it has at one row. On a Zen 4 core, cold expert
+# matrices (1024 x 1024): 1.27x oneDNN's bf16 GEMM at 32 rows, 1.04x at 64, 0.94x at 128 (docs/perf.md)
+DP_ROWS = 64
 # ... and against packed (fp8 / fp4) weights on that path: its decode tiles ran 1.0-2.4x faster than the fp32
 # tiles (weights dequantized, F.linear) at 17-256 bf16 rows on a Zen 4 core (fp8 level at 256; docs/perf.md)
 PACKED_DP_ROWS = 256
