@@ -424,7 +424,7 @@ def test_linear_bf16(kernel, m):
 
 
 def test_linear_bf16_rows_alike_up_to_dense_rows(kernel):
-    """`linear` takes the kernel up to dense_rows() rows of x (64 by AMX tiles, 128 by vdpbf16ps, else 16), in
+    """`linear` takes the kernel up to dense_rows() rows of x (64 by AMX tiles, 256 by vdpbf16ps, else 16), in
     one call, and there each output has the bits it has alone, so a prompt's products of up to that many rows
     equal its decode rows'."""
     amx = cpu.has_amx() and cpu.amx_enabled()

@@ -93,8 +93,9 @@ AMX_ROWS = 64
 # ... and the vdpbf16ps path (AVX-512 BF16 without AMX tiles): below 20 rows the decode tiles, from 20 the
 # prompt tiles (6 weight rows x 4 x rows), each output the bits it has at one row. On a Zen 4 core, cold expert
 # matrices (1024 x 1024): 1.4x oneDNN's bf16 GEMM at 32 rows, 1.2x at 64, 1.04x at 128, 0.95-1.0x at 256 and
-# more (docs/perf.md)
-DP_ROWS = 128
+# more (docs/perf.md). Up to 256: a 256-token prompt's experts then take one grouped call per projection
+# (DeepSeek-V4's 256-token prefill 1.04x against 128 here, Mistral-4's level)
+DP_ROWS = 256
 # ... and against packed (fp8 / fp4) weights on that path: its decode tiles ran 1.0-2.4x faster than the fp32
 # tiles (weights dequantized, F.linear) at 17-256 bf16 rows on a Zen 4 core (fp8 level at 256; docs/perf.md)
 PACKED_DP_ROWS = 256

@@ -14,7 +14,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     """`x @ w.T (+ bias)` for a dense [out, in] tensor, or through a quantized tensor's own matmul.
     A weight kept in another dtype by the precision schedule computes in its own dtype and
     returns the activation's. Dense bf16 weights on the CPU go through the compiled kernel at decode
-    sizes (up to cpu.dense_rows() rows of x: 16; 64 by AMX tiles, 128 by vdpbf16ps) and through fp32
+    sizes (up to cpu.dense_rows() rows of x: 16; 64 by AMX tiles, 256 by vdpbf16ps) and through fp32
     tiles at prefill sizes where the CPU has no native bf16 GEMM (kernels/cpu.py); everything else is F.linear."""
     if isinstance(w, torch.Tensor):
         b = None if bias is None else bias.to(w.dtype)
