@@ -667,43 +667,55 @@ inline __m512 tree_sums16(const __m512 (&a)[16]) {
 // same 32 values of an x row as they are stored (no widening, no permutation) and adds the 16 pair sums to
 // fp32 lanes: each bf16 x bf16 product exact, each addition rounded to nearest even, subnormal inputs and
 // results flushed to zero (the instruction's rules). The K tail is read through masked loads (zeros).
-// res[m * R + r] = the dot of x row m with weight row r over [k0, k1).
-template <int R, int MB>
-void dp_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0, int64_t k1, float* res,
-             const uint16_t* const* next = nullptr) {
-    __m512 acc[R][MB];
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+// acc[m * R + r] += the lanes of x row m against weight row r over [k0, k1). PF: the decode tiles' prefetch
+// (0: none, the caller fetches; 1: each row 4 lines ahead, or `next`'s rows where given). Every loop over acc is
+// unrolled, so that the caller's acc stays in registers (a loop left rolled puts it on the stack).
+template <int R, int MB, int PF>
+__attribute__((always_inline)) inline void dp_sums(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0,
+                                                   int64_t k1, __m512* acc, const uint16_t* const* next) {
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
         __m512bh wv[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
             // 4 lines ahead (best of 128-2048 here). A pass over rows already in L1 fetches the next tile's rows
             // instead (`next`: the passes of 4 x rows at 8-16 rows), so that memory streams while it computes; into
             // L2 (T1: one core's T0 prefetches stalled near 15 GB/s; at 8 rows a cold 2 MB matrix 163 -> 133 us)
-            if (next) _mm_prefetch(reinterpret_cast<const char*>(next[r] + k), _MM_HINT_T1);
-            else _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + 256, _MM_HINT_T0);
+            if (PF && next) _mm_prefetch(reinterpret_cast<const char*>(next[r] + k), _MM_HINT_T1);
+            else if (PF) _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + 256, _MM_HINT_T0);
             wv[r] = (__m512bh)_mm512_loadu_si512(w[r] + k);
         }
 #pragma GCC unroll 4
         for (int m = 0; m < MB; ++m) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * xs + k);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; ++r) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], wv[r], xv);
         }
     }
     if (k < k1) {
         const __mmask32 mask = (__mmask32)((1ull << (k1 - k)) - 1);
         __m512bh wv[R];
+#pragma GCC unroll 6
         for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[r] + k);
+#pragma GCC unroll 4
         for (int m = 0; m < MB; ++m) {
             const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * xs + k);
-            for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; ++r) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], wv[r], xv);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) res[m * R + r] = lane_tree_sum(acc[r][m]);
+}
+
+// The decode tiles: res[m * R + r] = the dot of x row m with weight row r over [k0, k1).
+template <int R, int MB>
+void dp_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0, int64_t k1, float* res,
+             const uint16_t* const* next = nullptr) {
+    __m512 acc[R * MB];
+#pragma GCC unroll 16
+    for (int i = 0; i < R * MB; ++i) acc[i] = _mm512_setzero_ps();
+    dp_sums<R, MB, 1>(w, x, xs, k0, k1, acc, next);
+#pragma GCC unroll 16
+    for (int i = 0; i < R * MB; ++i) res[i] = lane_tree_sum(acc[i]);
 }
 
 // Prompts' bf16 products (GEMM_ROWS or more x rows against a matrix): tiles of 6 weight rows x 4 x rows, 24
@@ -722,32 +734,8 @@ __attribute__((noinline)) void gemm_tile(const uint16_t* const* w, const uint16_
     __m512 acc[NA];
 #pragma GCC unroll 24
     for (int i = 0; i < NA; ++i) acc[i] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m512bh wv[R];
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w[r] + k);
-#pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * xs + k);
-#pragma GCC unroll 6
-            for (int r = 0; r < R; ++r) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], wv[r], xv);
-        }
-    }
-    if (k < K) {
-        const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-        __m512bh wv[R];
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[r] + k);
-#pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m) {
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * xs + k);
-#pragma GCC unroll 6
-            for (int r = 0; r < R; ++r) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], wv[r], xv);
-        }
-    }
-    // (every loop over acc unrolled, so that it stays in registers; the sums gathered first and stored after:
-    // ~10 % faster than a group's stores between the two)
+    dp_sums<R, MB, 0>(w, x, xs, 0, K, acc, nullptr);
+    // (the sums gathered first and stored after: ~10 % faster than a group's stores between the two)
     alignas(64) float s[16 * G];
 #pragma GCC unroll 2
     for (int g = 0; g < G; ++g) {
