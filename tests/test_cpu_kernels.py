@@ -461,6 +461,13 @@ def test_bf16_prompt_tiles_rows_alike(kernel, n, k):
     assert torch.equal(grouped[5:], alone[5:90])
     bias = torch.randn(n, generator=gen).bfloat16()
     _assert_bf16_rounding(cpu.bf16_matmul(x[:40], w, bias), _reference(w, x[:40]) + bias.float())
+    # `linear` gives the kernel up to dense_rows(K) rows: fewer past DP_WIDE_K columns, then F.linear
+    if cpu.has_bf16dp() and not (cpu.has_amx() and cpu.amx_enabled()):
+        assert cpu.dense_rows(k) == (cpu.DP_ROWS if k <= cpu.DP_WIDE_K else cpu.DP_WIDE_ROWS)
+        rows = cpu.dense_rows(k)
+        xs = torch.randn(rows + 1, k, generator=gen).bfloat16()
+        assert torch.equal(cpu.linear(xs[:rows], w), cpu.bf16_matmul(xs[:rows], w))
+        assert torch.equal(cpu.linear(xs, w), torch.nn.functional.linear(xs, w))
 
 
 # ------------------------------------------------------------------------ grouped

@@ -94,8 +94,10 @@ AMX_ROWS = 64
 # prompt tiles (6 weight rows x 4 x rows), each output the bits it has at one row. On a Zen 4 core, cold expert
 # matrices (1024 x 1024): 1.4x oneDNN's bf16 GEMM at 32 rows, 1.2x at 64, 1.04x at 128, 0.95-1.0x at 256 and
 # more (docs/perf.md). Up to 256: a 256-token prompt's experts then take one grouped call per projection
-# (DeepSeek-V4's 256-token prefill 1.04x against 128 here, Mistral-4's level)
+# (DeepSeek-V4's 256-token prefill 1.04x against 128 here, Mistral-4's level). Against wider matrices (K past
+# DP_WIDE_K) up to DP_WIDE_ROWS: at K = 4096-7168 the tiles read 0.87-0.9x oneDNN at 128-256 rows, 1.05-1.1x at 32-64
 DP_ROWS = 256
+DP_WIDE_K, DP_WIDE_ROWS = 2048, 64
 # ... and against packed (fp8 / fp4) weights on that path: its decode tiles ran 1.0-2.4x faster than the fp32
 # tiles (weights dequantized, F.linear) at 17-256 bf16 rows on a Zen 4 core (fp8 level at 256; docs/perf.md)
 PACKED_DP_ROWS = 256
@@ -138,17 +140,19 @@ def has_bf16dp() -> bool:
     return _state["bf16dp"]
 
 
-def _amx_rows(amx: bool) -> int:
-    """Rows of x against dense bf16 weights with MOESAIC_CPU_AMX read as `amx` (kernels enabled)."""
+def _amx_rows(amx: bool, k: int = 0) -> int:
+    """Rows of x against dense bf16 weights of k columns with MOESAIC_CPU_AMX read as `amx` (kernels enabled)."""
     if amx and has_amx():
         return AMX_ROWS
-    return DP_ROWS if has_bf16dp() else MAX_ROWS
+    if not has_bf16dp():
+        return MAX_ROWS
+    return DP_ROWS if k <= DP_WIDE_K else DP_WIDE_ROWS
 
 
-def dense_rows() -> int:
-    """Rows of x per matrix the kernels serve against dense bf16 weights: AMX_ROWS where AMX tiles run
-    them, DP_ROWS where vdpbf16ps does, else MAX_ROWS."""
-    return _amx_rows(amx_enabled()) if enabled() else MAX_ROWS
+def dense_rows(k: int = 0) -> int:
+    """Rows of x per matrix the kernels serve against dense bf16 weights of k columns (K): AMX_ROWS where AMX
+    tiles run them, DP_ROWS where vdpbf16ps does (DP_WIDE_ROWS past DP_WIDE_K columns), else MAX_ROWS."""
+    return _amx_rows(amx_enabled(), k) if enabled() else MAX_ROWS
 
 
 def packed_rows(x: torch.Tensor) -> int:
@@ -449,7 +453,7 @@ def _dense_kernel(x2: torch.Tensor, w: torch.Tensor) -> bool | None:
     if not (w.dtype == torch.bfloat16 and enabled() and _module() is not None):
         return None
     amx = amx_enabled()
-    return amx if _fits(x2, w, _amx_rows(amx)) else None
+    return amx if _fits(x2, w, _amx_rows(amx, w.shape[-1])) else None
 
 
 def serves_dense(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -1509,11 +1513,11 @@ def rows_fit(offs, limit: int = MAX_ROWS) -> bool:
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of x [T, K] grouped by expert (offs [E]: end rows) against a dense stack w [E, N, K] ->
     [T, N] in x's dtype, computed in w's dtype like `linear`: one kernel call for bf16 stacks (every
-    expert with at most `dense_rows()` rows: `rows_fit`), else one `linear` per expert with rows (the same
+    expert with at most `dense_rows(K)` rows: `rows_fit`), else one `linear` per expert with rows (the same
     numbers either way)."""
     if x.dtype != w.dtype:
         return grouped_linear(x.to(w.dtype), w, offs).to(x.dtype)
-    rows = dense_rows()
+    rows = dense_rows(w.shape[-1])
     if _dense_ok(x, w, rows * w.shape[0]) and rows_fit(offs, rows):
         return bf16_matmul(x, w, offs=offs)
     out = torch.empty(x.shape[0], w.shape[-2], dtype=x.dtype, device=x.device)

@@ -727,14 +727,22 @@ void dp_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0
 constexpr int64_t GEMM_ROWS = 20;
 constexpr int GR = 6, GM = 4;  // a tile's weight rows, x rows
 
+// One tile over K values [k0, k1): its accumulators start at zero (`first`) or from `keep` (the last K block's
+// lanes, R * MB vectors), and go back to `keep` unless `last`, where they are summed into out. Lanes carried whole
+// from block to block: the same sums as one pass over K.
 template <int R, int MB>
-__attribute__((noinline)) void gemm_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t K, float* out,
-                                         int64_t os) {
+__attribute__((noinline)) void gemm_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0,
+                                         int64_t k1, float* keep, bool first, bool last, float* out, int64_t os) {
     constexpr int NA = R * MB, G = (NA + 15) / 16;
     __m512 acc[NA];
 #pragma GCC unroll 24
-    for (int i = 0; i < NA; ++i) acc[i] = _mm512_setzero_ps();
-    dp_sums<R, MB, 0>(w, x, xs, 0, K, acc, nullptr);
+    for (int i = 0; i < NA; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(keep + 16 * i);
+    dp_sums<R, MB, 0>(w, x, xs, k0, k1, acc, nullptr);
+    if (!last) {
+#pragma GCC unroll 24
+        for (int i = 0; i < NA; ++i) _mm512_storeu_ps(keep + 16 * i, acc[i]);
+        return;
+    }
     // (the sums gathered first and stored after: ~10 % faster than a group's stores between the two)
     alignas(64) float s[16 * G];
 #pragma GCC unroll 2
@@ -751,46 +759,67 @@ __attribute__((noinline)) void gemm_tile(const uint16_t* const* w, const uint16_
         for (int r = 0; r < R; ++r) out[m * os + r] = s[m * R + r];
 }
 
-// Rows [n0, n1) of bf16 expert e against its x rows [t0, t0 + M) by gemm_tile: x in blocks of ~192 KB (L2, beside
-// the weight rows), the weight rows 6 at a time (L1 after the first x rows), the next 6 fetched to L2 a slice per
-// pass meanwhile (cold weights: the passes over one block's rows take ~1 us, long enough for 12 KB).
+// Rows [n0, n1) of bf16 expert e against its x rows [t0, t0 + M) by gemm_tile: x in blocks of ~192 KB of
+// GEMM_K-value pieces (L2, beside the weight rows), the weight rows 6 at a time and GEMM_K values at a time (L1
+// after the first x rows; each tile's lanes kept between K blocks: at K = 4096, 256 rows, one pass over the whole
+// of K read 162 GFLOP/s, oneDNN 218), the next 6 rows' (or K block's) weights fetched to L2 a slice per pass
+// meanwhile (cold weights: the passes over one block take ~1 us, long enough for 12 KB). The outputs are stored a
+// block of x rows at a time.
+constexpr int64_t GEMM_K = 1024;
 void run_item_gemm(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t n1, const uint16_t* x, int64_t xs,
                    int64_t t0, int64_t M, const Out& O, Scratch& sc) {
     const int64_t K = C.K, count = n1 - n0, ws = W.w_n / 2;
     const uint16_t* w0 = reinterpret_cast<const uint16_t*>(W.w + e * W.w_e + n0 * W.w_n);
-    const int64_t MBLK = std::max<int64_t>(GM, (192 << 10) / std::max<int64_t>(1, 2 * xs) / GM * GM);
-    const int64_t lines = (K + 31) / 32;
-    sc.wbuf.resize(M * count);
-    float* y = sc.wbuf.data();  // [M, count]
+    const int64_t KC = std::min(K, GEMM_K), nkb = (K + KC - 1) / KC;
+    const int64_t MBLK = std::max<int64_t>(GM, (192 << 10) / (2 * KC) / GM * GM);
+    const int64_t elem = O.dtype == 0 ? 4 : 2;
+    sc.wbuf.resize(std::min(M, MBLK) * count);
+    sc.tmp.resize(nkb > 1 ? (MBLK / GM) * GR * GM * 16 : 0);
+    float* y = sc.wbuf.data();  // [x rows of the block, count]
+    // x rows 4 KB apart or a multiple of it (K = 2048, 4096, ...) share their L1 sets with each other and with the
+    // weight rows: such a block of x is copied once to rows 64 bytes longer
+    const bool pad = nkb > 1 && (xs * 2) % 4096 == 0;
+    const int64_t ps = pad ? xs + 32 : xs;
+    std::vector<uint16_t> xpad(pad ? std::min(M, MBLK) * ps : 0);
     for (int64_t mb0 = 0; mb0 < M; mb0 += MBLK) {
         const int64_t mb1 = std::min(M, mb0 + MBLK), passes = (mb1 - mb0 + GM - 1) / GM;
+        if (pad)
+            for (int64_t m = mb0; m < mb1; ++m) std::memcpy(xpad.data() + (m - mb0) * ps, x + (t0 + m) * xs, 2 * K);
+        const uint16_t* xb = pad ? xpad.data() - mb0 * ps : x + t0 * xs;  // row m of the item: xb + m * ps
         for (int64_t r0 = 0; r0 < count; r0 += GR) {
             const int nr = (int)std::min<int64_t>(GR, count - r0);
             const uint16_t* w = w0 + r0 * ws;
             const uint16_t* wr[GR];  // (row pointers: ~10 % faster in the loop than w + r * ws)
             for (int r = 0; r < GR; ++r) wr[r] = w + std::min(r, nr - 1) * ws;
-            const int nnext = (int)std::min<int64_t>(GR, count - r0 - nr);
-            for (int64_t m0 = mb0, i = 0; m0 < mb1; m0 += GM, ++i) {
-                for (int64_t l = i * lines / passes; l < (i + 1) * lines / passes; ++l)
-                    for (int r = 0; r < nnext; ++r)
-                        _mm_prefetch(reinterpret_cast<const char*>(w + (GR + r) * ws + 32 * l), _MM_HINT_T1);
-                const int mb = (int)std::min<int64_t>(GM, mb1 - m0);
-                const uint16_t* xm = x + (t0 + m0) * xs;
-                float* o = y + m0 * count + r0;
-                with_value<1, 2, 3, 4, 5, 6>(nr, [&](auto Rc) {
-                    with_value<1, 2, 3, 4>(mb, [&](auto Mc) {
-                        gemm_tile<decltype(Rc)::value, decltype(Mc)::value>(wr, xm, xs, K, o, count);
+            for (int64_t kb = 0; kb < nkb; ++kb) {
+                const int64_t k0 = kb * KC, k1 = std::min(K, k0 + KC);
+                // what comes next: these rows' next K block, else the next rows' first
+                const bool same = kb + 1 < nkb;
+                const uint16_t* nw = same ? w + k1 : w + GR * ws;
+                const int nnext = same ? nr : (int)std::min<int64_t>(GR, count - r0 - nr);
+                const int64_t lines = ((same ? std::min(K, k1 + KC) - k1 : std::min(K, KC)) + 31) / 32;
+                for (int64_t m0 = mb0, i = 0; m0 < mb1; m0 += GM, ++i) {
+                    for (int64_t l = i * lines / passes; l < (i + 1) * lines / passes; ++l)
+                        for (int r = 0; r < nnext; ++r)
+                            _mm_prefetch(reinterpret_cast<const char*>(nw + r * ws + 32 * l), _MM_HINT_T1);
+                    const int mb = (int)std::min<int64_t>(GM, mb1 - m0);
+                    float* keep = nkb > 1 ? sc.tmp.data() + i * GR * GM * 16 : nullptr;
+                    with_value<1, 2, 3, 4, 5, 6>(nr, [&](auto Rc) {
+                        with_value<1, 2, 3, 4>(mb, [&](auto Mc) {
+                            gemm_tile<decltype(Rc)::value, decltype(Mc)::value>(
+                                wr, xb + m0 * ps, ps, k0, k1, keep, kb == 0, kb + 1 == nkb,
+                                y + (m0 - mb0) * count + r0, count);
+                        });
                     });
-                });
+                }
             }
         }
-    }
-    const int64_t elem = O.dtype == 0 ? 4 : 2;
-    for (int64_t m = 0; m < M; ++m) {
-        float* row = y + m * count;
-        if (O.bias)
-            for (int64_t i = 0; i < count; ++i) row[i] += O.bias[n0 + i];
-        store_row((int)O.dtype, row, static_cast<char*>(O.p) + ((t0 + m) * O.ld + n0) * elem, count);
+        for (int64_t m = mb0; m < mb1; ++m) {
+            float* row = y + (m - mb0) * count;
+            if (O.bias)
+                for (int64_t i = 0; i < count; ++i) row[i] += O.bias[n0 + i];
+            store_row((int)O.dtype, row, static_cast<char*>(O.p) + ((t0 + m) * O.ld + n0) * elem, count);
+        }
     }
 }
 

@@ -157,9 +157,11 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
         ys = _held_rows(
             xs, offs, every_expert, lambda h: w_out.grouped_matmul(act(w_in.grouped_matmul(h, offs)), offs)
         )
-    elif _cpu_half(x, w_in, w_out) and cpu.rows_fit(offs := counts.cumsum(0), cpu.dense_rows()):
-        # bf16 stacks on the CPU at decode sizes: one kernel call per projection, what `linear` gives
-        # expert by expert (above cpu.dense_rows() rows an expert takes the loop below: fp32 tiles)
+    elif _cpu_half(x, w_in, w_out) and cpu.rows_fit(
+        offs := counts.cumsum(0), min(cpu.dense_rows(w_in.shape[-1]), cpu.dense_rows(w_out.shape[-1]))
+    ):
+        # bf16 stacks on the CPU at decode and short-prompt sizes: one kernel call per projection, what `linear`
+        # gives expert by expert (above cpu.dense_rows(K) rows an expert takes the loop below)
         ys = _held_rows(
             xs,
             offs,
