@@ -719,11 +719,11 @@ void dp_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0
 }
 
 // Prompts' bf16 products (GEMM_ROWS or more x rows against a matrix): tiles of 6 weight rows x 4 x rows, 24
-// accumulators over the whole of K, each added as dp_tile adds it (the same lanes, loads and tail), and the 24
-// outputs' lane sums taken 16 at a time, transposed (tree_sums16): an output has the bits it has at one row,
-// whatever M. Against dp_tile's 4 x 4 tiles with one reduction each: 10 loads a 24 products (not 8 a 16) and
-// a third of the reductions' shuffles; a cold 1024 x 1024 matrix at 32 rows ~150 -> ~185 GFLOP/s on a Zen 4
-// core (oneDNN's bf16 GEMM ~138), level with oneDNN at 256 (docs/perf.md).
+// accumulators over K (in blocks, their lanes carried: run_item_gemm), each added as dp_tile adds it (the same
+// lanes, loads and tail), and the 24 outputs' lane sums taken 16 at a time, transposed (tree_sums16): an output
+// has the bits it has at one row, whatever M. Against dp_tile's 4 x 4 tiles with one reduction each: 10 loads a
+// 24 products (not 8 a 16) and a third of the reductions' shuffles; cold 1024 x 1024 matrices on a Zen 4 core at
+// 32 rows 146-155 -> 175-190 GFLOP/s (oneDNN's bf16 GEMM 134-138), level with oneDNN at 256 (docs/perf.md).
 constexpr int64_t GEMM_ROWS = 20;
 constexpr int GR = 6, GM = 4;  // a tile's weight rows, x rows
 
