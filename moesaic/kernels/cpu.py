@@ -95,7 +95,8 @@ AMX_ROWS = 64
 # matrices (1024 x 1024): 1.4x oneDNN's bf16 GEMM at 32 rows, 1.2x at 64, 1.04x at 128, 0.95-1.0x at 256 and
 # more (docs/perf.md). Up to 256: a 256-token prompt's experts then take one grouped call per projection
 # (DeepSeek-V4's 256-token prefill 1.04x against 128 here, Mistral-4's level). Against wider matrices (K past
-# DP_WIDE_K) up to DP_WIDE_ROWS: at K = 4096-7168 the tiles read 0.87-0.9x oneDNN at 128-256 rows, 1.05-1.1x at 32-64
+# DP_WIDE_K) up to DP_WIDE_ROWS: at K = 4096-7168 the tiles read 0.87-0.9x oneDNN at 128-256 rows, 1.05-1.1x
+# at 32-64
 DP_ROWS = 256
 DP_WIDE_K, DP_WIDE_ROWS = 2048, 64
 # ... and against packed (fp8 / fp4) weights on that path: its decode tiles ran 1.0-2.4x faster than the fp32

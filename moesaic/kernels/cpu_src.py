@@ -797,7 +797,7 @@ void run_item_gemm(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_
                 const bool same = kb + 1 < nkb;
                 const uint16_t* nw = same ? w + k1 : w + GR * ws;
                 const int nnext = same ? nr : (int)std::min<int64_t>(GR, count - r0 - nr);
-                const int64_t lines = ((same ? std::min(K, k1 + KC) - k1 : std::min(K, KC)) + 31) / 32;
+                const int64_t lines = ((same ? std::min(K, k1 + KC) - k1 : KC) + 31) / 32;  // (KC <= K)
                 for (int64_t m0 = mb0, i = 0; m0 < mb1; m0 += GM, ++i) {
                     for (int64_t l = i * lines / passes; l < (i + 1) * lines / passes; ++l)
                         for (int r = 0; r < nnext; ++r)
