@@ -929,6 +929,48 @@ def test_sink_attention_matches_the_torch_code(kernels, monkeypatch, kind):
             cpu.sink_attention(*bad)
 
 
+@pytest.mark.parametrize("kind", ["window", "csa", "hca"])
+def test_sink_prompt_matches_the_torch_code(kernels, monkeypatch, kind):
+    """layers/csa.py's sink_attention for a prompt's rows (more than MAX_ROWS) in one call (cpu.sink_prompt, by
+    vdpbf16ps tiles): within one bf16 step of the torch code and mostly its bits; windows shorter than the prompt
+    starting at odd and even keys, a prompt after a cached past, 6 heads (a pass of 4, then 2), 96-dim heads, CSA
+    picks padded with -1 (a query with none), HCA entries a query cannot see yet."""
+    from moesaic.layers import csa
+
+    if not cpu.has_bf16dp():
+        pytest.skip("needs AVX-512 BF16")
+    g = torch.Generator().manual_seed(29)
+    H, D = 6, 96
+    for n, window, first, win_start in ((cpu.MAX_ROWS + 1, 16, 0, 0), (70, 24, 37, 5), (40, 128, 3, 0)):
+        win = torch.randn(first + n - win_start, D, generator=g).bfloat16()
+        q = torch.randn(n, H, D, generator=g).bfloat16() * 2
+        pos = torch.arange(first, first + n)
+        extra = (None, None, 0)
+        if kind == "csa":
+            comp = torch.randn((first + n) // 4 + 1, D, generator=g).bfloat16()
+            sel = torch.randint(0, comp.shape[0], (n, 21), generator=g)
+            sel[:, -5:] = -1
+            sel[1] = -1
+            extra = (comp, sel, 4)
+        elif kind == "hca":
+            extra = (torch.randn((first + n) // 8 + 2, D, generator=g).bfloat16(), None, 8)
+        args = (q, pos, first, win, win_start, window, torch.randn(H, generator=g), D**-0.5, *extra)
+        got, want = fused_and_torch(monkeypatch, "sink_prompt", csa.sink_attention, *args)
+        assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+        step = (want.float().abs() * 2**-7).clamp(min=2**-126)  # one bf16 step (8 significant bits)
+        assert ((got.float() - want.float()).abs() <= step).all(), (n, window)
+        assert (got == want).float().mean() > 0.99
+    if kind == "csa":  # a pick past the entries is an error, raised before the threads start
+        with pytest.raises(RuntimeError, match="past the compressed rows"):
+            cpu.sink_prompt(
+                q, first, win, win_start, window, torch.ones(H), 0.1, comp, sel + comp.shape[0], 4
+            )
+    assert (
+        cpu.sink_prompt(q.float(), first, win.float(), win_start, window, torch.ones(H), 0.1, None, None, 0)
+        is None
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mamba2_recur_keeps_the_torch_bits(kernels, monkeypatch, dtype):
     """layers/mamba2.py's mamba2_recur in one call (cpu.mamba2_recur: the causal conv, the split, the recurrent

@@ -223,6 +223,7 @@ def load(verbose: bool = False):
                 "v4_inputs",
                 "v4_output",
                 "sink_attend",
+                "sink_prompt",
                 "dsa_gathered_bf16",
                 "dsa_block",
                 "encode_fp4",
@@ -861,6 +862,34 @@ def sink_attention(
     sel = None if comp_sel is None else comp_sel.contiguous()
     return mod.sink_attend(
         q, positions.contiguous(), first, win, win_start, window, sink, scale, comp, sel, ratio, step, threads
+    )
+
+
+def sink_prompt(
+    q, first: int, win, win_start: int, window: int, sink, scale: float, comp, comp_sel, ratio: int
+):
+    """layers/csa.py's sink_attention for a prompt's bf16 queries q [n, H, D] at positions first .. first + n - 1
+    in one call by vdpbf16ps tiles: the torch code's bf16 logits, its softmax in fp32 with the sink's logit,
+    normalised bf16 probabilities and value sums rounded where it rounds, the sums in another order and e^x by a
+    polynomial (so equal to rounding). None where it does not apply (not bf16, odd D, no AVX-512 BF16)."""
+    bf = torch.bfloat16
+    if not (
+        q.dim() == 3 and q.dtype == bf and q.shape[2] % 2 == 0 and win.dtype == bf and win.stride(-1) == 1
+    ):
+        return None
+    if comp is not None and not (comp.dtype == bf and comp.stride(-1) == 1):
+        return None
+    if comp_sel is not None and comp_sel.dtype != torch.int64:
+        return None
+    mod = _fused_mod(q, win, sink) if comp is None else _fused_mod(q, win, sink, comp)
+    if mod is None or not has_bf16dp():
+        return None
+    n, H, D = q.shape
+    entries = 0 if comp is None else comp_sel.shape[1] if comp_sel is not None else comp.shape[0]
+    threads = sink_threads(n, H, D, win.shape[0], window, entries)
+    sel = None if comp_sel is None else comp_sel.contiguous()
+    return mod.sink_prompt(
+        q.contiguous(), first, win, win_start, window, sink, scale, comp, sel, ratio, threads
     )
 
 

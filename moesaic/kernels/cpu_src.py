@@ -3283,6 +3283,49 @@ void attend_rows(const uint32_t* qp, int64_t P2, const uint32_t* Kp, int64_t Ts,
 }
 #endif
 
+#if defined(MOESAIC_AVX512BF16)
+// Keys as vdpbf16ps reads them against a query's broadcast pair of dims: Kp[d * Ts + t] for t < Tp (16 keys a
+// vector) holds dims 2d, 2d + 1 of key t, whose row starts at base + row(t) elements; zeros where row(t) < 0 or t
+// >= T. P2 pairs of dims; row offsets below 2^30 elements (the gather's 32-bit byte offsets).
+template <class Row>
+void pack_key_pairs(const uint16_t* base, Row row, int64_t T, int64_t Tp, int64_t P2, uint32_t* Kp, int64_t Ts) {
+    alignas(64) int32_t off[16];
+    for (int64_t t = 0; t < Tp; t += 16) {
+        __mmask16 m = 0;
+        for (int l = 0; l < 16; ++l) {
+            const int64_t r = t + l < T ? row(t + l) : -1;
+            off[l] = r < 0 ? 0 : (int32_t)(2 * r);
+            if (r >= 0) m |= (__mmask16)(1u << l);
+        }
+        const __m512i idx = _mm512_load_si512(off);
+        for (int64_t d = 0; d < P2; ++d)
+            _mm512_storeu_si512(Kp + d * Ts + t,
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + 2 * d, 1));
+    }
+}
+
+// Values as vdpbf16ps reads them against a broadcast pair of probabilities: Vp[p * Vc + c] for p < Tp / 2 and c <
+// Vc (D rounded up to 32) holds value c of keys 2p and 2p + 1, rows as pack_key_pairs' (zeros past D, for absent
+// keys and past T).
+template <class Row>
+void pack_value_pairs(const uint16_t* base, Row row, int64_t T, int64_t Tp, int64_t D, uint32_t* Vp, int64_t Vc) {
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                            37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int64_t t = 0; t < Tp; t += 2) {
+        const int64_t r0 = t < T ? row(t) : -1, r1 = t + 1 < T ? row(t + 1) : -1;
+        for (int64_t c = 0; c < Vc; c += 32) {
+            const __mmask32 m = D - c >= 32 ? ~0u : (1u << (D - c)) - 1;
+            const __m512i a = r0 >= 0 ? _mm512_maskz_loadu_epi16(m, base + r0 + c) : _mm512_setzero_si512();
+            const __m512i b = r1 >= 0 ? _mm512_maskz_loadu_epi16(m, base + r1 + c) : _mm512_setzero_si512();
+            uint32_t* dst = Vp + t / 2 * Vc + c;
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
+            _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+        }
+    }
+}
+#endif
+
 // Causal attention of one sequence's n new queries over its T keys (query i sees keys 0 .. T - n + i), bf16:
 // q1 [n, H, D1] against k1 [T, Hk, D1], plus (q2, k2) [n, H, D2] / [T, Hk, D2] (MLA's rope part: a k2 head
 // stride of 0 shares one key between heads), values v [T, Hk, Dv]; head h reads key / value head h / (H / Hk).
@@ -3328,9 +3371,6 @@ torch::Tensor causal_attend(torch::Tensor q1, torch::Tensor k1, std::optional<to
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         const __m512i idx1 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(2 * kr1)));  // bytes between keys
         const __m512i idx2 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(2 * kr2)));
-        const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                                38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-        const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
         for (int64_t h = h0; h < h1; ++h) {
             const int64_t g = h / group;
             if (g != packed) {  // this key / value head's copies
@@ -3347,17 +3387,7 @@ torch::Tensor causal_attend(torch::Tensor q1, torch::Tensor k1, std::optional<to
                         _mm512_storeu_si512(Kp.data() + d * Ts + t, w);
                     }
                 }
-                for (int64_t t = 0; t < Tp; t += 2) {  // Vp[t / 2][c]: values c of keys t and t + 1
-                    for (int64_t c = 0; c < Vc; c += 32) {
-                        const __mmask32 m = Dv - c >= 32 ? ~0u : (1u << (Dv - c)) - 1;
-                        const uint16_t* r0 = vp + t * vr + g * vs1 + c;
-                        const __m512i a = t < T ? _mm512_maskz_loadu_epi16(m, r0) : _mm512_setzero_si512();
-                        const __m512i b = t + 1 < T ? _mm512_maskz_loadu_epi16(m, r0 + vr) : _mm512_setzero_si512();
-                        uint32_t* dst = Vp.data() + t / 2 * Vc + c;
-                        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
-                        _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
-                    }
-                }
+                pack_value_pairs(vp + g * vs1, [&](int64_t t) { return t * vr; }, T, Tp, Dv, Vp.data(), Vc);
                 packed = g;
             }
             for (int64_t i0 = 0; i0 < n; i0 += 4) {
@@ -4843,6 +4873,186 @@ torch::Tensor sink_attend(torch::Tensor q, torch::Tensor positions, int64_t firs
     }
     return out;
 }
+
+#if defined(MOESAIC_AVX512BF16)
+namespace {
+// One query's heads h0 .. h0 + QB of sink_prompt: their logits over the Lw window keys from Kw (pair-packed, row
+// stride Ts) and the Ev entries from Ke (stride Es; live: which count, CSA's picks of -1 not), the softmax with the
+// sink's logits, the value sums over Vw / Ve (value pairs, Vc a pair row) into out (row stride D). wodd: whether
+// the window starts at the second key of Vw's first pair. S, Pw and Pe: scratch of QB rows each.
+template <int QB>
+void sink_heads(const uint16_t* qrows, int64_t D, const uint32_t* Kw, int64_t Ts, int64_t Lw, const uint32_t* Ke,
+                int64_t Es, int64_t Ev, const __mmask16* live, const uint32_t* Vw, bool wodd, const uint32_t* Ve,
+                int64_t Vc, const float* sinks, float scale, bool csa, float* S, int64_t Sw, uint32_t* Pw,
+                int64_t Pws, uint32_t* Pe, int64_t Pes, uint32_t* qp, uint16_t* out) {
+    const int64_t P2 = D / 2;
+    for (int r = 0; r < QB; ++r) std::memcpy(qp + r * P2, qrows + r * D, 2 * D);
+    __m512 acc[QB][4], acc2[QB][4];
+    // the logits, 64 keys a pass: the window keys' at S's rows, the entries' after them (stored after the window's:
+    // its last pass's lanes past Lw are overwritten)
+    const auto logits = [&](const uint32_t* K, int64_t ks, int64_t count, int64_t at) {
+        for (int64_t c = 0; c < count; c += 64) {
+            const int nv = (int)std::min<int64_t>(4, (count - c + 15) / 16);
+            pair_block<QB>(qp, P2, K + c, ks, P2, nv, acc);
+            for (int r = 0; r < QB; ++r)
+                for (int j = 0; j < nv; ++j) _mm512_storeu_ps(S + r * Sw + at + c + 16 * j, acc[r][j]);
+        }
+    };
+    logits(Kw, Ts, Lw, 0);
+    logits(Ke, Es, Ev, Lw);
+    const __m512 sc = _mm512_set1_ps(scale);
+    const int64_t npw = ((int64_t)wodd + Lw + 1) / 2, npe = (Ev + 1) / 2;
+    for (int r = 0; r < QB; ++r) {  // the softmax, the sink's logit in its max and sum
+        float* s = S + r * Sw;
+        // the 16 logits from x: window keys (x < Lw) or entries, never both (a window's last vector stops at Lw,
+        // the entries' first starts there); `span` its lanes, `mask` those that count (CSA: not a -1 pick)
+        const auto span = [&](int64_t x) { return x < Lw ? first_lanes(Lw - x) : first_lanes(Ev - (x - Lw)); };
+        const auto mask = [&](int64_t x) {
+            return x < Lw || !csa ? span(x) : (__mmask16)(span(x) & live[(x - Lw) / 16]);
+        };
+        const auto next = [&](int64_t x) { return x < Lw && x + 16 > Lw ? Lw : x + 16; };
+        __m512 mx = _mm512_set1_ps(sinks[r]);
+        for (int64_t x = 0; x < Lw + Ev; x = next(x)) {
+            // the torch code's bf16 logits: the dot rounded, times the scale rounded
+            const __m512 v = f32_of(bf16_of(_mm512_mul_ps(f32_of(bf16_of(_mm512_loadu_ps(s + x))), sc)));
+            _mm512_mask_storeu_ps(s + x, span(x), v);
+            mx = _mm512_mask_max_ps(mx, mask(x), mx, v);
+        }
+        const float top = _mm512_reduce_max_ps(mx);
+        const __m512 mv = _mm512_set1_ps(top);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t x = 0; x < Lw + Ev; x = next(x)) {
+            const __m512 e = _mm512_maskz_mov_ps(mask(x), exp_le0(_mm512_sub_ps(_mm512_loadu_ps(s + x), mv)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(s + x, span(x), e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / (_mm512_reduce_add_ps(sum) + std::exp(sinks[r] - top)));
+        uint32_t *pw = Pw + r * Pws, *pe = Pe + r * Pes;
+        std::memset(pw, 0, 4 * npw), std::memset(pe, 0, 4 * npe);
+        for (int64_t x = 0; x < Lw + Ev; x = next(x)) {  // p = bf16(e / sum), pairs of keys from Vw's / Ve's first
+            const __mmask16 m = mask(x);
+            const __m256i p = bf16_of(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + x), inv));
+            if (x < Lw) _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(pw) + wodd + x, m, p);
+            else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(pe) + (x - Lw), m, p);
+        }
+    }
+    for (int64_t g = 0; g < Vc; g += 64) {  // the value sums, 64 values x QB rows a pass
+        const int nv = (int)std::min<int64_t>(4, (Vc - g) / 16);
+        pair_block<QB>(Pw, Pws, Vw + g, Vc, npw, nv, acc);
+        if (Ev) pair_block<QB>(Pe, Pes, Ve + g, Vc, npe, nv, acc2);
+        for (int r = 0; r < QB; ++r)
+            for (int j = 0; j < nv && g + 16 * j < D; ++j) {
+                __m512 o = acc[r][j];
+                // CSA: two bf16 products added in bf16; HCA: one product over the window and the entries
+                if (Ev) o = csa ? _mm512_add_ps(f32_of(bf16_of(o)), f32_of(bf16_of(acc2[r][j]))) : _mm512_add_ps(o, acc2[r][j]);
+                _mm256_mask_storeu_epi16(out + r * D + g + 16 * j, first_lanes(D - g - 16 * j), bf16_of(o));
+            }
+    }
+}
+}  // namespace
+
+// layers/csa.py's sink_attention for a prompt's n queries (positions first ..), bf16, by vdpbf16ps: the window's
+// keys and values pair-packed once for the prompt (HCA's entries too, CSA's picks for each query), each query's
+// heads 4 rows a pass; the torch code's logits (the dot rounded to bf16, times the scale rounded again), the softmax
+// in fp32 with the sink's logit in its max and sum (e^x by exp_le0), the probabilities normalised and rounded to
+// bf16, the value sums in fp32 and rounded once (CSA: the window's and the picks' each rounded, added in bf16).
+// Equal to the torch code to rounding (its blocks of queries change nothing here). Threads over queries.
+torch::Tensor sink_prompt(torch::Tensor q, int64_t first, torch::Tensor win, int64_t win_start, int64_t window,
+                          torch::Tensor sink, double scale, std::optional<torch::Tensor> comp,
+                          std::optional<torch::Tensor> comp_sel, int64_t comp_ratio, int64_t nthreads) {
+    const auto bf = torch::kBFloat16;
+    TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == bf && q.size(2) % 2 == 0,
+                "sink_prompt: q [n, H, D] bf16, D even");
+    const int64_t n = q.size(0), H = q.size(1), D = q.size(2), P2 = D / 2, Vc = (D + 31) / 32 * 32;
+    TORCH_CHECK(win.dim() == 2 && win.size(1) == D && win.stride(1) == 1 && win.scalar_type() == bf &&
+                    win.stride(0) * win.size(0) < (1LL << 30),
+                "sink_prompt: win [L, D] bf16, rows contiguous");
+    TORCH_CHECK(sink.numel() == H && window >= 1 && first >= win_start && first + n - win_start <= win.size(0),
+                "sink_prompt: sink [H], the window's rows");
+    const bool csa = comp.has_value() && comp_sel.has_value(), hca = comp.has_value() && !comp_sel.has_value();
+    int64_t E0 = 0, cs = 0, k = 0;
+    const int64_t* sel = nullptr;
+    if (comp) {
+        TORCH_CHECK(comp->dim() == 2 && comp->size(1) == D && comp->stride(1) == 1 && comp->scalar_type() == bf &&
+                        comp->stride(0) * comp->size(0) < (1LL << 30),
+                    "sink_prompt: comp [E, D] bf16, rows contiguous");
+        E0 = comp->size(0), cs = comp->stride(0);
+        TORCH_CHECK(hca ? comp_ratio >= 1 : comp_sel->dim() == 2 && comp_sel->size(0) == n && comp_sel->is_contiguous() &&
+                                                 comp_sel->scalar_type() == torch::kInt64,
+                    "sink_prompt: comp_sel [n, k] int64 (CSA) or comp_ratio >= 1 (HCA)");
+        if (csa) {
+            k = comp_sel->size(1), sel = comp_sel->data_ptr<int64_t>();
+            for (int64_t e = 0; e < n * k; ++e)  // checked here: a throw inside the threads' loop would abort
+                TORCH_CHECK(sel[e] < E0, "sink_prompt: a selected entry past the compressed rows");
+        }
+    }
+    const auto sinks = sink.to(torch::kFloat32).contiguous();
+    const float* sk = sinks.data_ptr<float>();
+    const auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+    const uint16_t *qp0 = u16(q), *wp = u16(win), *cp = comp ? u16(*comp) : nullptr;
+    const int64_t ws = win.stride(0);
+    // the window keys the prompt reads: positions lo0 .. first + n - 1, key x at position lo0 + x; Vw's pairs from
+    // an even x
+    const int64_t lo0 = std::max(win_start, first - window + 1), T = first + n - lo0, Tp = (T + 15) / 16 * 16 + 16;
+    const int64_t Ts = Tp + 16;
+    std::vector<uint32_t> Kw(P2 * Ts), Vw(Tp / 2 * Vc);
+    const auto win_row = [&](int64_t x) { return (lo0 - win_start + x) * ws; };
+    pack_key_pairs(wp, win_row, T, Tp, P2, Kw.data(), Ts);
+    pack_value_pairs(wp, win_row, T, Tp, D, Vw.data(), Vc);
+    const int64_t Ek = csa ? k : hca ? E0 : 0, Ep = (Ek + 15) / 16 * 16 + 16, Es = Ep + 16;
+    std::vector<uint32_t> Ke, Ve;  // HCA's entries, packed once
+    const auto comp_row = [&](int64_t e) { return e * cs; };
+    if (hca) {
+        Ke.resize(P2 * Es), Ve.resize(Ep / 2 * Vc);
+        pack_key_pairs(cp, comp_row, E0, Ep, P2, Ke.data(), Es);
+        pack_value_pairs(cp, comp_row, E0, Ep, D, Ve.data(), Vc);
+    }
+    auto out = at::empty_like(q);
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const int64_t Sw = std::min(window, T) + Ek + 80, Pws = (std::min(window, T) + 2) / 2 + 40, Pes = Ep / 2 + 40;
+    over_heads(n, nthreads, [&](int64_t i0, int64_t i1) {
+        std::vector<float> S(4 * Sw);
+        std::vector<uint32_t> Pw(4 * Pws), Pe(4 * Pes), qp(4 * P2), Kq, Vq;
+        std::vector<__mmask16> live(Ep / 16 + 1, (__mmask16)0xFFFF);
+        if (csa) Kq.resize(P2 * Es), Vq.resize(Ep / 2 * Vc);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t t = first + i, lo = std::max(win_start, t - window + 1), x0 = lo - lo0, Lw = t - lo + 1;
+            int64_t Ev = 0;
+            if (csa) {  // this query's picks (-1: none)
+                const int64_t* si = sel + i * k;
+                const auto pick = [&](int64_t e) { return si[e] < 0 ? -1 : si[e] * cs; };
+                pack_key_pairs(cp, pick, k, Ep, P2, Kq.data(), Es);
+                pack_value_pairs(cp, pick, k, Ep, D, Vq.data(), Vc);
+                for (int64_t e = 0; e < k; e += 16) {
+                    __mmask16 m = 0;
+                    for (int l = 0; l < 16 && e + l < k; ++l)
+                        if (si[e + l] >= 0) m |= (__mmask16)(1u << l);
+                    live[e / 16] = m;
+                }
+                Ev = k;
+            } else if (hca) {
+                Ev = std::min(E0, (t + 1) / comp_ratio);
+            }
+            const uint32_t* Kqe = csa ? Kq.data() : Ke.data();
+            const uint32_t* Vqe = csa ? Vq.data() : Ve.data();
+            for (int64_t h0 = 0; h0 < H; h0 += 4)
+                with_value<4, 3, 2, 1>(std::min<int64_t>(4, H - h0), [&](auto Q) {
+                    sink_heads<decltype(Q)::value>(qp0 + (i * H + h0) * D, D, Kw.data() + x0, Ts, Lw, Kqe, Es, Ev,
+                                                   live.data(), Vw.data() + x0 / 2 * Vc, x0 % 2, Vqe, Vc, sk + h0,
+                                                   (float)scale, csa, S.data(), Sw, Pw.data(), Pws, Pe.data(), Pes,
+                                                   qp.data(), op + (i * H + h0) * D);
+                });
+        }
+    });
+    return out;
+}
+#else
+torch::Tensor sink_prompt(torch::Tensor q, int64_t, torch::Tensor, int64_t, int64_t, torch::Tensor, double,
+                          std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t, int64_t) {
+    TORCH_CHECK(false, "sink_prompt: needs AVX-512 BF16 (cpu.has_bf16dp())");
+    return q;
+}
+#endif
 
 // models/deepseek_v4.py's attention after the layer input's products, for decode rows and verify blocks, in one
 // call where Python made ~60 small calls and ops a layer: v4_inputs (qa, kv: views of the stacked product),

@@ -488,6 +488,10 @@ def sink_attention(
         args = (q, positions, first, win, win_start, window, sink, scale, comp, comp_sel, comp_ratio, step)
         if (fused := cpu.sink_attention(*args)) is not None:
             return fused
+    elif q.is_cpu:  # a prompt's rows: by vdpbf16ps tiles (the code below reads ~10 GFLOP/s in small matmuls)
+        args = (q, first, win, win_start, window, sink, scale, comp, comp_sel, comp_ratio)
+        if (fused := cpu.sink_prompt(*args)) is not None:
+            return fused
     sinks = sink.float().view(1, H, 1)
     out = q.new_empty(n, H, D)
     for i in range(0, n, step):
