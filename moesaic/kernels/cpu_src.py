@@ -4038,17 +4038,57 @@ constexpr int64_t SCALAR_SIGMOID = 32;
 // h'[t, k] = rnd(rnd(rnd(post[t, k]) y[t]) + rnd(sum_j rnd(comb[t, j, k]) s[t, j])) (update): the sum in
 // fp32 from 0, j in order; rnd rounds to ty. s / out [N, n, d] and y [N, d] of type ty, post [N, n] and
 // comb [N, n, n] fp32, all contiguous.
+#if defined(MOESAIC_AVX512BF16)
+// 16 fp32 lanes to bf16 bits as f32_to_bf16_bits rounds them (nearest even, a NaN 0x7FC0)
+inline __m256i bf16_bits_of(__m512 x) {
+    return _mm256_mask_mov_epi16(bf16_of(x), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm256_set1_epi16(0x7FC0));
+}
+
+// mhc_mix's token t for bf16 rows, NC streams, d a multiple of 16: its operations 16 values at a time in registers
+// (no contraction in this region: each product rounded, then added), so the same bits. c, p: comb's and post's
+// values rounded to bf16 (row-major [NC][NC], [NC]).
+template <int NC>
+void mhc_mix_bf16(const uint16_t* s, const uint16_t* y, const float* c, const float* p, uint16_t* out, int64_t d) {
+    __m512 ck[NC][NC], pk[NC];
+    for (int j = 0; j < NC; ++j)
+        for (int k = 0; k < NC; ++k) ck[j][k] = _mm512_set1_ps(c[j * NC + k]);
+    for (int k = 0; k < NC; ++k) pk[k] = _mm512_set1_ps(p[k]);
+    const auto load = [](const uint16_t* q) { return f32_of(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))); };
+    for (int64_t i = 0; i < d; i += 16) {
+        __m512 r[NC];
+        for (int j = 0; j < NC; ++j) r[j] = load(s + j * d + i);
+        const __m512 yv = load(y + i);
+        for (int k = 0; k < NC; ++k) {
+            __m512 a = _mm512_setzero_ps();
+            for (int j = 0; j < NC; ++j) a = _mm512_add_ps(a, _mm512_mul_ps(ck[j][k], r[j]));
+            const __m512 spread = f32_of(bf16_bits_of(_mm512_mul_ps(pk[k], yv)));
+            const __m512 o = _mm512_add_ps(spread, f32_of(bf16_bits_of(a)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * d + i), bf16_bits_of(o));
+        }
+    }
+}
+#endif
+
 void mhc_mix(int ty, const char* s, const char* y, const float* post, const float* comb, char* out, int64_t N,
              int64_t n, int64_t d, int64_t threads) {
     const int64_t es = ty == F32 ? 4 : 2;
     rows_on(N, threads, (n + 3) * d + n * n + n, 1, [&](int64_t t, float* buf) {
         float *rows = buf, *yrow = rows + n * d, *acc = yrow + d, *spread = acc + d, *c = spread + d, *p = c + n * n;
-        load_row(ty, s + t * n * d * es, rows, n * d);
-        load_row(ty, y + t * d * es, yrow, d);
         std::copy_n(comb + t * n * n, n * n, c);
         round_row(ty, c, n * n);  // comb.to(dt)
         std::copy_n(post + t * n, n, p);
         round_row(ty, p, n);  // post.to(dt)
+#if defined(MOESAIC_AVX512BF16)
+        if (ty == BF16T && n <= 4 && d % 16 == 0) {  // (a prompt's rows: ~4x the passes below)
+            const auto* s16 = reinterpret_cast<const uint16_t*>(s) + t * n * d;
+            const auto* y16 = reinterpret_cast<const uint16_t*>(y) + t * d;
+            auto* o16 = reinterpret_cast<uint16_t*>(out) + t * n * d;
+            with_value<4, 3, 2, 1>(n, [&](auto Nc) { mhc_mix_bf16<decltype(Nc)::value>(s16, y16, c, p, o16, d); });
+            return;
+        }
+#endif
+        load_row(ty, s + t * n * d * es, rows, n * d);
+        load_row(ty, y + t * d * es, yrow, d);
         for (int64_t k = 0; k < n; ++k) {
             // each sum in a register from 0, j in order; the stream count a constant (j unrolled) where n <= 4
             auto mix = [&](auto Nc) {
