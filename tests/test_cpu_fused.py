@@ -526,7 +526,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fn_dtype", [torch.bfloat16, torch.float32])
 def test_mhc_site_and_update_keep_the_torch_bits(kernels, monkeypatch, dtype, fn_dtype):
     """layers/mhc.py's site_input and update in one call each (cpu.mhc_enter / mhc_update) give the torch
-    code's bits: 4 streams, rows 1 to MAX_ROWS + 1 (the site's product by the kernel, then by torch's linear),
+    code's bits: 4 streams, rows 1 to MAX_ROWS + 1 (the site's product by f32_rows: tiles past 4 rows),
     bf16, fp16 and fp32 streams, bf16 and fp32 fn, signed zeros in the streams; the calls are taken (a stream
     count the fused Sinkhorn does not take runs the torch code)."""
     from moesaic.layers import mhc
@@ -616,18 +616,20 @@ def test_mhc_mean_head_keeps_the_torch_bits(kernels, monkeypatch):
 
 def test_f32_rows_products(kernels):
     """cpu.f32_rows (fp32 x against fp32 rows: the mHC site's product where fn is fp32, as DeepSeek-V4 ships it):
-    within fp32 rounding of the fp64 product at odd K and N, a row's bits the same alone, among 16 rows and
-    under 2 threads; bf16 rows (GLM-5.3's fn) give the bits of their fp32 values; other dtypes and more than
-    MAX_ROWS rows declined (None)."""
+    within fp32 rounding of the fp64 product at odd K and N, a row's bits the same alone, among up to 39 rows
+    (a prompt's: tiles of 4 x 6 and the row-by-row loop for the rest) and under 2 threads; bf16 rows (GLM-5.3's
+    fn) give the bits of their fp32 values; other dtypes declined (None)."""
     g = torch.Generator().manual_seed(5)
-    for K, N in ((4096, 24), (1000, 7), (13, 5)):
+    for K, N in ((4096, 24), (1000, 7), (13, 5), (200, 13)):
         w = torch.randn(N, K, generator=g)
-        x = torch.randn(cpu.MAX_ROWS, K, generator=g)
+        x = torch.randn(39, K, generator=g)
         got = cpu.f32_rows(x, w)
         want = x.double() @ w.double().T
         tol = 4 * K * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().T)
         assert ((got.double() - want).abs() <= tol).all(), (K, N)
-        assert torch.equal(cpu.f32_rows(x[3:4], w), got[3:4])
+        for i in (0, 3, 35, 38):
+            assert torch.equal(cpu.f32_rows(x[i : i + 1], w), got[i : i + 1]), (K, N, i)
+        assert torch.equal(cpu.f32_rows(x[5:21], w), got[5:21])
         wb = w.bfloat16()
         assert torch.equal(cpu.f32_rows(x, wb), cpu.f32_rows(x, wb.float())), (K, N)
         saved = torch.get_num_threads()
@@ -638,7 +640,6 @@ def test_f32_rows_products(kernels):
             torch.set_num_threads(saved)
     assert cpu.f32_rows(x.bfloat16(), w) is None
     assert cpu.f32_rows(x, w.half()) is None
-    assert cpu.f32_rows(torch.randn(cpu.MAX_ROWS + 1, 13), w) is None
 
 
 def test_product_seconds_counts_the_fused_calls_products(kernels):

@@ -662,7 +662,7 @@ def mhc_plan(streams, waiting, fn, columns, base, norm_eps: float, hc_eps: float
     mod = _fused_mod(streams, fn, *(t for t in (y, weight) if t is not None))
     if mod is None or not (lanes := sum_lanes()):
         return None
-    kernel_fn = fn.dtype in (torch.bfloat16, torch.float32) and fn.stride(-1) == 1 and N <= MAX_ROWS
+    kernel_fn = fn.dtype in (torch.bfloat16, torch.float32) and fn.stride(-1) == 1
     threads, fn_threads = _fused_threads(streams.numel()), threads_for(fn.nbytes, N)
     return (fn, columns, base, norm_eps, hc_eps, iters, lanes, kernel_fn, threads, fn_threads, weight,
             eps, pre, mid, out)  # fmt: skip
@@ -731,11 +731,11 @@ def product_seconds(on: bool) -> float:
 
 
 def f32_rows(x, w):
-    """x [M, K] fp32 @ w.T for fp32 or bf16 w [N, K] (rows contiguous; bf16 read as its fp32 values), M <=
-    MAX_ROWS: each output the sum of 16 partial sums in k order, its own bits whatever the rows around it (not
-    torch's: for the products that both the fused mHC call and layers/mhc.py's project take). None where it does
-    not apply."""
-    if not (x.dim() == w.dim() == 2 and x.dtype == torch.float32 and 0 < x.shape[0] <= MAX_ROWS):
+    """x [M, K] fp32 @ w.T for fp32 or bf16 w [N, K] (rows contiguous; bf16 read as its fp32 values): each output
+    the sum of 16 partial sums in k order, its own bits whatever the rows around it, so a prompt's rows and a
+    decode row agree (not torch's: for the products that both the fused mHC call and layers/mhc.py's project
+    take). None where it does not apply."""
+    if not (x.dim() == w.dim() == 2 and x.dtype == torch.float32 and x.shape[0] > 0):
         return None
     if w.dtype not in (torch.float32, torch.bfloat16):
         return None

@@ -4027,6 +4027,42 @@ void f32_dot_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t ws, 
     }
 }
 
+#if defined(__AVX512F__)
+// f32_dot_rows' sums for MB x rows (x [MB, K]) against RB weight rows (w, row stride ws) at once: each pair's 16
+// lanes (k mod 16) in k order, added in lane order, then the tail: the same operations, so the same bits, with each
+// x and weight vector loaded once for the tile (a prompt's rows: ~2x the row-by-row loop).
+template <int MB, int RB, typename W>
+void f32_dot_tile(const float* x, int64_t K, const W* w, int64_t ws, float* out, int64_t N) {
+    const int64_t K16 = K / 16 * 16;
+    __m512 acc[MB][RB];
+    for (int i = 0; i < MB; ++i)
+        for (int r = 0; r < RB; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16) {
+        __m512 xv[MB];
+        for (int i = 0; i < MB; ++i) xv[i] = _mm512_loadu_ps(x + i * K + k);
+        for (int r = 0; r < RB; ++r) {
+            __m512 wv;
+            if constexpr (std::is_same_v<W, float>) {
+                wv = _mm512_loadu_ps(w + r * ws + k);
+            } else {
+                const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ws + k));
+                wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+            }
+            for (int i = 0; i < MB; ++i) acc[i][r] = _mm512_add_ps(acc[i][r], _mm512_mul_ps(xv[i], wv));
+        }
+    }
+    for (int i = 0; i < MB; ++i)
+        for (int r = 0; r < RB; ++r) {
+            alignas(64) float lane[16];
+            _mm512_store_ps(lane, acc[i][r]);
+            float sum = 0.f;
+            for (int l = 0; l < 16; ++l) sum = sum + lane[l];
+            for (int64_t k = K16; k < K; ++k) sum = sum + x[i * K + k] * weight_f32(w, r * ws + k);
+            out[i * N + r] = sum;
+        }
+}
+#endif
+
 // torch's sigmoid of n contiguous fp32 values in place, for n < 32: its vector loop (two vectors a round)
 // leaves such a count to its scalar code, 1 / (1 + exp(-a)) with the C library's expf (larger counts take
 // at::sigmoid_ itself)
@@ -4138,6 +4174,24 @@ void f32_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& w,
     TORCH_CHECK(w.dim() == 2 && (bf || w.scalar_type() == torch::kFloat32) && w.size(1) == K && w.stride(1) == 1,
                 "f32_rows: w [N, K] fp32 or bf16, its rows contiguous");
     const int64_t N = w.size(0), blocks = (N + 3) / 4;
+#if defined(__AVX512F__)
+    if (M >= 4) {  // tiles of 4 x rows by 6 weight rows, f32_dot_rows for the rest (the same bits)
+        const int64_t M4 = M / 4 * 4, tiles = (N + 5) / 6;
+        rows_on(tiles, nthreads, 0, 0, [&](int64_t b, float*) {
+            const int64_t r0 = 6 * b, r1 = std::min<int64_t>(N, r0 + 6);
+            const auto run = [&](const auto* wp) {
+                const auto* wr = wp + r0 * w.stride(0);
+                for (int64_t m = 0; m < M4 && r1 - r0 == 6; m += 4)
+                    f32_dot_tile<4, 6>(x + m * K, K, wr, w.stride(0), out + m * N + r0, N);
+                const int64_t m0 = r1 - r0 == 6 ? M4 : 0;
+                if (m0 < M) f32_dot_rows(x + m0 * K, M - m0, K, wp, w.stride(0), r0, r1, out + m0 * N, N);
+            };
+            if (bf) run(reinterpret_cast<const uint16_t*>(w.data_ptr()));
+            else run(w.data_ptr<float>());
+        });
+        return;
+    }
+#endif
     rows_on(blocks, nthreads, 0, 0, [&](int64_t b, float*) {
         const int64_t r0 = 4 * b, r1 = std::min<int64_t>(N, 4 * b + 4);
         if (bf) f32_dot_rows(x, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), w.stride(0), r0, r1, out, N);
@@ -4156,8 +4210,8 @@ torch::Tensor f32_rows(torch::Tensor x, torch::Tensor w, int64_t nthreads) {
 }
 
 // The site's product (layers/mhc.py project) of the streams' rows hp [N, nd] of type ty: each flattened row scaled
-// by its reciprocal (unweighted) RMS in fp32, then fn's rows, through f32_rows_into (kernel_fn: fp32 or bf16 fn, few
-// rows) or torch's linear on fn in fp32. m [N, fn rows] in the thread's buffer 3 (the scaled rows in buffer 2).
+// by its reciprocal (unweighted) RMS in fp32, then fn's rows, through f32_rows_into (kernel_fn: fp32 or bf16 fn) or
+// torch's linear on fn in fp32. m [N, fn rows] in the thread's buffer 3 (the scaled rows in buffer 2).
 const float* site_product(int ty, const char* hp, int64_t N, int64_t nd, const torch::Tensor& fn, double norm_eps,
                           int64_t lanes, int64_t threads, bool kernel_fn, int64_t fn_threads) {
     const int64_t W = fn.size(0), es = ty == F32 ? 4 : 2;
@@ -4192,7 +4246,7 @@ void torch_sigmoid_(float* v, int64_t N, int64_t n) {
 // layers/mhc.py's Streams.enter in one call: where y is given, the waiting update first (h = update(streams, y,
 // post0, comb0), mhc_update's operations), then the site's input of h (site_maps, collapse) and, where nw is
 // given, the block's RMSNorm of it (rms_norm's operations; pre, mid, out_ty its roundings). streams [N, n, d];
-// fn [(2+n) n, n d]; columns / base [(2+n) n] fp32. kernel_fn: fn (fp32 or bf16, few rows) through f32_rows_into,
+// fn [(2+n) n, n d]; columns / base [(2+n) n] fp32. kernel_fn: fn (fp32 or bf16) through f32_rows_into,
 // else torch's linear on fn in fp32. Returns (h, x [N, d], post [N, n], comb [N, n, n]); x in the
 // streams' dtype without a norm, else out_ty.
 std::vector<torch::Tensor> mhc_enter(torch::Tensor streams, std::optional<torch::Tensor> y,
