@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -612,6 +613,29 @@ def test_mhc_mean_head_keeps_the_torch_bits(kernels, monkeypatch):
                 assert got.dtype == want.dtype == dtype and torch.equal(_bits(got), _bits(want)), (n, N, d)
     assert cpu.mhc_mean(torch.randn(2, 3, 64, generator=g)) is None
     assert cpu.mhc_mean(torch.randn(2, 4, 64, generator=g).half()) is None
+
+
+@pytest.mark.parametrize("limit", [None, 7.0, 0.3])
+def test_glu_rows_keep_the_torch_bits(kernels, monkeypatch, limit):
+    """layers/moe.py's silu_glu / clamped_silu_glu on a prompt's bf16 gate|up rows in one call (cpu.glu_rows) give
+    the torch code's bits: the halves of a [R, 2I] row (strided views), values past the limit on both sides, NaN
+    and infinities (NaN where torch gives NaN); fp32 rows declined."""
+    from moesaic.layers import moe
+
+    g = torch.Generator().manual_seed(3)
+    for R, I in ((1, 16), (37, 40), (300, 512)):
+        gu = (torch.randn(R, 2 * I, generator=g) * 4).bfloat16()
+        gu[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        gu[-1, I : I + 3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        gate, up = gu.chunk(2, dim=-1)
+        f = moe.silu_glu if limit is None else partial(moe.clamped_silu_glu, limit=limit)
+        got, want = fused_and_torch(monkeypatch, "glu_rows", f, gate, up)
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got.isnan(), want.isnan()), (R, I)
+        # a NaN's bits aside (torch's own vector and scalar code round a NaN to different bf16 NaNs)
+        ok = want.isnan()
+        assert torch.equal(_bits(got.masked_fill(ok, 0)), _bits(want.masked_fill(ok, 0))), (R, I)
+        assert want.isnan().any() and (got == want).sum() > got.numel() // 2
+    assert cpu.glu_rows(gate.float(), up.float(), limit) is None
 
 
 def test_f32_rows_products(kernels):

@@ -205,6 +205,7 @@ def load(verbose: bool = False):
                 "ssd_steps",
                 "mla_absorbed",
                 "ffn_rows",
+                "glu_rows",
                 "moe_rows",
                 "mhc_enter",
                 "mhc_head",
@@ -941,6 +942,18 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
     return mod.mla_absorbed(
         q_nope, q_rope, w_uk, w_uv, list(latents), list(k_ropes), list(lens), scale, threads, blocks, lengths
     )
+
+
+def glu_rows(gate, up, limit: float | None = None):
+    """layers/moe.py's silu_glu (clamped_silu_glu with `limit`) of bf16 rows [R, I] (unit column stride: a
+    gate|up row's halves) in one call, the same bits: torch's SiLU, the clamps and the product as loops (a
+    clamp's value is one of its inputs; the product rounded once), where torch took four ops and three new
+    tensors. None where it does not apply (the caller runs the torch code)."""
+    if not (gate.dtype == up.dtype == torch.bfloat16 and gate.dim() == 2 and gate.shape == up.shape):
+        return None
+    if gate.stride(-1) != 1 or up.stride(-1) != 1 or (mod := _fused_mod(gate, up)) is None:
+        return None
+    return mod.glu_rows(gate, up, limit)
 
 
 def ffn_rows(x, weights=None, ids=None, w_in=None, w_out=None, dense=(), limit=None, relu2=False, plan=None):

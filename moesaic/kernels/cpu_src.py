@@ -3777,6 +3777,26 @@ void mul_clamped_bf16(torch::Tensor& h, const torch::Tensor& up, double limit) {
         }
 }
 
+// layers/moe.py's silu_glu, or clamped_silu_glu with `limit`, by torch's ops on the same views (its clamps as
+// loops on bf16 rows: a clamp's value is one of its inputs, so the same bits for two fewer torch ops, and the
+// product in place)
+torch::Tensor glu_rows(const torch::Tensor& gate, const torch::Tensor& up, std::optional<double> limit) {
+    if (!limit) {
+        auto h = at::silu(gate);
+        bf16_rows_(h, up, 0);
+        return h;
+    }
+    if (!clamp_fits(gate, up)) {
+        auto h = at::silu(at::clamp(gate, std::nullopt, *limit));
+        bf16_rows_(h, at::clamp(up, -*limit, *limit), 0);
+        return h;
+    }
+    auto h = clamped_bf16(gate, *limit);
+    at::silu_(h);
+    mul_clamped_bf16(h, up, *limit);
+    return h;
+}
+
 // No FMA contraction in ffn_rows: torch rounds every product of the weighted sum.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -3811,26 +3831,8 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
         return operand_gemm(a, m, offs, threads[call++], path);
     };
     auto out_rows = [](const Operand& m) { return std::get<1>(m).size(-2); };
-    // layers/moe.py's silu_glu, or clamped_silu_glu with `limit`, by torch's ops on the same views (its clamps
-    // as loops on bf16 rows: a clamp's value is one of its inputs, so the same bits for two fewer torch ops)
-    auto glu = [&](const torch::Tensor& gate, const torch::Tensor& up) {
-        if (!limit) {
-            auto h = at::silu(gate);
-            bf16_rows_(h, up, 0);
-            return h;
-        }
-        if (!clamp_fits(gate, up)) {
-            auto h = at::silu(at::clamp(gate, std::nullopt, *limit));
-            bf16_rows_(h, at::clamp(up, -*limit, *limit), 0);
-            return h;
-        }
-        auto h = clamped_bf16(gate, *limit);
-        at::silu_(h);
-        mul_clamped_bf16(h, up, *limit);
-        return h;
-    };
     auto act = [&](const torch::Tensor& gu, int64_t I) {  // the experts' activation over w_in's rows
-        return relu2 ? at::relu(gu).square() : glu(gu.narrow(1, 0, I), gu.narrow(1, I, I));
+        return relu2 ? at::relu(gu).square() : glu_rows(gu.narrow(1, 0, I), gu.narrow(1, I, I), limit);
     };
     torch::Tensor out;
     if (routed) {
@@ -3912,7 +3914,7 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
             h = at::relu(product(x, *up, std::nullopt)).square();
         } else {
             auto g = product(x, *gate, std::nullopt);
-            h = glu(g, product(x, *up, std::nullopt));
+            h = glu_rows(g, product(x, *up, std::nullopt), limit);
         }
         auto s = product(h, *down, std::nullopt);
         if (!routed) return s;

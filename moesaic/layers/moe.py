@@ -75,6 +75,8 @@ def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: SiLU(gate) · up (one Triton launch on a GPU)."""
     if (tk := kernels("norm", gate)) and (y := tk.silu_mul(gate, up)) is not None:
         return y
+    if gate.is_cpu and (y := cpu.glu_rows(gate, up)) is not None:  # one compiled call, the same bits
+        return y
     return F.silu(gate) * up
 
 
@@ -85,6 +87,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def clamped_silu_glu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """SiLU(min(gate, L)) · clamp(up, −L, L) (the gate is clamped above only)."""
+    if gate.is_cpu and (y := cpu.glu_rows(gate, up, limit)) is not None:  # one compiled call, the same bits
+        return y
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
