@@ -5007,12 +5007,15 @@ namespace {
 // One query's heads h0 .. h0 + QB of sink_prompt: their logits over the Lw window keys from Kw (pair-packed, row
 // stride Ts) and the Ev entries from Ke (stride Es; live: which count, CSA's picks of -1 not), the softmax with the
 // sink's logits, the value sums over Vw / Ve (value pairs, Vc a pair row) into out (row stride D). wodd: whether
-// the window starts at the second key of Vw's first pair. S, Pw and Pe: scratch of QB rows each.
+// the window starts at the second key of Vw's first pair. S, Pw and Pe: scratch of QB rows each. With `picks`
+// (CSA's distinct picks, each below R): Ke / Ve hold every entry, whose first R logits are taken and the picks'
+// read from them, and the picks' probabilities placed at their entries for one value sum over the R (the same
+// logits; the sum in entry order).
 template <int QB>
 void sink_heads(const uint16_t* qrows, int64_t D, const uint32_t* Kw, int64_t Ts, int64_t Lw, const uint32_t* Ke,
                 int64_t Es, int64_t Ev, const __mmask16* live, const uint32_t* Vw, bool wodd, const uint32_t* Ve,
                 int64_t Vc, const float* sinks, float scale, bool csa, float* S, int64_t Sw, uint32_t* Pw,
-                int64_t Pws, uint32_t* Pe, int64_t Pes, uint32_t* qp, uint16_t* out) {
+                int64_t Pws, uint32_t* Pe, int64_t Pes, uint32_t* qp, uint16_t* out, const int64_t* picks, int64_t R) {
     const int64_t P2 = D / 2;
     for (int r = 0; r < QB; ++r) std::memcpy(qp + r * P2, qrows + r * D, 2 * D);
     __m512 acc[QB][4], acc2[QB][4];
@@ -5027,9 +5030,16 @@ void sink_heads(const uint16_t* qrows, int64_t D, const uint32_t* Kw, int64_t Ts
         }
     };
     logits(Kw, Ts, Lw, 0);
-    logits(Ke, Es, Ev, Lw);
+    const int64_t Rat = Lw + Ev + 16;  // (picks: the R entries' logits, after the picks')
+    if (picks) {
+        logits(Ke, Es, R, Rat);
+        for (int r = 0; r < QB; ++r)
+            for (int64_t e = 0; e < Ev; ++e) S[r * Sw + Lw + e] = picks[e] < 0 ? 0.f : S[r * Sw + Rat + picks[e]];
+    } else {
+        logits(Ke, Es, Ev, Lw);
+    }
     const __m512 sc = _mm512_set1_ps(scale);
-    const int64_t npw = ((int64_t)wodd + Lw + 1) / 2, npe = (Ev + 1) / 2;
+    const int64_t npw = ((int64_t)wodd + Lw + 1) / 2, npe = picks ? (R + 1) / 2 : (Ev + 1) / 2;
     for (int r = 0; r < QB; ++r) {  // the softmax, the sink's logit in its max and sum
         float* s = S + r * Sw;
         // the 16 logits from x: window keys (x < Lw) or entries, never both (a window's last vector stops at Lw,
@@ -5061,8 +5071,11 @@ void sink_heads(const uint16_t* qrows, int64_t D, const uint32_t* Kw, int64_t Ts
             const __mmask16 m = mask(x);
             const __m256i p = bf16_of(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + x), inv));
             if (x < Lw) _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(pw) + wodd + x, m, p);
+            else if (picks) _mm512_mask_storeu_ps(s + x, m, f32_of(p));  // placed below
             else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(pe) + (x - Lw), m, p);
         }
+        for (int64_t e = 0; picks && e < Ev; ++e)  // (exact: p is a bf16 value)
+            if (picks[e] >= 0) reinterpret_cast<uint16_t*>(pe)[picks[e]] = f32_to_bf16_bits(s[Lw + e]);
     }
     for (int64_t g = 0; g < Vc; g += 64) {  // the value sums, 64 values x QB rows a pass
         const int nv = (int)std::min<int64_t>(4, (Vc - g) / 16);
@@ -5127,30 +5140,44 @@ torch::Tensor sink_prompt(torch::Tensor q, int64_t first, torch::Tensor win, int
     const auto win_row = [&](int64_t x) { return (lo0 - win_start + x) * ws; };
     pack_key_pairs(wp, win_row, T, Tp, P2, Kw.data(), Ts);
     pack_value_pairs(wp, win_row, T, Tp, D, Vw.data(), Vc);
+    // the entries packed once (HCA's, and CSA's for queries whose picks all lie within the first 2k: their
+    // logits and value sums over those entries cost less than packing the picks)
     const int64_t Ek = csa ? k : hca ? E0 : 0, Ep = (Ek + 15) / 16 * 16 + 16, Es = Ep + 16;
-    std::vector<uint32_t> Ke, Ve;  // HCA's entries, packed once
+    const int64_t Ea = hca ? E0 : csa ? std::min(E0, 2 * k) : 0, Eap = (Ea + 15) / 16 * 16 + 16, Eas = Eap + 16;
+    std::vector<uint32_t> Ke, Ve;
     const auto comp_row = [&](int64_t e) { return e * cs; };
-    if (hca) {
-        Ke.resize(P2 * Es), Ve.resize(Ep / 2 * Vc);
-        pack_key_pairs(cp, comp_row, E0, Ep, P2, Ke.data(), Es);
-        pack_value_pairs(cp, comp_row, E0, Ep, D, Ve.data(), Vc);
+    if (Ea) {
+        Ke.resize(P2 * Eas), Ve.resize(Eap / 2 * Vc);
+        pack_key_pairs(cp, comp_row, Ea, Eap, P2, Ke.data(), Eas);
+        pack_value_pairs(cp, comp_row, Ea, Eap, D, Ve.data(), Vc);
     }
     auto out = at::empty_like(q);
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    const int64_t Sw = std::min(window, T) + Ek + 80, Pws = (std::min(window, T) + 2) / 2 + 40, Pes = Ep / 2 + 40;
+    const int64_t Sw = std::min(window, T) + Ek + Ea + 96, Pws = (std::min(window, T) + 2) / 2 + 40;
+    const int64_t Pes = std::max(Ep, Eap) / 2 + 40;
     over_heads(n, nthreads, [&](int64_t i0, int64_t i1) {
         std::vector<float> S(4 * Sw);
         std::vector<uint32_t> Pw(4 * Pws), Pe(4 * Pes), qp(4 * P2), Kq, Vq;
         std::vector<__mmask16> live(Ep / 16 + 1, (__mmask16)0xFFFF);
+        std::vector<int64_t> seen(csa ? Ea : 0, -1);  // the query that last picked each of the first Ea entries
         if (csa) Kq.resize(P2 * Es), Vq.resize(Ep / 2 * Vc);
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t t = first + i, lo = std::max(win_start, t - window + 1), x0 = lo - lo0, Lw = t - lo + 1;
-            int64_t Ev = 0;
-            if (csa) {  // this query's picks (-1: none)
-                const int64_t* si = sel + i * k;
+            int64_t Ev = 0, R = 0;
+            const int64_t* si = csa ? sel + i * k : nullptr;
+            bool dense = csa;  // (CSA) every pick distinct and below Ea
+            for (int64_t e = 0; csa && e < k; ++e) {
+                if (si[e] < 0) continue;
+                dense = dense && si[e] < Ea && seen[si[e]] != i;
+                if (!dense) break;
+                seen[si[e]] = i, R = std::max(R, si[e] + 1);
+            }
+            if (csa && !dense) {  // this query's picks (-1: none) packed
                 const auto pick = [&](int64_t e) { return si[e] < 0 ? -1 : si[e] * cs; };
                 pack_key_pairs(cp, pick, k, Ep, P2, Kq.data(), Es);
                 pack_value_pairs(cp, pick, k, Ep, D, Vq.data(), Vc);
+            }
+            if (csa) {
                 for (int64_t e = 0; e < k; e += 16) {
                     __mmask16 m = 0;
                     for (int l = 0; l < 16 && e + l < k; ++l)
@@ -5161,14 +5188,16 @@ torch::Tensor sink_prompt(torch::Tensor q, int64_t first, torch::Tensor win, int
             } else if (hca) {
                 Ev = std::min(E0, (t + 1) / comp_ratio);
             }
-            const uint32_t* Kqe = csa ? Kq.data() : Ke.data();
-            const uint32_t* Vqe = csa ? Vq.data() : Ve.data();
+            const bool packed = csa && !dense;
+            const uint32_t* Kqe = packed ? Kq.data() : Ke.data();
+            const uint32_t* Vqe = packed ? Vq.data() : Ve.data();
             for (int64_t h0 = 0; h0 < H; h0 += 4)
                 with_value<4, 3, 2, 1>(std::min<int64_t>(4, H - h0), [&](auto Q) {
-                    sink_heads<decltype(Q)::value>(qp0 + (i * H + h0) * D, D, Kw.data() + x0, Ts, Lw, Kqe, Es, Ev,
-                                                   live.data(), Vw.data() + x0 / 2 * Vc, x0 % 2, Vqe, Vc, sk + h0,
-                                                   (float)scale, csa, S.data(), Sw, Pw.data(), Pws, Pe.data(), Pes,
-                                                   qp.data(), op + (i * H + h0) * D);
+                    sink_heads<decltype(Q)::value>(qp0 + (i * H + h0) * D, D, Kw.data() + x0, Ts, Lw, Kqe,
+                                                   packed ? Es : Eas, Ev, live.data(), Vw.data() + x0 / 2 * Vc, x0 % 2,
+                                                   Vqe, Vc, sk + h0, (float)scale, csa, S.data(), Sw, Pw.data(), Pws,
+                                                   Pe.data(), Pes, qp.data(), op + (i * H + h0) * D,
+                                                   dense ? si : nullptr, R);
                 });
         }
     });
