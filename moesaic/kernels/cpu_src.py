@@ -103,6 +103,7 @@ inline void with_value(int64_t v, F&& f) {
     else with_value<Vs...>(v, std::forward<F>(f));
 }
 constexpr int64_t CH = 64;                                 // K values per chunk
+constexpr int64_t FP8_PANEL_ROWS = 32;                     // x rows from which E4M3 rows are decoded once a block
 constexpr int64_t QREC = 64;                               // floats of one 128-value int8 x record (prep_x_q8)
 // rows of x from which packed weights take AMX tiles (decoded to bf16 a block at a time) where the CPU has
 // them: below, the in-register decode of the vdpbf16ps path is faster (one thread, 1024 x 1024, AMX over it:
@@ -528,8 +529,14 @@ inline Row row_of(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64
 // item's sums, its rows' descriptions, and the orders of the last few counts asked (a step's products repeat a
 // few counts; a 32768-row head's order built at every call cost ~1.5 % of a packed decode step, and a
 // thread_local order and two vectors made per item ~1.5 % of a 48-layer fp8 step).
+template <typename T>
+inline T* align64(T* p) {  // the first 64-byte boundary at or after p (its buffer 64 bytes longer)
+    return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
 struct Scratch {
     std::vector<float> wbuf, tmp;  // an item's sums (section order), a row of them in row order
+    std::vector<float> panel;      // fp8_panel's decoded rows (48 floats a chunk and row)
     std::vector<Row> rows;
     std::array<std::pair<int64_t, std::vector<int64_t>>, 8> orders;  // (count, its order), -1: none yet
     size_t next = 0;  // the entry a new count replaces
@@ -956,6 +963,42 @@ void q8z_tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t
 // each code's bf16 bytes, the sign bit copied; x permuted once per call (prep_x_fp8dp): word i of lane l of
 // vector v is element 16 l + 8 v + i of the chunk, so lanes 0-1 hold the first 32 values (one scale block's
 // columns) and lanes 2-3 the next 32: each block's pair sums are scaled once, as on the AVX2 path.
+
+struct Fp8Tables {  // each code's bf16 bytes (two 128-entry tables a byte) and the sign bit
+    __m512i ha, hb, la, lb, sign;
+    Fp8Tables()
+        : ha(_mm512_load_si512(E4M3_BF16_HI)), hb(_mm512_load_si512(E4M3_BF16_HI + 64)),
+          la(_mm512_load_si512(E4M3_BF16_LO)), lb(_mm512_load_si512(E4M3_BF16_LO + 64)),
+          sign(_mm512_set1_epi8((char)0x80)) {}
+};
+
+// Chunk c of an E4M3 row as fp8dp_tile reads it: its 64 values as bf16 in the decoded order (va the first 32
+// pairs' words, vb the next; zeros past K) and its scales (lanes 0-7 the first 32 columns' block, 8-15 the
+// second's: one scale where one block holds both).
+__attribute__((always_inline)) inline void fp8_chunk(const Ctx& C, const Row& row, int64_t c, int64_t full, const Fp8Tables& T, __m512i& va,
+                      __m512i& vb, __m512& S) {
+    const __mmask64 mask = c < full ? ~0ull : (1ull << (C.K - c * CH)) - 1;
+    const __m512i b = load_codes(row.w + c * CH, c < full, mask);
+    const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(T.ha, b, T.hb), _mm512_and_si512(b, T.sign));
+    const __m512i lo = _mm512_permutex2var_epi8(T.la, b, T.lb);
+    va = _mm512_unpacklo_epi8(lo, hi), vb = _mm512_unpackhi_epi8(lo, hi);
+    const int32_t b0 = C.sub2blk[2 * c], b1 = C.sub2blk[2 * c + 1];
+    const float s0 = fp8_scale(row, b0);
+    S = b0 == b1 ? _mm512_set1_ps(s0) : _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(fp8_scale(row, b1)), 1);
+}
+
+// fma(chunk . x, S, acc) for one x row (x at the chunk): the chunk's two pair sums from zero, then scaled once (the
+// one order every E4M3 path here keeps, so the same bits)
+__attribute__((always_inline)) inline __m512 fp8_chunk_dot(__m512i va, __m512i vb, __m512 S, const uint16_t* x, __m512 acc) {
+    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)va, (__m512bh)_mm512_loadu_si512(x));
+    t = _mm512_dpbf16_ps(t, (__m512bh)vb, (__m512bh)_mm512_loadu_si512(x + 32));
+    return _mm512_fmadd_ps(t, S, acc);
+}
+
+// E4M3 (fp8 blocks) against bf16 activations: 64 values a load; two 128-entry byte tables (vpermi2b) give
+// each code's bf16 bytes, the sign bit copied; x permuted once per call (prep_x_fp8dp): word i of lane l of
+// vector v is element 16 l + 8 v + i of the chunk, so lanes 0-1 hold the first 32 values (one scale block's
+// columns) and lanes 2-3 the next 32: each block's pair sums are scaled once, as on the AVX2 path.
 template <int R, int MB>
 void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
     __m512 acc[R][MB];
@@ -980,16 +1023,76 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
             const __m512 S = b0 == b1 ? _mm512_set1_ps(s0)
                                       : _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(fp8_scale(rows[r], b1)), 1);
 #pragma GCC unroll 4
-            for (int m = 0; m < MB; ++m) {
-                const uint16_t* xm = x + m * xs + c * CH;
-                __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)va, (__m512bh)_mm512_loadu_si512(xm));
-                t = _mm512_dpbf16_ps(t, (__m512bh)vb, (__m512bh)_mm512_loadu_si512(xm + 32));
-                acc[r][m] = _mm512_fmadd_ps(t, S, acc[r][m]);
-            }
+            for (int m = 0; m < MB; ++m) acc[r][m] = fp8_chunk_dot(va, vb, S, x + m * xs + c * CH, acc[r][m]);
         }
     }
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// A prompt's E4M3 rows decoded once for all its x rows: P [n rows][chunks c0 .. c1) x (va, vb, S) from fp8_chunk
+// (48 floats a chunk);
+// fp8_panel_tile then takes fp8dp_tile's sums from them (the same operations, so the same bits), where fp8dp_tile
+// decoded each chunk again for every 4 x rows (~100 GFLOP/s at 32-256 rows: the decode's byte shuffles share
+// vdpbf16ps's pipe).
+void fp8_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, float* P) {
+    const Fp8Tables T;
+    const int64_t full = C.K / CH, nc = c1 - c0;
+    for (int r = 0; r < n; ++r)
+        for (int64_t c = c0; c < c1; ++c) {
+            float* q = P + 48 * (r * nc + c - c0);
+            __m512i va, vb;
+            __m512 S;
+            fp8_chunk(C, rows[r], c, full, T, va, vb, S);
+            _mm512_storeu_si512(q, va), _mm512_storeu_si512(q + 16, vb), _mm512_storeu_ps(q + 32, S);
+        }
+}
+template <int R, int MB>
+void fp8_panel_tile(const float* P, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    const int64_t nc = c1 - c0;
+    for (int64_t c = c0; c < c1; ++c)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const float* q = P + 48 * (r * nc + c - c0);
+            const __m512i va = _mm512_load_si512(q), vb = _mm512_load_si512(q + 16);
+            const __m512 S = _mm512_load_ps(q + 32);
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; ++m) acc[r][m] = fp8_chunk_dot(va, vb, S, x + m * xs + c * CH, acc[r][m]);
+        }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// run_item_dp's E4M3 rows [r0, r1) (rb[n]: row n) for M >= FP8_PANEL_ROWS x rows (xm0, stride xs): 4 rows decoded
+// once a K block (fp8_panel), then every 4 x rows through fp8_panel_tile, the sums added into wbuf as run_item_dp
+// adds them. Not inlined: in run_item_dp's body it slowed the one-row tiles' code (~15 %, a spill).
+__attribute__((noinline)) void fp8_panel_rows(const Ctx& C, const Row* rb, int64_t r0, int64_t r1, int64_t nchunks,
+                                              int64_t KB, const uint16_t* xm0, int64_t xs, int64_t M, Scratch& sc,
+                                              std::vector<float>& wbuf) {
+    float res[16];
+    for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
+        const int64_t c1 = std::min(nchunks, c0 + KB);
+        sc.panel.resize(48 * 4 * (c1 - c0) + 16);
+        float* panel = align64(sc.panel.data());
+        for (int64_t n = r0; n < r1; n += 4) {
+            const int nr = (int)std::min<int64_t>(4, r1 - n);
+            fp8_panel(C, rb + n, nr, c0, c1, panel);
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int mb = (int)std::min<int64_t>(4, M - m0);
+                with_value<4, 3, 2, 1>(nr, [&](auto Rc) {
+                    constexpr int R = decltype(Rc)::value;
+                    with_value<4, 3, 2, 1>(mb, [&](auto MBc) {
+                        fp8_panel_tile<R, decltype(MBc)::value>(panel, xm0 + m0 * xs, xs, c0, c1, res);
+                    });
+                    for (int m = 0; m < mb; ++m)
+                        for (int r = 0; r < R; ++r) wbuf[(n + r) * M + m0 + m] += res[m * R + r];
+                });
+            }
+        }
+    }
 }
 
 // One tile of R weight rows x mb activation rows on this path over its loads [c0, c1): the bf16, fp8 or
@@ -1045,6 +1148,12 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
         const int64_t r1 = std::min(count, r0 + RB);
         for (int64_t i = r0; i < r1; ++i) rows[i - r0] = row_of(C, W, e, slot, n0 + pos[i]);
         const Row* rb = rows.data() - r0;  // rb[n]: row n of the item (n in [r0, r1))
+        if constexpr (KIND == FP8) {
+            if (M >= FP8_PANEL_ROWS) {
+                fp8_panel_rows(C, rb, r0, r1, nchunks, KB, x + t0 * xs, xs, M, sc, wbuf);
+                continue;
+            }
+        }
         Row next[4];
         const bool has_next = KIND == BF16 && whole && RB == 4 && M > 4 && r1 + 4 <= count;
         if (has_next)
@@ -1071,8 +1180,8 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
     put_rows(O, t0, n0, M, pos, sc);
 }
 
-// bf16 x [T, K] -> [T, Kc] bf16 words in each `width`-value load's decoded order, zero padded (Kc: whole
-// loads): word w of a load (vector w / 32, lane w / 8 % 4, word w % 8) is the load's value elem(v, l, i). Each
+// bf16 x [T, K] -> [T, Kc] bf16 words in each `width`-value load's decoded order, zero padded (Kc: whole loads),
+// from align64(out.data()) (the vector 32 words longer): word w of a load (vector w / 32, lane w / 8 % 4, word w % 8) is the load's value elem(v, l, i). Each
 // 32-word vector is one vpermt2w of the load's 64 values (width 64) or two blended (width 128: lanes taking
 // values 64-127 from the second pair); the index tables are made once per elem (per instantiation).
 template <typename Elem>
@@ -1092,7 +1201,8 @@ std::vector<uint16_t> prep_x_dp(const torch::Tensor& x, int64_t Kc, int64_t widt
         return t;
     }();
     const int64_t T = x.size(0), K = x.size(1), nv = width / 32;
-    std::vector<uint16_t> out((size_t)(T * Kc));
+    std::vector<uint16_t> out((size_t)(T * Kc + 32));
+    uint16_t* dst = align64(out.data());  // (the rows from a 64-byte boundary: no load splits two lines)
     const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
     for (int64_t t = 0; t < T; ++t)
         for (int64_t c = 0; c < Kc; c += width) {
@@ -1105,7 +1215,7 @@ std::vector<uint16_t> prep_x_dp(const torch::Tensor& x, int64_t Kc, int64_t widt
                 const __m512i iv = _mm512_load_si512(tab.idx[v]);
                 __m512i r = _mm512_permutex2var_epi16(in[0], iv, in[1]);
                 if (nv == 4) r = _mm512_mask_blend_epi16(tab.upper[v], r, _mm512_permutex2var_epi16(in[2], iv, in[3]));
-                _mm512_storeu_si512(out.data() + t * Kc + c + 32 * v, r);
+                _mm512_storeu_si512(dst + t * Kc + c + 32 * v, r);
             }
         }
     return out;
@@ -1734,7 +1844,7 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     if (dp && kind == FP8) x4 = prep_x_fp8dp(x, Kc);
     else if (dp && kind != BF16 && !(q8 && vnni)) x4 = prep_x_fp4dp(x, Kc);
 #endif
-    const uint16_t* xb = !dp ? nullptr : kind == BF16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : x4.data();
+    const uint16_t* xb = !dp ? nullptr : kind == BF16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : align64(x4.data());
     (void)xb;  // used by the AVX-512 BF16 paths only
     bool amx = false;
 #if defined(MOESAIC_AMX)
