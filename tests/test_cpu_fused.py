@@ -638,6 +638,34 @@ def test_glu_rows_keep_the_torch_bits(kernels, monkeypatch, limit):
     assert cpu.glu_rows(gate.float(), up.float(), limit) is None
 
 
+@pytest.mark.parametrize("N", [1, 5, 37])
+def test_combine_rows_keep_the_torch_bits(kernels, monkeypatch, N):
+    """layers/moe.py run_experts' combine (each token's expert rows times its fp32 routing weights, added over the
+    slots) in one call (cpu.combine_rows) gives the torch code's bits: one token (its slots' rows in place) and
+    many (gathered by the inverse permutation), zero and negative-zero rows, every slot of a token on one expert;
+    bf16 routing weights take the torch code; a row past ys raises."""
+    from moesaic.layers import moe
+
+    g = torch.Generator().manual_seed(13)
+    E, d, inter, k = 6, 64, 32, 4
+    w_in = (torch.randn(E, 2 * inter, d, generator=g) * 0.2).bfloat16()
+    w_out = (torch.randn(E, d, inter, generator=g) * 0.2).bfloat16()
+    w_out[2] = -0.0  # expert 2's rows are -0: the sum from +0 gives +0
+    x = torch.randn(N, d, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    ids[0] = torch.tensor([2, 2, 2, 2]) if N > 1 else ids[0]
+    weights = torch.rand(N, k, generator=g)
+    got, want = fused_and_torch(monkeypatch, "combine_rows", moe.run_experts, x, weights, ids, w_in, w_out)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(_bits(got), _bits(want)), N
+    taken = []
+    monkeypatch.setattr(cpu, "combine_rows", _spy(cpu.combine_rows, taken))
+    moe.run_experts(x, weights.bfloat16(), ids, w_in, w_out)
+    monkeypatch.undo()
+    assert taken == [False]
+    with pytest.raises(RuntimeError, match="a row past ys"):
+        cpu.combine_rows(torch.zeros(3, d).bfloat16(), torch.tensor([0, 1, 5]), torch.ones(1, 3))
+
+
 def test_f32_rows_products(kernels):
     """cpu.f32_rows (fp32 x against fp32 rows: the mHC site's product where fn is fp32, as DeepSeek-V4 ships it):
     within fp32 rounding of the fp64 product at odd K and N, a row's bits the same alone, among up to 39 rows

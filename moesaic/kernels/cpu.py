@@ -206,6 +206,7 @@ def load(verbose: bool = False):
                 "mla_absorbed",
                 "ffn_rows",
                 "glu_rows",
+                "combine_rows",
                 "moe_rows",
                 "mhc_enter",
                 "mhc_head",
@@ -942,6 +943,21 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
     return mod.mla_absorbed(
         q_nope, q_rope, w_uk, w_uv, list(latents), list(k_ropes), list(lens), scale, threads, blocks, lengths
     )
+
+
+def combine_rows(ys, inv, weights):
+    """layers/moe.py run_experts' combine in one call: each token's experts' bf16 rows ys[inv[n k + j]] (inv None:
+    row n k + j) times its fp32 routing weights [N, k], added over the slots in order from 0 in fp32 and cast to
+    bf16: the bits of the torch lines, where they made four tensors of N k d values. None where it does not apply
+    (the caller runs the torch code)."""
+    if not (
+        ys.dtype == torch.bfloat16 and ys.dim() == 2 and weights.dtype == torch.float32 and weights.dim() == 2
+    ):
+        return None
+    if inv is not None and inv.dtype != torch.int64 or (mod := _fused_mod(ys, weights)) is None:
+        return None
+    threads = _fused_threads(weights.numel() * ys.shape[1])
+    return mod.combine_rows(ys.contiguous(), inv, weights.contiguous(), threads)
 
 
 def glu_rows(gate, up, limit: float | None = None):

@@ -4302,6 +4302,39 @@ void mhc_mix(int ty, const char* s, const char* y, const float* post, const floa
 }
 }  // namespace
 
+// layers/moe.py run_experts' combine for bf16 expert outputs ys [R, d] and fp32 routing weights w [N, k]: out[n] =
+// bf16(sum_j fp32(ys[row]) * w[n, j]) with row = inv[n k + j] (inv absent: n k + j), each product rounded, the sum
+// from 0 with j in order (torch's product of the cast rows, its sum over the slots, its cast; no contraction in
+// this region): the same bits in one pass where torch made four tensors of N k d values.
+torch::Tensor combine_rows(torch::Tensor ys, std::optional<torch::Tensor> inv, torch::Tensor w, int64_t threads) {
+    TORCH_CHECK(ys.dim() == 2 && ys.is_contiguous() && ys.scalar_type() == torch::kBFloat16, "combine_rows: ys [R, d] bf16");
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kFloat32, "combine_rows: w [N, k] fp32");
+    const int64_t N = w.size(0), k = w.size(1), R = ys.size(0), d = ys.size(1);
+    const int64_t* ip = nullptr;
+    if (inv) {
+        TORCH_CHECK(inv->is_contiguous() && inv->scalar_type() == torch::kInt64 && inv->numel() == N * k,
+                    "combine_rows: inv [N k] int64");
+        ip = inv->data_ptr<int64_t>();
+        for (int64_t i = 0; i < N * k; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < R, "combine_rows: a row past ys");
+    } else {
+        TORCH_CHECK(R == N * k, "combine_rows: ys [N k, d] without inv");
+    }
+    auto out = torch::empty({N, d}, ys.options());
+    const uint16_t* yp = reinterpret_cast<const uint16_t*>(ys.data_ptr());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const float* wp = w.data_ptr<float>();
+    rows_on(N, threads, d, 0, [&](int64_t n, float* acc) {
+        std::fill(acc, acc + d, 0.f);
+        for (int64_t j = 0; j < k; ++j) {
+            const uint16_t* row = yp + (ip ? ip[n * k + j] : n * k + j) * d;
+            const float wj = wp[n * k + j];
+            for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] + bf16_bits_to_f32(row[i]) * wj;
+        }
+        store_row(BF16T, acc, op + n * d, d);
+    });
+    return out;
+}
+
 // layers/mhc.py's update: post[k] y + sum_j comb[j, k] h[j] in the streams' dtype (the comb product in fp32
 // from 0, j in order, rounded once).
 torch::Tensor mhc_update(torch::Tensor streams, torch::Tensor y, torch::Tensor post, torch::Tensor comb,

@@ -186,12 +186,13 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
             if c:
                 ys[start : start + c] = linear(act(linear(xs[start : start + c], w_in[e])), w_out[e])
                 start += c
-    if order is None:
-        y = ys.view(N, k, -1)
-    else:  # y[order] = ys, as a gather by the inverse permutation (~7x faster on a CPU than the scatter)
+    inv = None  # y[order] = ys, as a gather by the inverse permutation (~7x faster on a CPU than the scatter)
+    if order is not None:
         inv = torch.empty_like(order)
         inv[order] = torch.arange(len(order), device=order.device)
-        y = ys.index_select(0, inv).view(N, k, -1)
+    if x.is_cpu and x.dtype == ys.dtype and (out := cpu.combine_rows(ys, inv, weights)) is not None:
+        return out  # (the lines below in one call: the same bits)
+    y = ys.view(N, k, -1) if inv is None else ys.index_select(0, inv).view(N, k, -1)
     # every slot's product at once (in the promoted dtype), then the slots added in order, each sum
     # rounded to that dtype: the bits of `out = 0; out += y[:, j] * w[:, j]` in fewer small ops
     wide = torch.promote_types(y.dtype, weights.dtype)
