@@ -736,7 +736,7 @@ def f32_rows(x, w):
     """x [M, K] fp32 @ w.T for fp32 or bf16 w [N, K] (rows contiguous; bf16 read as its fp32 values): each output
     the sum of 16 partial sums in k order, its own bits whatever the rows around it, so a prompt's rows and a
     decode row agree (not torch's: for the products that both the fused mHC call and layers/mhc.py's project
-    take). None where it does not apply."""
+    take; without AVX-512, more than MAX_ROWS rows take torch's GEMM). None where it does not apply."""
     if not (x.dim() == w.dim() == 2 and x.dtype == torch.float32 and x.shape[0] > 0):
         return None
     if w.dtype not in (torch.float32, torch.bfloat16):

@@ -4376,6 +4376,12 @@ void f32_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& w,
         });
         return;
     }
+#else
+    if (M > 16) {  // (MAX_ROWS) a prompt's rows without the tiles: torch's GEMM, its bits (not a decode row's)
+        const auto y = at::linear(torch::from_blob(const_cast<float*>(x), {M, K}, torch::kFloat32), w.to(torch::kFloat32));
+        std::copy_n(y.contiguous().data_ptr<float>(), M * N, out);
+        return;
+    }
 #endif
     rows_on(blocks, nthreads, 0, 0, [&](int64_t b, float*) {
         const int64_t r0 = 4 * b, r1 = std::min<int64_t>(N, 4 * b + 4);
