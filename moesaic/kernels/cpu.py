@@ -846,22 +846,11 @@ def sink_attention(
 ):
     """layers/csa.py's sink_attention for bf16 q [n, H, D], window rows win [L, D] and entries comp [E, D] in
     one call, by the torch code's blocks of `step` queries: its logits' roundings, torch's own softmax, its
-    value sums' roundings, the dots and sums added in another order (equal to rounding). None where it does
-    not apply (the caller runs the torch code)."""
-    bf = torch.bfloat16
-    if not (q.dim() == 3 and q.dtype == bf and q.is_contiguous() and win.dtype == bf and win.stride(-1) == 1):
+    value sums' roundings, the dots and sums added in another order (equal to rounding). None where it does not
+    apply (the caller runs the torch code)."""
+    if positions.dtype != torch.int64 or (call := _sink_call(q, win, window, sink, comp, comp_sel)) is None:
         return None
-    if comp is not None and not (comp.dtype == bf and comp.stride(-1) == 1):
-        return None
-    if comp_sel is not None and comp_sel.dtype != torch.int64 or positions.dtype != torch.int64:
-        return None
-    mod = _fused_mod(q, win, sink) if comp is None else _fused_mod(q, win, sink, comp)
-    if mod is None:
-        return None
-    n, H, D = q.shape
-    entries = 0 if comp is None else comp_sel.shape[1] if comp_sel is not None else comp.shape[0]
-    threads = sink_threads(n, H, D, win.shape[0], window, entries)
-    sel = None if comp_sel is None else comp_sel.contiguous()
+    mod, threads, sel = call
     return mod.sink_attend(
         q, positions.contiguous(), first, win, win_start, window, sink, scale, comp, sel, ratio, step, threads
     )
@@ -874,25 +863,32 @@ def sink_prompt(
     in one call by vdpbf16ps tiles: the torch code's bf16 logits, its softmax in fp32 with the sink's logit,
     normalised bf16 probabilities and value sums rounded where it rounds, the sums in another order and e^x by a
     polynomial (so equal to rounding). None where it does not apply (not bf16, odd D, no AVX-512 BF16)."""
+    if q.dim() != 3 or q.shape[2] % 2 or not has_bf16dp():
+        return None
+    q = q.contiguous()
+    if (call := _sink_call(q, win, window, sink, comp, comp_sel)) is None:
+        return None
+    mod, threads, sel = call
+    return mod.sink_prompt(q, first, win, win_start, window, sink, scale, comp, sel, ratio, threads)
+
+
+def _sink_call(q, win, window: int, sink, comp, comp_sel):
+    """(module, threads, contiguous selection) for the sink attention calls, None where their dtypes or layouts
+    do not apply."""
     bf = torch.bfloat16
-    if not (
-        q.dim() == 3 and q.dtype == bf and q.shape[2] % 2 == 0 and win.dtype == bf and win.stride(-1) == 1
-    ):
+    if not (q.dim() == 3 and q.dtype == bf and q.is_contiguous() and win.dtype == bf and win.stride(-1) == 1):
         return None
     if comp is not None and not (comp.dtype == bf and comp.stride(-1) == 1):
         return None
     if comp_sel is not None and comp_sel.dtype != torch.int64:
         return None
     mod = _fused_mod(q, win, sink) if comp is None else _fused_mod(q, win, sink, comp)
-    if mod is None or not has_bf16dp():
+    if mod is None:
         return None
     n, H, D = q.shape
     entries = 0 if comp is None else comp_sel.shape[1] if comp_sel is not None else comp.shape[0]
     threads = sink_threads(n, H, D, win.shape[0], window, entries)
-    sel = None if comp_sel is None else comp_sel.contiguous()
-    return mod.sink_prompt(
-        q.contiguous(), first, win, win_start, window, sink, scale, comp, sel, ratio, threads
-    )
+    return mod, threads, None if comp_sel is None else comp_sel.contiguous()
 
 
 def causal_attention(q, k, v, scale: float, q2=None, k2=None, *, round_scores: bool, normalize_first: bool):

@@ -947,25 +947,6 @@ void fp4_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, flo
             _mm512_store_ps(q + 64, S);
         });
 }
-template <int R, int MB>
-void fp4_panel_tile(const float* P, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
-    __m512 acc[R][MB];
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    const int64_t nc = c1 - c0;
-    for (int64_t c = c0; c < c1; ++c)
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-            const float* q = P + 80 * (r * nc + c - c0);
-            __m512i v[4];
-            for (int i = 0; i < 4; ++i) v[i] = _mm512_load_si512(q + 16 * i);
-            const __m512 S = _mm512_load_ps(q + 64);
-#pragma GCC unroll 4
-            for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(chunk_dot(v, x + m * xs + c * FC), S, acc[r][m]);
-        }
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
 
 #if defined(MOESAIC_VNNI512)
 // E2M1 against int8 activation records (prep_x_q8; MOESAIC_CPU_INT8_ACTIVATIONS=1) on AVX-512 VNNI: a 64-byte
@@ -1066,7 +1047,7 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
 
 // A prompt's E4M3 rows decoded once for all its x rows: P [n rows][chunks c0 .. c1) x (va, vb, S) from fp8_chunk
 // (48 floats a chunk);
-// fp8_panel_tile then takes fp8dp_tile's sums from them (the same operations, so the same bits), where fp8dp_tile
+// panel_tile then takes fp8dp_tile's sums from them (the same operations, so the same bits), where fp8dp_tile
 // decoded each chunk again for every 4 x rows (~100 GFLOP/s at 32-256 rows: the decode's byte shuffles share
 // vdpbf16ps's pipe).
 void fp8_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, float* P) {
@@ -1081,8 +1062,11 @@ void fp8_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, flo
             _mm512_storeu_si512(q, va), _mm512_storeu_si512(q + 16, vb), _mm512_storeu_ps(q + 32, S);
         }
 }
-template <int R, int MB>
-void fp8_panel_tile(const float* P, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
+// fp8dp_tile's or fp4dp_tile's sums for R panel rows (fp8_panel / fp4_panel: `width` floats a load and row) by
+// MB x rows: the same dots, FMAs and reductions, so the same bits
+template <int KIND, int R, int MB>
+void panel_tile(const float* P, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
+    constexpr int64_t width = KIND == FP8 ? 48 : 80;
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -1090,11 +1074,19 @@ void fp8_panel_tile(const float* P, const uint16_t* x, int64_t xs, int64_t c0, i
     for (int64_t c = c0; c < c1; ++c)
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-            const float* q = P + 48 * (r * nc + c - c0);
-            const __m512i va = _mm512_load_si512(q), vb = _mm512_load_si512(q + 16);
-            const __m512 S = _mm512_load_ps(q + 32);
+            const float* q = P + width * (r * nc + c - c0);
+            if constexpr (KIND == FP8) {
+                const __m512i va = _mm512_load_si512(q), vb = _mm512_load_si512(q + 16);
+                const __m512 S = _mm512_load_ps(q + 32);
 #pragma GCC unroll 4
-            for (int m = 0; m < MB; ++m) acc[r][m] = fp8_chunk_dot(va, vb, S, x + m * xs + c * CH, acc[r][m]);
+                for (int m = 0; m < MB; ++m) acc[r][m] = fp8_chunk_dot(va, vb, S, x + m * xs + c * CH, acc[r][m]);
+            } else {
+                __m512i v[4];
+                for (int i = 0; i < 4; ++i) v[i] = _mm512_load_si512(q + 16 * i);
+                const __m512 S = _mm512_load_ps(q + 64);
+#pragma GCC unroll 4
+                for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(chunk_dot(v, x + m * xs + c * FC), S, acc[r][m]);
+            }
         }
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
@@ -1123,9 +1115,7 @@ __attribute__((noinline)) void panel_rows(const Ctx& C, const Row* rb, int64_t r
                 with_value<4, 3, 2, 1>(nr, [&](auto Rc) {
                     constexpr int R = decltype(Rc)::value;
                     with_value<4, 3, 2, 1>(mb, [&](auto MBc) {
-                        constexpr int MB = decltype(MBc)::value;
-                        if constexpr (KIND == FP8) fp8_panel_tile<R, MB>(panel, xm0 + m0 * xs, xs, c0, c1, res);
-                        else fp4_panel_tile<R, MB>(panel, xm0 + m0 * xs, xs, c0, c1, res);
+                        panel_tile<KIND, R, decltype(MBc)::value>(panel, xm0 + m0 * xs, xs, c0, c1, res);
                     });
                     for (int m = 0; m < mb; ++m)
                         for (int r = 0; r < R; ++r) wbuf[(n + r) * M + m0 + m] += res[m * R + r];
