@@ -536,7 +536,7 @@ inline T* align64(T* p) {  // the first 64-byte boundary at or after p (its buff
 
 struct Scratch {
     std::vector<float> wbuf, tmp;  // an item's sums (section order), a row of them in row order
-    std::vector<float> panel;      // fp8_panel's decoded rows (48 floats a chunk and row)
+    std::vector<float> panel;      // a prompt's packed rows decoded once (fp8_panel / fp4_panel)
     std::vector<Row> rows;
     std::array<std::pair<int64_t, std::vector<int64_t>>, 8> orders;  // (count, its order), -1: none yet
     size_t next = 0;  // the entry a new count replaces
@@ -933,14 +933,17 @@ void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
     });
 }
 
+// Floats of one decoded load of a row in a prompt's panel (fp8_panel: va, vb, S; fp4_panel: 4 bf16 vectors, S)
+constexpr int64_t panel_width(int kind) { return kind == FP8 ? 48 : 80; }
+
 // fp4dp_tile's loads decoded once for a prompt's x rows (fp8_panel's E2M1 form): P [n rows][chunks c0 .. c1) x
-// (4 bf16 vectors, the lanes' scales), 80 floats a chunk, by fp4_loads' own walk over the loads and scales
+// (4 bf16 vectors, the lanes' scales), by fp4_loads' own walk over the loads and scales
 template <int KIND>
 void fp4_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, float ge, bool divides, float* P) {
     float res[1];
     for (int r = 0; r < n; ++r)
         fp4_loads<KIND, 1, 1>(C, rows + r, c0, c1, ge, divides, res, [=](__m512i b, __m512 S, int64_t c, __m512 (&)[1]) {
-            float* q = P + 80 * (r * (c1 - c0) + c - c0);
+            float* q = P + panel_width(KIND) * (r * (c1 - c0) + c - c0);
             __m512i v[4];
             dec_fp4_bf16(b, v);
             for (int i = 0; i < 4; ++i) _mm512_store_si512(q + 16 * i, v[i]);
@@ -974,11 +977,6 @@ void q8z_tile(const Ctx& C, const Row* rows, const float* x, int64_t xs, int64_t
 }
 #endif  // MOESAIC_VNNI512
 
-// E4M3 (fp8 blocks) against bf16 activations: 64 values a load; two 128-entry byte tables (vpermi2b) give
-// each code's bf16 bytes, the sign bit copied; x permuted once per call (prep_x_fp8dp): word i of lane l of
-// vector v is element 16 l + 8 v + i of the chunk, so lanes 0-1 hold the first 32 values (one scale block's
-// columns) and lanes 2-3 the next 32: each block's pair sums are scaled once, as on the AVX2 path.
-
 struct Fp8Tables {  // each code's bf16 bytes (two 128-entry tables a byte) and the sign bit
     __m512i ha, hb, la, lb, sign;
     Fp8Tables()
@@ -990,8 +988,8 @@ struct Fp8Tables {  // each code's bf16 bytes (two 128-entry tables a byte) and 
 // Chunk c of an E4M3 row as fp8dp_tile reads it: its 64 values as bf16 in the decoded order (va the first 32
 // pairs' words, vb the next; zeros past K) and its scales (lanes 0-7 the first 32 columns' block, 8-15 the
 // second's: one scale where one block holds both).
-__attribute__((always_inline)) inline void fp8_chunk(const Ctx& C, const Row& row, int64_t c, int64_t full, const Fp8Tables& T, __m512i& va,
-                      __m512i& vb, __m512& S) {
+__attribute__((always_inline)) inline void fp8_chunk(const Ctx& C, const Row& row, int64_t c, int64_t full,
+                                                     const Fp8Tables& T, __m512i& va, __m512i& vb, __m512& S) {
     const __mmask64 mask = c < full ? ~0ull : (1ull << (C.K - c * CH)) - 1;
     const __m512i b = load_codes(row.w + c * CH, c < full, mask);
     const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(T.ha, b, T.hb), _mm512_and_si512(b, T.sign));
@@ -1004,7 +1002,8 @@ __attribute__((always_inline)) inline void fp8_chunk(const Ctx& C, const Row& ro
 
 // fma(chunk . x, S, acc) for one x row (x at the chunk): the chunk's two pair sums from zero, then scaled once (the
 // one order every E4M3 path here keeps, so the same bits)
-__attribute__((always_inline)) inline __m512 fp8_chunk_dot(__m512i va, __m512i vb, __m512 S, const uint16_t* x, __m512 acc) {
+__attribute__((always_inline)) inline __m512 fp8_chunk_dot(__m512i va, __m512i vb, __m512 S, const uint16_t* x,
+                                                            __m512 acc) {
     __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)va, (__m512bh)_mm512_loadu_si512(x));
     t = _mm512_dpbf16_ps(t, (__m512bh)vb, (__m512bh)_mm512_loadu_si512(x + 32));
     return _mm512_fmadd_ps(t, S, acc);
@@ -1019,6 +1018,7 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    // fp8_chunk's decode spelled out: through it (tables in a struct, the mask a row) one x row read ~12 % slower
     const __m512i ha = _mm512_load_si512(E4M3_BF16_HI), hb = _mm512_load_si512(E4M3_BF16_HI + 64);
     const __m512i la = _mm512_load_si512(E4M3_BF16_LO), lb = _mm512_load_si512(E4M3_BF16_LO + 64);
     const __m512i sign = _mm512_set1_epi8((char)0x80);
@@ -1046,16 +1046,15 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
 }
 
 // A prompt's E4M3 rows decoded once for all its x rows: P [n rows][chunks c0 .. c1) x (va, vb, S) from fp8_chunk
-// (48 floats a chunk);
-// panel_tile then takes fp8dp_tile's sums from them (the same operations, so the same bits), where fp8dp_tile
-// decoded each chunk again for every 4 x rows (~100 GFLOP/s at 32-256 rows: the decode's byte shuffles share
-// vdpbf16ps's pipe).
+// (panel_width floats a chunk); panel_tile then takes fp8dp_tile's sums from them (the same operations, so the same
+// bits), where fp8dp_tile decoded each chunk again for every 4 x rows (~100 GFLOP/s at 32-256 rows: the decode's
+// byte shuffles share vdpbf16ps's pipe).
 void fp8_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, float* P) {
     const Fp8Tables T;
     const int64_t full = C.K / CH, nc = c1 - c0;
     for (int r = 0; r < n; ++r)
         for (int64_t c = c0; c < c1; ++c) {
-            float* q = P + 48 * (r * nc + c - c0);
+            float* q = P + panel_width(FP8) * (r * nc + c - c0);
             __m512i va, vb;
             __m512 S;
             fp8_chunk(C, rows[r], c, full, T, va, vb, S);
@@ -1066,7 +1065,7 @@ void fp8_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, flo
 // MB x rows: the same dots, FMAs and reductions, so the same bits
 template <int KIND, int R, int MB>
 void panel_tile(const float* P, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
-    constexpr int64_t width = KIND == FP8 ? 48 : 80;
+    constexpr int64_t width = panel_width(KIND);
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -1100,7 +1099,7 @@ template <int KIND>
 __attribute__((noinline)) void panel_rows(const Ctx& C, const Row* rb, int64_t r0, int64_t r1, int64_t nchunks,
                                           int64_t KB, const uint16_t* xm0, int64_t xs, int64_t M, float ge,
                                           bool divides, Scratch& sc, std::vector<float>& wbuf) {
-    constexpr int64_t W = KIND == FP8 ? 48 : 80;  // floats of a decoded chunk
+    constexpr int64_t W = panel_width(KIND);
     float res[16];
     for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
         const int64_t c1 = std::min(nchunks, c0 + KB);
@@ -1211,9 +1210,10 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
 }
 
 // bf16 x [T, K] -> [T, Kc] bf16 words in each `width`-value load's decoded order, zero padded (Kc: whole loads),
-// from align64(out.data()) (the vector 32 words longer): word w of a load (vector w / 32, lane w / 8 % 4, word w % 8) is the load's value elem(v, l, i). Each
-// 32-word vector is one vpermt2w of the load's 64 values (width 64) or two blended (width 128: lanes taking
-// values 64-127 from the second pair); the index tables are made once per elem (per instantiation).
+// from align64(out.data()) (the vector 32 words longer): word w of a load (vector w / 32, lane w / 8 % 4, word
+// w % 8) is the load's value elem(v, l, i). Each 32-word vector is one vpermt2w of the load's 64 values (width 64)
+// or two blended (width 128: lanes taking values 64-127 from the second pair); the index tables are made once per
+// elem (per instantiation).
 template <typename Elem>
 std::vector<uint16_t> prep_x_dp(const torch::Tensor& x, int64_t Kc, int64_t width, Elem elem) {
     struct Tables {
@@ -4197,7 +4197,7 @@ void f32_dot_tile(const float* x, int64_t K, const W* w, int64_t ws, float* out,
         for (int r = 0; r < RB; ++r) {
             alignas(64) float lane[16];
             _mm512_store_ps(lane, acc[i][r]);
-            float sum = 0.f;
+            float sum = 0.f;  // f32_dot_rows' sum written out (one function for both: 1.5x f32_dot_rows' one-row time)
             for (int l = 0; l < 16; ++l) sum = sum + lane[l];
             for (int64_t k = K16; k < K; ++k) sum = sum + x[i * K + k] * weight_f32(w, r * ws + k);
             out[i * N + r] = sum;
@@ -4213,9 +4213,6 @@ void scalar_sigmoid(float* v, int64_t n) {
 }
 constexpr int64_t SCALAR_SIGMOID = 32;
 
-// h'[t, k] = rnd(rnd(rnd(post[t, k]) y[t]) + rnd(sum_j rnd(comb[t, j, k]) s[t, j])) (update): the sum in
-// fp32 from 0, j in order; rnd rounds to ty. s / out [N, n, d] and y [N, d] of type ty, post [N, n] and
-// comb [N, n, n] fp32, all contiguous.
 #if defined(MOESAIC_AVX512BF16)
 // 16 fp32 lanes to bf16 bits as f32_to_bf16_bits rounds them (nearest even, a NaN 0x7FC0)
 inline __m256i bf16_bits_of(__m512 x) {
@@ -4247,6 +4244,9 @@ void mhc_mix_bf16(const uint16_t* s, const uint16_t* y, const float* c, const fl
 }
 #endif
 
+// h'[t, k] = rnd(rnd(rnd(post[t, k]) y[t]) + rnd(sum_j rnd(comb[t, j, k]) s[t, j])) (update): the sum in
+// fp32 from 0, j in order; rnd rounds to ty. s / out [N, n, d] and y [N, d] of type ty, post [N, n] and
+// comb [N, n, n] fp32, all contiguous.
 void mhc_mix(int ty, const char* s, const char* y, const float* post, const float* comb, char* out, int64_t N,
              int64_t n, int64_t d, int64_t threads) {
     const int64_t es = ty == F32 ? 4 : 2;
