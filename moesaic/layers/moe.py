@@ -161,11 +161,10 @@ def run_experts(x, weights, ids, w_in, w_out, act=swiglu, then=None, every_exper
         ys = _held_rows(
             xs, offs, every_expert, lambda h: w_out.grouped_matmul(act(w_in.grouped_matmul(h, offs)), offs)
         )
-    elif _cpu_half(x, w_in, w_out) and cpu.rows_fit(
-        offs := counts.cumsum(0), min(cpu.dense_rows(w_in.shape[-1]), cpu.dense_rows(w_out.shape[-1]))
-    ):
-        # bf16 stacks on the CPU at decode and short-prompt sizes: one kernel call per projection, what `linear`
-        # gives expert by expert (above cpu.dense_rows(K) rows an expert takes the loop below)
+    elif _cpu_half(x, w_in, w_out):
+        # half-precision stacks on the CPU: cpu.grouped_linear per projection (one kernel call where every
+        # expert's rows fit cpu.dense_rows(K), else `linear` expert by expert: what the loop below gives)
+        offs = counts.cumsum(0)
         ys = _held_rows(
             xs,
             offs,
