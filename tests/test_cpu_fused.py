@@ -638,12 +638,14 @@ def test_glu_rows_keep_the_torch_bits(kernels, monkeypatch, limit):
     assert cpu.glu_rows(gate.float(), up.float(), limit) is None
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N", [1, 5, 37])
-def test_combine_rows_keep_the_torch_bits(kernels, monkeypatch, N):
-    """layers/moe.py run_experts' combine (each token's expert rows times its fp32 routing weights, added over the
+def test_combine_rows_keep_the_torch_bits(kernels, monkeypatch, N, wdtype):
+    """layers/moe.py run_experts' combine (each token's expert rows times its routing weights, added over the
     slots) in one call (cpu.combine_rows) gives the torch code's bits: one token (its slots' rows in place) and
-    many (gathered by the inverse permutation), zero and negative-zero rows, every slot of a token on one expert;
-    bf16 routing weights take the torch code; a row past ys raises."""
+    many (gathered by the inverse permutation), zero and negative-zero rows, every slot of a token on one expert,
+    fp32 routing weights (sums in fp32) and bf16 ones (a softmax router in the model's dtype: every product and
+    sum rounded); fp16 routing weights take the torch code; a row past ys raises."""
     from moesaic.layers import moe
 
     g = torch.Generator().manual_seed(13)
@@ -654,12 +656,12 @@ def test_combine_rows_keep_the_torch_bits(kernels, monkeypatch, N):
     x = torch.randn(N, d, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
     ids[0] = torch.tensor([2, 2, 2, 2]) if N > 1 else ids[0]
-    weights = torch.rand(N, k, generator=g)
+    weights = torch.rand(N, k, generator=g).to(wdtype)
     got, want = fused_and_torch(monkeypatch, "combine_rows", moe.run_experts, x, weights, ids, w_in, w_out)
     assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(_bits(got), _bits(want)), N
     taken = []
     monkeypatch.setattr(cpu, "combine_rows", _spy(cpu.combine_rows, taken))
-    moe.run_experts(x, weights.bfloat16(), ids, w_in, w_out)
+    moe.run_experts(x, weights.half(), ids, w_in, w_out)
     monkeypatch.undo()
     assert taken == [False]
     with pytest.raises(RuntimeError, match="a row past ys"):

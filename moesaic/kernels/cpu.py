@@ -943,11 +943,15 @@ def mla_absorbed(q_nope, q_rope, w_uk, w_uv, latents, k_ropes, lens, scale: floa
 
 def combine_rows(ys, inv, weights):
     """layers/moe.py run_experts' combine in one call: each token's experts' bf16 rows ys[inv[n k + j]] (inv None:
-    row n k + j) times its fp32 routing weights [N, k], added over the slots in order from 0 in fp32 and cast to
-    bf16: the bits of the torch lines, where they made four tensors of N k d values. None where it does not apply
-    (the caller runs the torch code)."""
+    row n k + j) times its routing weights [N, k], added over the slots in order from 0 in fp32 and cast to bf16
+    (fp32 weights), or with each product and sum rounded to bf16 (bf16 weights: torch's bf16 ops): the bits of the
+    torch lines, where they made four tensors of N k d values. None where it does not apply (the caller runs the
+    torch code)."""
     if not (
-        ys.dtype == torch.bfloat16 and ys.dim() == 2 and weights.dtype == torch.float32 and weights.dim() == 2
+        ys.dtype == torch.bfloat16
+        and ys.dim() == 2
+        and weights.dtype in (torch.float32, torch.bfloat16)
+        and weights.dim() == 2
     ):
         return None
     if inv is not None and inv.dtype != torch.int64 or (mod := _fused_mod(ys, weights)) is None:

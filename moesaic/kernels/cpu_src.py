@@ -4295,10 +4295,14 @@ void mhc_mix(int ty, const char* s, const char* y, const float* post, const floa
 // layers/moe.py run_experts' combine for bf16 expert outputs ys [R, d] and fp32 routing weights w [N, k]: out[n] =
 // bf16(sum_j fp32(ys[row]) * w[n, j]) with row = inv[n k + j] (inv absent: n k + j), each product rounded, the sum
 // from 0 with j in order (torch's product of the cast rows, its sum over the slots, its cast; no contraction in
-// this region): the same bits in one pass where torch made four tensors of N k d values.
+// this region): the same bits in one pass where torch made four tensors of N k d values. With bf16 routing weights
+// (a softmax router in the model's dtype) every product and every partial sum is rounded to bf16, as torch's bf16
+// product and in-place adds round them.
 torch::Tensor combine_rows(torch::Tensor ys, std::optional<torch::Tensor> inv, torch::Tensor w, int64_t threads) {
     TORCH_CHECK(ys.dim() == 2 && ys.is_contiguous() && ys.scalar_type() == torch::kBFloat16, "combine_rows: ys [R, d] bf16");
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kFloat32, "combine_rows: w [N, k] fp32");
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() &&
+                    (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+                "combine_rows: w [N, k] fp32 or bf16");
     const int64_t N = w.size(0), k = w.size(1), R = ys.size(0), d = ys.size(1);
     const int64_t* ip = nullptr;
     if (inv) {
@@ -4312,11 +4316,18 @@ torch::Tensor combine_rows(torch::Tensor ys, std::optional<torch::Tensor> inv, t
     auto out = torch::empty({N, d}, ys.options());
     const uint16_t* yp = reinterpret_cast<const uint16_t*>(ys.data_ptr());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    const float* wp = w.data_ptr<float>();
+    const bool narrow = w.scalar_type() == torch::kBFloat16;
+    const float* wp = narrow ? nullptr : w.data_ptr<float>();
+    const uint16_t* wb = narrow ? reinterpret_cast<const uint16_t*>(w.data_ptr()) : nullptr;
     rows_on(N, threads, d, 0, [&](int64_t n, float* acc) {
         std::fill(acc, acc + d, 0.f);
         for (int64_t j = 0; j < k; ++j) {
             const uint16_t* row = yp + (ip ? ip[n * k + j] : n * k + j) * d;
+            if (narrow) {  // (the first sum, 0 + p, is torch's `terms[:, 0] + 0`: -0 to +0)
+                const float wj = bf16_bits_to_f32(wb[n * k + j]);
+                for (int64_t i = 0; i < d; ++i) acc[i] = round_bf16(acc[i] + round_bf16(bf16_bits_to_f32(row[i]) * wj));
+                continue;
+            }
             const float wj = wp[n * k + j];
             for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] + bf16_bits_to_f32(row[i]) * wj;
         }
