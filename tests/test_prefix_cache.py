@@ -104,3 +104,116 @@ def test_concurrent_requests_sharing_a_prefix(pair):
     assert [o.token_ids for o in first] == want and [o.token_ids for o in again] == want
     assert all(o.num_cached_tokens == 4 * BLOCK_SIZE for o in again)
     assert on.stats()["blocks"]["used"] == 0
+
+
+def _tail_rows(keep: int, need: int):
+    import torch
+
+    from moesaic.cache.state import TailRows
+
+    return TailRows({"a": 3, "b": 2}, torch.float32, "cpu", keep, need)
+
+
+@pytest.mark.parametrize(
+    "keep,need,before,n", [(5, 3, 0, 9), (5, 3, 2, 4), (8, 8, 11, 30), (4, 1, 3, 2), (6, 4, 20, 7)]
+)
+def test_tail_rows_snapshot_inside_an_append_equals_a_stop_there(keep, need, before, n):
+    """TailRows' snapshot at a wanted token inside an append (in place or through a fresh buffer) restores to
+    what a TailRows that stopped at that token holds: the same length, rows and later appends; the rows after
+    it written in place leave the snapshot's alone."""
+    import torch
+
+    g = torch.Generator().manual_seed(keep * 100 + before + n)
+    rows = {
+        "a": torch.randn(before + n + 5, 3, generator=g),
+        "b": torch.randn(before + n + 5, 2, generator=g),
+    }
+
+    def part(a, b):
+        return {k: v[a:b] for k, v in rows.items()}
+
+    whole = _tail_rows(keep, need)
+    if before:
+        whole.append(**part(0, before))
+    points = list(range(before + 1, before + n))
+    whole.want(points)
+    whole.append(**part(before, before + n))
+    snaps = {t: whole.snapshot_at(t) for t in points}
+    whole.append(**part(before + n, before + n + 5))  # later rows: never over the snapshots'
+    for t in points:
+        stopped, got = _tail_rows(keep, need), _tail_rows(keep, need)
+        for a, b in ((0, before), (before, t)):
+            if b > a:
+                stopped.append(**part(a, b))
+        got.restore(snaps[t])
+        assert got.length == stopped.length == t and got.held == stopped.held
+        assert all(torch.equal(got.rows()[k], stopped.rows()[k]) for k in rows), t
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip(got.append(**part(t, t + 2)).values(), stopped.append(**part(t, t + 2)).values())
+        )
+    with pytest.raises(ValueError, match="nothing kept"):
+        whole.snapshot_at(before + n + 2)
+
+
+def _leaves(snap):
+    """The tensors and numbers of a snapshot, in order (dicts by key)."""
+    import torch
+
+    if isinstance(snap, torch.Tensor):
+        return [snap]
+    if isinstance(snap, dict):
+        return [x for k in sorted(snap) for x in _leaves(snap[k])]
+    if isinstance(snap, (list, tuple)):
+        return [x for s in snap for x in _leaves(s)]
+    if hasattr(snap, "__dict__"):  # a recurrent state value (KDA / Mamba-2): its tensors
+        return [x for k in sorted(vars(snap)) for x in _leaves(vars(snap)[k])]
+    return [snap]
+
+
+def _held(snap):
+    """A snapshot's rows as a restored state would hold them: TailRows' (length, start, held, bufs) and
+    TokenRows' (length, bufs) cut to what they hold, so that buffer capacity and offsets do not count."""
+    if isinstance(snap, tuple) and len(snap) == 4 and isinstance(snap[3], dict):
+        length, start, held, bufs = snap
+        return (length, held, {k: b[start : start + held] for k, b in bufs.items()})
+    if isinstance(snap, tuple) and len(snap) == 2 and isinstance(snap[1], dict):
+        return (snap[0], {k: b[: snap[0]] for k, b in snap[1].items()})
+    if isinstance(snap, (list, tuple)):
+        return type(snap)(_held(s) for s in snap)
+    return snap
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["demo-nemotron-h", "demo-glm5-next-nvfp4", "demo-deepseek-v4", "demo-deepseek-v41", "demo-kimi-linear"],
+)
+def test_snapshot_inside_a_prompt_equals_a_stop_there(name, monkeypatch):
+    """A hybrid prompt runs as one forward past its snapshot boundaries (scheduler `inside`), and the snapshot
+    taken inside it equals the one a prompt cut at that boundary takes (to fp32 rounding of the row-wise
+    products at another row count): every recurrent state, window and compressor row."""
+    import torch
+
+    prompt = random_ids(3 * BLOCK_SIZE + 30, VOCAB, seed=61)  # its last full block, 192, inside the prompt
+    snaps, forwards = {}, {}
+    for inside in (True, False):
+        llm = moesaic.LLM(name, dtype="float32")
+        assert llm.engine.scheduler.inside
+        llm.engine.scheduler.inside = inside
+        calls = []
+        forward = llm.engine.model.forward
+        monkeypatch.setattr(llm.engine.model, "forward", lambda b, f=forward, c=calls: c.append(1) or f(b))
+        llm.generate([prompt], moesaic.SamplingParams(max_tokens=1, temperature=0.0))
+        store = llm.engine.snapshots.entries
+        assert len(store) == 1
+        snaps[inside] = _leaves(_held(next(iter(store.values()))[0]))
+        forwards[inside] = len(calls)
+        monkeypatch.undo()
+    assert forwards == {True: 1, False: 2}
+    assert len(snaps[True]) == len(snaps[False])
+    for a, b in zip(snaps[True], snaps[False]):
+        if isinstance(a, torch.Tensor):
+            assert a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5), name
+        else:
+            assert a == b, name
+    assert snaps[True][0] == 3 * BLOCK_SIZE

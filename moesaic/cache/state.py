@@ -124,6 +124,13 @@ class TokenRows(LengthRollback):
         self.shared = max(self.shared, self.length)
         return self.length, dict(self.bufs)
 
+    def snapshot_at(self, t: int):
+        """The snapshot of its first t rows (t <= length: rows are never rewritten below the length)."""
+        if not 0 <= t <= self.length:
+            raise ValueError(f"no snapshot at {t} tokens: it holds {self.length}")
+        self.shared = max(self.shared, t)
+        return t, dict(self.bufs)
+
     def restore(self, snap) -> None:
         length, bufs = snap
         self.bufs = {k: b[:length].clone() for k, b in bufs.items()}
@@ -170,6 +177,27 @@ class SequenceState:
 
     def snapshot(self):
         return (self.num_tokens, [None if s is None else s.snapshot() for s in self.layers])
+
+    @property
+    def snapshots_inside(self) -> bool:
+        """Whether every layer's kind can give its snapshot at a token inside a forward (`snapshot_at`), so
+        that a prompt need not stop at each block boundary the prefix cache snapshots."""
+        return all(s is None or hasattr(s, "snapshot_at") for s in self.layers)
+
+    def want(self, points) -> None:
+        """The token counts inside the next forward (past < t < past + n) whose snapshots `snapshot_at`
+        will give: the kinds that drop or replace what they held (recurrent states, tail rows) keep them
+        as the forward passes each."""
+        for s in self.layers:
+            if s is not None and hasattr(s, "want"):
+                s.want(points)
+
+    def snapshot_at(self, t: int):
+        """The state's snapshot after its first t tokens: t its length, or a point `want` named before the
+        forward that passed it (then `restore` of it continues from there, as if the forward had stopped)."""
+        if t == self.num_tokens:
+            return self.snapshot()
+        return (t, [None if s is None else s.snapshot_at(t) for s in self.layers])
 
     def restore(self, snap) -> None:
         self.num_tokens, layer_snaps = snap
@@ -230,6 +258,16 @@ class RecurrentState:
         self.window = window
         self.value = initial
         self.history: list = [initial]  # history[-1 - i] = state i tokens ago; at most window + 1 kept
+        self.wants: tuple[int, ...] = ()  # token counts inside the next forward to keep the value at
+        self.mids: dict[int, object] = {}  # ... and the values kept there (layers/recurrent.py)
+
+    def want(self, points) -> None:
+        self.wants, self.mids = tuple(points), {}
+
+    def snapshot_at(self, t: int):
+        if t not in self.mids:
+            raise ValueError(f"no state kept at {t} tokens (the forward that passed it was not asked)")
+        return self.mids[t].clone()
 
     def snapshots_needed(self, n: int) -> int:
         """One per new token while n <= window (the state before them is already kept); for a
@@ -280,7 +318,25 @@ class RecurrentState:
         return self.value.nbytes * (1 + max(0, len(self.history) - 1))
 
 
-class TailRows:
+class KeptInside:
+    """`want` / `snapshot_at` of a kind that drops what it held as it appends (tail rows, lookback ids): its
+    append keeps, in `mids`, the snapshot at each wanted token count it passes (SequenceState.want)."""
+
+    length: int
+
+    def want(self, points) -> None:
+        self.wants: tuple[int, ...] = tuple(points)
+        self.mids: dict[int, object] = {}
+
+    def snapshot_at(self, t: int):
+        if t == self.length:
+            return self.snapshot()
+        if t not in self.mids:
+            raise ValueError(f"nothing kept at {t} tokens (the forward that passed it was not asked)")
+        return self.mids[t]
+
+
+class TailRows(KeptInside):
     """The rows of a sequence's last tokens only (a sliding-window ring, an open compressor group):
     per-token rows of the newest `keep` tokens, one buffer per field.
 
@@ -304,6 +360,19 @@ class TailRows:
         self.held = 0
         self.shared = 0  # buffer rows [0, shared) are also a snapshot's: never written in place again
         self.bufs = self._empty()
+        self.want(())
+
+    def _keep_mids(self, length: int, held: int, at: int, n: int, bufs) -> None:
+        """The snapshots at the wanted points among n rows appended after `length` tokens, `held` rows
+        held, the new rows at row `at` of `bufs` (the older held ones just before): each the rows held
+        after its token, shared with bufs (never written in place again)."""
+        for t in self.wants:
+            r = t - length
+            if 0 < r < n:
+                h = min(self.keep, held + r)
+                self.mids[t] = (t, at + r - h, h, dict(bufs))
+                if bufs is self.bufs:
+                    self.shared = max(self.shared, at + r)
 
     def _empty(self) -> dict[str, torch.Tensor]:
         cap = 2 * self.keep + 16
@@ -320,6 +389,8 @@ class TailRows:
             return {k: b[first : at + n] for k, b in self.bufs.items()}
         at = self.start + self.held
         out = {k: torch.cat([self.bufs[k][self.start : at], rows[k].to(self.dtype)]) for k in self.bufs}
+        if self.wants:
+            self._keep_mids(self.length, self.held, self.held, n, out)
         self.held += n
         keep = min(self.held, self.keep)
         self.bufs = self._empty()
@@ -338,6 +409,8 @@ class TailRows:
         """append's bookkeeping for n rows written in place (`room(n)` first) by the caller, into every buffer's rows
         at .. at + n - 1: (first, at), where the rows append returns are the buffers' rows first .. at + n - 1."""
         first, at = self.start, self.start + self.held
+        if self.wants:
+            self._keep_mids(self.length, self.held, at, n, self.bufs)
         self.held += n
         self.length += n
         if self.held > self.keep:  # drop the oldest rows; they are overwritten by later appends

@@ -334,6 +334,7 @@ class Engine:
             hybrid=self.hybrid,
             snapshots=self.snapshots,
             caching=self.limits.enable_prefix_caching,
+            inside=probe.snapshots_inside,
         )
         log.info(
             "moesaic cache: %d blocks of %d tokens (%.1f MiB, %d bytes a token: %d paged, %d in sequence "

@@ -65,6 +65,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (at first admission)
     snapshot_points: tuple[int, ...] = ()  # extra block boundaries to snapshot at (see Scheduler)
     tail_snapshot: int | None = None  # hash of its latest decode-time snapshot
+    inside_points: tuple[int, ...] = ()  # snapshot boundaries inside the forward it is scheduled for
     logprobs: list[dict[int, float]] | None = None
     text: str = ""
     detok: object = None

@@ -191,6 +191,13 @@ class CompressorState:
     def snapshot(self):
         return self.raw.snapshot(), self.entries.snapshot()
 
+    def want(self, points) -> None:
+        self.raw.want(points)
+
+    def snapshot_at(self, t: int):
+        """After t tokens: the raw rows kept there, and the entries closed by then (as `rollback` counts them)."""
+        return self.raw.snapshot_at(t), self.entries.snapshot_at(t // self.dims.ratio)
+
     def restore(self, snap) -> None:
         self.raw.restore(snap[0])
         self.entries.restore(snap[1])
@@ -553,6 +560,14 @@ class AttentionState:
 
     def snapshot(self):
         return [p.snapshot() for p in self._parts()]
+
+    def want(self, points) -> None:
+        for p in self._parts():
+            if hasattr(p, "want"):  # (V4.1's index keys follow their compressor's entries)
+                p.want(points)
+
+    def snapshot_at(self, t: int):
+        return [p.snapshot_at(t) for p in self._parts()]
 
     def restore(self, snap) -> None:
         for p, s in zip(self._parts(), snap, strict=True):

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..cache.state import KeptInside
 from ..config import declared, int_list, non_negative, positive, read_config, require
 from ..errors import CheckpointError, ConfigError
 from .linear import linear
@@ -569,7 +570,7 @@ def ngram_rows(cids: Tensor, lookback: Tensor, layout: EngramLayout, pad_cid: in
     return _rows_from_tokens(tok, layout)
 
 
-class EngramState:
+class EngramState(KeptInside):
     """One sequence's Engram state: the compressed ids of its last tokens (BLOCKED for image or
     unmapped ones), which the next tokens' n-grams look back at.
 
@@ -585,6 +586,7 @@ class EngramState:
         self.keep = lookback + window
         self.length = 0  # tokens seen
         self.ids = torch.empty(0, dtype=torch.int64)  # the newest min(length, keep) ids
+        self.want(())
 
     @classmethod
     def for_config(cls, cfg: EngramConfig, window: int = 0) -> EngramState:
@@ -599,7 +601,14 @@ class EngramState:
 
     def append(self, cids: Tensor) -> None:
         cids = torch.as_tensor(cids, dtype=torch.int64).reshape(-1)
-        self.ids = torch.cat([self.ids, cids])[-self.keep :]
+        both = torch.cat([self.ids, cids])
+        for t in self.wants:  # the ids held after each wanted token among these (cache/state.py's `want`)
+            if 0 < t - self.length < cids.numel():
+                self.mids[t] = (
+                    t,
+                    both[: both.numel() - (self.length + cids.numel() - t)][-self.keep :].clone(),
+                )
+        self.ids = both[-self.keep :]
         self.length += cids.numel()
 
     def can_rollback(self, n: int) -> bool:

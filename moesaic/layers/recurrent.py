@@ -63,48 +63,93 @@ def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch
             layer.advance(new, [new] if layer.snapshots_needed(1) else [], 1)
             return y
     feats = mixer.project(x, w, dims)
-    groups: dict[tuple[int, int], list] = {}
-    for s in batch.seqs:
-        groups.setdefault((s.n, s.state.layers[L].snapshots_needed(s.n)), []).append(s)
+    groups: dict[tuple[int, int] | int, list] = {}
+    for i, s in enumerate(batch.seqs):
+        layer = s.state.layers[L]
+        if any(0 < t - s.past < s.n for t in layer.wants):  # a prefix-cache point inside: its own pieces
+            groups[-1 - i] = [s]
+        else:
+            groups.setdefault((s.n, layer.snapshots_needed(s.n)), []).append(s)
     o = None
-    for (n, snap), seqs in groups.items():
+    for key, seqs in groups.items():
+        if not isinstance(key, tuple):
+            s = seqs[0]
+            y = _recur_pieces(mixer, w, dims, x, tuple(s.rows(f) for f in feats), s.state.layers[L], s.past)
+            o = _place(o, y, s, x)
+            continue
+        n, snap = key
         rows = [tuple(s.rows(f) for f in feats) for s in seqs]
         states = [s.state.layers[L].value for s in seqs]
-        # a lone row's only snapshot is the new state, and a lone row takes the token recurrence with or
-        # without snapshots: none are asked for (a decode step with a rollback window copies nothing).
-        # Longer forwards take their last STEPPED_ROWS rows by the token recurrence (the rows a mixer
-        # snapshots) whatever the rollback window: the state after a prompt then has the same bits in an
-        # engine that drafts and in one that does not (the chunked scan rounds otherwise), and greedy
-        # drafting stays token for token lossless in bf16. A mixer whose rows all take the token recurrence
-        # on this device (KDA on the CPU) gives those bits anyway: it copies only the snapshots kept.
-        if n == 1:
-            ask = 0
-        elif mixer.stepped is not None and mixer.stepped(x):
-            ask = snap
-        else:
-            ask = max(snap, min(n, STEPPED_ROWS))
+        ask = _ask(mixer, x, n, snap)
         if len(seqs) > 1 and mixer.fold is not None:
             fr, fw, fd, fs = mixer.fold(rows, w, dims, states)
             results = mixer.unfold(*mixer.recur(fr, fw, fd, fs, snapshot_last=ask), len(seqs), dims)
         else:
             results = [mixer.recur(r, w, dims, st, snapshot_last=ask) for r, st in zip(rows, states)]
         for s, (y, new, snaps) in zip(seqs, results):
-            if snap:  # the last snapshot is the new state: keep one copy; and only the `snap` the state keeps
-                kept = list(snaps[:-1]) + [new] if ask else [new]
-                snaps = kept[len(kept) - snap :]
-            else:
-                snaps = []
-            s.state.layers[L].advance(new, snaps, n)
-            if n == x.shape[0]:  # the batch's only sequence: its y is every row's
-                o = y
-                continue
-            if o is None:
-                o = y.new_empty((x.shape[0],) + y.shape[1:])
-            o[s.start : s.start + n] = y
+            _advance(s.state.layers[L], new, snaps, n, snap, ask)
+            o = _place(o, y, s, x)
     if o is None:
         return x.new_zeros(x.shape)
     out = mixer.output(o, feats, w, dims)
     return out if reduce is None else reduce(out)
+
+
+def _ask(mixer: RecurrentMixer, x: torch.Tensor, n: int, snap: int) -> int:
+    """The snapshots a recurrence of n rows asks its mixer for, where its state keeps `snap`. A lone row's only
+    snapshot is the new state, and a lone row takes the token recurrence with or without snapshots: none are
+    asked for (a decode step with a rollback window copies nothing). Longer forwards take their last
+    STEPPED_ROWS rows by the token recurrence (the rows a mixer snapshots) whatever the rollback window: the
+    state after a prompt then has the same bits in an engine that drafts and in one that does not (the chunked
+    scan rounds otherwise), and greedy drafting stays token for token lossless in bf16. A mixer whose rows all
+    take the token recurrence on this device (KDA on the CPU) gives those bits anyway: it copies only the
+    snapshots kept."""
+    if n == 1:
+        return 0
+    if mixer.stepped is not None and mixer.stepped(x):
+        return snap
+    return max(snap, min(n, STEPPED_ROWS))
+
+
+def _advance(layer, new, snaps, n: int, snap: int, ask: int) -> None:
+    """The state moved on by n rows: the last snapshot is the new state (one copy kept), and only the `snap`
+    the state keeps."""
+    if snap:
+        kept = list(snaps[:-1]) + [new] if ask else [new]
+        snaps = kept[len(kept) - snap :]
+    else:
+        snaps = []
+    layer.advance(new, snaps, n)
+
+
+def _recur_pieces(
+    mixer: RecurrentMixer, w, dims, x: torch.Tensor, rows: tuple, layer, past: int
+) -> torch.Tensor:
+    """One sequence's recurrence over its rows in pieces that end at the points its state wants (token counts
+    after `past`): each piece as a forward ending there would run it (the same bits), the state there kept
+    for the prefix cache's snapshot (RecurrentState.snapshot_at). Returns the features of every row."""
+    n = rows[0].shape[0]
+    cuts = sorted({t - past for t in layer.wants if 0 < t - past < n})
+    ys = []
+    for a, b in zip([0, *cuts], [*cuts, n]):
+        snap = layer.snapshots_needed(b - a)
+        ask = _ask(mixer, x, b - a, snap)
+        y, new, snaps = mixer.recur(tuple(r[a:b] for r in rows), w, dims, layer.value, snapshot_last=ask)
+        _advance(layer, new, snaps, b - a, snap, ask)
+        if b < n:
+            layer.mids[past + b] = new
+        ys.append(y)
+    return torch.cat(ys)
+
+
+def _place(o, y: torch.Tensor, s, x: torch.Tensor):
+    """The features of every row so far, with sequence s's set to y."""
+    if s.n == x.shape[0]:  # the batch's only sequence: its y is every row's
+        return y
+    if o is None:
+        o = y.new_empty((x.shape[0],) + y.shape[1:])
+    o[s.start : s.start + s.n] = y
+    return o
 
 
 def fold_channels(parts: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:

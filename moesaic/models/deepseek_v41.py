@@ -629,6 +629,10 @@ class IndexKeys:
     def snapshot(self):
         return self.entries.snapshot()
 
+    def snapshot_at(self, t: int):
+        """After t tokens: as many keys as the compressor had entries then."""
+        return self.entries.snapshot_at(t // self.compressor.dims.ratio)
+
     def restore(self, snap) -> None:
         self.entries.restore(snap)
 
