@@ -217,3 +217,25 @@ def test_snapshot_inside_a_prompt_equals_a_stop_there(name, monkeypatch):
         else:
             assert a == b, name
     assert snaps[True][0] == 3 * BLOCK_SIZE
+
+
+def test_two_snapshot_boundaries_inside_one_forward(pair):
+    """A prompt whose one forward passes two snapshot boundaries (every SNAPSHOT_EVERY-th block, and its last full
+    block) keeps both snapshots: requests sharing either prefix start there and give the cache-off tokens."""
+    on, off = pair
+    if not on.engine.hybrid:
+        pytest.skip("paged state only: no snapshots")
+    on.engine.reset_prefix_cache()
+    every = SNAPSHOT_EVERY * BLOCK_SIZE
+    first = random_ids(
+        every + BLOCK_SIZE + 20, VOCAB, seed=71
+    )  # boundaries every and every + BLOCK_SIZE inside
+    assert on.generate([first], GREEDY)[0].num_cached_tokens == 0
+    assert len(on.engine.snapshots.entries) == 2
+    prompts = [
+        first[: every + 5] + random_ids(30, VOCAB, seed=72),
+        first[: every + BLOCK_SIZE + 3] + [7, 8, 9],
+    ]
+    outs = [on.generate([p], GREEDY)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [every, every + BLOCK_SIZE]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off.generate(prompts, GREEDY)]
