@@ -365,11 +365,17 @@ def test_amx_packed(amx, fmt, n, k):
     assert cpu.stats["kernel_calls"] == before + 1
 
 
+# formats whose prompt rows (more than MAX_ROWS) take the weights decoded to exact bf16 on the vdpbf16ps path
+DECODED = ("mxfp4", "nvfp4-ct", "nvfp4-modelopt", "fp8-32x32-ue8m0", "fp8-128x128-ue8m0")
+
+
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "bf16"])
 def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
     """Packed weights against more than MAX_ROWS bf16 rows on the vdpbf16ps path (AMX off): QuantizedTensor's
-    matmul and grouped_matmul take the decode tiles up to PACKED_DP_ROWS rows, in one call, each output the
-    bits it has alone (x fits 256 KB), the fp32 reference to bf16 rounding; above, the fp32 tiles."""
+    matmul and grouped_matmul take the kernels up to PACKED_DP_ROWS rows, in one call, the fp32 reference to bf16
+    rounding: E2M1 and E8M0-scaled E4M3 by their weights decoded to exact bf16 (the bf16 kernel's bits on them),
+    fp32-scaled E4M3 by its own tiles (each output the bits it has alone: x fits 256 KB); up to MAX_ROWS rows the
+    decode bits; above PACKED_DP_ROWS, the fp32 tiles."""
     monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
     if not cpu.has_bf16dp():
         pytest.skip("no vdpbf16ps path on this CPU")
@@ -381,16 +387,28 @@ def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
     assert cpu.packed_rows(x) == cpu.PACKED_DP_ROWS
     alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
     before = cpu.stats["kernel_calls"]
-    assert torch.equal(w.matmul(x), alone)
+    got = w.matmul(x)
     assert cpu.stats["kernel_calls"] == before + 1
     _assert_bf16_rounding(alone, _reference(w, x))
+    _assert_bf16_rounding(got, _reference(w, x))
+    assert torch.equal(w.matmul(x[: cpu.MAX_ROWS]), alone[: cpu.MAX_ROWS])  # decode batches: the decode bits
     # 47 weight rows (a last tile of 3), a K tail inside a load and 37 x rows (a last tile of 1): the edges of the
-    # packed panels (E4M3 / E2M1 rows decoded once for every 4 x rows from PANEL_ROWS x rows)
+    # packed panels (E4M3 / E2M1 rows decoded once for every 4 x rows from PANEL_ROWS x rows) and of the tiles
     k2 = k + (3 * multiple if multiple > 1 else 72)
     w2, x2 = make(47, k2, gen), torch.randn(37, k2, generator=gen).bfloat16()
     alone2 = torch.cat([w2.matmul(x2[i : i + 1]) for i in range(x2.shape[0])])
-    assert torch.equal(w2.matmul(x2), alone2)
-    _assert_bf16_rounding(alone2, _reference(w2, x2))
+    got2 = w2.matmul(x2)
+    _assert_bf16_rounding(got2, _reference(w2, x2))
+    if fmt in DECODED:
+        # more than MAX_ROWS rows: the weights decoded to exact bf16 once and the bf16 prompt tiles, each row the
+        # bits of its bf16 product with them whatever M (the bf16 kernel's, where no global scale goes on the sums)
+        more = cpu.MAX_ROWS + 1
+        assert torch.equal(got[:more], w.matmul(x[:more])) and torch.equal(got2[:more], w2.matmul(x2[:more]))
+        if getattr(w, "global_scale", None) is None:
+            assert torch.equal(got, cpu.bf16_matmul(x, w.dequantize(torch.bfloat16)))
+            assert torch.equal(got2, cpu.bf16_matmul(x2, w2.dequantize(torch.bfloat16)))
+    else:
+        assert torch.equal(got, alone) and torch.equal(got2, alone2)
     if fmt in STACKS:  # one grouped call for experts of 17 and 23 rows
         stack = STACKS[fmt](2, 48, k, gen)
         offs = torch.tensor([17, 40], dtype=torch.int32)

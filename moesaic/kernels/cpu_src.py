@@ -773,10 +773,10 @@ __attribute__((noinline)) void gemm_tile(const uint16_t* const* w, const uint16_
 // meanwhile (cold weights: the passes over one block take ~1 us, long enough for 12 KB). The outputs are stored a
 // block of x rows at a time.
 constexpr int64_t GEMM_K = 1024;
-void run_item_gemm(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t n1, const uint16_t* x, int64_t xs,
-                   int64_t t0, int64_t M, const Out& O, Scratch& sc) {
-    const int64_t K = C.K, count = n1 - n0, ws = W.w_n / 2;
-    const uint16_t* w0 = reinterpret_cast<const uint16_t*>(W.w + e * W.w_e + n0 * W.w_n);
+// The weight rows: count rows of K values from w0, ws values apart, the item's outputs n0 .. n0 + count; each sum
+// times `factor` (divided by it with `divides`) before the bias: nvfp4's global scale (run_item_decoded).
+void gemm_rows(const uint16_t* w0, int64_t ws, int64_t count, int64_t K, int64_t n0, const uint16_t* x, int64_t xs,
+               int64_t t0, int64_t M, const Out& O, Scratch& sc, float factor = 1.f, bool divides = false) {
     const int64_t KC = std::min(K, GEMM_K), nkb = (K + KC - 1) / KC;
     const int64_t MBLK = std::max<int64_t>(GM, (192 << 10) / (2 * KC) / GM * GM);
     const int64_t elem = O.dtype == 0 ? 4 : 2;
@@ -823,11 +823,18 @@ void run_item_gemm(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_
         }
         for (int64_t m = mb0; m < mb1; ++m) {
             float* row = y + (m - mb0) * count;
+            if (factor != 1.f)
+                for (int64_t i = 0; i < count; ++i) row[i] = divides ? row[i] / factor : row[i] * factor;
             if (O.bias)
                 for (int64_t i = 0; i < count; ++i) row[i] += O.bias[n0 + i];
             store_row((int)O.dtype, row, static_cast<char*>(O.p) + ((t0 + m) * O.ld + n0) * elem, count);
         }
     }
+}
+void run_item_gemm(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t n1, const uint16_t* x, int64_t xs,
+                   int64_t t0, int64_t M, const Out& O, Scratch& sc) {
+    gemm_rows(reinterpret_cast<const uint16_t*>(W.w + e * W.w_e + n0 * W.w_n), W.w_n / 2, n1 - n0, C.K, n0, x, xs, t0,
+              M, O, sc);
 }
 
 // Packed E2M1 (mxfp4 / nvfp4) against bf16 activations: a 64-byte load is 128 values, four 32-value groups
@@ -1256,6 +1263,117 @@ std::vector<uint16_t> prep_x_fp4dp(const torch::Tensor& x, int64_t Kc) {  // fp4
 std::vector<uint16_t> prep_x_fp8dp(const torch::Tensor& x, int64_t Kc) {  // fp8dp_tile's order
     return prep_x_dp(x, Kc, CH, [](int v, int l, int i) { return 16 * l + 8 * v + i; });
 }
+// bf16 values v times 2^(e - 127) (an E8M0 scale byte e), by adding to the exponents of the non-zero ones:
+// exact while every product stays a normal bf16, which values of bf16 exponents [lo_exp, hi_exp] do for
+// e in [128 - lo_exp, 381 - hi_exp]. False (v unchanged) outside that range.
+inline bool times_pow2(__m512i& v, int e, int lo_exp, int hi_exp) {
+    if (e < 128 - lo_exp || e > 381 - hi_exp) return false;
+    v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v,
+                              _mm512_set1_epi16((int16_t)((e - 127) << 7)));
+    return true;
+}
+
+// One packed row decoded to bf16 words dst[0, Kp) (zero past K): E2M1 times its group's scale (raw_e4m3,
+// nvfp4 with a global scale: the E4M3 byte's own value, the global scale goes on the sums), E4M3 times its E8M0 block scale (fold8),
+// or E4M3 alone (fp32 block scales go on each k-block's sums). False when a scaled value is not exact in bf16
+// (a scale at the ends of the exponent range: subnormal, rounded or overflowing products).
+bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint16_t* dst, int64_t Kp) {
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF), expo = _mm512_set1_epi32(0x7F800000);
+    const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF), zero = _mm512_setzero_si512();
+    __mmask16 bad = 0;
+    auto put16 = [&](__m512 v, uint16_t* o) {
+        const __m512i b = _mm512_castps_si512(v), m = _mm512_and_si512(b, mag);
+        bad |= _mm512_test_epi32_mask(b, lo16);                                                                // rounded
+        bad |= _mm512_mask_cmpeq_epi32_mask(_mm512_test_epi32_mask(m, mag), _mm512_and_si512(m, expo), zero);  // subnormal
+        bad |= _mm512_cmpeq_epi32_mask(m, expo);                                                               // overflow
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+    };
+    int64_t k = 0;
+    if (C.kind == MX || (C.kind == NV && raw_e4m3)) {
+        // 32 values a step: 16 bytes widened to words, the nibbles interleaved in K order (vpermt2w), their
+        // bf16 bits looked up (vpermw); mxfp4's power-of-two scale added to the exponents (times_pow2:
+        // exact while the scale byte is in [2, 252]), nvfp4's E4M3 scales (one per 16 values)
+        // multiplied in fp32: E2M1 x E4M3 has at most 6 significant bits, always exact in bf16
+        const __m512i tab = _mm512_loadu_si512(E2M1_BF16W), nib = _mm512_loadu_si512(NIB_ORDER);
+        for (; k + 32 <= C.K; k += 32) {
+            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.w + k / 2)));
+            const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(w, _mm256_set1_epi16(15)));
+            const __m512i hi = _mm512_castsi256_si512(_mm256_srli_epi16(w, 4));
+            __m512i v = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, nib, hi), tab);
+            if (C.kind == MX) {
+                if (!times_pow2(v, r.s8[k / 32], 126, 129)) return false;  // E2M1: 0.5 .. 6
+            } else {
+                const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+                const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+                v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(b, _mm512_set1_ps(E4M3[r.s8[k / 16 + 1]])),
+                                                 _mm512_mul_ps(a, _mm512_set1_ps(E4M3[r.s8[k / 16]])));
+            }
+            _mm512_storeu_si512(dst + k, v);
+        }
+    }
+    if (C.kind == MX || C.kind == NV) {
+        const __m512 tab = _mm512_loadu_ps(E2M1);
+        for (; k < C.K; k += 16) {  // K is a multiple of the group (16 / 32): nvfp4's last 16, or every 16
+            const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.w + k / 2)));
+            const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
+            const __m512i idx = _mm512_cvtepu16_epi32(_mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi)));
+            const uint8_t sb = r.s8[k / C.group];
+            const float sc = raw_e4m3 ? E4M3[sb] : r.stab[sb];
+            put16(_mm512_mul_ps(_mm512_permutexvar_ps(idx, tab), _mm512_set1_ps(sc)), dst + k);
+        }
+    } else {
+        // 32 codes a step (then 16 for the tail) by the fp16 trick (the AVX2 path's): sign-extended, << 7 and
+        // masked they are the fp16 bits of value * 2^-8 (subnormals included), widened exactly; the NaN code
+        // decodes as 480. Times 2^8 alone (fp32 block scales) the values are exact: checked only when folded
+        const __m256i mask = _mm256_set1_epi16((int16_t)0xBF80);
+        const __m512i mask32 = _mm512_set1_epi16((int16_t)0xBF80);
+        for (; k + 32 <= C.K; k += 32) {
+            const __m512i h = _mm512_and_si512(
+                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.w + k))), 7),
+                mask32);
+            const __m512 sc = _mm512_set1_ps(256.f);
+            const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sc);
+            const __m512 b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sc);
+            __m512i v = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            if (fold8 && !times_pow2(v, r.s8[C.sub2blk[k / 32]], 118, 135)) return false;  // E4M3: 2^-9 .. 448
+            _mm512_storeu_si512(dst + k, v);
+        }
+        for (; k < C.K; k += 16) {
+            const __mmask16 in = C.K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C.K - k)) - 1);
+            const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(in, r.w + k)), 7), mask);
+            const float sc = fold8 ? 256.f * fp8_scale(r, C.sub2blk[k / 32]) : 256.f;
+            put16(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(sc)), dst + k);
+        }
+    }
+    for (; k < Kp; k += 16) std::memset(dst + k, 0, 32);
+    return bad == 0;
+}
+
+
+// A prompt's packed rows [n0, n1) of expert e (E2M1; E4M3 with E8M0 block scales) against DECODED_ROWS or more x
+// rows (bf16, natural order, stride K): decoded to exact bf16 a block of ~256 KB at a time (decode_bf16_row: the
+// scales folded, nvfp4's global scale on the sums) and multiplied by the bf16 prompt tiles (gemm_rows), where the
+// packed tiles scaled each chunk's sums (a decode row's bits; 1024 x 1024 mxfp4 at 17 / 32 / 64 / 256 rows 115 /
+// 133 / 136 / 137 GFLOP/s, decoded 141 / 167 / 186 / 203). A row then has the bits of its bf16 product with the
+// decoded weights (whatever M), not its decode row's, as on AMX. False where a scale does not fold exactly
+// (outputs of earlier blocks written: the caller computes the item again).
+constexpr int64_t DECODED_ROWS = 17;  // more than MAX_ROWS (kernels/cpu.py): decode batches and verify blocks keep
+                                      // the decode tiles and their bits
+bool run_item_decoded(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1,
+                      const uint16_t* x, int64_t t0, int64_t M, const Out& O, Scratch& sc, std::vector<uint16_t>& dbuf) {
+    const int64_t K = C.K, Kp = (K + 31) / 32 * 32;
+    const int64_t block = std::max<int64_t>(GR, (256 << 10) / (2 * Kp) / GR * GR);
+    const bool raw = C.kind == NV && W.gsc;
+    for (int64_t b0 = n0; b0 < n1; b0 += block) {
+        const int64_t b1 = std::min(n1, b0 + block);
+        dbuf.resize((size_t)((b1 - b0) * Kp));
+        for (int64_t n = b0; n < b1; ++n)
+            if (!decode_bf16_row(C, row_of(C, W, e, slot, n), C.kind == FP8, raw, dbuf.data() + (n - b0) * Kp, Kp))
+                return false;
+        gemm_rows(dbuf.data(), Kp, b1 - b0, K, b0, x, K, t0, M, O, sc, raw ? W.gsc[e] : 1.f, W.divides);
+    }
+    return true;
+}
 #endif  // MOESAIC_AVX512BF16
 
 #if defined(MOESAIC_AMX)
@@ -1444,92 +1562,6 @@ struct AmxBf16 {
     bool block_ends(int64_t) const { return false; }
     float scale(int64_t, int64_t) const { return 1.f; }
 };
-
-// bf16 values v times 2^(e - 127) (an E8M0 scale byte e), by adding to the exponents of the non-zero ones:
-// exact while every product stays a normal bf16, which values of bf16 exponents [lo_exp, hi_exp] do for
-// e in [128 - lo_exp, 381 - hi_exp]. False (v unchanged) outside that range.
-inline bool times_pow2(__m512i& v, int e, int lo_exp, int hi_exp) {
-    if (e < 128 - lo_exp || e > 381 - hi_exp) return false;
-    v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v,
-                              _mm512_set1_epi16((int16_t)((e - 127) << 7)));
-    return true;
-}
-
-// One packed row decoded to bf16 words dst[0, Kp) (zero past K): E2M1 times its group's scale (raw_e4m3,
-// nvfp4 with a global scale: the E4M3 byte's own value, the global scale goes on the sums), E4M3 times its E8M0 block scale (fold8),
-// or E4M3 alone (fp32 block scales go on each k-block's sums). False when a scaled value is not exact in bf16
-// (a scale at the ends of the exponent range: subnormal, rounded or overflowing products).
-bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint16_t* dst, int64_t Kp) {
-    const __m512i lo16 = _mm512_set1_epi32(0xFFFF), expo = _mm512_set1_epi32(0x7F800000);
-    const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF), zero = _mm512_setzero_si512();
-    __mmask16 bad = 0;
-    auto put16 = [&](__m512 v, uint16_t* o) {
-        const __m512i b = _mm512_castps_si512(v), m = _mm512_and_si512(b, mag);
-        bad |= _mm512_test_epi32_mask(b, lo16);                                                                // rounded
-        bad |= _mm512_mask_cmpeq_epi32_mask(_mm512_test_epi32_mask(m, mag), _mm512_and_si512(m, expo), zero);  // subnormal
-        bad |= _mm512_cmpeq_epi32_mask(m, expo);                                                               // overflow
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
-    };
-    int64_t k = 0;
-    if (C.kind == MX || (C.kind == NV && raw_e4m3)) {
-        // 32 values a step: 16 bytes widened to words, the nibbles interleaved in K order (vpermt2w), their
-        // bf16 bits looked up (vpermw); mxfp4's power-of-two scale added to the exponents (times_pow2:
-        // exact while the scale byte is in [2, 252]), nvfp4's E4M3 scales (one per 16 values)
-        // multiplied in fp32: E2M1 x E4M3 has at most 6 significant bits, always exact in bf16
-        const __m512i tab = _mm512_loadu_si512(E2M1_BF16W), nib = _mm512_loadu_si512(NIB_ORDER);
-        for (; k + 32 <= C.K; k += 32) {
-            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.w + k / 2)));
-            const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(w, _mm256_set1_epi16(15)));
-            const __m512i hi = _mm512_castsi256_si512(_mm256_srli_epi16(w, 4));
-            __m512i v = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, nib, hi), tab);
-            if (C.kind == MX) {
-                if (!times_pow2(v, r.s8[k / 32], 126, 129)) return false;  // E2M1: 0.5 .. 6
-            } else {
-                const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-                const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-                v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(b, _mm512_set1_ps(E4M3[r.s8[k / 16 + 1]])),
-                                                 _mm512_mul_ps(a, _mm512_set1_ps(E4M3[r.s8[k / 16]])));
-            }
-            _mm512_storeu_si512(dst + k, v);
-        }
-    }
-    if (C.kind == MX || C.kind == NV) {
-        const __m512 tab = _mm512_loadu_ps(E2M1);
-        for (; k < C.K; k += 16) {  // K is a multiple of the group (16 / 32): nvfp4's last 16, or every 16
-            const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.w + k / 2)));
-            const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
-            const __m512i idx = _mm512_cvtepu16_epi32(_mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi)));
-            const uint8_t sb = r.s8[k / C.group];
-            const float sc = raw_e4m3 ? E4M3[sb] : r.stab[sb];
-            put16(_mm512_mul_ps(_mm512_permutexvar_ps(idx, tab), _mm512_set1_ps(sc)), dst + k);
-        }
-    } else {
-        // 32 codes a step (then 16 for the tail) by the fp16 trick (the AVX2 path's): sign-extended, << 7 and
-        // masked they are the fp16 bits of value * 2^-8 (subnormals included), widened exactly; the NaN code
-        // decodes as 480. Times 2^8 alone (fp32 block scales) the values are exact: checked only when folded
-        const __m256i mask = _mm256_set1_epi16((int16_t)0xBF80);
-        const __m512i mask32 = _mm512_set1_epi16((int16_t)0xBF80);
-        for (; k + 32 <= C.K; k += 32) {
-            const __m512i h = _mm512_and_si512(
-                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.w + k))), 7),
-                mask32);
-            const __m512 sc = _mm512_set1_ps(256.f);
-            const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sc);
-            const __m512 b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sc);
-            __m512i v = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-            if (fold8 && !times_pow2(v, r.s8[C.sub2blk[k / 32]], 118, 135)) return false;  // E4M3: 2^-9 .. 448
-            _mm512_storeu_si512(dst + k, v);
-        }
-        for (; k < C.K; k += 16) {
-            const __mmask16 in = C.K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C.K - k)) - 1);
-            const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(in, r.w + k)), 7), mask);
-            const float sc = fold8 ? 256.f * fp8_scale(r, C.sub2blk[k / 32]) : 256.f;
-            put16(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(sc)), dst + k);
-        }
-    }
-    for (; k < Kp; k += 16) std::memset(dst + k, 0, 32);
-    return bad == 0;
-}
 
 // Packed weights (E2M1, E4M3) decoded to bf16 a block of rows at a time (into buf, kept in L2).
 struct AmxPacked {
@@ -1939,6 +1971,10 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #if defined(MOESAIC_AVX512BF16)
         if (dp) {
             if (kind == BF16 && ends[e] - t0 >= GEMM_ROWS) run_item_gemm(C, W, e, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, sc);
+            else if (kind != BF16 && !(kind == FP8 && W.s_f32) && ends[e] - t0 >= DECODED_ROWS &&
+                     run_item_decoded(C, W, e, slot, items[i][1], items[i][2],
+                                      reinterpret_cast<const uint16_t*>(x.data_ptr()), t0, ends[e] - t0, O, sc, dbuf))
+                return;
             else if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, sc);
             else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
             else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
