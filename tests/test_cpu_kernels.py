@@ -423,6 +423,34 @@ def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
     assert cpu.stats["fallback_calls"] == before + 1
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "fp8-32x32-ue8m0"])
+def test_packed_prompt_rows_decoded_to_bf16(kernel, monkeypatch, fmt):
+    """On the vdpbf16ps path (AMX off) E2M1 or E8M0-scaled E4M3 rows against more than MAX_ROWS prompt rows are
+    decoded to exact bf16 once and multiplied by the bf16 prompt tiles: the bf16 kernel's bits on the dequantized
+    weights (nvfp4: its global scale on the sums), not a decode row's; a scale byte that does not fold exactly
+    (E8M0 0: 2^-127) keeps the packed tiles and a decode row's bits. x rows whose sums depend on their order (two
+    values of +-2^20, 32 apart: one lane of the bf16 tiles, two of the packed tiles' decoded order, so each
+    absorbs other small values) tell the two apart."""
+    monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
+    if not cpu.has_bf16dp():
+        pytest.skip("no vdpbf16ps path on this CPU")
+    gen = torch.Generator().manual_seed(23)
+    w = ENCODE[fmt](torch.ones(8, 1024))
+    x = torch.randn(cpu.MAX_ROWS + 8, 1024, generator=gen) * 2**-10
+    x[:, 0], x[:, 32] = 2**20, -(2**20)
+    x = x.bfloat16()
+    got = w.matmul(x)
+    alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+    assert (got != alone).float().mean() > 0.5  # the bf16 tiles, not the packed ones
+    assert torch.equal(w.matmul(x[: cpu.MAX_ROWS]), alone[: cpu.MAX_ROWS])  # decode batches: the packed tiles
+    assert torch.equal(got[: cpu.MAX_ROWS + 1], w.matmul(x[: cpu.MAX_ROWS + 1]))  # whatever M
+    if w.global_scale is None:
+        assert torch.equal(got, cpu.bf16_matmul(x, w.dequantize(torch.float32).bfloat16()))
+    if fmt == "mxfp4":
+        w.scale[0, 0] = 0
+        assert torch.equal(w.matmul(x), torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])]))
+
+
 # ------------------------------------------------------------------------ dense entry points
 
 
