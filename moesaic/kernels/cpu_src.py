@@ -42,7 +42,9 @@ Built with -march=native: the AVX2 + FMA + F16C path is compiled where the compi
 everywhere and on request (`generic`). On CPUs with AVX-512 BF16 and VBMI (`__AVX512BF16__`: Zen 4, Sapphire
 Rapids; not Cooper Lake, whose build takes the AVX2 tiles) bf16 activations take vdpbf16ps instead
 (run_item_dp), against bf16 weights (32 a load, used as stored), E2M1 (128 a load, decoded to bf16 by one
-32-word table, vpermw) and E4M3 (64 a load, by two 128-entry byte tables): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows. fp32 / fp16
+32-word table, vpermw) and E4M3 (64 a load, by two 128-entry byte tables): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows;
+a prompt's E2M1 and E8M0-scaled E4M3 rows (more than MAX_ROWS x rows) are decoded to exact bf16 a block at a time
+for the bf16 prompt tiles (run_item_decoded). fp32 / fp16
 activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
 bf16 products take AMX tiles at every row count instead (amx_item: the weights as the A operand in place,
 x packed once a call as B, 16 weight rows x up to 32 activation rows a tile pass), and packed weights
@@ -1348,7 +1350,6 @@ bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint
     for (; k < Kp; k += 16) std::memset(dst + k, 0, 32);
     return bad == 0;
 }
-
 
 // A prompt's packed rows [n0, n1) of expert e (E2M1; E4M3 with E8M0 block scales) against DECODED_ROWS or more x
 // rows (bf16, natural order, stride K): decoded to exact bf16 a block of ~256 KB at a time (decode_bf16_row: the
