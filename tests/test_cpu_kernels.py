@@ -393,7 +393,7 @@ def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
     _assert_bf16_rounding(got, _reference(w, x))
     assert torch.equal(w.matmul(x[: cpu.MAX_ROWS]), alone[: cpu.MAX_ROWS])  # decode batches: the decode bits
     # 47 weight rows (a last tile of 3), a K tail inside a load and 37 x rows (a last tile of 1): the edges of the
-    # packed panels (E4M3 / E2M1 rows decoded once for every 4 x rows from PANEL_ROWS x rows) and of the tiles
+    # E4M3 panels (rows decoded once for every 4 x rows from PANEL_ROWS x rows) and of the tiles
     k2 = k + (3 * multiple if multiple > 1 else 72)
     w2, x2 = make(47, k2, gen), torch.randn(37, k2, generator=gen).bfloat16()
     alone2 = torch.cat([w2.matmul(x2[i : i + 1]) for i in range(x2.shape[0])])

@@ -105,7 +105,7 @@ inline void with_value(int64_t v, F&& f) {
     else with_value<Vs...>(v, std::forward<F>(f));
 }
 constexpr int64_t CH = 64;                                 // K values per chunk
-constexpr int64_t PANEL_ROWS = 32;                         // x rows from which packed rows are decoded once a block
+constexpr int64_t PANEL_ROWS = 32;                         // x rows from which E4M3 rows are decoded once a block
 constexpr int64_t QREC = 64;                               // floats of one 128-value int8 x record (prep_x_q8)
 // rows of x from which packed weights take AMX tiles (decoded to bf16 a block at a time) where the CPU has
 // them: below, the in-register decode of the vdpbf16ps path is faster (one thread, 1024 x 1024, AMX over it:
@@ -538,7 +538,7 @@ inline T* align64(T* p) {  // the first 64-byte boundary at or after p (its buff
 
 struct Scratch {
     std::vector<float> wbuf, tmp;  // an item's sums (section order), a row of them in row order
-    std::vector<float> panel;      // a prompt's packed rows decoded once (fp8_panel / fp4_panel)
+    std::vector<float> panel;      // a prompt's E4M3 rows decoded once (fp8_panel)
     std::vector<Row> rows;
     std::array<std::pair<int64_t, std::vector<int64_t>>, 8> orders;  // (count, its order), -1: none yet
     size_t next = 0;  // the entry a new count replaces
@@ -942,23 +942,8 @@ void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
     });
 }
 
-// Floats of one decoded load of a row in a prompt's panel (fp8_panel: va, vb, S; fp4_panel: 4 bf16 vectors, S)
-constexpr int64_t panel_width(int kind) { return kind == FP8 ? 48 : 80; }
-
-// fp4dp_tile's loads decoded once for a prompt's x rows (fp8_panel's E2M1 form): P [n rows][chunks c0 .. c1) x
-// (4 bf16 vectors, the lanes' scales), by fp4_loads' own walk over the loads and scales
-template <int KIND>
-void fp4_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, float ge, bool divides, float* P) {
-    float res[1];
-    for (int r = 0; r < n; ++r)
-        fp4_loads<KIND, 1, 1>(C, rows + r, c0, c1, ge, divides, res, [=](__m512i b, __m512 S, int64_t c, __m512 (&)[1]) {
-            float* q = P + panel_width(KIND) * (r * (c1 - c0) + c - c0);
-            __m512i v[4];
-            dec_fp4_bf16(b, v);
-            for (int i = 0; i < 4; ++i) _mm512_store_si512(q + 16 * i, v[i]);
-            _mm512_store_ps(q + 64, S);
-        });
-}
+// Floats of one decoded E4M3 load of a row in a prompt's panel (fp8_panel: va, vb, S)
+constexpr int64_t PANEL_WIDTH = 48;
 
 #if defined(MOESAIC_VNNI512)
 // E2M1 against int8 activation records (prep_x_q8; MOESAIC_CPU_INT8_ACTIVATIONS=1) on AVX-512 VNNI: a 64-byte
@@ -1055,7 +1040,7 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
 }
 
 // A prompt's E4M3 rows decoded once for all its x rows: P [n rows][chunks c0 .. c1) x (va, vb, S) from fp8_chunk
-// (panel_width floats a chunk); panel_tile then takes fp8dp_tile's sums from them (the same operations, so the same
+// (PANEL_WIDTH floats a chunk); panel_tile then takes fp8dp_tile's sums from them (the same operations, so the same
 // bits), where fp8dp_tile decoded each chunk again for every 4 x rows (~100 GFLOP/s at 32-256 rows: the decode's
 // byte shuffles share vdpbf16ps's pipe).
 void fp8_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, float* P) {
@@ -1063,18 +1048,16 @@ void fp8_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, flo
     const int64_t full = C.K / CH, nc = c1 - c0;
     for (int r = 0; r < n; ++r)
         for (int64_t c = c0; c < c1; ++c) {
-            float* q = P + panel_width(FP8) * (r * nc + c - c0);
+            float* q = P + PANEL_WIDTH * (r * nc + c - c0);
             __m512i va, vb;
             __m512 S;
             fp8_chunk(C, rows[r], c, full, T, va, vb, S);
             _mm512_storeu_si512(q, va), _mm512_storeu_si512(q + 16, vb), _mm512_storeu_ps(q + 32, S);
         }
 }
-// fp8dp_tile's or fp4dp_tile's sums for R panel rows (fp8_panel / fp4_panel: `width` floats a load and row) by
-// MB x rows: the same dots, FMAs and reductions, so the same bits
-template <int KIND, int R, int MB>
+// fp8dp_tile's sums for R panel rows (fp8_panel) by MB x rows: the same dots, FMAs and reductions, so the same bits
+template <int R, int MB>
 void panel_tile(const float* P, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
-    constexpr int64_t width = panel_width(KIND);
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -1082,33 +1065,24 @@ void panel_tile(const float* P, const uint16_t* x, int64_t xs, int64_t c0, int64
     for (int64_t c = c0; c < c1; ++c)
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-            const float* q = P + width * (r * nc + c - c0);
-            if constexpr (KIND == FP8) {
-                const __m512i va = _mm512_load_si512(q), vb = _mm512_load_si512(q + 16);
-                const __m512 S = _mm512_load_ps(q + 32);
+            const float* q = P + PANEL_WIDTH * (r * nc + c - c0);
+            const __m512i va = _mm512_load_si512(q), vb = _mm512_load_si512(q + 16);
+            const __m512 S = _mm512_load_ps(q + 32);
 #pragma GCC unroll 4
-                for (int m = 0; m < MB; ++m) acc[r][m] = fp8_chunk_dot(va, vb, S, x + m * xs + c * CH, acc[r][m]);
-            } else {
-                __m512i v[4];
-                for (int i = 0; i < 4; ++i) v[i] = _mm512_load_si512(q + 16 * i);
-                const __m512 S = _mm512_load_ps(q + 64);
-#pragma GCC unroll 4
-                for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(chunk_dot(v, x + m * xs + c * FC), S, acc[r][m]);
-            }
+            for (int m = 0; m < MB; ++m) acc[r][m] = fp8_chunk_dot(va, vb, S, x + m * xs + c * CH, acc[r][m]);
         }
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// run_item_dp's packed rows [r0, r1) (rb[n]: row n; E4M3 or E2M1) for M >= PANEL_ROWS x rows (xm0, stride xs):
-// 4 rows decoded once a K block (fp8_panel / fp4_panel), then every 4 x rows through the panel tile, the sums
-// added into wbuf as run_item_dp adds them. Not inlined: in run_item_dp's body it slowed the one-row tiles' code
-// (~15 %).
-template <int KIND>
+// run_item_dp's E4M3 rows [r0, r1) (rb[n]: row n) for M >= PANEL_ROWS x rows (xm0, stride xs): 4 rows decoded
+// once a K block (fp8_panel), then every 4 x rows through the panel tile, the sums added into wbuf as run_item_dp
+// adds them. Not inlined: in run_item_dp's body it slowed the one-row tiles' code (~15 %). (E2M1 prompt rows are
+// decoded to bf16 instead, run_item_decoded; where a scale does not fold, they take the packed tiles.)
 __attribute__((noinline)) void panel_rows(const Ctx& C, const Row* rb, int64_t r0, int64_t r1, int64_t nchunks,
-                                          int64_t KB, const uint16_t* xm0, int64_t xs, int64_t M, float ge,
-                                          bool divides, Scratch& sc, std::vector<float>& wbuf) {
-    constexpr int64_t W = panel_width(KIND);
+                                          int64_t KB, const uint16_t* xm0, int64_t xs, int64_t M, Scratch& sc,
+                                          std::vector<float>& wbuf) {
+    constexpr int64_t W = PANEL_WIDTH;
     float res[16];
     for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
         const int64_t c1 = std::min(nchunks, c0 + KB);
@@ -1116,14 +1090,13 @@ __attribute__((noinline)) void panel_rows(const Ctx& C, const Row* rb, int64_t r
         float* panel = align64(sc.panel.data());
         for (int64_t n = r0; n < r1; n += 4) {
             const int nr = (int)std::min<int64_t>(4, r1 - n);
-            if constexpr (KIND == FP8) fp8_panel(C, rb + n, nr, c0, c1, panel);
-            else fp4_panel<KIND>(C, rb + n, nr, c0, c1, ge, divides, panel);
+            fp8_panel(C, rb + n, nr, c0, c1, panel);
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
                 const int mb = (int)std::min<int64_t>(4, M - m0);
                 with_value<4, 3, 2, 1>(nr, [&](auto Rc) {
                     constexpr int R = decltype(Rc)::value;
                     with_value<4, 3, 2, 1>(mb, [&](auto MBc) {
-                        panel_tile<KIND, R, decltype(MBc)::value>(panel, xm0 + m0 * xs, xs, c0, c1, res);
+                        panel_tile<R, decltype(MBc)::value>(panel, xm0 + m0 * xs, xs, c0, c1, res);
                     });
                     for (int m = 0; m < mb; ++m)
                         for (int r = 0; r < R; ++r) wbuf[(n + r) * M + m0 + m] += res[m * R + r];
@@ -1186,9 +1159,9 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
         const int64_t r1 = std::min(count, r0 + RB);
         for (int64_t i = r0; i < r1; ++i) rows[i - r0] = row_of(C, W, e, slot, n0 + pos[i]);
         const Row* rb = rows.data() - r0;  // rb[n]: row n of the item (n in [r0, r1))
-        if constexpr (KIND == FP8 || KIND == MX || KIND == NV) {
+        if constexpr (KIND == FP8) {
             if (M >= PANEL_ROWS) {
-                panel_rows<KIND>(C, rb, r0, r1, nchunks, KB, xm0, xs, M, ge, W.divides, sc, wbuf);
+                panel_rows(C, rb, r0, r1, nchunks, KB, xm0, xs, M, sc, wbuf);
                 continue;
             }
         }
