@@ -3952,6 +3952,23 @@ torch::Tensor glu_rows(const torch::Tensor& gate, const torch::Tensor& up, std::
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 #endif
+// One token's weighted sum over its k slots into acc [d], from 0 (the caller rounds it to bf16): row(j) slot j's bf16
+// expert row, w(j) its routing weight as fp32. bf16 weights (`narrow`): each product and each partial sum rounded to
+// bf16, torch's `out = terms[:, 0] + 0; out += terms[:, j]` (the first sum, 0 + p, turns -0 into +0); fp32 ones:
+// the fp32 terms summed in slot order, `terms.sum(1)`. (ffn_rows' combine and combine_rows'.)
+template <class RowF, class WF>
+__attribute__((always_inline)) inline void slot_sums(int64_t k, int64_t d, bool narrow, RowF row, WF w, float* acc) {
+    std::fill(acc, acc + d, 0.f);
+    for (int64_t j = 0; j < k; ++j) {
+        const uint16_t* r = row(j);
+        const float wj = w(j);
+        if (narrow)
+            for (int64_t c = 0; c < d; ++c) acc[c] = round_bf16(acc[c] + round_bf16(bf16_bits_to_f32(r[c]) * wj));
+        else
+            for (int64_t c = 0; c < d; ++c) acc[c] = acc[c] + bf16_bits_to_f32(r[c]) * wj;
+    }
+}
+
 // A few tokens' feed-forward block (layers/moe.py at decode sizes: a batch's decode rows, a verify block) in
 // one call, where the block's Python and small torch ops cost as much as its products: the routed experts
 // (ids / weights [N, k] from the router; stacks w_in [E, 2I, d] gate|up and w_out [E, d, I], dense bf16 or
@@ -4036,23 +4053,17 @@ torch::Tensor ffn_rows(torch::Tensor x, std::optional<torch::Tensor> weights, st
         out = torch::empty({N, d}, x.options());
         uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
         std::vector<float> acc(d);
-        const bool f32 = wc.scalar_type() == torch::kFloat32;
+        const bool narrow = wc.scalar_type() != torch::kFloat32;
+        const float* wf = narrow ? nullptr : wc.data_ptr<float>();
+        const uint16_t* wb = narrow ? reinterpret_cast<const uint16_t*>(wc.data_ptr()) : nullptr;
         for (int64_t t = 0; t < N; ++t) {
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t j = 0; j < k; ++j) {
-                const int64_t s = slot[t * k + j];
-                const uint16_t* r = yp + row_of[t * k + j] * d;
-                if (f32) {  // terms in fp32, `terms.sum(1)` in slot order, one rounding
-                    const float wj = wc.data_ptr<float>()[t * k + s];
-                    for (int64_t c = 0; c < d; ++c) acc[c] += bf16_bits_to_f32(r[c]) * wj;
-                } else {  // bf16 terms, each partial sum rounded: `out = terms[:, 0] + 0; out += terms[:, j]`
-                    const float wj = bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(wc.data_ptr())[t * k + s]);
-                    for (int64_t c = 0; c < d; ++c) {
-                        const float term = round_bf16(bf16_bits_to_f32(r[c]) * wj);
-                        acc[c] = round_bf16(acc[c] + term);
-                    }
-                }
-            }
+            slot_sums(
+                k, d, narrow, [&](int64_t j) { return yp + row_of[t * k + j] * d; },
+                [&](int64_t j) {
+                    const int64_t i = t * k + slot[t * k + j];
+                    return narrow ? bf16_bits_to_f32(wb[i]) : wf[i];
+                },
+                acc.data());
             for (int64_t c = 0; c < d; ++c) o[t * d + c] = f32_to_bf16_bits(acc[c]);
         }
     }
@@ -4330,17 +4341,9 @@ torch::Tensor combine_rows(torch::Tensor ys, std::optional<torch::Tensor> inv, t
     const float* wp = narrow ? nullptr : w.data_ptr<float>();
     const uint16_t* wb = narrow ? reinterpret_cast<const uint16_t*>(w.data_ptr()) : nullptr;
     rows_on(N, threads, d, 0, [&](int64_t n, float* acc) {
-        std::fill(acc, acc + d, 0.f);
-        for (int64_t j = 0; j < k; ++j) {
-            const uint16_t* row = yp + (ip ? ip[n * k + j] : n * k + j) * d;
-            if (narrow) {  // (the first sum, 0 + p, is torch's `terms[:, 0] + 0`: -0 to +0)
-                const float wj = bf16_bits_to_f32(wb[n * k + j]);
-                for (int64_t i = 0; i < d; ++i) acc[i] = round_bf16(acc[i] + round_bf16(bf16_bits_to_f32(row[i]) * wj));
-                continue;
-            }
-            const float wj = wp[n * k + j];
-            for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] + bf16_bits_to_f32(row[i]) * wj;
-        }
+        slot_sums(
+            k, d, narrow, [&](int64_t j) { return yp + (ip ? ip[n * k + j] : n * k + j) * d; },
+            [&](int64_t j) { return narrow ? bf16_bits_to_f32(wb[n * k + j]) : wp[n * k + j]; }, acc);
         store_row(BF16T, acc, op + n * d, d);
     });
     return out;
