@@ -52,8 +52,8 @@ def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch
     """The mixer over every sequence of `batch` (a ForwardBatch), whose layer-L state is a RecurrentState:
     the row-wise phases over all rows at once; the recurrence once per group of sequences with the same row
     count and snapshot count (decode rows, verify blocks of one length: folded into one wider sequence), else
-    per sequence, continuing each state and keeping the snapshots its rollback window needs; returns y for
-    all rows."""
+    per sequence (in pieces ending at the prefix-cache points its state wants: `_recur_pieces`), continuing each
+    state and keeping the snapshots its rollback window needs; returns y for all rows."""
     w, reduce = _local_output(w)
     if mixer.row is not None and x.shape[0] == 1 and reduce is None:  # one sequence's decode row
         layer = batch.seqs[0].state.layers[L]
@@ -63,21 +63,16 @@ def run_recurrent(mixer: RecurrentMixer, w, dims, L: int, x: torch.Tensor, batch
             layer.advance(new, [new] if layer.snapshots_needed(1) else [], 1)
             return y
     feats = mixer.project(x, w, dims)
-    groups: dict[tuple[int, int] | int, list] = {}
-    for i, s in enumerate(batch.seqs):
+    groups: dict[tuple[int, int], list] = {}
+    o = None
+    for s in batch.seqs:
         layer = s.state.layers[L]
         if any(0 < t - s.past < s.n for t in layer.wants):  # a prefix-cache point inside: its own pieces
-            groups[-1 - i] = [s]
+            y = _recur_pieces(mixer, w, dims, x, tuple(s.rows(f) for f in feats), layer, s.past)
+            o = _place(o, y, s, x)
         else:
             groups.setdefault((s.n, layer.snapshots_needed(s.n)), []).append(s)
-    o = None
-    for key, seqs in groups.items():
-        if not isinstance(key, tuple):
-            s = seqs[0]
-            y = _recur_pieces(mixer, w, dims, x, tuple(s.rows(f) for f in feats), s.state.layers[L], s.past)
-            o = _place(o, y, s, x)
-            continue
-        n, snap = key
+    for (n, snap), seqs in groups.items():
         rows = [tuple(s.rows(f) for f in feats) for s in seqs]
         states = [s.state.layers[L].value for s in seqs]
         ask = _ask(mixer, x, n, snap)
