@@ -365,6 +365,8 @@ def test_amx_packed(amx, fmt, n, k):
     assert cpu.stats["kernel_calls"] == before + 1
 
 
+# x rows from which fp32-scaled E4M3 rows take the pair tiles on the vdpbf16ps path (cpu_src's PAIR_ROWS)
+PAIR_ROWS = 20
 # formats whose prompt rows (more than MAX_ROWS) take the weights decoded to exact bf16 on the vdpbf16ps path
 DECODED = ("mxfp4", "nvfp4-ct", "nvfp4-modelopt", "fp8-32x32-ue8m0", "fp8-128x128-ue8m0")
 
@@ -374,8 +376,8 @@ def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
     """Packed weights against more than MAX_ROWS bf16 rows on the vdpbf16ps path (AMX off): QuantizedTensor's
     matmul and grouped_matmul take the kernels up to PACKED_DP_ROWS rows, in one call, the fp32 reference to bf16
     rounding: E2M1 and E8M0-scaled E4M3 by their weights decoded to exact bf16 (the bf16 kernel's bits on them),
-    fp32-scaled E4M3 by its own tiles (each output the bits it has alone: x fits 256 KB); up to MAX_ROWS rows the
-    decode bits; above PACKED_DP_ROWS, the fp32 tiles."""
+    fp32-scaled E4M3 from PAIR_ROWS rows by the pair tiles (each output the bits it has at any M from there); up to
+    MAX_ROWS rows the decode bits; above PACKED_DP_ROWS, the fp32 tiles."""
     monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
     if not cpu.has_bf16dp():
         pytest.skip("no vdpbf16ps path on this CPU")
@@ -407,8 +409,10 @@ def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
         if getattr(w, "global_scale", None) is None:
             assert torch.equal(got, cpu.bf16_matmul(x, w.dequantize(torch.bfloat16)))
             assert torch.equal(got2, cpu.bf16_matmul(x2, w2.dequantize(torch.bfloat16)))
-    else:
-        assert torch.equal(got, alone) and torch.equal(got2, alone2)
+    else:  # fp32-scaled E4M3: from PAIR_ROWS rows the pair tiles, each row the bits it has at any M from there
+        assert torch.equal(got[:PAIR_ROWS], w.matmul(x[:PAIR_ROWS]))
+        assert torch.equal(got2[:PAIR_ROWS], w2.matmul(x2[:PAIR_ROWS]))
+        assert torch.equal(w.matmul(x[: PAIR_ROWS - 1]), alone[: PAIR_ROWS - 1])  # below: the decode tiles
     if fmt in STACKS:  # one grouped call for experts of 17 and 23 rows
         stack = STACKS[fmt](2, 48, k, gen)
         offs = torch.tensor([17, 40], dtype=torch.int32)
@@ -449,6 +453,33 @@ def test_packed_prompt_rows_decoded_to_bf16(kernel, monkeypatch, fmt):
     if fmt == "mxfp4":
         w.scale[0, 0] = 0
         assert torch.equal(w.matmul(x), torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])]))
+
+
+def test_fp8_prompt_rows_by_pair_tiles(kernel, monkeypatch):
+    """On the vdpbf16ps path (AMX off) E4M3 rows with fp32 block scales against PAIR_ROWS or more prompt rows take
+    the pair tiles (a weight pair broadcast against 16 x rows' pairs: each lane one output summed along K, a
+    k-block's sums times its scale), and so do E8M0-scaled rows whose scale does not fold: each row the bits it
+    has at any M from PAIR_ROWS, not a decode row's, within one rounding of the fp32 reference. x rows whose sums depend on their order (two values of
+    +-2^20, 32 apart: one lane's running sum here, two lanes of the decode tiles, each absorbing other small
+    values) tell the two apart."""
+    monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
+    if not cpu.has_bf16dp():
+        pytest.skip("no vdpbf16ps path on this CPU")
+    gen = torch.Generator().manual_seed(29)
+    dense = torch.ones(128, 1024)
+    x = torch.randn(PAIR_ROWS + 13, 1024, generator=gen) * 2**-10
+    x[:, 0], x[:, 32] = 2**20, -(2**20)
+    x = x.bfloat16()
+    w8 = from_suffix_dict(quantize_fp8_block(dense, (128, 128), "ue8m0"))
+    w8.scale[0, 7] = 0  # 2^-127 (the last k-block): does not fold into bf16 exponents
+    for w in (from_suffix_dict(quantize_fp8_block(dense, (128, 128))), w8):
+        got = w.matmul(x)
+        alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+        assert (got != alone).float().mean() > 0.5  # the pair tiles, not the decode tiles
+        assert torch.equal(got[:PAIR_ROWS], w.matmul(x[:PAIR_ROWS]))  # whatever M from PAIR_ROWS
+        assert torch.equal(w.matmul(x[: PAIR_ROWS - 1]), alone[: PAIR_ROWS - 1])  # below: the decode tiles
+        xr = torch.randn(PAIR_ROWS + 13, 1024, generator=gen).bfloat16()  # sums without cancellation
+        _assert_bf16_rounding(w.matmul(xr), _reference(w, xr))
 
 
 # ------------------------------------------------------------------------ dense entry points

@@ -105,7 +105,6 @@ inline void with_value(int64_t v, F&& f) {
     else with_value<Vs...>(v, std::forward<F>(f));
 }
 constexpr int64_t CH = 64;                                 // K values per chunk
-constexpr int64_t PANEL_ROWS = 32;                         // x rows from which E4M3 rows are decoded once a block
 constexpr int64_t QREC = 64;                               // floats of one 128-value int8 x record (prep_x_q8)
 // rows of x from which packed weights take AMX tiles (decoded to bf16 a block at a time) where the CPU has
 // them: below, the in-register decode of the vdpbf16ps path is faster (one thread, 1024 x 1024, AMX over it:
@@ -538,7 +537,7 @@ inline T* align64(T* p) {  // the first 64-byte boundary at or after p (its buff
 
 struct Scratch {
     std::vector<float> wbuf, tmp;  // an item's sums (section order), a row of them in row order
-    std::vector<float> panel;      // a prompt's E4M3 rows decoded once (fp8_panel)
+    std::vector<uint32_t> pairs;   // a prompt's x rows packed by value pairs (run_item_pairs)
     std::vector<Row> rows;
     std::array<std::pair<int64_t, std::vector<int64_t>>, 8> orders;  // (count, its order), -1: none yet
     size_t next = 0;  // the entry a new count replaces
@@ -640,6 +639,24 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
     }
     put_rows(O, t0, n0, M, pos, sc);
 #endif
+}
+
+// x rows [t0, t0 + M) (row stride K) as value pairs by column, a transpose of x's pairs ([M, K / 2] -> [K / 2,
+// cols]): out[q * cols + m] is the dword (x[t0 + m][2q], x[t0 + m][2q + 1]) for q below K rounded up to 32 values,
+// zero past K and in columns M .. cols. AMX's B tiles (cols = M) and pair_tile's x vectors (16 columns).
+void pack_x_pairs(const uint16_t* x, int64_t K, int64_t t0, int64_t M, int64_t cols, uint32_t* out) {
+    const int64_t pairs = (K + 31) / 32 * 16, whole = K / 2;  // pair rows (padded); pairs inside K
+    for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* xr = x + (t0 + m) * K;
+        for (int64_t q = 0; q < whole; ++q) {
+            uint32_t v;
+            std::memcpy(&v, xr + 2 * q, 4);
+            out[q * cols + m] = v;
+        }
+        for (int64_t q = whole; q < pairs; ++q) out[q * cols + m] = 2 * q < K ? xr[2 * q] : 0;  // odd K; padding
+    }
+    for (int64_t q = 0; q < pairs; ++q)
+        for (int64_t m = M; m < cols; ++m) out[q * cols + m] = 0;
 }
 
 #if defined(MOESAIC_AVX512BF16)
@@ -775,13 +792,25 @@ __attribute__((noinline)) void gemm_tile(const uint16_t* const* w, const uint16_
 // meanwhile (cold weights: the passes over one block take ~1 us, long enough for 12 KB). The outputs are stored a
 // block of x rows at a time.
 constexpr int64_t GEMM_K = 1024;
+// Sums y [M, count] of outputs n0 .. n0 + count for x rows t0 .. t0 + M: each times `factor` (divided by it with
+// `divides`), plus the bias, stored a row at a time in the output's dtype.
+void put_sums(const Out& O, float* y, int64_t count, int64_t n0, int64_t t0, int64_t M, float factor, bool divides) {
+    const int64_t elem = O.dtype == 0 ? 4 : 2;
+    for (int64_t m = 0; m < M; ++m) {
+        float* row = y + m * count;
+        if (factor != 1.f)
+            for (int64_t i = 0; i < count; ++i) row[i] = divides ? row[i] / factor : row[i] * factor;
+        if (O.bias)
+            for (int64_t i = 0; i < count; ++i) row[i] += O.bias[n0 + i];
+        store_row((int)O.dtype, row, static_cast<char*>(O.p) + ((t0 + m) * O.ld + n0) * elem, count);
+    }
+}
 // The weight rows: count rows of K values from w0, ws values apart, the item's outputs n0 .. n0 + count; each sum
 // times `factor` (divided by it with `divides`) before the bias: nvfp4's global scale (run_item_decoded).
 void gemm_rows(const uint16_t* w0, int64_t ws, int64_t count, int64_t K, int64_t n0, const uint16_t* x, int64_t xs,
                int64_t t0, int64_t M, const Out& O, Scratch& sc, float factor = 1.f, bool divides = false) {
     const int64_t KC = std::min(K, GEMM_K), nkb = (K + KC - 1) / KC;
     const int64_t MBLK = std::max<int64_t>(GM, (192 << 10) / (2 * KC) / GM * GM);
-    const int64_t elem = O.dtype == 0 ? 4 : 2;
     sc.wbuf.resize(std::min(M, MBLK) * count);
     sc.tmp.resize(nkb > 1 ? (MBLK / GM) * GR * GM * 16 : 0);
     float* y = sc.wbuf.data();  // [x rows of the block, count]
@@ -823,14 +852,7 @@ void gemm_rows(const uint16_t* w0, int64_t ws, int64_t count, int64_t K, int64_t
                 }
             }
         }
-        for (int64_t m = mb0; m < mb1; ++m) {
-            float* row = y + (m - mb0) * count;
-            if (factor != 1.f)
-                for (int64_t i = 0; i < count; ++i) row[i] = divides ? row[i] / factor : row[i] * factor;
-            if (O.bias)
-                for (int64_t i = 0; i < count; ++i) row[i] += O.bias[n0 + i];
-            store_row((int)O.dtype, row, static_cast<char*>(O.p) + ((t0 + m) * O.ld + n0) * elem, count);
-        }
+        put_sums(O, y, count, n0, t0 + mb0, mb1 - mb0, factor, divides);
     }
 }
 void run_item_gemm(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t n1, const uint16_t* x, int64_t xs,
@@ -942,9 +964,6 @@ void fp4dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
     });
 }
 
-// Floats of one decoded E4M3 load of a row in a prompt's panel (fp8_panel: va, vb, S)
-constexpr int64_t PANEL_WIDTH = 48;
-
 #if defined(MOESAIC_VNNI512)
 // E2M1 against int8 activation records (prep_x_q8; MOESAIC_CPU_INT8_ACTIVATIONS=1) on AVX-512 VNNI: a 64-byte
 // load is 128 values; vpermb looks each byte's low 6 bits up in E2M1_U four times over (2 x value + 12, an
@@ -979,21 +998,6 @@ struct Fp8Tables {  // each code's bf16 bytes (two 128-entry tables a byte) and 
           sign(_mm512_set1_epi8((char)0x80)) {}
 };
 
-// Chunk c of an E4M3 row as fp8dp_tile reads it: its 64 values as bf16 in the decoded order (va the first 32
-// pairs' words, vb the next; zeros past K) and its scales (lanes 0-7 the first 32 columns' block, 8-15 the
-// second's: one scale where one block holds both).
-__attribute__((always_inline)) inline void fp8_chunk(const Ctx& C, const Row& row, int64_t c, int64_t full,
-                                                     const Fp8Tables& T, __m512i& va, __m512i& vb, __m512& S) {
-    const __mmask64 mask = c < full ? ~0ull : (1ull << (C.K - c * CH)) - 1;
-    const __m512i b = load_codes(row.w + c * CH, c < full, mask);
-    const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(T.ha, b, T.hb), _mm512_and_si512(b, T.sign));
-    const __m512i lo = _mm512_permutex2var_epi8(T.la, b, T.lb);
-    va = _mm512_unpacklo_epi8(lo, hi), vb = _mm512_unpackhi_epi8(lo, hi);
-    const int32_t b0 = C.sub2blk[2 * c], b1 = C.sub2blk[2 * c + 1];
-    const float s0 = fp8_scale(row, b0);
-    S = b0 == b1 ? _mm512_set1_ps(s0) : _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(fp8_scale(row, b1)), 1);
-}
-
 // fma(chunk . x, S, acc) for one x row (x at the chunk): the chunk's two pair sums from zero, then scaled once (the
 // one order every E4M3 path here keeps, so the same bits)
 __attribute__((always_inline)) inline __m512 fp8_chunk_dot(__m512i va, __m512i vb, __m512 S, const uint16_t* x,
@@ -1012,7 +1016,7 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    // fp8_chunk's decode spelled out: through it (tables in a struct, the mask a row) one x row read ~12 % slower
+    // the tables held apart: through an Fp8Tables and a helper (the mask a row) one x row read ~12 % slower
     const __m512i ha = _mm512_load_si512(E4M3_BF16_HI), hb = _mm512_load_si512(E4M3_BF16_HI + 64);
     const __m512i la = _mm512_load_si512(E4M3_BF16_LO), lb = _mm512_load_si512(E4M3_BF16_LO + 64);
     const __m512i sign = _mm512_set1_epi8((char)0x80);
@@ -1037,73 +1041,6 @@ void fp8dp_tile(const Ctx& C, const Row* rows, const uint16_t* x, int64_t xs, in
     }
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
-// A prompt's E4M3 rows decoded once for all its x rows: P [n rows][chunks c0 .. c1) x (va, vb, S) from fp8_chunk
-// (PANEL_WIDTH floats a chunk); panel_tile then takes fp8dp_tile's sums from them (the same operations, so the same
-// bits), where fp8dp_tile decoded each chunk again for every 4 x rows (~100 GFLOP/s at 32-256 rows: the decode's
-// byte shuffles share vdpbf16ps's pipe).
-void fp8_panel(const Ctx& C, const Row* rows, int n, int64_t c0, int64_t c1, float* P) {
-    const Fp8Tables T;
-    const int64_t full = C.K / CH, nc = c1 - c0;
-    for (int r = 0; r < n; ++r)
-        for (int64_t c = c0; c < c1; ++c) {
-            float* q = P + PANEL_WIDTH * (r * nc + c - c0);
-            __m512i va, vb;
-            __m512 S;
-            fp8_chunk(C, rows[r], c, full, T, va, vb, S);
-            _mm512_storeu_si512(q, va), _mm512_storeu_si512(q + 16, vb), _mm512_storeu_ps(q + 32, S);
-        }
-}
-// fp8dp_tile's sums for R panel rows (fp8_panel) by MB x rows: the same dots, FMAs and reductions, so the same bits
-template <int R, int MB>
-void panel_tile(const float* P, const uint16_t* x, int64_t xs, int64_t c0, int64_t c1, float* res) {
-    __m512 acc[R][MB];
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    const int64_t nc = c1 - c0;
-    for (int64_t c = c0; c < c1; ++c)
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-            const float* q = P + PANEL_WIDTH * (r * nc + c - c0);
-            const __m512i va = _mm512_load_si512(q), vb = _mm512_load_si512(q + 16);
-            const __m512 S = _mm512_load_ps(q + 32);
-#pragma GCC unroll 4
-            for (int m = 0; m < MB; ++m) acc[r][m] = fp8_chunk_dot(va, vb, S, x + m * xs + c * CH, acc[r][m]);
-        }
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
-// run_item_dp's E4M3 rows [r0, r1) (rb[n]: row n) for M >= PANEL_ROWS x rows (xm0, stride xs): 4 rows decoded
-// once a K block (fp8_panel), then every 4 x rows through the panel tile, the sums added into wbuf as run_item_dp
-// adds them. Not inlined: in run_item_dp's body it slowed the one-row tiles' code (~15 %). (E2M1 prompt rows are
-// decoded to bf16 instead, run_item_decoded; where a scale does not fold, they take the packed tiles.)
-__attribute__((noinline)) void panel_rows(const Ctx& C, const Row* rb, int64_t r0, int64_t r1, int64_t nchunks,
-                                          int64_t KB, const uint16_t* xm0, int64_t xs, int64_t M, Scratch& sc,
-                                          std::vector<float>& wbuf) {
-    constexpr int64_t W = PANEL_WIDTH;
-    float res[16];
-    for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
-        const int64_t c1 = std::min(nchunks, c0 + KB);
-        sc.panel.resize(W * 4 * (c1 - c0) + 16);
-        float* panel = align64(sc.panel.data());
-        for (int64_t n = r0; n < r1; n += 4) {
-            const int nr = (int)std::min<int64_t>(4, r1 - n);
-            fp8_panel(C, rb + n, nr, c0, c1, panel);
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int mb = (int)std::min<int64_t>(4, M - m0);
-                with_value<4, 3, 2, 1>(nr, [&](auto Rc) {
-                    constexpr int R = decltype(Rc)::value;
-                    with_value<4, 3, 2, 1>(mb, [&](auto MBc) {
-                        panel_tile<R, decltype(MBc)::value>(panel, xm0 + m0 * xs, xs, c0, c1, res);
-                    });
-                    for (int m = 0; m < mb; ++m)
-                        for (int r = 0; r < R; ++r) wbuf[(n + r) * M + m0 + m] += res[m * R + r];
-                });
-            }
-        }
-    }
 }
 
 // One tile of R weight rows x mb activation rows on this path over its loads [c0, c1): the bf16, fp8 or
@@ -1159,12 +1096,6 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
         const int64_t r1 = std::min(count, r0 + RB);
         for (int64_t i = r0; i < r1; ++i) rows[i - r0] = row_of(C, W, e, slot, n0 + pos[i]);
         const Row* rb = rows.data() - r0;  // rb[n]: row n of the item (n in [r0, r1))
-        if constexpr (KIND == FP8) {
-            if (M >= PANEL_ROWS) {
-                panel_rows(C, rb, r0, r1, nchunks, KB, xm0, xs, M, sc, wbuf);
-                continue;
-            }
-        }
         Row next[4];
         const bool has_next = KIND == BF16 && whole && RB == 4 && M > 4 && r1 + 4 <= count;
         if (has_next)
@@ -1297,27 +1228,22 @@ bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint
             put16(_mm512_mul_ps(_mm512_permutexvar_ps(idx, tab), _mm512_set1_ps(sc)), dst + k);
         }
     } else {
-        // 32 codes a step (then 16 for the tail) by the fp16 trick (the AVX2 path's): sign-extended, << 7 and
-        // masked they are the fp16 bits of value * 2^-8 (subnormals included), widened exactly; the NaN code
-        // decodes as 480. Times 2^8 alone (fp32 block scales) the values are exact: checked only when folded
-        const __m256i mask = _mm256_set1_epi16((int16_t)0xBF80);
-        const __m512i mask32 = _mm512_set1_epi16((int16_t)0xBF80);
-        for (; k + 32 <= C.K; k += 32) {
-            const __m512i h = _mm512_and_si512(
-                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.w + k))), 7),
-                mask32);
-            const __m512 sc = _mm512_set1_ps(256.f);
-            const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sc);
-            const __m512 b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sc);
-            __m512i v = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-            if (fold8 && !times_pow2(v, r.s8[C.sub2blk[k / 32]], 118, 135)) return false;  // E4M3: 2^-9 .. 448
-            _mm512_storeu_si512(dst + k, v);
-        }
-        for (; k < C.K; k += 16) {
-            const __mmask16 in = C.K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C.K - k)) - 1);
-            const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(in, r.w + k)), 7), mask);
-            const float sc = fold8 ? 256.f * fp8_scale(r, C.sub2blk[k / 32]) : 256.f;
-            put16(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(sc)), dst + k);
+        // 64 codes a step, fp8dp_tile's decode (each code's bf16 bytes from two 128-entry tables, the sign copied),
+        // the codes' qwords first put in the order that makes its byte unpacks give the values in K order (zeros
+        // past K; the NaN code decodes as 480, as on the AVX2 path). An E8M0 block scale is added to the exponents
+        // (fold8: exact for scale bytes in [10, 246]); fp32 block scales go on the k-blocks' sums.
+        const Fp8Tables T;
+        const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+        for (; k < C.K; k += 64) {
+            const int64_t n = std::min<int64_t>(64, C.K - k);
+            const __m512i c = _mm512_permutexvar_epi64(order, load_codes(r.w + k, n == 64, (~0ull) >> (64 - n)));
+            const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(T.ha, c, T.hb), _mm512_and_si512(c, T.sign));
+            const __m512i lo = _mm512_permutex2var_epi8(T.la, c, T.lb);
+            __m512i v[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
+            for (int h = 0; h < 2 && k + 32 * h < Kp; ++h) {
+                if (fold8 && !times_pow2(v[h], r.s8[C.sub2blk[(k + 32 * h) / 32]], 118, 135)) return false;  // 2^-9 .. 448
+                _mm512_storeu_si512(dst + k + 32 * h, v[h]);
+            }
         }
     }
     for (; k < Kp; k += 16) std::memset(dst + k, 0, 32);
@@ -1348,12 +1274,105 @@ bool run_item_decoded(const Ctx& C, const Weights& W, int64_t e, int64_t slot, i
     }
     return true;
 }
+
+// A prompt's E4M3 rows (fp32 block scales: DeepSeek's and GLM's 128 x 128, `*=fp8`; or E8M0 ones that do not fold)
+// against PAIR_ROWS or more x rows: the rows decoded to exact bf16 without their scales (decode_bf16_row) a ~256 KB
+// block at a time, x packed by value pairs (pack_x_pairs, 16 x rows a vector), and vdpbf16ps adds a weight pair,
+// broadcast, times 16 x rows' pairs to 16 lanes: each lane one output, summed along K. A k-block's pair steps (64 at
+// 128 values) go to sums from zero, then times the row's block scale into the output's fp32 sum: one FMA a block,
+// where lanes along K (the decode tiles, and the panels this replaced: ~110-120 GFLOP/s from 32 rows) take one a
+// 64-value chunk. An output has the same bits at any M from PAIR_ROWS (its lane's arithmetic is its own row's and
+// column's); decode batches and verify blocks keep the decode tiles' bits. From 20 rows two groups' 32 lanes beat
+// the decode tiles (1024 x 1024 at 17 / 32 / 64 / 256 rows: 88 / 162 / 182 / 196 GFLOP/s, decode tiles ~95 at 17).
+constexpr int64_t PAIR_ROWS = 20;
+
+// R weight rows (w: decoded, natural order; rows: their scales) x V groups of 16 x rows (group v's pair q
+// at xg[v * gs + 16 q]) over `steps` 32-value steps (k-block sub2blk[s]): out[m * os + r] for x rows m < mv, rows
+// r < nr. Every loop over acc is unrolled (a rolled one puts acc on the stack).
+template <int R, int V>
+__attribute__((noinline)) void pair_tile(const uint16_t* const* w, const Row* rows, const uint32_t* xg,
+                                         int64_t gs, const int32_t* sub2blk, int64_t steps, float* out, int64_t os,
+                                         int nr, int mv) {
+    alignas(64) float tot[R * V * 16] = {};
+    for (int64_t s0 = 0; s0 < steps;) {
+        const int32_t b = sub2blk[s0];
+        int64_t s1 = s0 + 1;
+        while (s1 < steps && sub2blk[s1] == b) ++s1;
+        __m512 acc[R * V];
+#pragma GCC unroll 24
+        for (int i = 0; i < R * V; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t q = 16 * s0; q < 16 * s1; ++q) {
+            __m512bh xv[V];
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) xv[v] = (__m512bh)_mm512_load_si512(xg + v * gs + 16 * q);
+#pragma GCC unroll 12
+            for (int r = 0; r < R; ++r) {
+                int32_t pr;
+                std::memcpy(&pr, w[r] + 2 * q, 4);
+                const __m512bh wb = (__m512bh)_mm512_set1_epi32(pr);
+#pragma GCC unroll 4
+                for (int v = 0; v < V; ++v) acc[r * V + v] = _mm512_dpbf16_ps(acc[r * V + v], wb, xv[v]);
+            }
+        }
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+            const __m512 S = _mm512_set1_ps(fp8_scale(rows[r], b));
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) {
+                float* t = tot + 16 * (r * V + v);
+                _mm512_store_ps(t, _mm512_fmadd_ps(acc[r * V + v], S, _mm512_load_ps(t)));
+            }
+        }
+        s0 = s1;
+    }
+    for (int m = 0; m < mv; ++m)
+        for (int r = 0; r < nr; ++r) out[m * os + r] = tot[16 * (r * V + m / 16) + m % 16];
+}
+
+// Rows [n0, n1) of E4M3 expert e against its x rows [t0, t0 + M) (bf16, natural order, stride
+// K) by pair_tile: x packed once, the rows decoded a block at a time, x rows 64 at a time (4 groups: 6 weight rows a
+// tile; fewer groups, more rows, 24 sums a tile).
+void run_item_pairs(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t n1, const uint16_t* x, int64_t t0,
+                    int64_t M, const Out& O, Scratch& sc, std::vector<uint16_t>& dbuf) {
+    const int64_t K = C.K, Kp = (K + 31) / 32 * 32, steps = Kp / 32, gs = 8 * Kp, groups = (M + 15) / 16;
+    sc.pairs.resize((size_t)(groups * gs + 16));
+    uint32_t* xa = align64(sc.pairs.data());
+    for (int64_t g = 0; g < groups; ++g)
+        pack_x_pairs(x, K, t0 + 16 * g, std::min<int64_t>(16, M - 16 * g), 16, xa + g * gs);
+    const int64_t block = std::max<int64_t>(24, (256 << 10) / (2 * Kp) / 24 * 24);
+    for (int64_t b0 = n0; b0 < n1; b0 += block) {
+        const int64_t b1 = std::min(n1, b0 + block), count = b1 - b0;
+        dbuf.resize((size_t)(count * Kp));
+        for (int64_t n = b0; n < b1; ++n)  // (unscaled E4M3 values are always exact in bf16)
+            decode_bf16_row(C, row_of(C, W, e, 0, n), false, false, dbuf.data() + (n - b0) * Kp, Kp);
+        sc.wbuf.resize((size_t)(M * count));
+        float* y = sc.wbuf.data();
+        for (int64_t m0 = 0; m0 < M; m0 += 64) {
+            with_value<1, 2, 3, 4>(std::min<int64_t>(4, (M - m0 + 15) / 16), [&](auto Vc) {
+                constexpr int V = decltype(Vc)::value, R = V <= 2 ? 12 : V == 3 ? 8 : 6;
+                for (int64_t r0 = 0; r0 < count; r0 += R) {
+                    const int nr = (int)std::min<int64_t>(R, count - r0);
+                    const uint16_t* wr[R];
+                    Row rows[R];
+                    for (int r = 0; r < R; ++r) {  // a last tile's missing rows repeat its last one
+                        const int64_t n = r0 + std::min(r, nr - 1);
+                        wr[r] = dbuf.data() + n * Kp;
+                        rows[r] = row_of(C, W, e, 0, b0 + n);
+                    }
+                    pair_tile<R, V>(wr, rows, xa + (m0 / 16) * gs, gs, C.sub2blk, steps, y + m0 * count + r0, count, nr,
+                                    (int)std::min<int64_t>(64, M - m0));
+                }
+            });
+        }
+        put_sums(O, y, count, b0, t0, M, 1.f, false);
+    }
+}
 #endif  // MOESAIC_AVX512BF16
 
 #if defined(MOESAIC_AMX)
 // bf16 weights against bf16 activations by AMX tiles (Sapphire Rapids and later), at every M <= 16: the
 // weights are the A operand as stored (16 rows x 32 values a tile, row stride K), x the B operand packed once
-// per call (pack_x_amx: per 32 values of K, 16 rows of value pairs x M columns), C = 16 weight rows x M
+// per call (pack_x_pairs: per 32 values of K, 16 rows of value pairs x M columns), C = 16 weight rows x M
 // activation rows in fp32. tdpbf16ps adds each pair's products to C with the instruction's rules (exact
 // products, round to nearest even, subnormals flushed, as vdpbf16ps), 32 values of K a step in K order, so an
 // output's arithmetic depends on its own row and column only: the same bits at any M, alone or grouped.
@@ -1384,21 +1403,6 @@ void put_tile(const Out& O, int64_t t0, int64_t M, int64_t n0, int64_t rs, int64
     if (O.dtype == 0) put_tile_as<float>(O, t0, M, n0, rs, nr, c);
     else if (O.dtype == 1) put_tile_as<c10::BFloat16>(O, t0, M, n0, rs, nr, c);
     else put_tile_as<c10::Half>(O, t0, M, n0, rs, nr, c);
-}
-
-// x rows [t0, t0 + M) -> B tiles at out: 32-value step c, pair row p, column m: the dword
-// (x[t0 + m][32c + 2p], x[t0 + m][32c + 2p + 1]), zero past K.
-void pack_x_amx(const uint16_t* x, int64_t K, int64_t t0, int64_t M, uint32_t* out) {
-    const int64_t pairs = (K + 31) / 32 * 16, whole = K / 2;  // pair rows (padded); pairs inside K
-    for (int64_t m = 0; m < M; ++m) {  // a transpose of x's value pairs, [M, K / 2] -> [K / 2, M]
-        const uint16_t* xr = x + (t0 + m) * K;
-        for (int64_t q = 0; q < whole; ++q) {
-            uint32_t v;
-            std::memcpy(&v, xr + 2 * q, 4);
-            out[q * M + m] = v;
-        }
-        for (int64_t q = whole; q < pairs; ++q) out[q * M + m] = 2 * q < K ? xr[2 * q] : 0;  // odd K; padding
-    }
 }
 
 // Where a block of weight rows [b0, b1) is read from, as bf16 rows: row b0 at base, row stride ws bytes,
@@ -1895,8 +1899,8 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     if (amx)
         for (int64_t e : active)  // by 16 rows: one B tile's columns
             for (int64_t t = e ? ends[e - 1] : 0; t < ends[e]; t += 16)
-                pack_x_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), K, t, std::min<int64_t>(16, ends[e] - t),
-                           xa.data() + t * pairs);
+                pack_x_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr()), K, t, std::min<int64_t>(16, ends[e] - t),
+                             std::min<int64_t>(16, ends[e] - t), xa.data() + t * pairs);
 #endif
 
     // work items: (expert, block of rows); enough of them to balance the threads
@@ -1944,15 +1948,18 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #endif
 #if defined(MOESAIC_AVX512BF16)
         if (dp) {
-            if (kind == BF16 && ends[e] - t0 >= GEMM_ROWS) run_item_gemm(C, W, e, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, sc);
-            else if (kind != BF16 && !(kind == FP8 && W.s_f32) && ends[e] - t0 >= DECODED_ROWS &&
-                     run_item_decoded(C, W, e, slot, items[i][1], items[i][2],
-                                      reinterpret_cast<const uint16_t*>(x.data_ptr()), t0, ends[e] - t0, O, sc, dbuf))
+            const uint16_t* xn = reinterpret_cast<const uint16_t*>(x.data_ptr());  // x rows in natural order
+            const int64_t M = ends[e] - t0;
+            if (kind == BF16 && M >= GEMM_ROWS) run_item_gemm(C, W, e, items[i][1], items[i][2], xb, K, t0, M, O, sc);
+            else if (kind != BF16 && !(kind == FP8 && W.s_f32) && M >= DECODED_ROWS &&
+                     run_item_decoded(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf))
                 return;
-            else if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, ends[e] - t0, O, sc);
-            else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
-            else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
-            else run_item_dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, ends[e] - t0, O, sc);
+            else if (kind == FP8 && M >= PAIR_ROWS)  // fp32 block scales, or E8M0 ones that do not fold
+                run_item_pairs(C, W, e, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf);
+            else if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, M, O, sc);
+            else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, M, O, sc);
+            else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, M, O, sc);
+            else run_item_dp<NV>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, M, O, sc);
             return;
         }
 #endif
