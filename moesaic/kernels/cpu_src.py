@@ -422,12 +422,12 @@ void tile_mb(int mb, const Ctx& C, const Row* rows, const float* x, int64_t xs, 
     }
 }
 
-// acc[(n - n0) * M + m] += x rows [0, M) . weight rows [n0, n1) over chunks [c0, c1) (+ tail).
+// acc[pos[n] * M + m] += x rows [0, M) . weight rows [n0, n1) (rows[n - n0]) over chunks [c0, c1) (+ tail).
 // Activation blocks of up to 4 rows; weight rows in groups of 4 (bf16 and the int8 tiles, memory-bound: four streams)
 // or 1-2 (fp8 / fp4, decode-bound: one row at a time streams best, measured).
 template <int KIND>
 void rows_pass(const Ctx& C, const Row* rows, int64_t n0, int64_t n1, const float* x, int64_t xs, int64_t M,
-               int64_t c0, int64_t c1, bool tail, float* acc) {
+               int64_t c0, int64_t c1, bool tail, const int64_t* pos, float* acc) {
     float res[16];
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int mb = (int)std::min<int64_t>(4, M - m0);
@@ -437,7 +437,7 @@ void rows_pass(const Ctx& C, const Row* rows, int64_t n0, int64_t n1, const floa
             const Row* rg = rows + (n - n0);
             auto add = [&](int64_t r0, int R) {
                 for (int m = 0; m < mb; ++m)
-                    for (int r = 0; r < R; ++r) acc[(n - n0 + r0 + r) * M + m0 + m] += res[m * R + r];
+                    for (int r = 0; r < R; ++r) acc[pos[n + r0 + r] * M + m0 + m] += res[m * R + r];
             };
             int64_t r = 0;
             constexpr bool streams = KIND == BF16 || KIND == MXQ || KIND == NVQ;  // memory-bound: 4 streams
@@ -569,20 +569,22 @@ const std::vector<int64_t>& section_order(Scratch& s, int64_t count) {
 inline bool whole_rows(int64_t M, int64_t x_bytes) { return M <= 4 || M * x_bytes <= (256 << 10); }
 inline int64_t row_block(int64_t M, bool whole) { return M <= 4 ? 256 : whole ? 4 : 32; }
 
-// The item's sums (wbuf, rows in section order) to the output, a row of x at a time: back in row order (tmp),
-// plus the bias, then stored by store_row's conversion (a contiguous loop, not a scattered one a value).
+// The item's sums (wbuf [count rows][M], in row order: the tiles add each to its row's place) to the output, a row
+// of x at a time: plus the bias, stored by store_row's conversion (one x row: wbuf is that row; more: gathered
+// into tmp first, a contiguous loop, not a scattered one a value).
 void store_row(int t, const float* y, void* p, int64_t n);
-void put_rows(const Out& O, int64_t t0, int64_t n0, int64_t M, const std::vector<int64_t>& pos, Scratch& sc) {
-    const size_t n = pos.size();
-    sc.tmp.resize(n);
-    float* tmp = sc.tmp.data();
+void put_rows(const Out& O, int64_t t0, int64_t n0, int64_t M, int64_t n, Scratch& sc) {
     const int64_t elem = O.dtype == 0 ? 4 : 2;
+    if (M > 1) sc.tmp.resize(n);
     for (int64_t m = 0; m < M; ++m) {
-        const float* w = sc.wbuf.data() + m;
-        for (size_t i = 0; i < n; ++i) tmp[pos[i]] = w[i * M];
+        float* tmp = M == 1 ? sc.wbuf.data() : sc.tmp.data();
+        if (M > 1) {
+            const float* w = sc.wbuf.data() + m;
+            for (int64_t i = 0; i < n; ++i) tmp[i] = w[i * M];
+        }
         if (O.bias)
-            for (size_t i = 0; i < n; ++i) tmp[i] += O.bias[n0 + i];
-        store_row((int)O.dtype, tmp, static_cast<char*>(O.p) + ((t0 + m) * O.ld + n0) * elem, (int64_t)n);
+            for (int64_t i = 0; i < n; ++i) tmp[i] += O.bias[n0 + i];
+        store_row((int)O.dtype, tmp, static_cast<char*>(O.p) + ((t0 + m) * O.ld + n0) * elem, n);
     }
 }
 
@@ -633,11 +635,11 @@ void run_item(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n
         for (int64_t c0 = 0; c0 < nchunks; c0 += KB) {
             const int64_t c1 = std::min(c0 + KB, nchunks);
             const bool tail = C.tail_bytes && c1 == nchunks;
-            rows_pass<KIND>(C, rows.data(), r0, r1, x + t0 * xs, xs, M, c0, tail ? c1 - 1 : c1, tail,
-                            wbuf.data() + r0 * M);
+            rows_pass<KIND>(C, rows.data(), r0, r1, x + t0 * xs, xs, M, c0, tail ? c1 - 1 : c1, tail, pos.data(),
+                            wbuf.data());
         }
     }
-    put_rows(O, t0, n0, M, pos, sc);
+    put_rows(O, t0, n0, M, count, sc);
 #endif
 }
 
@@ -1108,7 +1110,7 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
                     const int nr = (int)std::min<int64_t>(RT, r1 - n);
                     auto add = [&](int64_t at, int R) {
                         for (int m = 0; m < mb; ++m)
-                            for (int r = 0; r < R; ++r) wbuf[(at + r) * M + m0 + m] += res[m * R + r];
+                            for (int r = 0; r < R; ++r) wbuf[pos[at + r] * M + m0 + m] += res[m * R + r];
                     };
                     // bf16 rows whole at 8-16 x rows: the second pass of 4 fetches the next block's 4 rows
                     const Row* nx = has_next && m0 == 4 && nr == 4 ? next : nullptr;
@@ -1119,7 +1121,7 @@ void run_item_dp(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_
             }
         }
     }
-    put_rows(O, t0, n0, M, pos, sc);
+    put_rows(O, t0, n0, M, count, sc);
 }
 
 // bf16 x [T, K] -> [T, Kc] bf16 words in each `width`-value load's decoded order, zero padded (Kc: whole loads),
