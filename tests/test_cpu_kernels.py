@@ -374,10 +374,10 @@ DECODED = ("mxfp4", "nvfp4-ct", "nvfp4-modelopt", "fp8-32x32-ue8m0", "fp8-128x12
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "bf16"])
 def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
     """Packed weights against more than MAX_ROWS bf16 rows on the vdpbf16ps path (AMX off): QuantizedTensor's
-    matmul and grouped_matmul take the kernels up to PACKED_DP_ROWS rows, in one call, the fp32 reference to bf16
+    matmul and grouped_matmul take the kernels at any number of rows, in one call, the fp32 reference to bf16
     rounding: E2M1 and E8M0-scaled E4M3 by their weights decoded to exact bf16 (the bf16 kernel's bits on them),
     fp32-scaled E4M3 from PAIR_ROWS rows by the pair tiles (each output the bits it has at any M from there); up to
-    MAX_ROWS rows the decode bits; above PACKED_DP_ROWS, the fp32 tiles."""
+    MAX_ROWS rows the decode bits."""
     monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
     if not cpu.has_bf16dp():
         pytest.skip("no vdpbf16ps path on this CPU")
@@ -422,10 +422,13 @@ def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
         assert cpu.stats["kernel_calls"] == before + 1
         assert torch.equal(got[:17], stack[0].matmul(x[:17]))
         assert torch.equal(got[17:], stack[1].matmul(x[17:]))
-    more = torch.randn(cpu.PACKED_DP_ROWS + 1, k, generator=gen).bfloat16()
-    before = cpu.stats["fallback_calls"]
-    w.matmul(more)
-    assert cpu.stats["fallback_calls"] == before + 1
+    # a prompt of any length: one call (no fp32 fallback), each row the bits it has at fewer rows
+    many = torch.randn(300, k, generator=gen).bfloat16()
+    before = cpu.stats["kernel_calls"], cpu.stats["fallback_calls"]
+    got = w.matmul(many)
+    assert (cpu.stats["kernel_calls"], cpu.stats["fallback_calls"]) == (before[0] + 1, before[1])
+    assert torch.equal(got[:PAIR_ROWS], w.matmul(many[:PAIR_ROWS]))
+    _assert_bf16_rounding(got, _reference(w, many))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "fp8-32x32-ue8m0"])

@@ -99,9 +99,11 @@ AMX_ROWS = 64
 # at 32-64
 DP_ROWS = 256
 DP_WIDE_K, DP_WIDE_ROWS = 2048, 64
-# ... and against packed (fp8 / fp4) weights on that path: its decode tiles ran 1.0-2.4x faster than the fp32
-# tiles (weights dequantized, F.linear) at 17-256 bf16 rows on a Zen 4 core (fp8 level at 256; docs/perf.md)
-PACKED_DP_ROWS = 256
+# ... and against packed (fp8 / fp4) weights on that path: any number (above MAX_ROWS the weights decoded to bf16
+# a block of rows at a time and multiplied by the prompt tiles, or by the pair tiles for fp32-scaled E4M3, ~190
+# GFLOP/s at 256 rows on a Zen 4 core, where the fp32 tiles on weights dequantized ran ~100: a 2048-token
+# Mistral-4 *=mxfp4 prefill 907 -> 1317 tok/s without a cap at 256 rows; docs/perf.md)
+PACKED_DP_ROWS = 1 << 40
 MIN_THREAD_BYTES = 1 << 18  # weight bytes (per row of x) below which one more thread does not pay
 TILE_ELEMS = 1 << 21  # weight elements converted to fp32 at a time by tiled_linear (8 MB)
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -158,14 +160,12 @@ def dense_rows(k: int = 0) -> int:
 
 def packed_rows(x: torch.Tensor) -> int:
     """Rows of x per matrix the kernels serve against packed (fp8 / fp4) weights: MAX_ROWS through their
-    decode paths, PACKED_DP_ROWS for bf16 x where vdpbf16ps runs them, and any number for bf16 x where AMX
-    tiles run (above MAX_ROWS the weights are decoded to bf16 a block of rows at a time and multiplied by the
-    tiles: prefill, large batches)."""
+    decode paths, and any number (PACKED_DP_ROWS) for bf16 x where vdpbf16ps or AMX tiles run them (above
+    MAX_ROWS the weights are decoded to bf16 a block of rows at a time and multiplied by the tiles: prefill,
+    large batches)."""
     if x.dtype != torch.bfloat16 or not enabled():
         return MAX_ROWS
-    if amx_enabled() and has_amx():
-        return 1 << 40
-    return PACKED_DP_ROWS if has_bf16dp() else MAX_ROWS
+    return PACKED_DP_ROWS if has_bf16dp() or (amx_enabled() and has_amx()) else MAX_ROWS
 
 
 def _build_name() -> str:
