@@ -44,8 +44,9 @@ Rapids; not Cooper Lake, whose build takes the AVX2 tiles) bf16 activations take
 (run_item_dp), against bf16 weights (32 a load, used as stored), E2M1 (128 a load, decoded to bf16 by one
 32-word table, vpermw) and E4M3 (64 a load, by two 128-entry byte tables): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows;
 a prompt's E2M1 and E8M0-scaled E4M3 rows (more than MAX_ROWS x rows) are decoded to exact bf16 a block at a time
-for the bf16 prompt tiles (run_item_decoded). fp32 / fp16
-activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
+for the bf16 prompt tiles (run_item_decoded), and its fp32-scaled E4M3 rows (PAIR_ROWS or more) decoded without
+their scales for the pair tiles (run_item_pairs: x packed by value pairs, 16 x rows a vector, each k-block's sums
+scaled once). fp32 / fp16 activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
 bf16 products take AMX tiles at every row count instead (amx_item: the weights as the A operand in place,
 x packed once a call as B, 16 weight rows x up to 32 activation rows a tile pass), and packed weights
 against 8 or more bf16 rows (AMX_PACKED_ROWS) are decoded to bf16 a block of rows at a time (decode_bf16_row; group
