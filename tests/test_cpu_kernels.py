@@ -481,6 +481,7 @@ def test_fp8_prompt_rows_by_pair_tiles(kernel, monkeypatch):
         alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
         assert (got != alone).float().mean() > 0.5  # the pair tiles, not the decode tiles
         assert torch.equal(got[:PAIR_ROWS], w.matmul(x[:PAIR_ROWS]))  # whatever M from PAIR_ROWS
+        assert torch.equal(_raw(w, x, threads=3), got)  # x packed once, shared by the threads' items
         assert torch.equal(w.matmul(x[: PAIR_ROWS - 1]), alone[: PAIR_ROWS - 1])  # below: the decode tiles
         xr = torch.randn(PAIR_ROWS + 13, 1024, generator=gen).bfloat16()  # sums without cancellation
         _assert_bf16_rounding(w.matmul(xr), _reference(w, xr))

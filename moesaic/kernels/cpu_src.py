@@ -1333,15 +1333,19 @@ __attribute__((noinline)) void pair_tile(const uint16_t* const* w, const Row* ro
 }
 
 // Rows [n0, n1) of E4M3 expert e against its x rows [t0, t0 + M) (bf16, natural order, stride
-// K) by pair_tile: x packed once, the rows decoded a block at a time, x rows 64 at a time (4 groups: 6 weight rows a
-// tile; fewer groups, more rows, 24 sums a tile).
+// K) by pair_tile: x packed by the caller (packed: its groups of 16 rows, 64-byte aligned) or here, the rows decoded
+// a block at a time, x rows 64 at a time (4 groups: 6 weight rows a tile; fewer groups, more rows, 24 sums a tile).
 void run_item_pairs(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t n1, const uint16_t* x, int64_t t0,
-                    int64_t M, const Out& O, Scratch& sc, std::vector<uint16_t>& dbuf) {
+                    int64_t M, const Out& O, Scratch& sc, std::vector<uint16_t>& dbuf, const uint32_t* packed) {
     const int64_t K = C.K, Kp = (K + 31) / 32 * 32, steps = Kp / 32, gs = 8 * Kp, groups = (M + 15) / 16;
-    sc.pairs.resize((size_t)(groups * gs + 16));
-    uint32_t* xa = align64(sc.pairs.data());
-    for (int64_t g = 0; g < groups; ++g)
-        pack_x_pairs(x, K, t0 + 16 * g, std::min<int64_t>(16, M - 16 * g), 16, xa + g * gs);
+    const uint32_t* xa = packed;
+    if (!xa) {
+        sc.pairs.resize((size_t)(groups * gs + 16));
+        uint32_t* xp = align64(sc.pairs.data());
+        for (int64_t g = 0; g < groups; ++g)
+            pack_x_pairs(x, K, t0 + 16 * g, std::min<int64_t>(16, M - 16 * g), 16, xp + g * gs);
+        xa = xp;
+    }
     const int64_t block = std::max<int64_t>(24, (256 << 10) / (2 * Kp) / 24 * 24);
     for (int64_t b0 = n0; b0 < n1; b0 += block) {
         const int64_t b1 = std::min(n1, b0 + block), count = b1 - b0;
@@ -1883,9 +1887,26 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
     }
     std::vector<uint16_t> x4;
     const int64_t Kc = kind == FP8 ? (K + CH - 1) / CH * CH : (K + 127) / 128 * 128;  // whole loads
+    std::vector<uint32_t> xpairs;           // the pair tiles' x (fp32-scaled E4M3): packed once a call, shared by
+    std::vector<int64_t> pair_group(E, -1);  // an expert's items; its first group of 16 rows (-1: not packed)
+    const int64_t pair_gs = (K + 31) / 32 * 256;  // dwords of a group
+    (void)pair_gs;
 #if defined(MOESAIC_AVX512BF16)
     if (dp && kind == FP8) x4 = prep_x_fp8dp(x, Kc);
     else if (dp && kind != BF16 && !(q8 && vnni)) x4 = prep_x_fp4dp(x, Kc);
+    if (dp && kind == FP8 && W.s_f32) {
+        int64_t groups = 0;
+        for (int64_t e : active) {
+            const int64_t rows = ends[e] - (e ? ends[e - 1] : 0);
+            if (rows >= PAIR_ROWS) pair_group[e] = groups, groups += (rows + 15) / 16;
+        }
+        xpairs.resize(groups ? (size_t)(groups * pair_gs + 16) : 0);
+        uint32_t* xq = align64(xpairs.data());
+        for (int64_t e : active)
+            for (int64_t g = 0, t0 = e ? ends[e - 1] : 0; pair_group[e] >= 0 && t0 + 16 * g < ends[e]; ++g)
+                pack_x_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr()), K, t0 + 16 * g,
+                             std::min<int64_t>(16, ends[e] - t0 - 16 * g), 16, xq + (pair_group[e] + g) * pair_gs);
+    }
 #endif
     const uint16_t* xb = !dp ? nullptr : kind == BF16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : align64(x4.data());
     (void)xb;  // used by the AVX-512 BF16 paths only
@@ -1958,7 +1979,8 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
                      run_item_decoded(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf))
                 return;
             else if (kind == FP8 && M >= PAIR_ROWS)  // fp32 block scales, or E8M0 ones that do not fold
-                run_item_pairs(C, W, e, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf);
+                run_item_pairs(C, W, e, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf,
+                               pair_group[e] >= 0 ? align64(xpairs.data()) + pair_group[e] * pair_gs : nullptr);
             else if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, M, O, sc);
             else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, M, O, sc);
             else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, M, O, sc);
@@ -1972,8 +1994,9 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
                                          O, generic, sc);
         });
     };
-    auto trim = [](Scratch& sc) {  // keep at most 4 MB a thread
+    auto trim = [](Scratch& sc) {  // keep at most 4 MB a buffer a thread (a long prompt's sums and packed x)
         if (sc.wbuf.capacity() > (1 << 20)) std::vector<float>().swap(sc.wbuf);
+        if (sc.pairs.capacity() > (1 << 20)) std::vector<uint32_t>().swap(sc.pairs);
     };
     pybind11::gil_scoped_release no_gil;
     if (nt > 1 && n_items > 1) {
