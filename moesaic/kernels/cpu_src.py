@@ -537,7 +537,7 @@ inline T* align64(T* p) {  // the first 64-byte boundary at or after p (its buff
 }
 
 struct Scratch {
-    std::vector<float> wbuf, tmp;  // an item's sums (section order), a row of them in row order
+    std::vector<float> wbuf, tmp;  // an item's sums ([rows][x rows]), one x row's of them gathered
     std::vector<uint32_t> pairs;   // a prompt's x rows packed by value pairs (run_item_pairs)
     std::vector<Row> rows;
     std::array<std::pair<int64_t, std::vector<int64_t>>, 8> orders;  // (count, its order), -1: none yet
