@@ -459,6 +459,35 @@ def test_packed_prompt_rows_decoded_to_bf16(kernel, monkeypatch, fmt):
         assert torch.equal(w.matmul(x), torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])]))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "fp8-32x32-ue8m0"])
+def test_wide_packed_prompt_rows_by_pair_tiles(kernel, monkeypatch, fmt):
+    """Past PAIR_WIDE_K columns, E2M1 and E8M0-scaled E4M3 rows against more than MAX_ROWS prompt rows take the
+    pair tiles on their weights decoded to exact bf16 (the scales folded; nvfp4's global scale on the sums): each
+    row the bits it has at any M from MAX_ROWS + 1, neither a decode row's nor the prompt tiles' (which sum lanes
+    along K: the +-2^20 pair 32 apart falls in one lane's running sum here, in separate lanes there), within one
+    bf16 rounding of the fp32 reference."""
+    monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
+    if not cpu.has_bf16dp():
+        pytest.skip("no vdpbf16ps path on this CPU")
+    gen = torch.Generator().manual_seed(31)
+    k = 2560  # past PAIR_WIDE_K (2048)
+    w = ENCODE[fmt](torch.ones(8, k))
+    x = torch.randn(cpu.MAX_ROWS + 8, k, generator=gen) * 2**-10
+    x[:, 0], x[:, 32] = 2**20, -(2**20)
+    x = x.bfloat16()
+    got = w.matmul(x)
+    alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+    assert (got != alone).float().mean() > 0.5  # not the decode tiles
+    assert torch.equal(got[: cpu.MAX_ROWS + 1], w.matmul(x[: cpu.MAX_ROWS + 1]))  # whatever M
+    assert torch.equal(w.matmul(x[: cpu.MAX_ROWS]), alone[: cpu.MAX_ROWS])  # decode batches: the decode tiles
+    if w.global_scale is None:  # not the prompt tiles on the dequantized weights
+        tiles = cpu.bf16_matmul(x, w.dequantize(torch.float32).bfloat16())
+        assert (got != tiles).float().mean() > 0.5
+    wr = ENCODE[fmt](torch.randn(40, k, generator=gen) * 0.1)
+    xr = torch.randn(cpu.MAX_ROWS + 8, k, generator=gen).bfloat16()
+    _assert_bf16_rounding(wr.matmul(xr), _reference(wr, xr))
+
+
 def test_fp8_prompt_rows_by_pair_tiles(kernel, monkeypatch):
     """On the vdpbf16ps path (AMX off) E4M3 rows with fp32 block scales against PAIR_ROWS or more prompt rows take
     the pair tiles (a weight pair broadcast against 16 x rows' pairs: each lane one output summed along K, a

@@ -44,9 +44,9 @@ Rapids; not Cooper Lake, whose build takes the AVX2 tiles) bf16 activations take
 (run_item_dp), against bf16 weights (32 a load, used as stored), E2M1 (128 a load, decoded to bf16 by one
 32-word table, vpermw) and E4M3 (64 a load, by two 128-entry byte tables): 16 fp32 lanes of pair sums, tiles of 4 weight rows x 4 activation rows;
 a prompt's E2M1 and E8M0-scaled E4M3 rows (more than MAX_ROWS x rows) are decoded to exact bf16 a block at a time
-for the bf16 prompt tiles (run_item_decoded), and its fp32-scaled E4M3 rows (PAIR_ROWS or more) decoded without
-their scales for the pair tiles (run_item_pairs: x packed by value pairs, 16 x rows a vector, each k-block's sums
-scaled once). fp32 / fp16 activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
+for the bf16 prompt tiles (run_item_decoded; past PAIR_WIDE_K columns for the pair tiles instead), and its
+fp32-scaled E4M3 rows (PAIR_ROWS or more) decoded without their scales for the pair tiles (run_item_pairs: x packed
+by value pairs, 16 x rows a vector, each k-block's sums scaled once). fp32 / fp16 activations keep the AVX2 path. On CPUs with AMX (`__AMX_BF16__`: Sapphire Rapids and later, Linux) bf16 x
 bf16 products take AMX tiles at every row count instead (amx_item: the weights as the A operand in place,
 x packed once a call as B, 16 weight rows x up to 32 activation rows a tile pass), and packed weights
 against 8 or more bf16 rows (AMX_PACKED_ROWS) are decoded to bf16 a block of rows at a time (decode_bf16_row; group
@@ -1290,6 +1290,10 @@ bool run_item_decoded(const Ctx& C, const Weights& W, int64_t e, int64_t slot, i
 // column's); decode batches and verify blocks keep the decode tiles' bits. From 20 rows two groups' 32 lanes beat
 // the decode tiles (1024 x 1024 at 17 / 32 / 64 / 256 rows: 88 / 162 / 182 / 196 GFLOP/s, decode tiles ~95 at 17).
 constexpr int64_t PAIR_ROWS = 20;
+// ... and past PAIR_WIDE_K columns, E2M1 and E8M0-scaled E4M3 prompt rows too (their scales folded into the decoded
+// bf16, nvfp4's global scale on the sums), where the prompt tiles' K blocks cost more (bf16 rows at 256: 1.05-1.12x
+// them at K = 2816-4096, level at 1024)
+constexpr int64_t PAIR_WIDE_K = 2048;
 
 // R weight rows (w: decoded, natural order; rows: their scales) x V groups of 16 x rows (group v's pair q
 // at xg[v * gs + 16 q]) over `steps` 32-value steps (k-block sub2blk[s]): out[m * os + r] for x rows m < mv, rows
@@ -1334,12 +1338,20 @@ __attribute__((noinline)) void pair_tile(const uint16_t* const* w, const Row* ro
         for (int r = 0; r < nr; ++r) out[m * os + r] = tot[16 * (r * V + m / 16) + m % 16];
 }
 
-// Rows [n0, n1) of E4M3 expert e against its x rows [t0, t0 + M) (bf16, natural order, stride
-// K) by pair_tile: x packed by the caller (packed: its groups of 16 rows, 64-byte aligned) or here, the rows decoded
-// a block at a time, x rows 64 at a time (4 groups: 6 weight rows a tile; fewer groups, more rows, 24 sums a tile).
-void run_item_pairs(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64_t n1, const uint16_t* x, int64_t t0,
-                    int64_t M, const Out& O, Scratch& sc, std::vector<uint16_t>& dbuf, const uint32_t* packed) {
+// Rows [n0, n1) of packed expert e against its x rows [t0, t0 + M) (bf16, natural order, stride K) by pair_tile: x
+// packed by the caller (packed: its groups of 16 rows, 64-byte aligned) or here, the rows decoded a block at a time,
+// x rows 64 at a time (4 groups: 6 weight rows a tile; fewer groups, more rows, 24 sums a tile). E4M3 rows decoded
+// alone, their block scales on the k-blocks' sums; `folded`: E2M1 / E8M0-scaled E4M3 rows with their scales in the
+// decoded bf16 (one k-block; nvfp4's global scale on the sums), false (outputs of earlier blocks written) where a
+// scale does not fold exactly.
+bool run_item_pairs(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int64_t n0, int64_t n1, const uint16_t* x,
+                    int64_t t0, int64_t M, const Out& O, Scratch& sc, std::vector<uint16_t>& dbuf, const uint32_t* packed,
+                    bool folded) {
     const int64_t K = C.K, Kp = (K + 31) / 32 * 32, steps = Kp / 32, gs = 8 * Kp, groups = (M + 15) / 16;
+    static const float ONE = 1.f;
+    thread_local std::vector<int32_t> one_block;  // folded: K one k-block of scale 1
+    if (folded) one_block.assign((size_t)steps, 0);
+    const bool raw = C.kind == NV && W.gsc;  // nvfp4's global scale on the sums
     const uint32_t* xa = packed;
     if (!xa) {
         sc.pairs.resize((size_t)(groups * gs + 16));
@@ -1352,8 +1364,9 @@ void run_item_pairs(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64
     for (int64_t b0 = n0; b0 < n1; b0 += block) {
         const int64_t b1 = std::min(n1, b0 + block), count = b1 - b0;
         dbuf.resize((size_t)(count * Kp));
-        for (int64_t n = b0; n < b1; ++n)  // (unscaled E4M3 values are always exact in bf16)
-            decode_bf16_row(C, row_of(C, W, e, 0, n), false, false, dbuf.data() + (n - b0) * Kp, Kp);
+        for (int64_t n = b0; n < b1; ++n)  // (unscaled E4M3 values are always exact in bf16; folded ones may not be)
+            if (!decode_bf16_row(C, row_of(C, W, e, slot, n), folded && C.kind == FP8, raw, dbuf.data() + (n - b0) * Kp, Kp))
+                return false;
         sc.wbuf.resize((size_t)(M * count));
         float* y = sc.wbuf.data();
         for (int64_t m0 = 0; m0 < M; m0 += 64) {
@@ -1366,15 +1379,16 @@ void run_item_pairs(const Ctx& C, const Weights& W, int64_t e, int64_t n0, int64
                     for (int r = 0; r < R; ++r) {  // a last tile's missing rows repeat its last one
                         const int64_t n = r0 + std::min(r, nr - 1);
                         wr[r] = dbuf.data() + n * Kp;
-                        rows[r] = row_of(C, W, e, 0, b0 + n);
+                        rows[r] = folded ? Row{nullptr, nullptr, &ONE, nullptr} : row_of(C, W, e, slot, b0 + n);
                     }
-                    pair_tile<R, V>(wr, rows, xa + (m0 / 16) * gs, gs, C.sub2blk, steps, y + m0 * count + r0, count, nr,
-                                    (int)std::min<int64_t>(64, M - m0));
+                    pair_tile<R, V>(wr, rows, xa + (m0 / 16) * gs, gs, folded ? one_block.data() : C.sub2blk, steps,
+                                    y + m0 * count + r0, count, nr, (int)std::min<int64_t>(64, M - m0));
                 }
             });
         }
-        put_sums(O, y, count, b0, t0, M, 1.f, false);
+        put_sums(O, y, count, b0, t0, M, raw ? W.gsc[e] : 1.f, W.divides);
     }
+    return true;
 }
 #endif  // MOESAIC_AVX512BF16
 
@@ -1896,11 +1910,12 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #if defined(MOESAIC_AVX512BF16)
     if (dp && kind == FP8) x4 = prep_x_fp8dp(x, Kc);
     else if (dp && kind != BF16 && !(q8 && vnni)) x4 = prep_x_fp4dp(x, Kc);
-    if (dp && kind == FP8 && W.s_f32) {
+    if (dp && ((kind == FP8 && W.s_f32) || (kind != BF16 && K > PAIR_WIDE_K))) {
         int64_t groups = 0;
         for (int64_t e : active) {
             const int64_t rows = ends[e] - (e ? ends[e - 1] : 0);
-            if (rows >= PAIR_ROWS) pair_group[e] = groups, groups += (rows + 15) / 16;
+            if (rows >= (kind == FP8 && W.s_f32 ? PAIR_ROWS : DECODED_ROWS))
+                pair_group[e] = groups, groups += (rows + 15) / 16;
         }
         xpairs.resize(groups ? (size_t)(groups * pair_gs + 16) : 0);
         uint32_t* xq = align64(xpairs.data());
@@ -1976,13 +1991,17 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
         if (dp) {
             const uint16_t* xn = reinterpret_cast<const uint16_t*>(x.data_ptr());  // x rows in natural order
             const int64_t M = ends[e] - t0;
+            const uint32_t* xq = pair_group[e] >= 0 ? align64(xpairs.data()) + pair_group[e] * pair_gs : nullptr;
+            const bool folds = kind != BF16 && !(kind == FP8 && W.s_f32) && M >= DECODED_ROWS;
             if (kind == BF16 && M >= GEMM_ROWS) run_item_gemm(C, W, e, items[i][1], items[i][2], xb, K, t0, M, O, sc);
-            else if (kind != BF16 && !(kind == FP8 && W.s_f32) && M >= DECODED_ROWS &&
+            else if (folds && K > PAIR_WIDE_K && run_item_pairs(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc,
+                                                                dbuf, xq, true))
+                return;
+            else if (folds && K <= PAIR_WIDE_K &&
                      run_item_decoded(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf))
                 return;
             else if (kind == FP8 && M >= PAIR_ROWS)  // fp32 block scales, or E8M0 ones that do not fold
-                run_item_pairs(C, W, e, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf,
-                               pair_group[e] >= 0 ? align64(xpairs.data()) + pair_group[e] * pair_gs : nullptr);
+                run_item_pairs(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf, xq, false);
             else if (kind == BF16) run_item_dp<BF16>(C, W, e, slot, items[i][1], items[i][2], xb, K, t0, M, O, sc);
             else if (kind == FP8) run_item_dp<FP8>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, M, O, sc);
             else if (kind == MX) run_item_dp<MX>(C, W, e, slot, items[i][1], items[i][2], xb, Kc, t0, M, O, sc);
