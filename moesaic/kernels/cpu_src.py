@@ -1214,10 +1214,15 @@ bool decode_bf16_row(const Ctx& C, const Row& r, bool fold8, bool raw_e4m3, uint
             if (C.kind == MX) {
                 if (!times_pow2(v, r.s8[k / 32], 126, 129)) return false;  // E2M1: 0.5 .. 6
             } else {
-                const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-                const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-                v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(b, _mm512_set1_ps(E4M3[r.s8[k / 16 + 1]])),
-                                                 _mm512_mul_ps(a, _mm512_set1_ps(E4M3[r.s8[k / 16]])));
+                // in place as dwords (no widening shuffles): the even words shifted up and the odd ones masked are
+                // their fp32 values; times the group's scale (dwords 0-7 the first 16 values), the exact products'
+                // upper halves are their bf16 bits
+                const __m512 S = _mm512_insertf32x8(_mm512_set1_ps(E4M3[r.s8[k / 16]]),
+                                                    _mm256_set1_ps(E4M3[r.s8[k / 16 + 1]]), 1);
+                const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), S);
+                const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000))), S);
+                v = _mm512_ternarylogic_epi32(_mm512_castps_si512(odd), _mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                              _mm512_set1_epi32(0xFFFF0000), 0xE4);  // odd where the mask, else even
             }
             _mm512_storeu_si512(dst + k, v);
         }
