@@ -236,9 +236,7 @@ class PagedRows(LengthRollback):
 
     def snapshot_at(self, t: int) -> int:
         """The snapshot of its first t rows: t (the pages below the length are not written again)."""
-        if not 0 <= t <= self.length:
-            raise ValueError(f"no snapshot at {t} tokens: it holds {self.length}")
-        return t
+        return self._held(t)
 
     def restore(self, length: int) -> None:
         if length > len(self.table) * BLOCK_SIZE:

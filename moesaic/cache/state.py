@@ -64,6 +64,13 @@ class LengthRollback:
         self.length -= n
         self._trim_memos()
 
+    def _held(self, t: int) -> int:
+        """t, where the first t rows are held (t <= length: rows below the length are never rewritten), for a
+        snapshot at t tokens."""
+        if not self.can_rollback(self.length - t):
+            raise ValueError(f"no snapshot at {t} tokens: it holds {self.length}")
+        return t
+
     def memo(self, key: str, size: int) -> PoolMemo:
         """This holder's PoolMemo `key` over pools of `size` rows, made on first use."""
         memos = self.__dict__.setdefault("memos", {})
@@ -125,10 +132,8 @@ class TokenRows(LengthRollback):
         return self.length, dict(self.bufs)
 
     def snapshot_at(self, t: int):
-        """The snapshot of its first t rows (t <= length: rows are never rewritten below the length)."""
-        if not 0 <= t <= self.length:
-            raise ValueError(f"no snapshot at {t} tokens: it holds {self.length}")
-        self.shared = max(self.shared, t)
+        """The snapshot of its first t rows."""
+        self.shared = max(self.shared, self._held(t))
         return t, dict(self.bufs)
 
     def restore(self, snap) -> None:
@@ -244,7 +249,26 @@ def snapshot_nbytes(snap) -> int:
     return total
 
 
-class RecurrentState:
+class KeptInside:
+    """`want` / `snapshot_at` of a kind that drops or replaces what it held as a forward goes on (tail rows and
+    lookback ids as they append, recurrent states as layers/recurrent.py runs them): `mids` keep the snapshot at
+    each wanted token count the forward passes (SequenceState.want)."""
+
+    length: int
+
+    def want(self, points) -> None:
+        self.wants: tuple[int, ...] = tuple(points)
+        self.mids: dict[int, object] = {}
+
+    def snapshot_at(self, t: int):
+        if t == self.length:
+            return self.snapshot()
+        if t not in self.mids:
+            raise ValueError(f"nothing kept at {t} tokens (the forward that passed it was not asked)")
+        return self.mids[t]
+
+
+class RecurrentState(KeptInside):
     """A fixed-size per-sequence state (e.g. a Mamba-2 or KDA recurrent matrix and conv tail) that
     keeps the states after each of its last `window` tokens, so `rollback(n)` for n <= window is
     exact (the speculative window). `value` is any object with `clone()` and `nbytes`.
@@ -258,13 +282,10 @@ class RecurrentState:
         self.window = window
         self.value = initial
         self.history: list = [initial]  # history[-1 - i] = state i tokens ago; at most window + 1 kept
-        self.wants: tuple[int, ...] = ()  # token counts inside the next forward to keep the value at
-        self.mids: dict[int, object] = {}  # ... and the values kept there (layers/recurrent.py)
-
-    def want(self, points) -> None:
-        self.wants, self.mids = tuple(points), {}
+        self.want(())
 
     def snapshot_at(self, t: int):
+        """The value kept at t (it counts no tokens: SequenceState takes the current one as its snapshot)."""
         if t not in self.mids:
             raise ValueError(f"no state kept at {t} tokens (the forward that passed it was not asked)")
         return self.mids[t].clone()
@@ -316,24 +337,6 @@ class RecurrentState:
     @property
     def nbytes(self) -> int:
         return self.value.nbytes * (1 + max(0, len(self.history) - 1))
-
-
-class KeptInside:
-    """`want` / `snapshot_at` of a kind that drops what it held as it appends (tail rows, lookback ids): its
-    append keeps, in `mids`, the snapshot at each wanted token count it passes (SequenceState.want)."""
-
-    length: int
-
-    def want(self, points) -> None:
-        self.wants: tuple[int, ...] = tuple(points)
-        self.mids: dict[int, object] = {}
-
-    def snapshot_at(self, t: int):
-        if t == self.length:
-            return self.snapshot()
-        if t not in self.mids:
-            raise ValueError(f"nothing kept at {t} tokens (the forward that passed it was not asked)")
-        return self.mids[t]
 
 
 class TailRows(KeptInside):
