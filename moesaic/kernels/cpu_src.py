@@ -1301,16 +1301,17 @@ constexpr int64_t PAIR_ROWS = 20;
 constexpr int64_t PAIR_WIDE_K = 2048;
 
 // R weight rows (w: decoded, natural order; rows: their scales) x V groups of 16 x rows (group v's pair q
-// at xg[v * gs + 16 q]) over `steps` 32-value steps (k-block sub2blk[s]): out[m * os + r] for x rows m < mv, rows
-// r < nr. Every loop over acc is unrolled (a rolled one puts acc on the stack).
+// at xg[v * gs + 16 q]) over `steps` 32-value steps (k-block sub2blk[s]; null: the scales are in the decoded values,
+// K one k-block of scale 1): out[m * os + r] for x rows m < mv, rows r < nr. Every loop over acc is unrolled (a
+// rolled one puts acc on the stack).
 template <int R, int V>
 __attribute__((noinline)) void pair_tile(const uint16_t* const* w, const Row* rows, const uint32_t* xg,
                                          int64_t gs, const int32_t* sub2blk, int64_t steps, float* out, int64_t os,
                                          int nr, int mv) {
     alignas(64) float tot[R * V * 16] = {};
     for (int64_t s0 = 0; s0 < steps;) {
-        const int32_t b = sub2blk[s0];
-        int64_t s1 = s0 + 1;
+        const int32_t b = sub2blk ? sub2blk[s0] : 0;
+        int64_t s1 = sub2blk ? s0 + 1 : steps;
         while (s1 < steps && sub2blk[s1] == b) ++s1;
         __m512 acc[R * V];
 #pragma GCC unroll 24
@@ -1330,7 +1331,7 @@ __attribute__((noinline)) void pair_tile(const uint16_t* const* w, const Row* ro
         }
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
-            const __m512 S = _mm512_set1_ps(fp8_scale(rows[r], b));
+            const __m512 S = _mm512_set1_ps(sub2blk ? fp8_scale(rows[r], b) : 1.f);
 #pragma GCC unroll 4
             for (int v = 0; v < V; ++v) {
                 float* t = tot + 16 * (r * V + v);
@@ -1353,9 +1354,6 @@ bool run_item_pairs(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int
                     int64_t t0, int64_t M, const Out& O, Scratch& sc, std::vector<uint16_t>& dbuf, const uint32_t* packed,
                     bool folded) {
     const int64_t K = C.K, Kp = (K + 31) / 32 * 32, steps = Kp / 32, gs = 8 * Kp, groups = (M + 15) / 16;
-    static const float ONE = 1.f;
-    thread_local std::vector<int32_t> one_block;  // folded: K one k-block of scale 1
-    if (folded) one_block.assign((size_t)steps, 0);
     const bool raw = C.kind == NV && W.gsc;  // nvfp4's global scale on the sums
     const uint32_t* xa = packed;
     if (!xa) {
@@ -1384,9 +1382,9 @@ bool run_item_pairs(const Ctx& C, const Weights& W, int64_t e, int64_t slot, int
                     for (int r = 0; r < R; ++r) {  // a last tile's missing rows repeat its last one
                         const int64_t n = r0 + std::min(r, nr - 1);
                         wr[r] = dbuf.data() + n * Kp;
-                        rows[r] = folded ? Row{nullptr, nullptr, &ONE, nullptr} : row_of(C, W, e, slot, b0 + n);
+                        rows[r] = row_of(C, W, e, slot, b0 + n);
                     }
-                    pair_tile<R, V>(wr, rows, xa + (m0 / 16) * gs, gs, folded ? one_block.data() : C.sub2blk, steps,
+                    pair_tile<R, V>(wr, rows, xa + (m0 / 16) * gs, gs, folded ? nullptr : C.sub2blk, steps,
                                     y + m0 * count + r0, count, nr, (int)std::min<int64_t>(64, M - m0));
                 }
             });
