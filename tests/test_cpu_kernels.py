@@ -367,6 +367,21 @@ def test_amx_packed(amx, fmt, n, k):
 
 # x rows from which fp32-scaled E4M3 rows take the pair tiles on the vdpbf16ps path (cpu_src's PAIR_ROWS)
 PAIR_ROWS = 20
+
+
+def _rows_alone(w, x):
+    """w times each row of x in a call of its own (one row: the decode tiles' bits)."""
+    return torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+def _order_sensitive_rows(n: int, k: int, gen) -> torch.Tensor:
+    """n bf16 rows whose sums depend on their order: small values with +-2^20 at columns 0 and 32, which cancel
+    in one lane's running sum and each absorb other small values where they fall in two lanes."""
+    x = torch.randn(n, k, generator=gen) * 2**-10
+    x[:, 0], x[:, 32] = 2**20, -(2**20)
+    return x.bfloat16()
+
+
 # formats whose prompt rows (more than MAX_ROWS) take the weights decoded to exact bf16 on the vdpbf16ps path
 DECODED = ("mxfp4", "nvfp4-ct", "nvfp4-modelopt", "fp8-32x32-ue8m0", "fp8-128x128-ue8m0")
 
@@ -387,7 +402,7 @@ def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
     w = make(48, k, gen)
     x = torch.randn(40, k, generator=gen).bfloat16()
     assert cpu.packed_rows(x) == cpu.PACKED_DP_ROWS
-    alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+    alone = _rows_alone(w, x)
     before = cpu.stats["kernel_calls"]
     got = w.matmul(x)
     assert cpu.stats["kernel_calls"] == before + 1
@@ -395,7 +410,7 @@ def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
     _assert_bf16_rounding(got, _reference(w, x))
     assert torch.equal(w.matmul(x[: cpu.MAX_ROWS]), alone[: cpu.MAX_ROWS])  # decode batches: the decode bits
     # 47 weight rows (a last tile of 3), a K tail inside a load and 37 x rows (a last tile of 1): the edges of the
-    # E4M3 panels (rows decoded once for every 4 x rows from PANEL_ROWS x rows) and of the tiles
+    # prompt and pair tiles
     k2 = k + (3 * multiple if multiple > 1 else 72)
     w2, x2 = make(47, k2, gen), torch.randn(37, k2, generator=gen).bfloat16()
     got2 = w2.matmul(x2)
@@ -412,7 +427,7 @@ def test_packed_bf16_rows_by_vdpbf16ps(kernel, monkeypatch, fmt):
         assert torch.equal(got[:PAIR_ROWS], w.matmul(x[:PAIR_ROWS]))
         assert torch.equal(got2[:PAIR_ROWS], w2.matmul(x2[:PAIR_ROWS]))
         assert torch.equal(w.matmul(x[: PAIR_ROWS - 1]), alone[: PAIR_ROWS - 1])  # below: the decode tiles
-        alone2 = torch.cat([w2.matmul(x2[i : i + 1]) for i in range(PAIR_ROWS - 1)])
+        alone2 = _rows_alone(w2, x2[: PAIR_ROWS - 1])
         assert torch.equal(w2.matmul(x2[: PAIR_ROWS - 1]), alone2)
     if fmt in STACKS:  # one grouped call for experts of 17 and 23 rows
         stack = STACKS[fmt](2, 48, k, gen)
@@ -444,11 +459,9 @@ def test_packed_prompt_rows_decoded_to_bf16(kernel, monkeypatch, fmt):
         pytest.skip("no vdpbf16ps path on this CPU")
     gen = torch.Generator().manual_seed(23)
     w = ENCODE[fmt](torch.ones(8, 1024))
-    x = torch.randn(cpu.MAX_ROWS + 8, 1024, generator=gen) * 2**-10
-    x[:, 0], x[:, 32] = 2**20, -(2**20)
-    x = x.bfloat16()
+    x = _order_sensitive_rows(cpu.MAX_ROWS + 8, 1024, gen)
     got = w.matmul(x)
-    alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+    alone = _rows_alone(w, x)
     assert (got != alone).float().mean() > 0.5  # the bf16 tiles, not the packed ones
     assert torch.equal(w.matmul(x[: cpu.MAX_ROWS]), alone[: cpu.MAX_ROWS])  # decode batches: the packed tiles
     assert torch.equal(got[: cpu.MAX_ROWS + 1], w.matmul(x[: cpu.MAX_ROWS + 1]))  # whatever M
@@ -456,7 +469,7 @@ def test_packed_prompt_rows_decoded_to_bf16(kernel, monkeypatch, fmt):
         assert torch.equal(got, cpu.bf16_matmul(x, w.dequantize(torch.float32).bfloat16()))
     if fmt == "mxfp4":
         w.scale[0, 0] = 0
-        assert torch.equal(w.matmul(x), torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])]))
+        assert torch.equal(w.matmul(x), _rows_alone(w, x))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "fp8-32x32-ue8m0"])
@@ -472,11 +485,9 @@ def test_wide_packed_prompt_rows_by_pair_tiles(kernel, monkeypatch, fmt):
     gen = torch.Generator().manual_seed(31)
     k = 2560  # past PAIR_WIDE_K (2048)
     w = ENCODE[fmt](torch.ones(8, k))
-    x = torch.randn(cpu.MAX_ROWS + 8, k, generator=gen) * 2**-10
-    x[:, 0], x[:, 32] = 2**20, -(2**20)
-    x = x.bfloat16()
+    x = _order_sensitive_rows(cpu.MAX_ROWS + 8, k, gen)
     got = w.matmul(x)
-    alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+    alone = _rows_alone(w, x)
     assert (got != alone).float().mean() > 0.5  # not the decode tiles
     assert torch.equal(got[: cpu.MAX_ROWS + 1], w.matmul(x[: cpu.MAX_ROWS + 1]))  # whatever M
     assert torch.equal(w.matmul(x[: cpu.MAX_ROWS]), alone[: cpu.MAX_ROWS])  # decode batches: the decode tiles
@@ -492,22 +503,20 @@ def test_fp8_prompt_rows_by_pair_tiles(kernel, monkeypatch):
     """On the vdpbf16ps path (AMX off) E4M3 rows with fp32 block scales against PAIR_ROWS or more prompt rows take
     the pair tiles (a weight pair broadcast against 16 x rows' pairs: each lane one output summed along K, a
     k-block's sums times its scale), and so do E8M0-scaled rows whose scale does not fold: each row the bits it
-    has at any M from PAIR_ROWS, not a decode row's, within one rounding of the fp32 reference. x rows whose sums depend on their order (two values of
-    +-2^20, 32 apart: one lane's running sum here, two lanes of the decode tiles, each absorbing other small
-    values) tell the two apart."""
+    has at any M from PAIR_ROWS, not a decode row's, within one rounding of the fp32 reference. x rows whose sums
+    depend on their order (_order_sensitive_rows: one lane's running sum here, two lanes of the decode tiles)
+    tell the two apart."""
     monkeypatch.setenv("MOESAIC_CPU_AMX", "0")
     if not cpu.has_bf16dp():
         pytest.skip("no vdpbf16ps path on this CPU")
     gen = torch.Generator().manual_seed(29)
     dense = torch.ones(128, 1024)
-    x = torch.randn(PAIR_ROWS + 13, 1024, generator=gen) * 2**-10
-    x[:, 0], x[:, 32] = 2**20, -(2**20)
-    x = x.bfloat16()
+    x = _order_sensitive_rows(PAIR_ROWS + 13, 1024, gen)
     w8 = from_suffix_dict(quantize_fp8_block(dense, (128, 128), "ue8m0"))
     w8.scale[0, 7] = 0  # 2^-127 (the last k-block): does not fold into bf16 exponents
     for w in (from_suffix_dict(quantize_fp8_block(dense, (128, 128))), w8):
         got = w.matmul(x)
-        alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+        alone = _rows_alone(w, x)
         assert (got != alone).float().mean() > 0.5  # the pair tiles, not the decode tiles
         assert torch.equal(got[:PAIR_ROWS], w.matmul(x[:PAIR_ROWS]))  # whatever M from PAIR_ROWS
         assert torch.equal(_raw(w, x, threads=3), got)  # x packed once, shared by the threads' items
