@@ -743,8 +743,15 @@ void dp_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0
 #pragma GCC unroll 16
     for (int i = 0; i < R * MB; ++i) acc[i] = _mm512_setzero_ps();
     dp_sums<R, MB, 1>(w, x, xs, k0, k1, acc, next);
+    if constexpr (R * MB == 16) {  // 4 x 4: the 16 sums in one transposed tree (the same bits, ~1/4 the shuffles)
+        __m512 a[16];
 #pragma GCC unroll 16
-    for (int i = 0; i < R * MB; ++i) res[i] = lane_tree_sum(acc[i]);
+        for (int i = 0; i < 16; ++i) a[i] = acc[4 * (i % 4) + i / 4];
+        _mm512_storeu_ps(res, tree_sums16(a));
+    } else {
+#pragma GCC unroll 16
+        for (int i = 0; i < R * MB; ++i) res[i] = lane_tree_sum(acc[i]);
+    }
 }
 
 // Prompts' bf16 products (GEMM_ROWS or more x rows against a matrix): tiles of 6 weight rows x 4 x rows, 24
