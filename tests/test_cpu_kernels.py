@@ -4,6 +4,7 @@ fp32, then matmul): bf16, FP8 (block scales fp32 / UE8M0, per channel, per tenso
 dispatch and fallback; thread-count selection; the quantized demos give the same tokens either way."""
 
 import functools
+import time
 
 import pytest
 import torch
@@ -1042,6 +1043,26 @@ def test_build_failure_falls_back(monkeypatch):
         cpu.fp4_matmul(x, qt.codes, qt.scale, 16, qt.global_scale)
     w = torch.randn(8, 48, generator=gen).bfloat16()
     assert torch.equal(cpu.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("seconds,said", [(0.3, True), (0.0, False)])
+def test_a_slow_build_says_so(monkeypatch, capsys, seconds, said):
+    """A load that takes longer than BUILD_NOTICE_S (a build, simulated) prints one line on stderr saying that it
+    is building the kernels, so that a first prompt's minute does not look hung; a cached load prints nothing."""
+    import torch.utils.cpp_extension as ext
+
+    def slow_load(**kw):
+        time.sleep(seconds)
+        return "module"
+
+    monkeypatch.setattr(ext, "load_inline", slow_load)
+    monkeypatch.setattr(cpu, "BUILD_NOTICE_S", 0.05)
+    monkeypatch.setattr(cpu, "_state", {"tried": False, "mod": None, "error": None})
+    assert cpu.load() == "module"
+    time.sleep(0.1)  # (a timer that should have been cancelled would print by now)
+    err = capsys.readouterr().err
+    assert (cpu.BUILD_NOTICE in err) == said
+    assert err.count(cpu.BUILD_NOTICE) <= 1
 
 
 def test_fp8_block_not_multiple_of_32_uses_plain_path(kernel):

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import hashlib
 import statistics
+import sys
+import threading
 import time
 import warnings
 
@@ -168,13 +170,18 @@ def packed_rows(x: torch.Tensor) -> int:
     return PACKED_DP_ROWS if has_bf16dp() or (amx_enabled() and has_amx()) else MAX_ROWS
 
 
+BUILD_NOTICE_S = 3.0  # seconds a load may take before it says that it is building
+BUILD_NOTICE = "[moesaic] building the CPU kernels for this CPU (once per machine and environment, ~1 min)"
+
+
 def _build_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    key = "\n".join([CPP, " ".join(_FLAGS), flags, torch.__version__])
+    # torch's location too: two environments (their include paths differ) would rebuild one folder in turn
+    key = "\n".join([CPP, " ".join(_FLAGS), flags, torch.__version__, torch.__file__])
     return "moesaic_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
@@ -183,6 +190,11 @@ def load(verbose: bool = False):
     if _state["tried"]:
         return _state["mod"]
     _state["tried"] = True
+    # a build (a new machine or environment: ~1 min on 2 cores) says so, where a cached one loads in well under
+    # BUILD_NOTICE_S: a first prompt that waits a minute in silence looks hung
+    notice = threading.Timer(BUILD_NOTICE_S, lambda: print(BUILD_NOTICE, file=sys.stderr, flush=True))
+    notice.daemon = True
+    notice.start()
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -251,6 +263,8 @@ def load(verbose: bool = False):
             RuntimeWarning,
             stacklevel=2,
         )
+    finally:
+        notice.cancel()
     return _state["mod"]
 
 
