@@ -1306,6 +1306,12 @@ constexpr int64_t PAIR_ROWS = 20;
 // bf16, nvfp4's global scale on the sums), where the prompt tiles' K blocks cost more (bf16 rows at 256: 1.05-1.12x
 // them at K = 2816-4096, level at 1024)
 constexpr int64_t PAIR_WIDE_K = 2048;
+// Whether an expert's M prompt rows against kind-K weights take the pair tiles (gemm packs their x once a call):
+// fp32-scaled E4M3 from PAIR_ROWS rows, E2M1 and E8M0-scaled E4M3 past PAIR_WIDE_K columns from DECODED_ROWS (an
+// E8M0 row whose scale does not fold takes them too, packing its own x)
+inline bool takes_pairs(int kind, bool s_f32, int64_t K, int64_t M) {
+    return kind == FP8 && s_f32 ? M >= PAIR_ROWS : kind != BF16 && K > PAIR_WIDE_K && M >= DECODED_ROWS;
+}
 
 // R weight rows (w: decoded, natural order; rows: their scales) x V groups of 16 x rows (group v's pair q
 // at xg[v * gs + 16 q]) over `steps` 32-value steps (k-block sub2blk[s]; null: the scales are in the decoded values,
@@ -1920,12 +1926,11 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
 #if defined(MOESAIC_AVX512BF16)
     if (dp && kind == FP8) x4 = prep_x_fp8dp(x, Kc);
     else if (dp && kind != BF16 && !(q8 && vnni)) x4 = prep_x_fp4dp(x, Kc);
-    if (dp && ((kind == FP8 && W.s_f32) || (kind != BF16 && K > PAIR_WIDE_K))) {
+    if (dp) {
         int64_t groups = 0;
         for (int64_t e : active) {
             const int64_t rows = ends[e] - (e ? ends[e - 1] : 0);
-            if (rows >= (kind == FP8 && W.s_f32 ? PAIR_ROWS : DECODED_ROWS))
-                pair_group[e] = groups, groups += (rows + 15) / 16;
+            if (takes_pairs(kind, W.s_f32, K, rows)) pair_group[e] = groups, groups += (rows + 15) / 16;
         }
         xpairs.resize(groups ? (size_t)(groups * pair_gs + 16) : 0);
         uint32_t* xq = align64(xpairs.data());
@@ -2003,12 +2008,12 @@ torch::Tensor gemm(int64_t kind, torch::Tensor x, torch::Tensor w, std::optional
             const int64_t M = ends[e] - t0;
             const uint32_t* xq = pair_group[e] >= 0 ? align64(xpairs.data()) + pair_group[e] * pair_gs : nullptr;
             const bool folds = kind != BF16 && !(kind == FP8 && W.s_f32) && M >= DECODED_ROWS;
+            const bool pairs = takes_pairs(kind, W.s_f32, K, M);
             if (kind == BF16 && M >= GEMM_ROWS) run_item_gemm(C, W, e, items[i][1], items[i][2], xb, K, t0, M, O, sc);
-            else if (folds && K > PAIR_WIDE_K && run_item_pairs(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc,
-                                                                dbuf, xq, true))
+            else if (folds && pairs &&
+                     run_item_pairs(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf, xq, true))
                 return;
-            else if (folds && K <= PAIR_WIDE_K &&
-                     run_item_decoded(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf))
+            else if (folds && !pairs && run_item_decoded(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf))
                 return;
             else if (kind == FP8 && M >= PAIR_ROWS)  // fp32 block scales, or E8M0 ones that do not fold
                 run_item_pairs(C, W, e, slot, items[i][1], items[i][2], xn, t0, M, O, sc, dbuf, xq, false);
