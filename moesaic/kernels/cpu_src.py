@@ -692,6 +692,18 @@ inline __m512 tree_sums16(const __m512 (&a)[16]) {
                          _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// lane_tree_sum of each of acc[0, n) (n <= 16) in one vector, natural order: lane l is lane_tree_sum(acc[l]) (its
+// bits), 0 past n. (The attention's lane_sums16 below adds in another order: other bits.)
+__attribute__((always_inline)) inline __m512 lane_tree_sums(const __m512* acc, int n) {
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {  // tree_sums16's lane 4 b + c sums a[4 c + b]
+        const int j = 4 * (i % 4) + i / 4;
+        a[i] = j < n ? acc[j] : _mm512_setzero_ps();
+    }
+    return tree_sums16(a);
+}
+
 // bf16 weights against bf16 activations on AVX-512 BF16 CPUs: vdpbf16ps takes 32 weights of a row and the
 // same 32 values of an x row as they are stored (no widening, no permutation) and adds the 16 pair sums to
 // fp32 lanes: each bf16 x bf16 product exact, each addition rounded to nearest even, subnormal inputs and
@@ -744,10 +756,7 @@ void dp_tile(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k0
     for (int i = 0; i < R * MB; ++i) acc[i] = _mm512_setzero_ps();
     dp_sums<R, MB, 1>(w, x, xs, k0, k1, acc, next);
     if constexpr (R * MB == 16) {  // 4 x 4: the 16 sums in one transposed tree (the same bits, ~1/4 the shuffles)
-        __m512 a[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) a[i] = acc[4 * (i % 4) + i / 4];
-        _mm512_storeu_ps(res, tree_sums16(a));
+        _mm512_storeu_ps(res, lane_tree_sums(acc, 16));
     } else {
 #pragma GCC unroll 16
         for (int i = 0; i < R * MB; ++i) res[i] = lane_tree_sum(acc[i]);
@@ -782,15 +791,7 @@ __attribute__((noinline)) void gemm_tile(const uint16_t* const* w, const uint16_
     // (the sums gathered first and stored after: ~10 % faster than a group's stores between the two)
     alignas(64) float s[16 * G];
 #pragma GCC unroll 2
-    for (int g = 0; g < G; ++g) {
-        __m512 a[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {  // lane l of the sums: acc[16 g + l] (zeros past NA)
-            const int j = 16 * g + 4 * (i % 4) + i / 4;
-            a[i] = j < NA ? acc[j] : _mm512_setzero_ps();
-        }
-        _mm512_store_ps(s + 16 * g, tree_sums16(a));
-    }
+    for (int g = 0; g < G; ++g) _mm512_store_ps(s + 16 * g, lane_tree_sums(acc + 16 * g, NA - 16 * g));
     for (int m = 0; m < MB; ++m)
         for (int r = 0; r < R; ++r) out[m * os + r] = s[m * R + r];
 }
